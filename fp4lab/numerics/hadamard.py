@@ -1,0 +1,90 @@
+"""Blockwise Walsh-Hadamard transforms with a sign diagonal (fixed-sign H16/H32, or random: RHT).
+
+Each block of `size` elements along the last dim is multiplied by R = diag(signs) @ H / sqrt(size),
+H the Sylvester-ordered Hadamard matrix. R is orthonormal, so applying it to both operands of a
+GEMM along their shared contraction dim leaves the product unchanged: (A R)(B R)^T = A B^T.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+HADAMARD_SIZES = (16, 32, 64, 128)
+SIGN_KINDS = ("fixed", "random", "none")
+
+# TransformerEngine's wgrad sign vector (get_wgrad_sign_vector; kernel mask 0xD7E8), shared by every
+# layer; the NVFP4 paper's "single random sign vector". Longer transforms repeat it.
+TE_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+
+@lru_cache(maxsize=None)
+def _sylvester(size: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < size:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h
+
+
+def hadamard_signs(size: int, kind: str = "fixed", generator: torch.Generator | None = None) -> torch.Tensor:
+    """A float32 +-1 sign vector of length `size`: "fixed" (TE's, repeated), "random" (drawn from
+    `generator`: draw once and pass the same vector to both GEMM operands) or "none" (all +1)."""
+    _check_size(size)
+    if kind == "fixed":
+        return torch.tensor(TE_SIGNS, dtype=torch.float32).repeat(size // len(TE_SIGNS))
+    if kind == "random":
+        device = generator.device if generator is not None else "cpu"
+        bits = torch.randint(0, 2, (size,), generator=generator, device=device)
+        return (1 - 2 * bits).to(torch.float32)
+    if kind == "none":
+        return torch.ones(size)
+    raise ValueError(f"hadamard_signs: kind={kind!r} is not supported; allowed: {', '.join(map(repr, SIGN_KINDS))}")
+
+
+def hadamard_matrix(size: int, signs: torch.Tensor | str = "fixed") -> torch.Tensor:
+    """R = diag(signs) @ H_size / sqrt(size) as float32 (rows are scaled by the signs)."""
+    _check_size(size)
+    if isinstance(signs, str):
+        if signs == "random":
+            raise ValueError(
+                "hadamard: draw random signs once with hadamard_signs(size, 'random', generator) and pass "
+                "the same tensor for both GEMM operands"
+            )
+        s = hadamard_signs(size, signs)
+    else:
+        s = _check_signs(signs, size)
+    return (s.to(torch.float32).cpu()[:, None] * _sylvester(size)) / math.sqrt(size)
+
+
+def hadamard(x: torch.Tensor, size: int, signs: torch.Tensor | str = "fixed", *, inverse: bool = False) -> torch.Tensor:
+    """Apply R (or R^T with inverse=True) to every block of `size` along the last dim of x.
+
+    Computed in float32 and returned in x's dtype (a bf16 input is rounded once, as TE's RHT is).
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError("hadamard: x must be a floating-point torch.Tensor")
+    _check_size(size)
+    if x.dim() == 0 or x.shape[-1] % size:
+        raise ValueError(
+            f"hadamard: the last dim of x (shape {list(x.shape)}) must be a multiple of size={size}"
+        )
+    r = hadamard_matrix(size, signs).to(x.device)
+    blocks = x.to(torch.float32).reshape(-1, size)
+    out = blocks @ (r.T if inverse else r)
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def _check_size(size: int) -> None:
+    if size not in HADAMARD_SIZES:
+        raise ValueError(f"hadamard: size={size!r} is not supported; allowed: {', '.join(map(str, HADAMARD_SIZES))}")
+
+
+def _check_signs(signs: torch.Tensor, size: int) -> torch.Tensor:
+    if not isinstance(signs, torch.Tensor) or signs.shape != (size,) or not bool(((signs == 1) | (signs == -1)).all()):
+        raise ValueError(
+            f"hadamard: signs must be 'fixed', 'none' or a tensor of {size} values in {{-1, +1}} "
+            "(see hadamard_signs)"
+        )
+    return signs

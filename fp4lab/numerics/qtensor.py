@@ -1,0 +1,65 @@
+"""QTensor: packed FP4 codes with their block scales and optional FP32 outer scales."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fp4lab.numerics import e2m1
+from fp4lab.numerics.scales import e4m3_decode, e8m0_decode
+
+
+@dataclass(frozen=True)
+class QTensor:
+    """A tensor quantized to MXFP4 or NVFP4.
+
+    data:         uint8, the input's shape with the last dim halved; element 2i in the low nibble.
+    scales:       uint8 raw bits (E4M3 for nvfp4*, E8M0 for mxfp4); `[..., K // block]` for 1D
+                  blocks, `[R // th, C // tw]` for 2D tiles.
+    tensor_scale: float32 decode scale(s) 1 / S_enc: a 0-dim tensor for nvfp4, one per CTA tile for
+                  nvfp4_cta (`[ceil(R / T)]` for 1D, `[ceil(R / T), ceil(C / T)]` for 2D tiles);
+                  None for mxfp4.
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor | None
+    fmt: str
+    shape: torch.Size
+    block_size: int
+    tile: tuple[int, int] | None = None
+    scale_mode: str | None = None
+    cta_tile: int | None = None
+
+    def codes(self) -> torch.Tensor:
+        """Unpacked E2M1 codes, one uint8 per element, in the input's shape."""
+        return e2m1.unpack(self.data).reshape(self.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        values = e2m1.decode(self.codes())
+        if self.fmt == "mxfp4":
+            return (values * self._expand_blocks(e8m0_decode(self.scales))).to(dtype)
+        # code * E4M3 scale is exact in float32, so decoding rounds once, at the outer scale.
+        values = values * self._expand_blocks(e4m3_decode(self.scales))
+        return (values * self._outer_scale()).to(dtype)
+
+    def _outer_scale(self) -> torch.Tensor:
+        """The nvfp4 outer decode scale, broadcastable to the input's shape."""
+        if self.fmt == "nvfp4":
+            return self.tensor_scale
+        t = self.cta_tile
+        if self.tile is None:
+            rows = self.shape.numel() // self.shape[-1] if len(self.shape) else 1
+            per_row = self.tensor_scale.repeat_interleave(t)[:rows]
+            return per_row.reshape(*self.shape[:-1], 1)
+        th, tw = self.tile
+        per_tile = self.tensor_scale.repeat_interleave(t // th, dim=0).repeat_interleave(t // tw, dim=1)
+        return self._expand_blocks(per_tile[: self.scales.shape[0], : self.scales.shape[1]])
+
+    def _expand_blocks(self, per_block: torch.Tensor) -> torch.Tensor:
+        """Broadcast one value per block (or tile) to one value per element."""
+        if self.tile is None:
+            return per_block.repeat_interleave(self.block_size, dim=-1).reshape(self.shape)
+        th, tw = self.tile
+        return per_block.repeat_interleave(th, dim=0).repeat_interleave(tw, dim=1)

@@ -1,0 +1,206 @@
+"""quantize(): float tensors to MXFP4 / NVFP4 / CTA-local NVFP4 QTensors (the exact CPU reference).
+
+The scale chains, their sources and every edge case are written down in docs/NUMERICS.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fp4lab.numerics import e2m1
+from fp4lab.numerics.qtensor import QTensor
+from fp4lab.numerics.scales import (
+    E4M3_NAN_BITS,
+    E8M0_NAN_BITS,
+    FLT_MAX,
+    MX_SCALE_MODES,
+    e4m3_decode,
+    e4m3_encode,
+    mx_exponent,
+    nvfp4_encode_scale,
+)
+
+FORMATS = ("nvfp4", "mxfp4", "nvfp4_cta")
+ROUNDINGS = ("rtn", "sr")
+BLOCK_SIZE = {"nvfp4": 16, "nvfp4_cta": 16, "mxfp4": 32}
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEFAULT_CTA_TILE = 128
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str,
+    *,
+    rounding: str = "rtn",
+    tile: tuple[int, int] | None = None,
+    scale_mode: str | None = None,
+    generator: torch.Generator | None = None,
+    tensor_amax: torch.Tensor | float | None = None,
+    adaptive: bool = False,
+    cta_tile: int | None = None,
+) -> QTensor:
+    """Quantize `x` to FP4 along its last dim (1D blocks) or in 2D tiles.
+
+    fmt:         "nvfp4" (1x16, E4M3 block scales, one FP32 tensor scale, TE's chain),
+                 "nvfp4_cta" (as nvfp4, with one FP32 outer scale per CTA tile instead of per
+                 tensor) or "mxfp4" (1x32, E8M0 block scales).
+    rounding:    "rtn" (round to nearest, ties to even) or "sr" (unbiased stochastic rounding
+                 between the two neighbouring E2M1 values, drawn from `generator`).
+    tile:        (th, tw) for 2D weight tiles (x must be 2D): one scale per tile, so the encoding of
+                 x.T with tile (tw, th) is the exact transpose. th and tw are multiples of the block.
+    scale_mode:  mxfp4 only: "floor" (OCP, default), "ceil", "even" or "rceil" (torchao's modes).
+    tensor_amax: nvfp4 only: use this amax for the tensor scale instead of max|x| (e.g. delayed).
+    adaptive:    mxfp4 with scale_mode="rceil" only: halve a block's scale when its amax uses less
+                 than 0.87 of the range the upward scale grants (values beyond then saturate).
+    cta_tile:    nvfp4_cta only: rows per outer-scale tile (T x T squares for 2D tiles); default 128.
+    """
+    block = _check_arguments(x, fmt, rounding, tile, scale_mode, tensor_amax, adaptive, cta_tile)
+    if fmt == "mxfp4":
+        scale_mode = scale_mode or "floor"
+    if fmt == "nvfp4_cta":
+        cta_tile = cta_tile or DEFAULT_CTA_TILE
+
+    xf = x.detach().to(torch.float32).contiguous()
+    grouped, reduce_dims = _group(xf, block, tile)
+    block_amax = grouped.abs().amax(dim=reduce_dims, keepdim=True)
+    nonfinite = ~torch.isfinite(block_amax)  # a NaN or Inf poisons its own block only
+
+    tensor_scale = None
+    if fmt == "mxfp4":
+        scale_bits, multiplier = mx_exponent(block_amax, scale_mode, adaptive=adaptive)
+        scale_bits = torch.where(nonfinite, E8M0_NAN_BITS, scale_bits).to(torch.uint8)
+        scaled = grouped * multiplier
+    else:
+        if fmt == "nvfp4":
+            s_enc = nvfp4_encode_scale(_tensor_amax(xf, tensor_amax))
+            s_enc_per_block = s_enc
+        else:
+            s_enc = nvfp4_encode_scale(_cta_amax(xf, tile, cta_tile))
+            s_enc_per_block = _cta_to_blocks(s_enc, xf, tile, cta_tile)
+        tensor_scale = 1.0 / s_enc
+        # One float32 rounding: amax * (S_enc * (1/6)), as TE's kernel and its reference compute it.
+        scale_bits = e4m3_encode(torch.clamp(block_amax * (s_enc_per_block * (1.0 / 6.0)), max=448.0))
+        scale_bits = torch.where(nonfinite, E4M3_NAN_BITS, scale_bits).to(torch.uint8)
+        encode = torch.clamp(1.0 / (e4m3_decode(scale_bits) * (1.0 / s_enc_per_block)), max=FLT_MAX)
+        scaled = torch.clamp(grouped * encode, -6.0, 6.0)
+
+    codes = e2m1.encode_rne(scaled) if rounding == "rtn" else e2m1.encode_stochastic(scaled, generator)
+    return QTensor(
+        data=e2m1.pack(codes.reshape(xf.shape)),
+        scales=_scale_grid(scale_bits, xf, block, tile),
+        tensor_scale=tensor_scale,
+        fmt=fmt,
+        shape=xf.shape,
+        block_size=block,
+        tile=tuple(tile) if tile is not None else None,
+        scale_mode=scale_mode,
+        cta_tile=cta_tile,
+    )
+
+
+def _group(x: torch.Tensor, block: int, tile: tuple[int, int] | None) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """View x as blocks: [..., K/b, b] reduced over -1, or [R/th, th, C/tw, tw] reduced over (1, 3)."""
+    if tile is None:
+        return x.reshape(*x.shape[:-1], x.shape[-1] // block, block), (-1,)
+    th, tw = tile
+    rows, cols = x.shape
+    return x.reshape(rows // th, th, cols // tw, tw), (1, 3)
+
+
+def _scale_grid(per_block: torch.Tensor, x: torch.Tensor, block: int, tile: tuple[int, int] | None) -> torch.Tensor:
+    if tile is None:
+        return per_block.reshape(*x.shape[:-1], x.shape[-1] // block)
+    return per_block.reshape(x.shape[0] // tile[0], x.shape[1] // tile[1])
+
+
+def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x.abs(), 0.0)
+
+
+def _tensor_amax(x: torch.Tensor, tensor_amax) -> torch.Tensor:
+    """The amax behind S_enc. NaN/Inf elements do not enter it: they poison only their own block."""
+    if tensor_amax is not None:
+        return torch.as_tensor(tensor_amax, dtype=torch.float32, device=x.device)
+    return _finite_abs(x).amax() if x.numel() else torch.zeros((), device=x.device)
+
+
+def _cta_to_blocks(per_cta: torch.Tensor, x: torch.Tensor, tile, cta_tile: int) -> torch.Tensor:
+    """Broadcast per-CTA-tile values against the block amax of `_group`."""
+    if tile is None:
+        rows = x.numel() // x.shape[-1]
+        per_row = per_cta.repeat_interleave(cta_tile)[:rows]
+        return per_row.reshape(*x.shape[:-1], 1, 1)
+    th, tw = tile
+    grid = per_cta.repeat_interleave(cta_tile // th, dim=0).repeat_interleave(cta_tile // tw, dim=1)
+    return grid[: x.shape[0] // th, None, : x.shape[1] // tw, None]
+
+
+def _cta_amax(x: torch.Tensor, tile, cta_tile: int) -> torch.Tensor:
+    """Finite amax per CTA tile: per T rows spanning the last dim (1D), or per T x T square (2D)."""
+    t = cta_tile
+    a = _finite_abs(x.reshape(-1, x.shape[-1]))
+    rows, cols = a.shape
+    row_tiles = math.ceil(rows / t)
+    if tile is None:
+        per_row = a.amax(dim=1) if cols else torch.zeros(rows, device=x.device)
+        padded = torch.nn.functional.pad(per_row, (0, row_tiles * t - rows))
+        return padded.reshape(row_tiles, t).amax(dim=1)
+    col_tiles = math.ceil(cols / t)
+    padded = torch.nn.functional.pad(a, (0, col_tiles * t - cols, 0, row_tiles * t - rows))
+    return padded.reshape(row_tiles, t, col_tiles, t).amax(dim=(1, 3))
+
+
+def _check_arguments(x, fmt, rounding, tile, scale_mode, tensor_amax, adaptive, cta_tile) -> int:
+    """Validate quantize()'s arguments; return the block size. Errors name the argument and the fix."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
+    if fmt not in FORMATS:
+        raise ValueError(f"quantize: fmt={fmt!r} is not supported; allowed: {', '.join(map(repr, FORMATS))}")
+    if x.dtype not in INPUT_DTYPES:
+        allowed = ", ".join(str(d) for d in INPUT_DTYPES)
+        raise ValueError(f"quantize: x has dtype {x.dtype}; allowed: {allowed} (convert with x.float())")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"quantize: rounding={rounding!r} is not supported; allowed: 'rtn', 'sr'")
+    if x.dim() == 0:
+        raise ValueError("quantize: x is 0-dim; it needs at least one dimension (the blocked last dim)")
+    block = BLOCK_SIZE[fmt]
+    if fmt == "mxfp4":
+        if scale_mode is not None and scale_mode not in MX_SCALE_MODES:
+            allowed = ", ".join(map(repr, MX_SCALE_MODES))
+            raise ValueError(f"quantize: scale_mode={scale_mode!r} is not supported for mxfp4; allowed: {allowed}")
+        if adaptive and scale_mode != "rceil":
+            raise ValueError("quantize: adaptive=True refines the upward scale; pass scale_mode='rceil' with it")
+    else:
+        if scale_mode is not None:
+            raise ValueError(f"quantize: scale_mode applies to fmt='mxfp4' only; pass scale_mode=None for {fmt}")
+        if adaptive:
+            raise ValueError(f"quantize: adaptive applies to fmt='mxfp4' only; pass adaptive=False for {fmt}")
+    if tensor_amax is not None:
+        if fmt != "nvfp4":
+            raise ValueError(f"quantize: tensor_amax applies to fmt='nvfp4' only; pass tensor_amax=None for {fmt}")
+        amax = torch.as_tensor(tensor_amax, dtype=torch.float32)
+        if amax.numel() != 1 or not torch.isfinite(amax).all() or amax.item() < 0:
+            raise ValueError(f"quantize: tensor_amax must be one finite value >= 0, got {tensor_amax!r}")
+    if cta_tile is not None:
+        if fmt != "nvfp4_cta":
+            raise ValueError(f"quantize: cta_tile applies to fmt='nvfp4_cta' only; pass cta_tile=None for {fmt}")
+        if not isinstance(cta_tile, int) or cta_tile <= 0 or cta_tile % block:
+            raise ValueError(f"quantize: cta_tile={cta_tile!r} must be a positive multiple of {block}")
+    if tile is None:
+        if x.shape[-1] % block:
+            raise ValueError(
+                f"quantize: the last dim of x (shape {list(x.shape)}) must be a multiple of the {fmt} "
+                f"block size {block}; pad it or pick another format"
+            )
+        return block
+    if len(tuple(tile)) != 2 or any(not isinstance(t, int) or t <= 0 or t % block for t in tile):
+        raise ValueError(f"quantize: tile={tile!r} must be (th, tw) with positive multiples of {block} for {fmt}")
+    if x.dim() != 2:
+        raise ValueError(f"quantize: tile={tuple(tile)} needs a 2D x (a weight), got shape {list(x.shape)}")
+    if x.shape[0] % tile[0] or x.shape[1] % tile[1]:
+        raise ValueError(f"quantize: x shape {list(x.shape)} is not divisible into {tuple(tile)} tiles; pad the weight")
+    if fmt == "nvfp4_cta" and ((cta_tile or DEFAULT_CTA_TILE) % tile[0] or (cta_tile or DEFAULT_CTA_TILE) % tile[1]):
+        raise ValueError(f"quantize: cta_tile must be a multiple of both tile dims {tuple(tile)}")
+    return block
