@@ -1,0 +1,181 @@
+"""The `fp4lab` command line.
+
+Commands import torch (and everything heavy) inside their bodies, so `fp4lab --help` stays fast.
+Every user error ends in one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, NoReturn, Optional
+
+import typer
+
+app = typer.Typer(
+    name="fp4lab",
+    help="Find which FP4 training recipe trains a language model stably and fast.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Find which FP4 training recipe trains a language model stably and fast."""
+
+
+class UserError(Exception):
+    """A mistake in the user's input: reported in one line, exit code 2."""
+
+
+def fail(message: str) -> NoReturn:
+    raise UserError(message)
+
+
+@app.command()
+def numerics(
+    tensor: Annotated[
+        Optional[Path], typer.Option(help="A .pt file holding a tensor (or a dict of tensors: pick one with --key).")
+    ] = None,
+    key: Annotated[Optional[str], typer.Option(help="Entry of a dict/state_dict in --tensor.")] = None,
+    dist: Annotated[
+        Optional[str], typer.Option(help="Synthesize the tensor instead: normal | student-t | outlier.")
+    ] = None,
+    shape: Annotated[str, typer.Option(help="ROWSxCOLS of a synthesized tensor.")] = "512x1024",
+    seed: Annotated[int, typer.Option(help="Seed for synthesis, stochastic rounding and random signs.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")] = False,
+) -> None:
+    """Quantization error of one tensor under every FP4 format x scale mode x rounding x transform."""
+    from fp4lab.numerics.survey import DISTRIBUTIONS, survey_cases
+
+    if tensor is not None and dist is not None:
+        fail("numerics: pass either --tensor or --dist, not both")
+    if tensor is None and dist is None:
+        dist = "normal"
+    if dist is not None and dist not in DISTRIBUTIONS:
+        fail(f"numerics: --dist {dist!r} is not supported; allowed: {', '.join(DISTRIBUTIONS)}")
+    x, source = _load_tensor(tensor, key) if tensor is not None else _synthesize(dist, shape, seed)
+
+    from fp4lab.numerics.survey import survey
+
+    if as_json:
+        rows = [row.as_dict() for row in survey(x, seed=seed)]
+        json.dump({"source": source, "shape": list(x.shape), "seed": seed, "rows": rows}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return
+
+    from rich.progress import Progress
+
+    with Progress(transient=True, disable=not sys.stderr.isatty()) as progress:
+        task = progress.add_task("quantizing", total=len(survey_cases()))
+        rows = list(survey(x, seed=seed, on_case=lambda: progress.advance(task)))
+    _print_numerics(rows, title=f"FP4 quantization error of {source}, shape {list(x.shape)}, seed {seed}")
+
+
+def _print_numerics(rows, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    best = {}
+    for row in rows:
+        group = (row.format, row.scale_mode, row.rounding)
+        if group not in best or row.stats.rel_rms < best[group].stats.rel_rms:
+            best[group] = row
+    table = Table(title=title, caption="bold: lowest error over transforms for that format, scale and rounding")
+    for name in ("format", "scale", "round", "transform"):
+        table.add_column(name, no_wrap=True)
+    for name in ("relRMS%", "SNR dB", "bias%", "satur%", "flush%"):
+        table.add_column(name, justify="right", no_wrap=True)
+    previous = None
+    for row in rows:
+        s = row.stats
+        if previous is not None and previous != (row.format, row.scale_mode):
+            table.add_section()
+        previous = (row.format, row.scale_mode)
+        table.add_row(
+            row.format, row.scale_mode, row.rounding, row.transform,
+            f"{100 * s.rel_rms:.2f}", f"{s.snr_db:.2f}", f"{100 * s.bias:+.3f}",
+            f"{100 * s.saturated:.3f}", f"{100 * s.flushed:.2f}",
+            style="bold" if best[(row.format, row.scale_mode, row.rounding)] is row else None,
+        )
+    effect = Table(title="Transform effect: change of rel RMS vs no transform (RTN); negative is better")
+    effect.add_column("format")
+    effect.add_column("scale")
+    transforms = [r.transform for r in rows if r.transform != "none"]
+    transforms = list(dict.fromkeys(transforms))
+    for name in transforms:
+        effect.add_column(name, justify="right")
+    base = {(r.format, r.scale_mode): r.stats.rel_rms for r in rows if r.rounding == "rtn" and r.transform == "none"}
+    for (fmt, mode), none_error in base.items():
+        cells = []
+        for name in transforms:
+            err = next(r.stats.rel_rms for r in rows if (r.format, r.scale_mode, r.rounding, r.transform) == (fmt, mode, "rtn", name))
+            change = 100 * (err / none_error - 1) if none_error else 0.0
+            cells.append(f"[green]{change:+.1f}%[/]" if change < 0 else f"[red]{change:+.1f}%[/]")
+        effect.add_row(fmt, mode, *cells)
+    console = Console()
+    console.print(table)
+    console.print(effect)
+
+
+def _synthesize(dist: str, shape: str, seed: int):
+    from fp4lab.numerics.survey import synthesize
+
+    try:
+        rows, cols = (int(n) for n in shape.lower().split("x"))
+    except ValueError:
+        fail(f"numerics: --shape {shape!r} is not ROWSxCOLS (e.g. 512x1024)")
+    if rows <= 0 or cols <= 0 or cols % 32:
+        fail(f"numerics: --shape {shape!r} needs positive sizes and COLS a multiple of 32 (the MXFP4 block)")
+    return synthesize(dist, rows, cols, seed), f"--dist {dist}"
+
+
+def _load_tensor(path: Path, key: str | None):
+    import torch
+
+    if not path.is_file():
+        fail(f"numerics: --tensor {str(path)!r} is not a file")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a bad file; all mean the same to the user
+        fail(f"numerics: --tensor {str(path)!r} is not a loadable torch file ({type(exc).__name__}: {exc})".split("\n")[0])
+    if isinstance(obj, dict):
+        tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+        if key is None:
+            fail(f"numerics: {str(path)!r} holds a dict; pick a tensor with --key (one of: {', '.join(list(tensors)[:8])})")
+        if key not in tensors:
+            fail(f"numerics: --key {key!r} is not a tensor in {str(path)!r}; tensors: {', '.join(list(tensors)[:8])}")
+        obj = tensors[key]
+    elif key is not None:
+        fail(f"numerics: --key was given but {str(path)!r} holds a single tensor")
+    if not isinstance(obj, torch.Tensor) or not obj.is_floating_point() or obj.dim() == 0:
+        fail(f"numerics: {str(path)!r} must hold a floating-point tensor with at least one dim")
+    if obj.shape[-1] % 32:
+        fail(f"numerics: the last dim of the tensor ({obj.shape[-1]}) must be a multiple of 32 (the MXFP4 block)")
+    label = f"{path.name}" + (f"[{key}]" if key else "")
+    return obj.detach().to(torch.float32), label
+
+
+def main() -> None:
+    """Console entry point: one-line errors and exit code 2 for every usage or input mistake."""
+    from typer.exceptions import TyperException
+
+    try:
+        code = app(standalone_mode=False)
+    except UserError as exc:
+        print(f"fp4lab: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except TyperException as exc:  # usage errors: unknown option, bad value, missing argument
+        print(f"fp4lab: error: {exc.format_message()}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("fp4lab: aborted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The `fp4lab` command line: fast help, one-line errors with exit code 2, the numerics survey."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def run_cli(capsys, monkeypatch):
+    """Run the real console entry point in-process; return (exit code, stdout, stderr)."""
+    from fp4lab.cli import main
+
+    def run(*args: str) -> SimpleNamespace:
+        monkeypatch.setattr(sys, "argv", ["fp4lab", *args])
+        with pytest.raises(SystemExit) as exited:
+            main()
+        captured = capsys.readouterr()
+        return SimpleNamespace(returncode=exited.value.code, stdout=captured.out, stderr=captured.err)
+
+    return run
+
+
+def test_help_does_not_import_torch():
+    # `fp4lab --help` must stay fast: the CLI module and help rendering may not pull in torch.
+    probe = (
+        "import sys, runpy; sys.argv = ['fp4lab', '--help']\n"
+        "try:\n    runpy.run_module('fp4lab.cli', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+        "heavy = sorted(m for m in ('torch', 'numpy', 'pandas', 'optuna') if m in sys.modules)\n"
+        "print('HEAVY=' + ','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "numerics" in out.stdout
+    assert out.stdout.strip().endswith("HEAVY="), out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["numerics", "--dist", "cauchy"], "--dist 'cauchy' is not supported; allowed: normal, student-t, outlier"),
+        (["numerics", "--shape", "4x30"], "COLS a multiple of 32"),
+        (["numerics", "--shape", "four"], "is not ROWSxCOLS"),
+        (["numerics", "--tensor", "/no/such/file.pt"], "is not a file"),
+        (["numerics", "--dist", "normal", "--tensor", "x.pt"], "either --tensor or --dist"),
+        (["numerics", "--frobnicate"], "No such option: --frobnicate"),
+        (["numerics", "--seed", "abc"], "Invalid value for '--seed'"),
+        (["no-such-command"], "No such command"),
+    ],
+)
+def test_bad_arguments_give_one_line_and_exit_2(run_cli, args, fragment):
+    out = run_cli(*args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("fp4lab: error: ")
+    assert fragment in lines[0]
+
+
+def test_bad_tensor_files(run_cli, tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a torch file")
+    ints = tmp_path / "ints.pt"
+    torch.save(torch.arange(64), ints)
+    odd = tmp_path / "odd.pt"
+    torch.save(torch.randn(4, 48), odd)
+    state = tmp_path / "state.pt"
+    torch.save({"w": torch.randn(64, 64)}, state)
+    for args, fragment in [
+        (["--tensor", str(garbage)], "is not a loadable torch file"),
+        (["--tensor", str(ints)], "floating-point tensor"),
+        (["--tensor", str(odd)], "multiple of 32"),
+        (["--tensor", str(state)], "pick a tensor with --key (one of: w)"),
+        (["--tensor", str(state), "--key", "v"], "--key 'v' is not a tensor"),
+    ]:
+        out = run_cli("numerics", *args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1
+        assert fragment in out.stderr, (args, out.stderr)
+
+
+def test_numerics_json_on_a_state_dict_entry(run_cli, tmp_path):
+    path = tmp_path / "state.pt"
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
+    torch.save({"layer.weight": weight, "step": 7}, path)
+    out = run_cli("numerics", "--tensor", str(path), "--key", "layer.weight", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["shape"] == [64, 128]
+    rows = report["rows"]
+    assert len(rows) == 6 * 2 * 4  # scale contracts x roundings x transforms
+    assert {r["format"] for r in rows} == {"nvfp4", "nvfp4_cta", "mxfp4"}
+    assert {r["transform"] for r in rows} == {"none", "H16", "H32", "RHT16"}
+    for row in rows:
+        assert 0.0 < row["rel_rms"] < 0.3
+        assert row["snr_db"] == pytest.approx(-20 * math.log10(row["rel_rms"]))
+        assert 0.0 <= row["saturated"] <= 1.0 and 0.0 <= row["flushed"] <= 1.0
+
+
+def test_numerics_outlier_hadamard_effect(run_cli):
+    """The survey's headline on outlier channels: Hadamard mixing cuts MXFP4's error a lot; for NVFP4
+    (whose E4M3 block scale already represents the block max almost exactly) it raises the
+    energy-weighted error while halving the fraction of values flushed to zero."""
+    out = run_cli("numerics", "--dist", "outlier", "--shape", "128x512", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {(r["format"], r["scale_mode"], r["rounding"], r["transform"]): r for r in json.loads(out.stdout)["rows"]}
+    for mode in ("floor", "ceil", "even", "rceil"):
+        none = rows[("mxfp4", mode, "rtn", "none")]["rel_rms"]
+        for transform in ("H16", "RHT16"):
+            assert rows[("mxfp4", mode, "rtn", transform)]["rel_rms"] < 0.85 * none
+    nv_none = rows[("nvfp4", "-", "rtn", "none")]
+    for transform in ("H16", "RHT16"):
+        assert rows[("nvfp4", "-", "rtn", transform)]["flushed"] < 0.6 * nv_none["flushed"]
+
+
+def test_numerics_table_is_reproducible(run_cli):
+    first = run_cli("numerics", "--dist", "student-t", "--shape", "64x256", "--seed", "5")
+    second = run_cli("numerics", "--dist", "student-t", "--shape", "64x256", "--seed", "5")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    assert "mxfp4" in first.stdout and "Transform effect" in first.stdout
