@@ -14,23 +14,29 @@ import torch
 E2M1_MAX = 6.0
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-# Midpoints between neighbouring grid values. At a tie RNE picks the even code (mantissa bit 0),
-# so the comparison is `>=` where the upper neighbour's code is even and `>` where it is odd.
-_RNE_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+# Midpoints between neighbouring grid values. At a tie RNE picks the even code (mantissa bit 0): up at
+# 0.75, 1.75 and 3.5, down at the others. Moving each tie-up midpoint one float32 ulp down makes
+# "code = number of boundaries strictly below |x|" round every tie the right way in one search.
+_RNE_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_RNE_TIES_UP = (0.75, 1.75, 3.5)
+
+
+def _rne_boundaries(device: torch.device) -> torch.Tensor:
+    mid = torch.tensor(_RNE_MIDPOINTS, dtype=torch.float32, device=device)
+    below = torch.nextafter(mid, torch.zeros_like(mid))
+    ties_up = torch.tensor([m in _RNE_TIES_UP for m in _RNE_MIDPOINTS], device=device)
+    return torch.where(ties_up, below, mid)
 
 
 def _with_sign(magnitude_code: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # signbit keeps -0.0 (and tiny negatives flushed to zero) as 0x8, as torchao and the hardware do.
-    return magnitude_code | (torch.signbit(x).to(torch.uint8) << 3)
+    return magnitude_code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
 
 
 def encode_rne(x: torch.Tensor) -> torch.Tensor:
     """Round float32 values to E2M1 codes, ties to even, saturating at +-6. NaN encodes as +-0."""
-    a = x.abs()
-    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
-    for midpoint, ties_up in _RNE_STEPS:
-        code += (a >= midpoint) if ties_up else (a > midpoint)
-    return _with_sign(code, x)
+    a = torch.nan_to_num(x.abs(), nan=0.0)
+    return _with_sign(torch.bucketize(a, _rne_boundaries(x.device)), x)
 
 
 def encode_stochastic(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -40,17 +46,13 @@ def encode_stochastic(x: torch.Tensor, generator: torch.Generator | None) -> tor
     one float32 uniform draw per element (every element draws, so the stream position depends only on
     the shape). Values beyond 6 saturate to 6; NaN encodes as +-0.
     """
-    a = x.abs().clamp(max=E2M1_MAX)
+    a = torch.nan_to_num(x.abs(), nan=0.0).clamp(max=E2M1_MAX)
     grid = torch.tensor(E2M1_GRID + (E2M1_MAX,), dtype=torch.float32, device=x.device)
-    low = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
-    for value in E2M1_GRID[1:]:
-        low += a >= value
-    lo, hi = grid[low], grid[low + 1]
-    gap = hi - lo
-    p_up = torch.where(gap > 0, (a - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
+    low = torch.bucketize(a, grid[1:-1], right=True)  # index of the largest grid value <= a
+    lo, gap = grid[low], grid[low + 1] - grid[low]
+    p_up = (a - lo) / torch.where(gap > 0, gap, 1.0)
     u = torch.rand(x.shape, generator=generator, dtype=torch.float32, device=x.device)
-    code = (low + (u < p_up)).to(torch.uint8)
-    return _with_sign(code, x)
+    return _with_sign(low + (u < p_up), x)
 
 
 def decode(codes: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,7 @@ def quantize(
     grouped, reduce_dims = _group(xf, block, tile)
     block_amax = grouped.abs().amax(dim=reduce_dims, keepdim=True)
     nonfinite = ~torch.isfinite(block_amax)  # a NaN or Inf poisons its own block only
+    finite_block_amax = _scale_grid(torch.where(nonfinite, 0.0, block_amax), xf, block, tile)
 
     tensor_scale = None
     if fmt == "mxfp4":
@@ -74,10 +75,10 @@ def quantize(
         scaled = grouped * multiplier
     else:
         if fmt == "nvfp4":
-            s_enc = nvfp4_encode_scale(_tensor_amax(xf, tensor_amax))
+            s_enc = nvfp4_encode_scale(_tensor_amax(finite_block_amax, tensor_amax))
             s_enc_per_block = s_enc
         else:
-            s_enc = nvfp4_encode_scale(_cta_amax(xf, tile, cta_tile))
+            s_enc = nvfp4_encode_scale(_cta_amax(finite_block_amax, tile, cta_tile))
             s_enc_per_block = _cta_to_blocks(s_enc, xf, tile, cta_tile)
         tensor_scale = 1.0 / s_enc
         # One float32 rounding: amax * (S_enc * (1/6)), as TE's kernel and its reference compute it.
@@ -115,15 +116,13 @@ def _scale_grid(per_block: torch.Tensor, x: torch.Tensor, block: int, tile: tupl
     return per_block.reshape(x.shape[0] // tile[0], x.shape[1] // tile[1])
 
 
-def _finite_abs(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(x), x.abs(), 0.0)
-
-
-def _tensor_amax(x: torch.Tensor, tensor_amax) -> torch.Tensor:
-    """The amax behind S_enc. NaN/Inf elements do not enter it: they poison only their own block."""
+def _tensor_amax(finite_block_amax: torch.Tensor, tensor_amax) -> torch.Tensor:
+    """The amax behind S_enc: the largest finite block amax (blocks holding NaN/Inf are left out:
+    they poison only themselves), or the caller's `tensor_amax`."""
+    device = finite_block_amax.device
     if tensor_amax is not None:
-        return torch.as_tensor(tensor_amax, dtype=torch.float32, device=x.device)
-    return _finite_abs(x).amax() if x.numel() else torch.zeros((), device=x.device)
+        return torch.as_tensor(tensor_amax, dtype=torch.float32, device=device)
+    return finite_block_amax.amax() if finite_block_amax.numel() else torch.zeros((), device=device)
 
 
 def _cta_to_blocks(per_cta: torch.Tensor, x: torch.Tensor, tile, cta_tile: int) -> torch.Tensor:
@@ -137,19 +136,22 @@ def _cta_to_blocks(per_cta: torch.Tensor, x: torch.Tensor, tile, cta_tile: int) 
     return grid[: x.shape[0] // th, None, : x.shape[1] // tw, None]
 
 
-def _cta_amax(x: torch.Tensor, tile, cta_tile: int) -> torch.Tensor:
-    """Finite amax per CTA tile: per T rows spanning the last dim (1D), or per T x T square (2D)."""
-    t = cta_tile
-    a = _finite_abs(x.reshape(-1, x.shape[-1]))
-    rows, cols = a.shape
-    row_tiles = math.ceil(rows / t)
+def _cta_amax(finite_block_amax: torch.Tensor, tile, cta_tile: int) -> torch.Tensor:
+    """Amax per CTA tile, from the grid of finite block amaxes: per `cta_tile` rows spanning the last
+    dim (1D blocks), or per cta_tile x cta_tile square (2D tiles)."""
+    grid = finite_block_amax.reshape(-1, finite_block_amax.shape[-1])
     if tile is None:
-        per_row = a.amax(dim=1) if cols else torch.zeros(rows, device=x.device)
-        padded = torch.nn.functional.pad(per_row, (0, row_tiles * t - rows))
-        return padded.reshape(row_tiles, t).amax(dim=1)
-    col_tiles = math.ceil(cols / t)
-    padded = torch.nn.functional.pad(a, (0, col_tiles * t - cols, 0, row_tiles * t - rows))
-    return padded.reshape(row_tiles, t, col_tiles, t).amax(dim=(1, 3))
+        per_row = grid.amax(dim=1) if grid.shape[1] else torch.zeros(grid.shape[0], device=grid.device)
+        return _tile_max(per_row[:, None], cta_tile, 1)[:, 0]
+    return _tile_max(grid, cta_tile // tile[0], cta_tile // tile[1])
+
+
+def _tile_max(grid: torch.Tensor, rows_per_tile: int, cols_per_tile: int) -> torch.Tensor:
+    """Max over rows_per_tile x cols_per_tile groups of a 2D grid (the last group may be short)."""
+    rows, cols = grid.shape
+    row_tiles, col_tiles = math.ceil(rows / rows_per_tile), math.ceil(cols / cols_per_tile)
+    padded = torch.nn.functional.pad(grid, (0, col_tiles * cols_per_tile - cols, 0, row_tiles * rows_per_tile - rows))
+    return padded.reshape(row_tiles, rows_per_tile, col_tiles, cols_per_tile).amax(dim=(1, 3))
 
 
 def _check_arguments(x, fmt, rounding, tile, scale_mode, tensor_amax, adaptive, cta_tile) -> int:
