@@ -116,9 +116,93 @@ def _print_numerics(rows, title: str) -> None:
             change = 100 * (err / none_error - 1) if none_error else 0.0
             cells.append(f"[green]{change:+.1f}%[/]" if change < 0 else f"[red]{change:+.1f}%[/]")
         effect.add_row(fmt, mode, *cells)
-    console = Console()
+    console = _console()
     console.print(table)
     console.print(effect)
+
+
+recipes_app = typer.Typer(help="List the FP4 recipes and show a recipe's per-operand ledger.", no_args_is_help=False)
+app.add_typer(recipes_app, name="recipes")
+
+
+@recipes_app.callback(invoke_without_command=True)
+def recipes(ctx: typer.Context) -> None:
+    """List the built-in recipes (`fp4lab recipes show NAME` prints one)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    from fp4lab.nn.recipe import list_recipes, load_recipe
+
+    table = Table(title="FP4 recipes (fp4lab/recipes/*.toml)")
+    for name in ("name", "description", "source"):
+        table.add_column(name, overflow="fold")
+    for name in list_recipes():
+        recipe = load_recipe(name)
+        table.add_row(recipe.name, recipe.description, recipe.source)
+    _console().print(table)
+
+
+@recipes_app.command("show")
+def recipes_show(
+    name: Annotated[str, typer.Argument(help="A built-in recipe name or a path to a recipe .toml file.")],
+    layers: Annotated[int, typer.Option(help="Model depth to resolve block overrides for.")] = 32,
+) -> None:
+    """Print the resolved per-operand ledger of a recipe: every GEMM operand of every block group."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from fp4lab.nn.recipe import GEMMS, OPERANDS, RecipeError, load_recipe
+
+    if layers <= 0:
+        fail(f"recipes show: --layers must be positive, got {layers}")
+    try:
+        recipe = load_recipe(name)
+    except RecipeError as exc:
+        fail(str(exc))
+    table = Table(title=f"{recipe.name}: {recipe.description}", caption=f"source: {recipe.source}; {layers} blocks")
+    for column in ("blocks", "GEMM", "operand", "format", "scale", "rounding", "transform", "2D tile"):
+        table.add_column(column, no_wrap=True)
+    for blocks, linear in recipe.ledger(layers):
+        first = True
+        uniform = len({linear.operand(o) for o in OPERANDS}) == 1
+        rows = [("all", "all", OPERANDS[0])] if uniform else [
+            (gemm, operand.split("_", 1)[1], operand) for gemm, operands in GEMMS.items() for operand in operands
+        ]
+        for gemm, label, operand in rows:
+            spec = linear.operand(operand)
+            fp4 = spec.is_fp4
+            scale = (spec.scale_mode or "e4m3") + (" adaptive" if spec.adaptive else "") if fp4 else "-"
+            if spec.format == "nvfp4_cta":
+                scale += f" cta{spec.cta_tile or 128}"
+            table.add_row(
+                blocks if first else "", gemm, label, spec.format, scale,
+                spec.rounding if fp4 else "-", spec.transform,
+                "x".join(map(str, spec.tile)) if spec.tile else "-",
+            )
+            first = False
+        table.add_section()
+    console = _console()
+    console.print(table)
+    opt = recipe.optimizer
+    console.print(
+        f"model: head {recipe.head}, embedding {recipe.embedding}, LoRA-SVD rank {recipe.lora_svd_rank}"
+        + (f" (re-aligned every {recipe.lora_svd_every} steps)" if recipe.lora_svd_rank else "")
+        + f"; attention: {recipe.attention.format}"
+        + (f" (dS rounding {recipe.attention.ds_rounding})" if recipe.attention.format != "bf16" else "")
+        + f"\noptimizer: {opt.name or '(from the train config)'}, QK-Clip {opt.qk_clip}"
+        + (f" tau={opt.qk_clip_tau:g}" if opt.qk_clip == "kimi" else "")
+        + (f" alpha={opt.update_cap_alpha:g} (Q/K {opt.update_cap_alpha_qk:g})" if opt.qk_clip == "update_cap" else "")
+        + f", Newton-Schulz in {opt.ns_format}, AdamW v in {opt.adam_v_format}"
+    )
+
+
+def _console():
+    """A rich console; when output is piped, wide enough that tables do not truncate."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=140)
 
 
 def _synthesize(dist: str, shape: str, seed: int):

@@ -1,0 +1,213 @@
+"""FP4Linear: y = x W^T whose Fprop, Dgrad and Wgrad GEMMs each quantize their operands per recipe.
+
+Emulation: operands are quantized with fp4lab.numerics (bit-exact encodings), decoded to float32 and
+multiplied in float32, so every product of two decoded values is exact and accumulation is FP32 —
+what an FP4 tensor core computes, up to summation order. BF16 operands are rounded to BF16 the same
+way. What backward needs is saved in the representation the recipe gives it (packed FP4, BF16), not
+as the full-precision activation.
+
+The three GEMMs, their operands and the dim each operand is quantized along (its contraction dim):
+
+    Fprop  y  [M, N] = x [M, K]  @ W [N, K]^T        fprop_x, fprop_w along K
+    Dgrad  dx [M, K] = dy [M, N] @ (W^T [K, N])^T    dgrad_dy, dgrad_w along N
+    Wgrad  dW [N, K] = dy^T [N, M] @ (x^T [K, M])^T  wgrad_dy, wgrad_x along M (tokens)
+
+A transform (Hadamard) is applied to both operands of a GEMM along its contraction dim with one sign
+vector, so the unquantized product is unchanged. The token dim M is zero-padded to a multiple of the
+block and transform sizes for Wgrad (zeros add nothing to the product).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fp4lab.numerics import hadamard, hadamard_signs, quantize
+from fp4lab.numerics.qtensor import QTensor
+from fp4lab.numerics.survey import error_stats
+from fp4lab.nn.recipe import GEMMS, LinearRecipe, OperandSpec
+
+_BLOCK = {"mxfp4": 32, "nvfp4": 16, "nvfp4_cta": 16}
+
+
+def encode_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator) -> QTensor | torch.Tensor:
+    """The representation of a 2D operand (quantized along its last dim) that a GEMM consumes."""
+    if spec.format == "fp32":
+        return t
+    if spec.format == "bf16":
+        return t.to(torch.bfloat16)
+    if signs is not None:
+        t = hadamard(t, spec.transform_size, signs)
+    return quantize(
+        t,
+        spec.format,
+        rounding=spec.rounding,
+        tile=spec.tile,
+        scale_mode=spec.scale_mode,
+        generator=generator if spec.rounding == "sr" else None,
+        adaptive=spec.adaptive,
+        cta_tile=spec.cta_tile,
+    )
+
+
+def decode_operand(encoded: QTensor | torch.Tensor) -> torch.Tensor:
+    return encoded.dequantize() if isinstance(encoded, QTensor) else encoded.to(torch.float32)
+
+
+def contraction_multiple(recipe: LinearRecipe, gemm: str) -> int:
+    """The contraction length of `gemm` must be a multiple of this (blocks, tiles and transform)."""
+    multiple = 1
+    for name in GEMMS[gemm]:
+        spec = recipe.operand(name)
+        if spec.is_fp4:
+            multiple = math.lcm(multiple, _BLOCK[spec.format], *(spec.tile or ()))
+        multiple = math.lcm(multiple, max(spec.transform_size, 1))
+    return multiple
+
+
+class _FP4LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: FP4Linear) -> torch.Tensor:
+        recipe, g = layer.recipe, layer.generator_for(x.device)
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        signs = {gemm: layer.draw_signs(recipe, gemm, g) for gemm in GEMMS}
+
+        x_enc = encode_operand(x2, recipe.fprop_x, signs["fprop"], g)
+        w_enc = encode_operand(weight, recipe.fprop_w, signs["fprop"], g)
+        out = decode_operand(x_enc) @ decode_operand(w_enc).T
+        layer.record("fprop_x", x2, x_enc, signs["fprop"])
+        layer.record("fprop_w", weight, w_enc, signs["fprop"])
+
+        # Wgrad's x^T is encoded now, from the exact activation, and saved in that (packed) form.
+        xt = _pad_last(x2.T, contraction_multiple(recipe, "wgrad"))
+        xt_enc = encode_operand(xt, recipe.wgrad_x, signs["wgrad"], g)
+        layer.record("wgrad_x", xt, xt_enc, signs["wgrad"])
+
+        ctx.layer, ctx.signs, ctx.tokens = layer, signs, x2.shape[0]
+        ctx.x_shape, ctx.xt_enc = x.shape, xt_enc
+        ctx.w_enc = w_enc if recipe.shares_weight_encoding else None
+        ctx.save_for_backward(weight)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        layer, signs = ctx.layer, ctx.signs
+        recipe, g = layer.recipe, layer.generator_for(grad_out.device)
+        dy = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.float32)
+
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            dy_enc = encode_operand(dy, recipe.dgrad_dy, signs["dgrad"], g)
+            layer.record("dgrad_dy", dy, dy_enc, signs["dgrad"])
+            if ctx.w_enc is not None:  # 2D tiles: Q(W^T) = Q(W)^T, so Dgrad decodes Fprop's weight
+                w_for_dgrad = decode_operand(ctx.w_enc).T
+            else:
+                wt = weight.T.contiguous()
+                wt_enc = encode_operand(wt, recipe.dgrad_w, signs["dgrad"], g)
+                layer.record("dgrad_w", wt, wt_enc, signs["dgrad"])
+                w_for_dgrad = decode_operand(wt_enc)
+            grad_x = (decode_operand(dy_enc) @ w_for_dgrad.T).reshape(ctx.x_shape)
+
+        dyt = _pad_last(dy.T, contraction_multiple(recipe, "wgrad"))
+        dyt_enc = encode_operand(dyt, recipe.wgrad_dy, signs["wgrad"], g)
+        layer.record("wgrad_dy", dyt, dyt_enc, signs["wgrad"])
+        grad_w = decode_operand(dyt_enc) @ decode_operand(ctx.xt_enc).T
+        return grad_x, grad_w, None
+
+
+def _pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = (-t.shape[-1]) % multiple
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
+
+
+class FP4Linear(nn.Module):
+    """A bias-free linear layer with FP32 master weights and a per-operand FP4 recipe.
+
+    `seed` seeds the layer's own generator, which drives stochastic rounding and random Hadamard
+    signs; its state is part of the module's state_dict (extra state), so a resumed run draws the
+    same bits. Set `probe = True` to record the fraction of saturated and flushed values per
+    operand in `quant_stats` on the next forward/backward.
+
+    With `lora_rank` > 0 (Full-Stack FP4's LoRA-SVD) the top singular directions of W, refreshed by
+    `realign_low_rank()`, are applied in BF16 and only the residual W - U V^T goes through the FP4
+    GEMMs; the gradient of W is unchanged in form (the factors are buffers).
+    """
+
+    def __init__(self, in_features: int, out_features: int, recipe: LinearRecipe, *, seed: int = 0, lora_rank: int = 0):
+        super().__init__()
+        _check_shape(in_features, out_features, recipe, lora_rank)
+        self.in_features, self.out_features = in_features, out_features
+        self.recipe, self.seed = recipe, seed
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        nn.init.normal_(self.weight, std=in_features**-0.5)
+        self._generator: torch.Generator | None = None
+        self.probe = False
+        self.quant_stats: dict[str, tuple[float, float]] = {}
+        self.lora_rank = lora_rank
+        if lora_rank:
+            self.register_buffer("lora_u", torch.zeros(out_features, lora_rank, dtype=torch.bfloat16))
+            self.register_buffer("lora_v", torch.zeros(in_features, lora_rank, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.lora_rank:
+            return _FP4LinearFunction.apply(x, self.weight, self)
+        u, v = self.lora_u.to(torch.float32), self.lora_v.to(torch.float32)
+        low_rank = x.to(torch.bfloat16).to(torch.float32) @ v @ u.T
+        return low_rank + _FP4LinearFunction.apply(x, self.weight - u @ v.T, self)
+
+    @torch.no_grad()
+    def realign_low_rank(self) -> None:
+        """Refresh the BF16 factors to the current top-`lora_rank` singular directions of W."""
+        u, s, vh = torch.linalg.svd(self.weight.to(torch.float32), full_matrices=False)
+        r = self.lora_rank
+        self.lora_u.copy_((u[:, :r] * s[:r]).to(torch.bfloat16))
+        self.lora_v.copy_(vh[:r].T.to(torch.bfloat16))
+
+    def generator_for(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != torch.device(device):
+            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generator
+
+    def draw_signs(self, recipe: LinearRecipe, gemm: str, generator: torch.Generator) -> torch.Tensor | None:
+        spec = recipe.operand(GEMMS[gemm][0])
+        if spec.transform == "none":
+            return None
+        signs = hadamard_signs(spec.transform_size, spec.transform_signs, generator)
+        return signs.to(generator.device)
+
+    def record(self, operand: str, exact: torch.Tensor, encoded, signs: torch.Tensor | None) -> None:
+        if not self.probe or not isinstance(encoded, QTensor):
+            return
+        transformed = hadamard(exact, signs.numel(), signs) if signs is not None else exact
+        stats = error_stats(transformed, encoded)
+        self.quant_stats[operand] = (stats.saturated, stats.flushed)
+
+    def get_extra_state(self) -> dict:
+        state = None if self._generator is None else self._generator.get_state()
+        return {"seed": self.seed, "generator": state}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.seed = state["seed"]
+        self._generator = None
+        if state["generator"] is not None:
+            self._generator = torch.Generator(device=self.weight.device)
+            self._generator.set_state(state["generator"])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, lora_rank={self.lora_rank}"
+
+
+def _check_shape(in_features: int, out_features: int, recipe: LinearRecipe, lora_rank: int) -> None:
+    for gemm, size, dim in (("fprop", in_features, "in_features"), ("dgrad", out_features, "out_features")):
+        multiple = contraction_multiple(recipe, gemm)
+        if size % multiple:
+            raise ValueError(f"FP4Linear: {dim}={size} must be a multiple of {multiple} for the {gemm} operands of this recipe")
+    for name in ("fprop_w", "dgrad_w"):
+        tile = recipe.operand(name).tile
+        if tile and (out_features % tile[0] or in_features % tile[1] or in_features % tile[0] or out_features % tile[1]):
+            raise ValueError(f"FP4Linear: weight [{out_features}, {in_features}] is not divisible into {name} tiles {tile}")
+    if lora_rank < 0 or lora_rank > min(in_features, out_features):
+        raise ValueError(f"FP4Linear: lora_rank={lora_rank} must be in [0, min(in_features, out_features)]")
