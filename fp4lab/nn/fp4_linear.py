@@ -34,12 +34,12 @@ _BLOCK = {"mxfp4": 32, "nvfp4": 16, "nvfp4_cta": 16}
 
 def encode_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator) -> QTensor | torch.Tensor:
     """The representation of a 2D operand (quantized along its last dim) that a GEMM consumes."""
+    if signs is not None:
+        t = hadamard(t, spec.transform_size, signs)
     if spec.format == "fp32":
         return t
     if spec.format == "bf16":
         return t.to(torch.bfloat16)
-    if signs is not None:
-        t = hadamard(t, spec.transform_size, signs)
     return quantize(
         t,
         spec.format,

@@ -1,0 +1,168 @@
+"""FP4Linear: each GEMM consumes exactly the operands its recipe names, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4lab.nn.fp4_linear import FP4Linear
+from fp4lab.nn.recipe import LinearRecipe, OperandSpec, load_recipe
+from fp4lab.numerics import hadamard, hadamard_signs, quantize
+from fp4lab.numerics.qtensor import QTensor
+
+FP32 = OperandSpec("fp32")
+
+
+def uniform(spec: OperandSpec, **overrides) -> LinearRecipe:
+    specs = {name: spec for name in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")}
+    return LinearRecipe(**(specs | overrides))
+
+
+def make(recipe, in_features=128, out_features=96, seed=7, **kw):
+    torch.manual_seed(0)
+    layer = FP4Linear(in_features, out_features, recipe, seed=seed, **kw)
+    return layer
+
+
+def run(layer, tokens=64, batch=2):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, tokens, layer.in_features, generator=g, requires_grad=True)
+    y = layer(x)
+    dy = torch.randn(y.shape, generator=g)
+    y.backward(dy)
+    return x, y, dy
+
+
+def dq(t, fmt, **kw):
+    return quantize(t, fmt, **kw).dequantize()
+
+
+def test_fp32_operands_reproduce_exact_autograd():
+    layer = make(uniform(FP32))
+    x, y, dy = run(layer, tokens=50)  # 100 tokens: Wgrad pads M, which must not change anything
+    w = layer.weight.detach().requires_grad_(True)
+    x_ref = x.detach().requires_grad_(True)
+    (x_ref @ w.T).backward(dy)
+    torch.testing.assert_close(y, x_ref.detach() @ w.detach().T, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.weight.grad, w.grad, rtol=1e-6, atol=1e-5)
+
+
+def test_paired_transforms_leave_the_products_unchanged():
+    signed = OperandSpec("fp32", transform="h32")
+    layer = make(uniform(signed))
+    x, y, dy = run(layer)
+    w = layer.weight.detach()
+    torch.testing.assert_close(y, x.detach() @ w.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, dy @ w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.weight.grad, dy.reshape(-1, 96).T @ x.detach().reshape(-1, 128), rtol=1e-5, atol=1e-4)
+
+
+def test_mxfp4_rowsr_h32_gemms_are_bit_exact_emulations():
+    recipe = load_recipe("mxfp4-rowsr-h32").linear
+    layer = make(recipe)
+    x, y, dy = run(layer)
+    x2, w, dy2 = x.detach().reshape(-1, 128), layer.weight.detach(), dy.reshape(-1, 96)
+    mx = dict(scale_mode="rceil")
+    w_hat = dq(w, "mxfp4", tile=(32, 32), adaptive=True, **mx)
+    assert torch.equal(y.reshape(-1, 96), dq(x2, "mxfp4", **mx) @ w_hat.T)
+    # Backward replays the layer's generator: Dgrad dY is the only stochastically rounded operand.
+    g = torch.Generator().manual_seed(7)
+    dy_hat = dq(dy2, "mxfp4", rounding="sr", generator=g, **mx)
+    assert torch.equal(x.grad.reshape(-1, 128), dy_hat @ w_hat)  # Dgrad decodes Fprop's 2D weight
+    signs = hadamard_signs(32, "fixed")
+    expected_dw = dq(hadamard(dy2.T.contiguous(), 32, signs), "mxfp4", **mx) @ dq(hadamard(x2.T.contiguous(), 32, signs), "mxfp4", **mx).T
+    assert torch.equal(layer.weight.grad, expected_dw)
+
+
+def test_nvfp4_with_one_d_weights_requantizes_w_transposed_for_dgrad():
+    recipe = uniform(OperandSpec("nvfp4"))
+    layer = make(recipe)
+    x, y, dy = run(layer)
+    w, dy2 = layer.weight.detach(), dy.reshape(-1, 96)
+    assert torch.equal(x.grad.reshape(-1, 128), dq(dy2, "nvfp4") @ dq(w.T.contiguous(), "nvfp4").T)
+
+
+def test_random_hadamard_signs_are_paired_and_redrawn_each_call():
+    recipe = uniform(OperandSpec("fp32"), wgrad_dy=OperandSpec("fp32", transform="rht16"), wgrad_x=OperandSpec("fp32", transform="rht16"))
+    layer = make(recipe)
+    _, _, dy = run(layer)
+    first = layer.weight.grad.clone()
+    layer.weight.grad = None
+    x, _, dy = run(layer)
+    torch.testing.assert_close(layer.weight.grad, first, rtol=1e-5, atol=1e-4)  # product unchanged
+    assert layer._generator is not None
+
+
+def test_backward_saves_quantized_operands():
+    layer = make(load_recipe("nvfp4").linear)
+    x = torch.randn(4, 128, 128, requires_grad=True)
+    y = layer(x)
+    saved = y.grad_fn.xt_enc
+    assert isinstance(saved, QTensor) and saved.data.dtype == torch.uint8
+    assert saved.data.numel() + saved.scales.numel() < x.numel() * x.element_size() / 6
+    assert isinstance(y.grad_fn.w_enc, QTensor)  # the 2D weight encoding, reused by Dgrad
+    bf16 = make(uniform(OperandSpec("bf16")))(x)
+    assert bf16.grad_fn.xt_enc.dtype == torch.bfloat16
+
+
+def test_stochastic_rounding_is_reproducible_and_resumes_exactly():
+    recipe = load_recipe("nvfp4").linear
+    a, b = make(recipe, seed=3), make(recipe, seed=3)
+    run(a)
+    run(b)
+    assert torch.equal(a.weight.grad, b.weight.grad)
+    state = a.state_dict()
+    a.weight.grad = None
+    _, _, _ = run(a)
+    after_two_steps = a.weight.grad.clone()
+    c = make(recipe, seed=99)
+    c.load_state_dict(state)
+    run(c)
+    assert torch.equal(c.weight.grad, after_two_steps)
+    d = make(recipe, seed=4)
+    run(d)
+    assert not torch.equal(d.weight.grad, b.weight.grad)
+
+
+def test_probe_records_saturation_and_flushing_per_operand():
+    layer = make(load_recipe("mxfp4").linear)
+    layer.probe = True
+    run(layer)
+    assert set(layer.quant_stats) == {"fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x"}
+    assert all(0.0 <= s <= 1.0 and 0.0 <= f <= 1.0 for s, f in layer.quant_stats.values())
+    assert any(s > 0 for s, _ in layer.quant_stats.values())  # OCP floor scales clip block maxima
+
+
+def test_lora_svd_keeps_top_directions_in_bf16():
+    recipe = load_recipe("nvfp4-all").linear
+    plain, lora = make(recipe, 128, 128), make(recipe, 128, 128, lora_rank=8)
+    g = torch.Generator().manual_seed(5)
+    low = torch.randn(128, 8, generator=g) @ torch.randn(8, 128, generator=g)
+    w = low + 0.05 * torch.randn(128, 128, generator=g)
+    for layer in (plain, lora):
+        with torch.no_grad():
+            layer.weight.copy_(w)
+    lora.realign_low_rank()
+    x = torch.randn(256, 128, generator=g, requires_grad=True)
+    exact = x.detach() @ w.T
+    err = {name: ((layer(x) - exact).norm() / exact.norm()).item() for name, layer in (("plain", plain), ("lora", lora))}
+    assert err["lora"] < 0.5 * err["plain"], err
+    y = lora(x)
+    y.sum().backward()
+    assert lora.weight.grad.shape == (128, 128) and x.grad.shape == x.shape
+    assert "lora_u" in lora.state_dict() and lora.lora_u.dtype == torch.bfloat16
+
+
+def test_lora_svd_with_exact_operands_is_exact_up_to_bf16_factors():
+    layer = make(uniform(FP32), 64, 64, lora_rank=4)
+    layer.realign_low_rank()
+    x = torch.randn(32, 64)
+    torch.testing.assert_close(layer(x), x @ layer.weight.detach().T, rtol=2e-2, atol=2e-2)
+
+
+def test_bad_shapes_are_rejected_with_the_fix():
+    with pytest.raises(ValueError, match="in_features=48 must be a multiple of 32"):
+        FP4Linear(48, 64, load_recipe("mxfp4").linear)
+    with pytest.raises(ValueError, match="lora_rank"):
+        FP4Linear(64, 64, load_recipe("mxfp4").linear, lora_rank=65)
