@@ -166,3 +166,14 @@ def test_bad_shapes_are_rejected_with_the_fix():
         FP4Linear(48, 64, load_recipe("mxfp4").linear)
     with pytest.raises(ValueError, match="lora_rank"):
         FP4Linear(64, 64, load_recipe("mxfp4").linear, lora_rank=65)
+
+
+def test_probing_never_changes_training():
+    recipe = load_recipe("optitrain").linear  # SR and random Hadamard signs: every draw must match
+    quiet, probed = make(recipe, seed=5), make(recipe, seed=5)
+    probed.probe = True
+    x1, y1, _ = run(quiet)
+    x2, y2, _ = run(probed)
+    assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad)
+    assert torch.equal(quiet.weight.grad, probed.weight.grad)
+    assert probed.quant_stats and not quiet.quant_stats

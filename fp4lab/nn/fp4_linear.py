@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from fp4lab.numerics import hadamard, hadamard_signs, quantize
+from fp4lab.numerics import fake_quantize, hadamard, hadamard_signs, quantize
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.survey import error_stats
 from fp4lab.nn.recipe import GEMMS, LinearRecipe, OperandSpec
@@ -56,6 +56,24 @@ def decode_operand(encoded: QTensor | torch.Tensor) -> torch.Tensor:
     return encoded.dequantize() if isinstance(encoded, QTensor) else encoded.to(torch.float32)
 
 
+def operand_values(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator) -> torch.Tensor:
+    """`decode_operand(encode_operand(...))` without packing, for operands consumed at once."""
+    if not spec.is_fp4:
+        return decode_operand(encode_operand(t, spec, signs, generator))
+    if signs is not None:
+        t = hadamard(t, spec.transform_size, signs)
+    return fake_quantize(
+        t,
+        spec.format,
+        rounding=spec.rounding,
+        tile=spec.tile,
+        scale_mode=spec.scale_mode,
+        generator=generator if spec.rounding == "sr" else None,
+        adaptive=spec.adaptive,
+        cta_tile=spec.cta_tile,
+    )
+
+
 def contraction_multiple(recipe: LinearRecipe, gemm: str) -> int:
     """The contraction length of `gemm` must be a multiple of this (blocks, tiles and transform)."""
     multiple = 1
@@ -74,20 +92,22 @@ class _FP4LinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         signs = {gemm: layer.draw_signs(recipe, gemm, g) for gemm in GEMMS}
 
-        x_enc = encode_operand(x2, recipe.fprop_x, signs["fprop"], g)
-        w_enc = encode_operand(weight, recipe.fprop_w, signs["fprop"], g)
-        out = decode_operand(x_enc) @ decode_operand(w_enc).T
-        layer.record("fprop_x", x2, x_enc, signs["fprop"])
-        layer.record("fprop_w", weight, w_enc, signs["fprop"])
+        x_hat = layer.consume("fprop_x", x2, signs["fprop"], g)
+        if recipe.shares_weight_encoding:  # Dgrad will decode this same encoding: keep it packed
+            w_enc = encode_operand(weight, recipe.fprop_w, signs["fprop"], g)
+            layer.record("fprop_w", weight, w_enc, signs["fprop"])
+            w_hat = decode_operand(w_enc)
+        else:
+            w_enc, w_hat = None, layer.consume("fprop_w", weight, signs["fprop"], g)
+        out = x_hat @ w_hat.T
 
         # Wgrad's x^T is encoded now, from the exact activation, and saved in that (packed) form.
         xt = _pad_last(x2.T, contraction_multiple(recipe, "wgrad"))
         xt_enc = encode_operand(xt, recipe.wgrad_x, signs["wgrad"], g)
         layer.record("wgrad_x", xt, xt_enc, signs["wgrad"])
 
-        ctx.layer, ctx.signs, ctx.tokens = layer, signs, x2.shape[0]
-        ctx.x_shape, ctx.xt_enc = x.shape, xt_enc
-        ctx.w_enc = w_enc if recipe.shares_weight_encoding else None
+        ctx.layer, ctx.signs = layer, signs
+        ctx.x_shape, ctx.xt_enc, ctx.w_enc = x.shape, xt_enc, w_enc
         ctx.save_for_backward(weight)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -100,21 +120,15 @@ class _FP4LinearFunction(torch.autograd.Function):
 
         grad_x = None
         if ctx.needs_input_grad[0]:
-            dy_enc = encode_operand(dy, recipe.dgrad_dy, signs["dgrad"], g)
-            layer.record("dgrad_dy", dy, dy_enc, signs["dgrad"])
+            dy_hat = layer.consume("dgrad_dy", dy, signs["dgrad"], g)
             if ctx.w_enc is not None:  # 2D tiles: Q(W^T) = Q(W)^T, so Dgrad decodes Fprop's weight
-                w_for_dgrad = decode_operand(ctx.w_enc).T
+                wt_hat = decode_operand(ctx.w_enc).T
             else:
-                wt = weight.T.contiguous()
-                wt_enc = encode_operand(wt, recipe.dgrad_w, signs["dgrad"], g)
-                layer.record("dgrad_w", wt, wt_enc, signs["dgrad"])
-                w_for_dgrad = decode_operand(wt_enc)
-            grad_x = (decode_operand(dy_enc) @ w_for_dgrad.T).reshape(ctx.x_shape)
+                wt_hat = layer.consume("dgrad_w", weight.T.contiguous(), signs["dgrad"], g)
+            grad_x = (dy_hat @ wt_hat.T).reshape(ctx.x_shape)
 
         dyt = _pad_last(dy.T, contraction_multiple(recipe, "wgrad"))
-        dyt_enc = encode_operand(dyt, recipe.wgrad_dy, signs["wgrad"], g)
-        layer.record("wgrad_dy", dyt, dyt_enc, signs["wgrad"])
-        grad_w = decode_operand(dyt_enc) @ decode_operand(ctx.xt_enc).T
+        grad_w = layer.consume("wgrad_dy", dyt, signs["wgrad"], g) @ decode_operand(ctx.xt_enc).T
         return grad_x, grad_w, None
 
 
@@ -177,6 +191,16 @@ class FP4Linear(nn.Module):
             return None
         signs = hadamard_signs(spec.transform_size, spec.transform_signs, generator)
         return signs.to(generator.device)
+
+    def consume(self, operand: str, t: torch.Tensor, signs: torch.Tensor | None, generator) -> torch.Tensor:
+        """The float32 values a GEMM reads for `operand` (probed through the packed encoding, which
+        draws the same random bits, so probing never changes training)."""
+        spec = self.recipe.operand(operand)
+        if self.probe and spec.is_fp4:
+            encoded = encode_operand(t, spec, signs, generator)
+            self.record(operand, t, encoded, signs)
+            return decode_operand(encoded)
+        return operand_values(t, spec, signs, generator)
 
     def record(self, operand: str, exact: torch.Tensor, encoded, signs: torch.Tensor | None) -> None:
         if not self.probe or not isinstance(encoded, QTensor):

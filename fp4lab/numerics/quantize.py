@@ -6,6 +6,7 @@ The scale chains, their sources and every edge case are written down in docs/NUM
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +19,7 @@ from fp4lab.numerics.scales import (
     MX_SCALE_MODES,
     e4m3_decode,
     e4m3_encode,
+    e8m0_decode,
     mx_exponent,
     nvfp4_encode_scale,
 )
@@ -56,6 +58,46 @@ def quantize(
                  than 0.87 of the range the upward scale grants (values beyond then saturate).
     cta_tile:    nvfp4_cta only: rows per outer-scale tile (T x T squares for 2D tiles); default 128.
     """
+    enc = _encode(x, fmt, rounding, tile, scale_mode, generator, tensor_amax, adaptive, cta_tile)
+    return QTensor(
+        data=e2m1.pack(enc.codes.reshape(x.shape)),
+        scales=_scale_grid(enc.scale_bits, x, enc.block, tile),
+        tensor_scale=enc.tensor_scale,
+        fmt=fmt,
+        shape=x.shape,
+        block_size=enc.block,
+        tile=tuple(tile) if tile is not None else None,
+        scale_mode=enc.scale_mode,
+        cta_tile=enc.cta_tile,
+    )
+
+
+def fake_quantize(x: torch.Tensor, fmt: str, **options) -> torch.Tensor:
+    """`quantize(x, fmt, **options).dequantize()`, bit for bit, without packing: the float32 values
+    a GEMM consumes. Same arguments and errors as `quantize`."""
+    enc = _encode(x, fmt, **({"rounding": "rtn"} | options))
+    values = e2m1.decode(enc.codes)
+    if fmt == "mxfp4":
+        values = values * e8m0_decode(enc.scale_bits)
+    else:
+        values = values * e4m3_decode(enc.scale_bits) * enc.outer_decode
+    return values.reshape(x.shape)
+
+
+@dataclass
+class _Encoding:
+    codes: torch.Tensor  # E2M1 codes in the grouped view of `_group`
+    scale_bits: torch.Tensor  # one per group, broadcastable against `codes`
+    tensor_scale: torch.Tensor | None
+    outer_decode: torch.Tensor | None  # 1 / S_enc broadcastable against `codes` (nvfp4 formats)
+    block: int
+    scale_mode: str | None
+    cta_tile: int | None
+
+
+def _encode(
+    x, fmt, rounding="rtn", tile=None, scale_mode=None, generator=None, tensor_amax=None, adaptive=False, cta_tile=None
+) -> _Encoding:
     block = _check_arguments(x, fmt, rounding, tile, scale_mode, tensor_amax, adaptive, cta_tile)
     if fmt == "mxfp4":
         scale_mode = scale_mode or "floor"
@@ -68,7 +110,7 @@ def quantize(
     nonfinite = ~torch.isfinite(block_amax)  # a NaN or Inf poisons its own block only
     finite_block_amax = _scale_grid(torch.where(nonfinite, 0.0, block_amax), xf, block, tile)
 
-    tensor_scale = None
+    tensor_scale = outer_decode = None
     if fmt == "mxfp4":
         scale_bits, multiplier = mx_exponent(block_amax, scale_mode, adaptive=adaptive)
         scale_bits = torch.where(nonfinite, E8M0_NAN_BITS, scale_bits).to(torch.uint8)
@@ -80,25 +122,15 @@ def quantize(
         else:
             s_enc = nvfp4_encode_scale(_cta_amax(finite_block_amax, tile, cta_tile))
             s_enc_per_block = _cta_to_blocks(s_enc, xf, tile, cta_tile)
-        tensor_scale = 1.0 / s_enc
+        tensor_scale, outer_decode = 1.0 / s_enc, 1.0 / s_enc_per_block
         # One float32 rounding: amax * (S_enc * (1/6)), as TE's kernel and its reference compute it.
         scale_bits = e4m3_encode(torch.clamp(block_amax * (s_enc_per_block * (1.0 / 6.0)), max=448.0))
         scale_bits = torch.where(nonfinite, E4M3_NAN_BITS, scale_bits).to(torch.uint8)
-        encode = torch.clamp(1.0 / (e4m3_decode(scale_bits) * (1.0 / s_enc_per_block)), max=FLT_MAX)
+        encode = torch.clamp(1.0 / (e4m3_decode(scale_bits) * outer_decode), max=FLT_MAX)
         scaled = torch.clamp(grouped * encode, -6.0, 6.0)
 
     codes = e2m1.encode_rne(scaled) if rounding == "rtn" else e2m1.encode_stochastic(scaled, generator)
-    return QTensor(
-        data=e2m1.pack(codes.reshape(xf.shape)),
-        scales=_scale_grid(scale_bits, xf, block, tile),
-        tensor_scale=tensor_scale,
-        fmt=fmt,
-        shape=xf.shape,
-        block_size=block,
-        tile=tuple(tile) if tile is not None else None,
-        scale_mode=scale_mode,
-        cta_tile=cta_tile,
-    )
+    return _Encoding(codes, scale_bits, tensor_scale, outer_decode, block, scale_mode, cta_tile)
 
 
 def _group(x: torch.Tensor, block: int, tile: tuple[int, int] | None) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -121,7 +153,8 @@ def _tensor_amax(finite_block_amax: torch.Tensor, tensor_amax) -> torch.Tensor:
     they poison only themselves), or the caller's `tensor_amax`."""
     device = finite_block_amax.device
     if tensor_amax is not None:
-        return torch.as_tensor(tensor_amax, dtype=torch.float32, device=device)
+        # reshape: a one-element [1] amax must still give the documented 0-dim tensor_scale
+        return torch.as_tensor(tensor_amax, dtype=torch.float32, device=device).reshape(())
     return finite_block_amax.amax() if finite_block_amax.numel() else torch.zeros((), device=device)
 
 

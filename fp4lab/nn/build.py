@@ -1,0 +1,47 @@
+"""Build a Llama-style model whose linears and attention follow a recipe."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from fp4lab.nn.attention import AttentionQuant
+from fp4lab.nn.fp4_linear import FP4Linear
+from fp4lab.nn.model import Llama, ModelConfig
+from fp4lab.nn.recipe import Recipe
+
+
+def derive_seed(seed: int, name: str) -> int:
+    """A per-component seed that is stable across processes (Python's hash() is salted)."""
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+def build_model(config: ModelConfig, recipe: Recipe, *, seed: int) -> Llama:
+    """Every block linear gets the recipe's linear for its depth, the head gets the head recipe;
+    each FP4Linear and each FP4 attention draws its random bits from its own seeded generator."""
+
+    def make_linear(block_index: int | None, name: str, in_features: int, out_features: int) -> FP4Linear:
+        if block_index is None:
+            linear, path = recipe.head_linear(), name
+        else:
+            linear, path = recipe.linear_for_block(block_index, config.n_layers), f"layers.{block_index}.{name}"
+        lora_rank = recipe.lora_svd_rank if block_index is not None and not linear.is_high_precision else 0
+        return FP4Linear(in_features, out_features, linear, seed=derive_seed(seed, path), lora_rank=lora_rank)
+
+    embedding_dtype = torch.bfloat16 if recipe.embedding == "bf16" else torch.float32
+    model = Llama(config, make_linear, embedding_dtype=embedding_dtype)
+    if recipe.attention.format != "bf16":
+        for index, attention in enumerate(model.attentions()):
+            generator = torch.Generator().manual_seed(derive_seed(seed, f"layers.{index}.attention"))
+            attention.quant = AttentionQuant(recipe.attention.format, recipe.attention.ds_rounding, generator)
+    return model
+
+
+def fp4_linears(model: torch.nn.Module) -> dict[str, FP4Linear]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, FP4Linear)}
+
+
+def attention_generators(model: Llama) -> list[torch.Generator]:
+    """The random streams of FP4 attention, which checkpoints must carry (they are not parameters)."""
+    return [a.quant.generator for a in model.attentions() if a.quant is not None and a.quant.generator is not None]

@@ -1,0 +1,36 @@
+"""fake_quantize is quantize(...).dequantize() without packing: bit for bit, random bits included."""
+
+import pytest
+import torch
+
+from fp4lab.numerics import fake_quantize, quantize
+
+CASES = [
+    ("nvfp4", {}),
+    ("nvfp4", {"tile": (16, 16)}),
+    ("nvfp4", {"tensor_amax": 3.0}),
+    ("nvfp4_cta", {}),
+    ("nvfp4_cta", {"tile": (16, 16), "cta_tile": 32}),
+    ("mxfp4", {"scale_mode": "floor"}),
+    ("mxfp4", {"scale_mode": "even"}),
+    ("mxfp4", {"scale_mode": "rceil", "adaptive": True, "tile": (32, 32)}),
+    ("nvfp4", {"rounding": "sr"}),
+    ("mxfp4", {"scale_mode": "ceil", "rounding": "sr"}),
+]
+
+
+@pytest.mark.parametrize("fmt, options", CASES)
+def test_fake_quantize_matches_quantize_dequantize(fmt, options):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(192, 256, generator=g) * torch.exp2(torch.randint(-24, 6, (192, 1), generator=g).float())
+    x[5, 7], x[100, 200] = float("nan"), float("-inf")
+    seeded = lambda: {"generator": torch.Generator().manual_seed(11)} if options.get("rounding") == "sr" else {}
+    packed = quantize(x, fmt, **options, **seeded()).dequantize()
+    fake = fake_quantize(x, fmt, **options, **seeded())
+    assert torch.equal(packed.isnan(), fake.isnan())
+    assert torch.equal(packed.nan_to_num(nan=0.0), fake.nan_to_num(nan=0.0))
+
+
+def test_fake_quantize_validates_like_quantize():
+    with pytest.raises(ValueError, match="fmt='fp3' is not supported"):
+        fake_quantize(torch.randn(4, 32), "fp3")
