@@ -52,6 +52,11 @@ def hadamard_matrix(size: int, signs: torch.Tensor | str = "fixed") -> torch.Ten
                 "hadamard: draw random signs once with hadamard_signs(size, 'random', generator) and pass "
                 "the same tensor for both GEMM operands"
             )
+        if signs not in ("fixed", "none"):
+            raise ValueError(
+                f"hadamard: signs={signs!r} is not supported; allowed: 'fixed', 'none' or a tensor of {size} "
+                "values in {-1, +1} (see hadamard_signs)"
+            )
         s = hadamard_signs(size, signs)
     else:
         s = _check_signs(signs, size)
@@ -77,7 +82,7 @@ def hadamard(x: torch.Tensor, size: int, signs: torch.Tensor | str = "fixed", *,
 
 
 def _check_size(size: int) -> None:
-    if size not in HADAMARD_SIZES:
+    if not isinstance(size, int) or size not in HADAMARD_SIZES:
         raise ValueError(f"hadamard: size={size!r} is not supported; allowed: {', '.join(map(str, HADAMARD_SIZES))}")
 
 

@@ -93,5 +93,7 @@ def e4m3_decode(bits: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """TE's global encode scale S_enc = min(2688 / amax, FLT_MAX), and 1 where amax or S_enc is 0."""
-    s_enc = torch.clamp(NVFP4_AMAX_TO_ENCODE / amax, max=FLT_MAX)
+    # Divide tensor by tensor: `python_scalar / tensor` is computed by torch as reciprocal(amax) * 2688,
+    # two roundings that give a 1-ulp different S_enc for about a quarter of all amax values.
+    s_enc = torch.clamp(torch.full_like(amax, NVFP4_AMAX_TO_ENCODE) / amax, max=FLT_MAX)
     return torch.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
