@@ -1,0 +1,209 @@
+"""Muon for the 2D hidden matrices of a transformer, with Newton-Schulz in bf16 or on NVFP4 iterates.
+
+The update rule is torch.optim.Muon's (torch >= 2.9, `torch/optim/_muon.py`), which is Keller Jordan's
+Muon (github.com/KellerJordan/Muon, `muon.py`):
+
+    B   <- lerp(B, G, 1 - mu)                    EMA momentum (mu = 0.95)
+    U   <- lerp(G, B, mu) if nesterov else B     Nesterov: (1 - mu) G + mu B
+    O   <- NS_k(U)                               k quintic Newton-Schulz steps, (a, b, c) = (3.4445, -4.775, 2.0315)
+    W   <- W (1 - lr wd)                         decoupled weight decay with the *unscaled* lr
+    W   <- W - lr * scale(shape) * O
+
+`lr_scaling` picks scale(shape) for a rows x cols matrix:
+
+- "original" (Keller): sqrt(max(1, rows / cols)), so the update's spectral norm is lr * sqrt(fan_out / fan_in)
+  for tall matrices and lr otherwise.
+- "moonlight" (Moonlight, "Muon is Scalable for LLM Training", arXiv 2502.16982): 0.2 * sqrt(max(rows, cols)).
+  A full-rank orthogonal matrix has RMS 1 / sqrt(max(rows, cols)), so this gives the update an RMS of about
+  0.2, the RMS of a typical AdamW update, letting Muon reuse AdamW's lr and weight decay.
+
+With `ns_format="bf16"` a step is bit-identical to torch.optim.Muon with the same settings (the tests
+check it). The class does not inherit from it: torch's step calls a private, module-level Newton-Schulz
+function, and the NVFP4 mode needs its own loop, so `newton_schulz` below is the one loop both modes run.
+
+`ns_format="nvfp4"` follows Full-Stack FP4 (Ding et al., arXiv 2607.04422), which runs the Newton-Schulz
+iteration of its orthogonalized optimizer in NVFP4: every iterate X is quantized with
+`quantize(X, "nvfp4")` (round to nearest) and dequantized before the products that read it. See
+`newton_schulz` for the quantization axis. Only the iterates are rounded; the Gram and polynomial
+products stay in bf16 exactly as in the bf16 mode, so the two modes differ only by FP4 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from fp4lab.numerics import quantize
+
+LR_SCALINGS = ("original", "moonlight")
+NS_FORMATS = ("bf16", "nvfp4")
+NVFP4_BLOCK = 16
+KELLER_COEFFICIENTS = (3.4445, -4.775, 2.0315)
+# torch.optim.Muon's and Keller's guard against dividing a zero gradient by its zero norm.
+NS_EPS = 1e-7
+
+
+def newton_schulz(
+    g: torch.Tensor,
+    coefficients: tuple[float, float, float] = KELLER_COEFFICIENTS,
+    steps: int = 5,
+    fmt: str = "bf16",
+    eps: float = NS_EPS,
+) -> torch.Tensor:
+    """Approximately orthogonalize the 2D matrix g (U S V^T -> U S' V^T, S' roughly in [0.7, 1.2]); bf16 result.
+
+    The loop is Keller Jordan's quintic iteration as torch.optim.Muon writes it: cast to bf16, view the
+    matrix wide (transpose when rows > cols, so the Gram matrix X X^T is the small one), divide by the
+    Frobenius norm (which bounds the spectral norm by 1), then `steps` times
+    A = X X^T;  B = b A + c A A;  X = a X + B X.
+
+    fmt="nvfp4" (Full-Stack FP4, arXiv 2607.04422) rounds each iterate X to NVFP4 right before it enters
+    the products, X the normalized input included; the final iterate, which becomes the update and
+    feeds no further product, is returned unrounded. Quantization axis: 1x16 blocks along the last dim
+    of the *wide* view, i.e. along the longer side of the matrix. That is the contraction dim of the
+    Gram product X X^T (an NVFP4 GEMM needs its blocks along K), it is the dim most likely to be a
+    multiple of 16 (kv projections can have a short side of 64 or less), and it keeps the rule the
+    same for tall and wide parameters. The same rounded X also feeds B X, whose contraction runs over
+    the short side; a hardware kernel would need a second, column-blocked copy for that GEMM, which
+    this reference does not model. Quantizing the bf16 iterate and dequantizing back to bf16 rounds
+    twice, the second time at 2^-9, far below the FP4 error.
+    """
+    if g.ndim != 2:
+        raise ValueError(f"newton_schulz: g must be a 2D matrix, got shape {list(g.shape)}")
+    if fmt not in NS_FORMATS:
+        raise ValueError(f"newton_schulz: fmt={fmt!r} is not supported; allowed: {', '.join(map(repr, NS_FORMATS))}")
+    a, b, c = coefficients
+    tall = g.size(0) > g.size(1)
+    x = g.bfloat16()
+    if tall:
+        x = x.T
+    if fmt == "nvfp4" and x.size(1) % NVFP4_BLOCK:
+        raise ValueError(
+            f"newton_schulz: fmt='nvfp4' blocks the longer side of the matrix by {NVFP4_BLOCK}; "
+            f"shape {list(g.shape)} has none that is a multiple of {NVFP4_BLOCK}"
+        )
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        if fmt == "nvfp4":
+            x = quantize(x, "nvfp4").dequantize(torch.bfloat16)
+        gram = x @ x.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, gram_update, x, beta=a)
+    return x.T if tall else x
+
+
+def lr_scale(shape: torch.Size | tuple[int, int], lr_scaling: str) -> float:
+    """The factor Muon multiplies lr by for a rows x cols matrix (see the module docstring for the sources)."""
+    rows, cols = shape
+    if lr_scaling == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    if lr_scaling == "moonlight":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"Muon: lr_scaling={lr_scaling!r} is not supported; allowed: {', '.join(map(repr, LR_SCALINGS))}")
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (Keller Jordan; torch.optim.Muon's update rule) for 2D hidden matrices only.
+
+    Embeddings, the output head, norm gains and any other non-2D parameter belong to AdamW (Keller's
+    README; Moonlight's toy_train.py): `fp4lab.optim.build_optimizer` does that routing. A parameter
+    that is not 2D is rejected with a ValueError naming its shape, also when it arrives through
+    `add_param_group` (torch.optim.Muon only checks that at construction).
+
+    State per parameter: "momentum_buffer" (grad dtype), the key torch.optim.Muon uses. state_dict()
+    and load_state_dict() are torch's, so a resumed run continues bit for bit.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_coefficients: tuple[float, float, float] = KELLER_COEFFICIENTS,
+        lr_scaling: str = "original",
+        ns_format: str = "bf16",
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"Muon: lr={lr!r} must be >= 0")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Muon: momentum={momentum!r} must be in [0, 1)")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"Muon: weight_decay={weight_decay!r} must be >= 0")
+        if not isinstance(ns_steps, int) or not 1 <= ns_steps < 100:
+            raise ValueError(f"Muon: ns_steps={ns_steps!r} must be an int in [1, 99]")
+        if len(tuple(ns_coefficients)) != 3:
+            raise ValueError(f"Muon: ns_coefficients={ns_coefficients!r} must be three floats (a, b, c)")
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "weight_decay": weight_decay,
+            "ns_steps": ns_steps,
+            "ns_coefficients": tuple(ns_coefficients),
+            "lr_scaling": lr_scaling,
+            "ns_format": ns_format,
+        }
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_group(group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.is_sparse:
+                    raise RuntimeError("Muon does not support sparse gradients")
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(grad, 1 - mu)
+                update = grad.lerp(buf, mu) if group["nesterov"] else buf
+                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["ns_format"])
+                p.mul_(1 - lr * wd)
+                p.add_(update, alpha=-lr * lr_scale(p.shape, group["lr_scaling"]))
+        return loss
+
+
+def _check_group(group: dict) -> None:
+    if group["lr_scaling"] not in LR_SCALINGS:
+        raise ValueError(
+            f"Muon: lr_scaling={group['lr_scaling']!r} is not supported; allowed: {', '.join(map(repr, LR_SCALINGS))}"
+        )
+    if group["ns_format"] not in NS_FORMATS:
+        raise ValueError(
+            f"Muon: ns_format={group['ns_format']!r} is not supported; allowed: {', '.join(map(repr, NS_FORMATS))}"
+        )
+    for p in group["params"]:
+        if p.ndim != 2:
+            raise ValueError(
+                f"Muon: a parameter of shape {list(p.shape)} is not a 2D matrix; Muon is for hidden matrices, "
+                "give embeddings, the output head and 1D parameters to AdamW (fp4lab.optim.build_optimizer does)"
+            )
+        if torch.is_complex(p):
+            raise ValueError(f"Muon: complex parameters are not supported (shape {list(p.shape)})")
+        if group["ns_format"] == "nvfp4" and max(p.shape) % NVFP4_BLOCK:
+            raise ValueError(
+                f"Muon: ns_format='nvfp4' blocks the longer side of each matrix by {NVFP4_BLOCK}; a parameter of "
+                f"shape {list(p.shape)} has none that is a multiple of {NVFP4_BLOCK} (use ns_format='bf16')"
+            )

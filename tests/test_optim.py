@@ -1,0 +1,377 @@
+"""fp4lab.optim: Muon (against torch.optim.Muon, NVFP4 Newton-Schulz), build_optimizer routing, resume, config.
+
+AdamW's tests are in test_optim_adamw.py, QK-Clip's and the update cap's in test_optim_qk_clip.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4lab.numerics import quantize
+from fp4lab.optim import CombinedOptimizer, Muon, OptimizerConfig, build_optimizer, newton_schulz
+from fp4lab.optim.muon import KELLER_COEFFICIENTS, lr_scale
+
+TORCH_LR_FN = {"original": "original", "moonlight": "match_rms_adamw"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: a second intra-op thread only adds synchronisation, and on a loaded
+    2-core machine spinning OpenMP threads made this module several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _save_load(state_dict: dict) -> dict:
+    """Round trip through torch.save / torch.load(weights_only=True), as a checkpoint would."""
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+# ------------------------------------------------------------------------------------------- Muon
+
+
+@pytest.mark.parametrize("lr_scaling", ["original", "moonlight"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_bf16_muon_is_bit_identical_to_torch_muon(lr_scaling, nesterov):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(96, 32), (32, 80)]  # tall (lr factor sqrt(3) under "original") and wide
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = Muon(ours, lr=0.03, weight_decay=0.1, nesterov=nesterov, lr_scaling=lr_scaling)
+    ref = torch.optim.Muon(theirs, lr=0.03, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=TORCH_LR_FN[lr_scaling])
+    for _ in range(3):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        opt.step()
+        ref.step()
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+        assert torch.equal(opt.state[a]["momentum_buffer"], ref.state[b]["momentum_buffer"])
+
+
+def test_lr_scaling_factors():
+    assert lr_scale((256, 64), "original") == 2.0  # Keller: sqrt(fan_out / fan_in) for tall matrices
+    assert lr_scale((64, 256), "original") == 1.0
+    assert lr_scale((256, 64), "moonlight") == pytest.approx(3.2)  # 0.2 * sqrt(256)
+    assert lr_scale((64, 256), "moonlight") == pytest.approx(3.2)
+
+
+def test_moonlight_scaling_gives_update_rms_near_0_2():
+    # Moonlight's rationale: 0.2 * sqrt(max(A, B)) * NS(G) has RMS ~0.2, AdamW's typical update RMS.
+    g = torch.randn(256, 128, generator=torch.Generator().manual_seed(1))
+    p = torch.nn.Parameter(torch.zeros(256, 128))
+    p.grad = g
+    Muon([p], lr=1.0, lr_scaling="moonlight").step()
+    rms = p.detach().pow(2).mean().sqrt().item()
+    assert 0.15 < rms < 0.2
+
+
+def test_weight_decay_is_decoupled_and_uses_the_unscaled_lr():
+    w0 = torch.randn(64, 16)
+    p = torch.nn.Parameter(w0.clone())
+    p.grad = torch.zeros_like(p)  # NS(0) = 0: only the decay acts
+    Muon([p], lr=0.05, weight_decay=0.2, lr_scaling="moonlight").step()
+    assert torch.equal(p.detach(), w0 * (1 - 0.05 * 0.2))
+
+
+@pytest.mark.parametrize("shape", [(4,), (2, 3, 4), ()])
+def test_muon_rejects_non_2d_params_naming_the_shape(shape):
+    with pytest.raises(ValueError, match=re.escape(str(list(shape)))):
+        Muon([torch.nn.Parameter(torch.zeros(shape))])
+
+
+def test_muon_checks_groups_added_later():
+    opt = Muon([torch.nn.Parameter(torch.zeros(4, 4))])
+    with pytest.raises(ValueError, match=r"\[8\]"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(8))]})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"lr_scaling": "match_rms_adamw"},
+            "lr_scaling='match_rms_adamw' is not supported; allowed: 'original', 'moonlight'",
+        ),
+        ({"ns_format": "fp8"}, "ns_format='fp8' is not supported; allowed: 'bf16', 'nvfp4'"),
+        ({"momentum": 1.0}, "momentum=1.0 must be in"),
+    ],
+)
+def test_muon_option_errors_name_the_option_and_allowed_values(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Muon([torch.nn.Parameter(torch.zeros(16, 16))], **kwargs)
+
+
+def test_nvfp4_muon_needs_a_side_that_is_a_multiple_of_16():
+    with pytest.raises(ValueError, match=r"\[20, 12\]"):
+        Muon([torch.nn.Parameter(torch.zeros(20, 12))], ns_format="nvfp4")
+    Muon([torch.nn.Parameter(torch.zeros(20, 48))], ns_format="nvfp4")  # long side 48 is blockable
+
+
+def test_nvfp4_newton_schulz_rounds_each_iterate_along_the_long_side():
+    """Two steps by hand: X0 = G / ||G|| in bf16, each iterate NVFP4-rounded (blocks along the long
+    side, i.e. the last dim of the wide view) before it enters X X^T and B X; the last one unrounded."""
+    g = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))  # tall: the wide view is g.T
+    a, b, c = KELLER_COEFFICIENTS
+    x = g.bfloat16().T
+    x = x / x.norm().clamp(min=1e-7)
+    for _ in range(2):
+        x = quantize(x, "nvfp4").dequantize(torch.bfloat16)
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    out = newton_schulz(g, steps=2, fmt="nvfp4")
+    assert out.dtype == torch.bfloat16 and out.shape == g.shape
+    assert torch.equal(out, x.T)
+    assert not torch.equal(out, newton_schulz(g, steps=2, fmt="bf16"))
+
+
+def _gradient_like(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """dW = delta^T x over a batch, with a few large input channels, as in LLM activations."""
+    x = torch.randn(512, cols, generator=gen)
+    x[:, :4] *= 20
+    delta = torch.randn(512, rows, generator=gen)
+    return delta.T @ x
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "gradient_like"])
+def test_nvfp4_iterates_keep_the_singular_values_in_the_bf16_band(kind):
+    """Keller's quintic leaves singular values in roughly [0.7, 1.2] (bf16 measured 0.68-1.14 on a
+    256x128 Gaussian); rounding every iterate to NVFP4 must not push them out of that band."""
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(256, 128, generator=gen) if kind == "gaussian" else _gradient_like(256, 128, gen)
+    sv = {fmt: torch.linalg.svdvals(newton_schulz(g, fmt=fmt).float()) for fmt in ("bf16", "nvfp4")}
+    for fmt, values in sv.items():
+        assert 0.6 < values.min() and values.max() < 1.25, (fmt, values.min(), values.max())
+    assert abs(sv["nvfp4"].mean() - sv["bf16"].mean()) < 0.1
+
+
+def test_muon_state_dict_round_trip_resumes_bit_identically():
+    gen = torch.Generator().manual_seed(4)
+    w0 = [torch.randn(48, 32, generator=gen), torch.randn(32, 64, generator=gen)]
+    grads = [[torch.randn(w.shape, generator=gen) for w in w0] for _ in range(2)]
+    for ns_format in ("bf16", "nvfp4"):
+        kwargs = {"lr": 0.02, "weight_decay": 0.1, "ns_format": ns_format, "lr_scaling": "moonlight"}
+        straight = [torch.nn.Parameter(w.clone()) for w in w0]
+        opt = Muon(straight, **kwargs)
+        for step_grads in grads:
+            for p, g in zip(straight, step_grads):
+                p.grad = g.clone()
+            opt.step()
+
+        first = [torch.nn.Parameter(w.clone()) for w in w0]
+        opt1 = Muon(first, **kwargs)
+        for p, g in zip(first, grads[0]):
+            p.grad = g.clone()
+        opt1.step()
+        saved = _save_load(opt1.state_dict())
+        resumed = [torch.nn.Parameter(p.detach().clone()) for p in first]
+        opt2 = Muon(resumed, lr=1.0, ns_format=ns_format)  # hyperparameters come from the checkpoint
+        opt2.load_state_dict(saved)
+        for p, g in zip(resumed, grads[1]):
+            p.grad = g.clone()
+        opt2.step()
+        for a, b in zip(straight, resumed):
+            assert torch.equal(a, b), ns_format
+
+
+# ------------------------------------------------------------------------------------- build
+
+
+def llama_params(
+    n_layers: int = 2, dim: int = 32, n_kv_heads_dim: int = 16, hidden: int = 64, vocab: int = 128, lora: bool = False
+) -> dict[str, torch.nn.Parameter]:
+    """torchtitan Llama parameter names and shapes, without fp4lab.nn (optim may not import it)."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = {"tok_embeddings.weight": (vocab, dim)}
+    for i in range(n_layers):
+        shapes |= {
+            f"layers.{i}.attention.wq.weight": (dim, dim),
+            f"layers.{i}.attention.wk.weight": (n_kv_heads_dim, dim),
+            f"layers.{i}.attention.wv.weight": (n_kv_heads_dim, dim),
+            f"layers.{i}.attention.wo.weight": (dim, dim),
+            f"layers.{i}.feed_forward.w1.weight": (hidden, dim),
+            f"layers.{i}.feed_forward.w2.weight": (dim, hidden),
+            f"layers.{i}.feed_forward.w3.weight": (hidden, dim),
+            f"layers.{i}.attention_norm.weight": (dim,),
+            f"layers.{i}.ffn_norm.weight": (dim,),
+        }
+        if lora:
+            shapes |= {f"layers.{i}.attention.wq.lora_a": (4, dim), f"layers.{i}.attention.wq.lora_b": (dim, 4)}
+    shapes |= {"norm.weight": (dim,), "output.weight": (vocab, dim)}
+    return {n: torch.nn.Parameter(torch.randn(s, generator=gen) * 0.1) for n, s in shapes.items()}
+
+
+def test_routing_follows_the_muon_convention():
+    params = llama_params(lora=True)
+    opt = build_optimizer(params.items(), OptimizerConfig())
+    muon = {n for n, r in opt.route.items() if r == "muon"}
+    expected = {
+        f"layers.{i}.{m}.weight"
+        for i in range(2)
+        for m in (
+            "attention.wq",
+            "attention.wk",
+            "attention.wv",
+            "attention.wo",
+            "feed_forward.w1",
+            "feed_forward.w2",
+            "feed_forward.w3",
+        )
+    }
+    assert muon == expected
+    assert set(opt.route) == set(params)  # everything else, LoRA adapters included, is AdamW's
+    muon_ids = {id(p) for g in opt.optimizers["muon"].param_groups for p in g["params"]}
+    assert muon_ids == {id(params[n]) for n in expected}
+    assert isinstance(opt, CombinedOptimizer)
+
+
+def test_adamw_name_routes_everything_to_adamw_at_adam_lr():
+    params = llama_params()
+    opt = build_optimizer(params.items(), OptimizerConfig(name="adamw", adam_lr=1e-3))
+    assert set(opt.route.values()) == {"adamw"} and list(opt.optimizers) == ["adamw"]
+    assert all(g["lr"] == 1e-3 for g in opt.param_groups)
+
+
+def test_groups_lr_and_weight_decay():
+    params = llama_params()
+    cfg = OptimizerConfig(lr=0.03, adam_lr=4e-4, weight_decay=0.1)
+    opt = build_optimizer(params.items(), cfg)
+    (muon_group,) = opt.optimizers["muon"].param_groups
+    assert muon_group["lr"] == 0.03 and muon_group["weight_decay"] == 0.1
+    decay, no_decay = opt.optimizers["adamw"].param_groups
+    assert {id(p) for p in decay["params"]} == {id(params["tok_embeddings.weight"]), id(params["output.weight"])}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim == 1 for p in no_decay["params"]) and len(no_decay["params"]) == 5
+    assert decay["lr"] == no_decay["lr"] == 4e-4
+
+
+def test_set_lr_scale_multiplies_each_groups_base_lr():
+    opt = build_optimizer(llama_params().items(), OptimizerConfig(lr=0.02, adam_lr=3e-4))
+    opt.set_lr_scale(0.5)
+    assert sorted(g["lr"] for g in opt.param_groups) == [1.5e-4, 1.5e-4, 0.01]
+    opt.set_lr_scale(0.1)  # relative to the base lr, not compounding
+    assert sorted(g["lr"] for g in opt.param_groups) == pytest.approx([3e-5, 3e-5, 0.002])
+
+
+def test_frozen_params_are_left_out():
+    params = llama_params()
+    params["output.weight"].requires_grad_(False)
+    opt = build_optimizer(params.items(), OptimizerConfig())
+    assert "output.weight" not in opt.route
+
+
+def test_muon_without_any_block_matrix_is_an_error():
+    params = {"blocks.0.attn.weight": torch.nn.Parameter(torch.zeros(16, 16))}
+    with pytest.raises(ValueError, match="no parameter is a 2D 'layers"):
+        build_optimizer(params.items(), OptimizerConfig())
+
+
+def _fake_grads(params: dict[str, torch.nn.Parameter], step: int) -> None:
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=gen) + 0.1 * p.detach()
+
+
+def test_combined_state_dict_round_trip_resumes_bit_identically():
+    cfg = OptimizerConfig(ns_format="nvfp4", adam_v_format="nvfp4", update_cap=(0.05, 0.02), weight_decay=0.1)
+    straight = llama_params()
+    opt = build_optimizer(straight.items(), cfg)
+    for step in range(3):
+        _fake_grads(straight, step)
+        opt.set_lr_scale(1.0 - 0.1 * step)
+        opt.step()
+
+    first = llama_params()
+    opt1 = build_optimizer(first.items(), cfg)
+    for step in range(2):
+        _fake_grads(first, step)
+        opt1.set_lr_scale(1.0 - 0.1 * step)
+        opt1.step()
+    emb_state = opt1.optimizers["adamw"].state[first["tok_embeddings.weight"]]
+    assert emb_state["v_codes"].dtype == torch.uint8  # the embedding's v really is NVFP4 here
+    saved = _save_load(opt1.state_dict())
+    resumed = {n: torch.nn.Parameter(p.detach().clone()) for n, p in first.items()}
+    opt2 = build_optimizer(resumed.items(), cfg)
+    opt2.load_state_dict(saved)
+    assert opt2.optimizers["adamw"].state[resumed["tok_embeddings.weight"]]["v_codes"].dtype == torch.uint8
+    _fake_grads(resumed, 2)
+    opt2.set_lr_scale(1.0 - 0.1 * 2)
+    opt2.step()
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+
+
+def test_load_state_dict_from_a_different_optimizer_name_is_refused():
+    saved = build_optimizer(llama_params().items(), OptimizerConfig(name="adamw")).state_dict()
+    opt = build_optimizer(llama_params().items(), OptimizerConfig(name="muon"))
+    with pytest.raises(ValueError, match="different OptimizerConfig.name"):
+        opt.load_state_dict(saved)
+
+
+def test_update_cap_is_wired_to_block_matrices_with_alpha_qk_on_wq_wk():
+    params = llama_params()
+    opt = build_optimizer(params.items(), OptimizerConfig(update_cap=(0.05, 0.02), lr=5.0))
+    alphas = {id(p): a for p, a in opt.cap.params_and_alphas}
+    names = {id(p): n for n, p in params.items()}
+    assert {names[i] for i in alphas} == {n for n, r in opt.route.items() if r == "muon"}
+    for i, alpha in alphas.items():
+        assert alpha == (0.02 if names[i].endswith(("wq.weight", "wk.weight")) else 0.05)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    _fake_grads(params, 0)
+    opt.step()  # lr=5 makes every Muon update far larger than 5 % of the weight: the cap binds
+    for n, p in params.items():
+        if id(p) in alphas:
+            ratio = (torch.linalg.vector_norm(p.detach() - before[n]) / torch.linalg.vector_norm(before[n])).item()
+            assert ratio == pytest.approx(alphas[id(p)], rel=1e-5), n
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("name", "sgd", "OptimizerConfig.name='sgd' is not supported; allowed: 'muon', 'adamw'"),
+        ("lr_scaling", "rms", "OptimizerConfig.lr_scaling='rms' is not supported; allowed: 'original', 'moonlight'"),
+        ("ns_format", "bf8", "OptimizerConfig.ns_format='bf8' is not supported; allowed: 'bf16', 'nvfp4'"),
+        ("adam_v_format", "int4", "OptimizerConfig.adam_v_format='int4' is not supported; allowed: 'fp32', 'nvfp4'"),
+        ("lr", 0.0, "OptimizerConfig.lr=0.0 must be a finite number > 0"),
+        ("adam_lr", math.nan, "OptimizerConfig.adam_lr=nan must be a finite number > 0"),
+        ("weight_decay", -0.1, "OptimizerConfig.weight_decay=-0.1 must be a finite number >= 0"),
+        ("betas", (0.9, 1.0), "OptimizerConfig.betas=(0.9, 1.0) must be two numbers in [0, 1)"),
+        ("momentum", 1.5, "OptimizerConfig.momentum=1.5 must be in [0, 1)"),
+        ("ns_steps", 0, "OptimizerConfig.ns_steps=0 must be an int in [1, 99]"),
+        ("ns_coefficients", (1.0, 2.0), "OptimizerConfig.ns_coefficients=(1.0, 2.0) must be three numbers"),
+        ("update_cap", 0.05, "OptimizerConfig.update_cap=0.05 must be None or (alpha, alpha_qk)"),
+        ("nesterov", "yes", "OptimizerConfig.nesterov='yes' must be True or False"),
+    ],
+)
+def test_config_errors_are_one_line_and_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        OptimizerConfig(**{field: value})
+    assert "\n" not in str(info.value)
+
+
+def test_optim_imports_only_numerics_from_fp4lab():
+    """The layering rule: numerics <- nn <- optim; optim must not import nn or anything above it."""
+    for path in Path(__file__).resolve().parents[1].joinpath("fp4lab", "optim").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = []
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module]
+            for m in modules:
+                if m.startswith("fp4lab"):
+                    assert m.startswith(("fp4lab.numerics", "fp4lab.optim")), f"{path.name} imports {m}"
