@@ -1,0 +1,261 @@
+"""Causal grouped-query attention with RoPE, the two training probes, and FP4 attention.
+
+`Attention` has three paths, picked by attributes the training loop toggles:
+
+- default: `F.scaled_dot_product_attention` (fused, no logits materialised);
+- probes, computed beside the default output and never changing it:
+  `record_max_logits` stores the per-head max attention logit S_max^h (the QK-Clip trigger, Kimi K2),
+  `probe` stores the per-head attention entropy (Zhai et al. 2023);
+- `quant`: FP4 attention after Full-Stack FP4 (arXiv 2607.04422), fake-quantized, with a
+  hand-written backward (`fp4_attention`).
+
+Tensors inside are laid out [batch, heads, seq, head_dim]; RoPE pairs dims (2i, 2i+1) as Meta's Llama
+and torchtitan do, so checkpoints keep torchtitan's layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4lab.numerics import BLOCK_SIZE, quantize
+
+ATTENTION_FORMATS = ("nvfp4", "mxfp4")
+DS_ROUNDINGS = ("sr", "rtn")
+# Sequence length and head_dim must hold whole blocks of every attention format.
+FP4_BLOCK_MULTIPLE = max(BLOCK_SIZE[fmt] for fmt in ATTENTION_FORMATS)
+# A probe materialises at most this many fp32 logits at once (64 MiB), whatever the model size.
+PROBE_CHUNK_ELEMENTS = 1 << 24
+
+LinearFactory = Callable[[str, int, int], nn.Module]
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the RoPE angles pos * theta^(-2i/head_dim), each [max_seq_len, head_dim // 2]."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x[..., 2i], x[..., 2i+1]) of x [batch, seq, heads, head_dim] by its angle."""
+    even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+@dataclass(frozen=True)
+class AttentionQuant:
+    """How FP4 attention rounds (Full-Stack FP4, arXiv 2607.04422).
+
+    format:      "nvfp4" or "mxfp4" for Q, K, V (round to nearest, along head_dim) and dS (along the
+                 key dim); the PV, P^T dO and dO V^T products run on BF16 operands. None runs the same
+                 algorithm in exact fp32: the reference that checks the hand-written backward.
+    ds_rounding: "sr" (stochastic, unbiased) or "rtn" for dS; None keeps dS unquantized (ablation,
+                 and the expectation the SR estimator is unbiased for).
+    generator:   the random stream of dS's stochastic rounding (None: torch's default generator).
+    """
+
+    format: str | None = "nvfp4"
+    ds_rounding: str | None = "sr"
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        if self.format is not None and self.format not in ATTENTION_FORMATS:
+            raise ValueError(f"AttentionQuant.format={self.format!r}; allowed: 'nvfp4', 'mxfp4' or None")
+        if self.ds_rounding is not None and self.ds_rounding not in DS_ROUNDINGS:
+            raise ValueError(f"AttentionQuant.ds_rounding={self.ds_rounding!r}; allowed: 'sr', 'rtn' or None")
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention: wq, wk, wv, wo built by `make_linear(name, in_features, out_features)`.
+
+    Attributes the training loop sets between steps:
+      record_max_logits  store `last_max_logits` [n_heads]: S_max^h = max over the batch and the causal
+                         positions of q.k / sqrt(head_dim), after RoPE.
+      probe              store `last_entropy` [n_heads]: mean over queries of the causal softmax rows'
+                         entropy (nats), over the first `probe_batch` sequences.
+      quant              an AttentionQuant to run FP4 attention instead of SDPA.
+    Both probes read the unquantized post-RoPE q and k, also under FP4 attention: they track the
+    weights QK-Clip rescales, not the rounding noise.
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, make_linear: LinearFactory | None = None):
+        super().__init__()
+        if dim % n_heads or n_heads % n_kv_heads:
+            raise ValueError(
+                f"Attention: dim={dim} must divide by n_heads={n_heads}, and n_heads by n_kv_heads={n_kv_heads}"
+            )
+        make_linear = make_linear or (lambda name, fan_in, fan_out: nn.Linear(fan_in, fan_out, bias=False))
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = dim // n_heads
+        self.wq = make_linear("wq", dim, n_heads * self.head_dim)
+        self.wk = make_linear("wk", dim, n_kv_heads * self.head_dim)
+        self.wv = make_linear("wv", dim, n_kv_heads * self.head_dim)
+        self.wo = make_linear("wo", n_heads * self.head_dim, dim)
+        self.record_max_logits = False
+        self.last_max_logits: torch.Tensor | None = None
+        self.probe = False
+        self.probe_batch = 2
+        self.last_entropy: torch.Tensor | None = None
+        self.quant: AttentionQuant | None = None
+
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        """x [batch, seq, dim]; rope_cos and rope_sin [seq, head_dim // 2]."""
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+        if self.record_max_logits:
+            self.last_max_logits = max_attention_logits(q, k)
+        if self.probe:
+            self.last_entropy = attention_entropy(q[: self.probe_batch], k[: self.probe_batch])
+
+        if self.quant is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = fp4_attention(q, k, v, self.quant)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+
+
+# --- probes -------------------------------------------------------------------------------------
+
+
+def _causal_logit_chunks(
+    q: torch.Tensor, k: torch.Tensor, max_elements: int
+) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """Yield (query heads, logits, causal mask) in chunks of query rows, each row with all its keys.
+
+    q [B, H, T, D], k [B, H_kv, T, D]. A chunk holds the logits of one KV group's query heads for some
+    query rows: [B, group, rows, keys] with masked logits at -inf. Whole rows keep softmax exact.
+    """
+    batch, n_heads, seq, head_dim = q.shape
+    group = n_heads // k.shape[1]
+    rows_per_chunk = max(1, max_elements // (batch * group * seq))
+    positions = torch.arange(seq, device=q.device)
+    for kv_head in range(k.shape[1]):
+        heads = slice(kv_head * group, (kv_head + 1) * group)
+        keys = k[:, kv_head : kv_head + 1].float()
+        for start in range(0, seq, rows_per_chunk):
+            stop = min(start + rows_per_chunk, seq)
+            logits = q[:, heads, start:stop].float() @ keys[:, :, :stop].transpose(-1, -2) / math.sqrt(head_dim)
+            causal = positions[:stop] <= positions[start:stop, None]
+            yield heads, logits.masked_fill(~causal, -math.inf), causal
+
+
+@torch.no_grad()
+def max_attention_logits(q: torch.Tensor, k: torch.Tensor, max_elements: int = PROBE_CHUNK_ELEMENTS) -> torch.Tensor:
+    """S_max^h = max over batch and causal (i, j) of q_i.k_j / sqrt(head_dim): fp32 [n_heads], detached."""
+    result = torch.full((q.shape[1],), -math.inf, device=q.device)
+    for heads, logits, _ in _causal_logit_chunks(q.detach(), k.detach(), max_elements):
+        result[heads] = torch.maximum(result[heads], logits.amax(dim=(0, 2, 3)))
+    return result
+
+
+@torch.no_grad()
+def attention_entropy(q: torch.Tensor, k: torch.Tensor, max_elements: int = PROBE_CHUNK_ELEMENTS) -> torch.Tensor:
+    """Per head, the mean over batch and query rows of -sum_j p_ij log p_ij (nats): fp32 [n_heads]."""
+    batch, n_heads, seq, _ = q.shape
+    total = torch.zeros(n_heads, device=q.device)
+    for heads, logits, causal in _causal_logit_chunks(q.detach(), k.detach(), max_elements):
+        log_p = torch.log_softmax(logits, dim=-1)
+        # Masked entries have p = 0 and log p = -inf; their 0 * log 0 term is 0 by definition.
+        p_log_p = torch.where(causal, log_p.exp() * log_p, 0.0)
+        total[heads] -= p_log_p.sum(dim=(0, 2, 3))
+    return total / (batch * seq)
+
+
+# --- FP4 attention ------------------------------------------------------------------------------
+
+
+def fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: AttentionQuant) -> torch.Tensor:
+    """Causal attention with FP4 Q, K, V and dS (Full-Stack FP4), fake-quantized; output [B, H, T, D].
+
+    q [B, H, T, D], k and v [B, H_kv, T, D]. Forward: Qq, Kq, Vq quantized once along head_dim
+    (round to nearest); S = Qq Kq^T / sqrt(D), causal; P = softmax(S) in fp32; O = P Vq with P and Vq
+    rounded to BF16 (fp32 accumulation). Backward (by hand, reusing Qq, Kq, Vq): dV = P^T dO and
+    dP = dO Vq^T on BF16 operands; dS = P * (dP - rowsum(dP * P)); dS quantized along the key dim;
+    dQ = dSq Kq / sqrt(D), dK = dSq^T Qq / sqrt(D). It materialises [B, H, T, T]: a research path.
+
+    dK contracts dSq over queries while its blocks run along keys: that emulates the paper's math,
+    not a hardware FP4 GEMM, which would need dS^T quantized along the query dim.
+    """
+    seq, head_dim = q.shape[-2], q.shape[-1]
+    if seq % FP4_BLOCK_MULTIPLE:
+        raise ValueError(
+            f"FP4 attention: sequence length {seq} must be a multiple of {FP4_BLOCK_MULTIPLE} "
+            "(dS is quantized in blocks along the key dim); pick a seq_len that is"
+        )
+    if head_dim % FP4_BLOCK_MULTIPLE:
+        raise ValueError(f"FP4 attention: head_dim {head_dim} must be a multiple of {FP4_BLOCK_MULTIPLE}")
+    return _FP4Attention.apply(q, k, v, quant)
+
+
+class _FP4Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, quant: AttentionQuant):
+        q_q, k_q, v_q = (_fake_quant(t, quant.format, "rtn", None) for t in (q, k, v))
+        group = q.shape[1] // k.shape[1]
+        probs = _causal_softmax(q_q, k_q.repeat_interleave(group, dim=1))
+        out = _bf16_matmul(probs, v_q.repeat_interleave(group, dim=1), quant)
+        ctx.save_for_backward(q_q, k_q, v_q)
+        ctx.quant = quant
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q_q, k_q, v_q = ctx.saved_tensors
+        quant: AttentionQuant = ctx.quant
+        group = q_q.shape[1] // k_q.shape[1]
+        k_x, v_x = k_q.repeat_interleave(group, dim=1), v_q.repeat_interleave(group, dim=1)
+        # Recomputed rather than saved: P is [B, H, T, T], and the recomputation is bit-identical.
+        probs = _causal_softmax(q_q, k_x)
+        grad_out = grad_out.float()
+
+        grad_v = _bf16_matmul(probs.transpose(-1, -2), grad_out, quant)
+        grad_probs = _bf16_matmul(grad_out, v_x.transpose(-1, -2), quant)
+        grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
+        if quant.ds_rounding is not None:
+            grad_scores = _fake_quant(grad_scores, quant.format, quant.ds_rounding, quant.generator)
+
+        scale = 1.0 / math.sqrt(q_q.shape[-1])
+        grad_q = grad_scores @ k_x * scale
+        grad_k = grad_scores.transpose(-1, -2) @ q_q * scale
+        return grad_q, _sum_over_group(grad_k, group), _sum_over_group(grad_v, group), None
+
+
+def _fake_quant(x: torch.Tensor, fmt: str | None, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+    """x quantized along its last dim and dequantized to fp32; fmt None returns x in fp32."""
+    if fmt is None:
+        return x.float()
+    return quantize(x, fmt, rounding=rounding, generator=generator).dequantize()
+
+
+def _causal_softmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    seq = q.shape[-2]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+    return torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
+
+
+def _bf16_matmul(a: torch.Tensor, b: torch.Tensor, quant: AttentionQuant) -> torch.Tensor:
+    """a @ b as a BF16 GEMM with fp32 accumulation; exact fp32 when quantization is off."""
+    if quant.format is None:
+        return a @ b
+    return a.to(torch.bfloat16).float() @ b.to(torch.bfloat16).float()
+
+
+def _sum_over_group(grad: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, H, T, D] per query head to [B, H_kv, T, D]: a shared K/V head gets its group's sum."""
+    batch, n_heads, seq, head_dim = grad.shape
+    return grad.view(batch, n_heads // group, group, seq, head_dim).sum(dim=2)
