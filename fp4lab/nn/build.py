@@ -17,9 +17,10 @@ def derive_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}:{name}".encode())
 
 
-def build_model(config: ModelConfig, recipe: Recipe, *, seed: int) -> Llama:
+def build_model(config: ModelConfig, recipe: Recipe, *, seed: int, device: torch.device | str = "cpu") -> Llama:
     """Every block linear gets the recipe's linear for its depth, the head gets the head recipe;
-    each FP4Linear and each FP4 attention draws its random bits from its own seeded generator."""
+    each FP4Linear and each FP4 attention draws its random bits from its own seeded generator (on
+    `device`, where the model is moved)."""
 
     def make_linear(block_index: int | None, name: str, in_features: int, out_features: int) -> FP4Linear:
         if block_index is None:
@@ -30,10 +31,10 @@ def build_model(config: ModelConfig, recipe: Recipe, *, seed: int) -> Llama:
         return FP4Linear(in_features, out_features, linear, seed=derive_seed(seed, path), lora_rank=lora_rank)
 
     embedding_dtype = torch.bfloat16 if recipe.embedding == "bf16" else torch.float32
-    model = Llama(config, make_linear, embedding_dtype=embedding_dtype)
+    model = Llama(config, make_linear, embedding_dtype=embedding_dtype).to(device)
     if recipe.attention.format != "bf16":
         for index, attention in enumerate(model.attentions()):
-            generator = torch.Generator().manual_seed(derive_seed(seed, f"layers.{index}.attention"))
+            generator = torch.Generator(device=device).manual_seed(derive_seed(seed, f"layers.{index}.attention"))
             attention.quant = AttentionQuant(recipe.attention.format, recipe.attention.ds_rounding, generator)
     return model
 

@@ -39,20 +39,39 @@ def encode_rne(x: torch.Tensor) -> torch.Tensor:
     return _with_sign(torch.bucketize(a, _rne_boundaries(x.device)), x)
 
 
-def encode_stochastic(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Round float32 values to one of their two neighbouring E2M1 values, unbiased below saturation.
+def round_to_nearest(x: torch.Tensor) -> torch.Tensor:
+    """The E2M1 value nearest each float32 value, ties to even, saturating at +-6 (NaN -> +-0).
+
+    The grid is uniform within [0, 2), [2, 4) and [4, 6] (steps 0.5, 1, 2), so rounding a / step to an
+    integer, half to even, is RNE on the grid; the result equals decode(encode_rne(x)) bit for bit.
+    """
+    a = torch.nan_to_num(x.abs(), nan=0.0)
+    step = _grid_step(a)
+    return torch.copysign(torch.round(a / step).mul_(step).clamp_(max=E2M1_MAX), x)
+
+
+def round_stochastic(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One of the two E2M1 values around each float32 value, unbiased below saturation.
 
     A value a between grid points lo < hi rounds up with probability (a - lo) / (hi - lo), decided by
     one float32 uniform draw per element (every element draws, so the stream position depends only on
-    the shape). Values beyond 6 saturate to 6; NaN encodes as +-0.
+    the shape). Values beyond 6 saturate to 6; NaN becomes +-0.
     """
-    a = torch.nan_to_num(x.abs(), nan=0.0).clamp(max=E2M1_MAX)
-    grid = torch.tensor(E2M1_GRID + (E2M1_MAX,), dtype=torch.float32, device=x.device)
-    low = torch.bucketize(a, grid[1:-1], right=True)  # index of the largest grid value <= a
-    lo, gap = grid[low], grid[low + 1] - grid[low]
-    p_up = (a - lo) / torch.where(gap > 0, gap, 1.0)
+    a = torch.nan_to_num(x.abs(), nan=0.0).clamp_(max=E2M1_MAX)
+    step = _grid_step(a)
+    steps = a / step  # exact: step is a power of two
+    low = steps.floor()
     u = torch.rand(x.shape, generator=generator, dtype=torch.float32, device=x.device)
-    return _with_sign(low + (u < p_up), x)
+    return torch.copysign((low + (u < steps - low)).mul_(step), x)
+
+
+def _grid_step(a: torch.Tensor) -> torch.Tensor:
+    return torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+
+
+def encode_stochastic(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """E2M1 codes of `round_stochastic(x, generator)`."""
+    return encode_rne(round_stochastic(x, generator))
 
 
 def decode(codes: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,7 @@ def quantize(
     """
     enc = _encode(x, fmt, rounding, tile, scale_mode, generator, tensor_amax, adaptive, cta_tile)
     return QTensor(
-        data=e2m1.pack(enc.codes.reshape(x.shape)),
+        data=e2m1.pack(e2m1.encode_rne(enc.elements).reshape(x.shape)),
         scales=_scale_grid(enc.scale_bits, x, enc.block, tile),
         tensor_scale=enc.tensor_scale,
         fmt=fmt,
@@ -76,20 +76,19 @@ def fake_quantize(x: torch.Tensor, fmt: str, **options) -> torch.Tensor:
     """`quantize(x, fmt, **options).dequantize()`, bit for bit, without packing: the float32 values
     a GEMM consumes. Same arguments and errors as `quantize`."""
     enc = _encode(x, fmt, **({"rounding": "rtn"} | options))
-    values = e2m1.decode(enc.codes)
     if fmt == "mxfp4":
-        values = values * e8m0_decode(enc.scale_bits)
+        values = enc.elements * e8m0_decode(enc.scale_bits)
     else:
-        values = values * e4m3_decode(enc.scale_bits) * enc.outer_decode
+        values = enc.elements * e4m3_decode(enc.scale_bits) * enc.outer_decode
     return values.reshape(x.shape)
 
 
 @dataclass
 class _Encoding:
-    codes: torch.Tensor  # E2M1 codes in the grouped view of `_group`
-    scale_bits: torch.Tensor  # one per group, broadcastable against `codes`
+    elements: torch.Tensor  # E2M1 values (float32, signed) in the grouped view of `_group`
+    scale_bits: torch.Tensor  # one per group, broadcastable against `elements`
     tensor_scale: torch.Tensor | None
-    outer_decode: torch.Tensor | None  # 1 / S_enc broadcastable against `codes` (nvfp4 formats)
+    outer_decode: torch.Tensor | None  # 1 / S_enc broadcastable against `elements` (nvfp4 formats)
     block: int
     scale_mode: str | None
     cta_tile: int | None
@@ -129,8 +128,8 @@ def _encode(
         encode = torch.clamp(1.0 / (e4m3_decode(scale_bits) * outer_decode), max=FLT_MAX)
         scaled = torch.clamp(grouped * encode, -6.0, 6.0)
 
-    codes = e2m1.encode_rne(scaled) if rounding == "rtn" else e2m1.encode_stochastic(scaled, generator)
-    return _Encoding(codes, scale_bits, tensor_scale, outer_decode, block, scale_mode, cta_tile)
+    elements = e2m1.round_to_nearest(scaled) if rounding == "rtn" else e2m1.round_stochastic(scaled, generator)
+    return _Encoding(elements, scale_bits, tensor_scale, outer_decode, block, scale_mode, cta_tile)
 
 
 def _group(x: torch.Tensor, block: int, tile: tuple[int, int] | None) -> tuple[torch.Tensor, tuple[int, ...]]:

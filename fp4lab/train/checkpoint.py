@@ -1,0 +1,77 @@
+"""Atomic files: checkpoints, JSON summaries and the metrics log a resumed run continues."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _replace_atomically(path: Path, write) -> None:
+    """Write to a temporary file beside `path`, fsync it, then rename over `path`: a reader (or a
+    resumed run after a kill) sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    _replace_atomically(path, lambda handle: torch.save(state, handle))
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    # Our own checkpoints hold only tensors, numbers, strings and RNG states.
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def write_json(path: Path, value: Any) -> None:
+    _replace_atomically(path, lambda handle: handle.write(json.dumps(value, indent=1, default=str).encode() + b"\n"))
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """One metrics line. Non-finite floats are written as NaN / Infinity (Python's json reads them)."""
+    return json.dumps(record, allow_nan=True)
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON object per line, flushed as written. Opening it for a run resumed at
+    `resume_step` drops the lines of steps >= resume_step first (they were logged after the
+    checkpoint and will be logged again), so the file reads as one uninterrupted run."""
+
+    def __init__(self, path: Path, resume_step: int = 0):
+        self.path = path
+        kept = []
+        if resume_step and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a kill
+                if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < resume_step:
+                    kept.append(line)
+        _replace_atomically(path, lambda handle: handle.write("".join(k + "\n" for k in kept).encode()))
+        self._handle = open(path, "a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._handle.write(json_line(record) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def finite_or_none(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None

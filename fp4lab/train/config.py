@@ -1,0 +1,135 @@
+"""TrainConfig: everything that defines one training run, validated, serializable to JSON/TOML."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from fp4lab.train.data import DataConfig
+
+MODEL_PRESETS = ("tiny", "125m", "350m", "1b")
+OPTIMIZERS = ("muon", "adamw")
+LR_SCHEDULES = ("cosine", "constant", "wsd")
+QK_CLIPS = ("none", "kimi", "update_cap")
+LR_SCALINGS = ("original", "moonlight")
+DEVICES = ("cpu", "cuda", "auto")
+# Fields that may change when a run resumes from its checkpoint without changing what it computes.
+RESUMABLE_CHANGES = ("max_minutes", "checkpoint_every", "out_dir", "device")
+
+
+class ConfigError(ValueError):
+    """A config value that does not validate; the message names the field and the allowed values."""
+
+
+@dataclass
+class TrainConfig:
+    """One training run. `None` for optimizer / qk_clip / qk_clip_tau means: what the recipe says."""
+
+    recipe: str = "bf16"
+    model: str = "tiny"
+    data: DataConfig = field(default_factory=DataConfig)
+    seq_len: int = 128
+    batch_size: int = 8
+    steps: int = 200
+    max_minutes: float | None = None
+    optimizer: str | None = None
+    lr: float = 0.02
+    adam_lr: float = 3e-3
+    weight_decay: float = 0.0
+    lr_scaling: str = "original"
+    warmup_steps: int = 20
+    lr_schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    ns_steps: int = 5
+    qk_clip: str | None = None
+    qk_clip_tau: float | None = None
+    seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 8
+    probe_every: int = 25
+    checkpoint_every: int = 50
+    out_dir: str = "runs/default"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, dict):
+            self.data = _data_config(self.data)
+        _choice("model", self.model, MODEL_PRESETS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS, optional=True)
+        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _choice("qk_clip", self.qk_clip, QK_CLIPS, optional=True)
+        _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        _choice("device", self.device, DEVICES)
+        for name in ("seq_len", "batch_size", "steps", "ns_steps", "eval_every", "eval_batches", "probe_every", "checkpoint_every"):
+            _integer(name, getattr(self, name), minimum=1)
+        _integer("warmup_steps", self.warmup_steps, minimum=0)
+        _integer("seed", self.seed, minimum=0)
+        for name in ("lr", "adam_lr", "grad_clip"):
+            _number(name, getattr(self, name), positive=True)
+        _number("weight_decay", self.weight_decay, positive=False)
+        _number("min_lr_ratio", self.min_lr_ratio, positive=False)
+        if self.min_lr_ratio > 1:
+            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.max_minutes is not None:
+            _number("max_minutes", self.max_minutes, positive=True)
+        if self.qk_clip_tau is not None:
+            _number("qk_clip_tau", self.qk_clip_tau, positive=True)
+        if not isinstance(self.recipe, str) or not self.recipe:
+            raise ConfigError(f"recipe={self.recipe!r} must be a recipe name or a path to a .toml file")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], where: str = "config") -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        for key in values:
+            if key not in known:
+                raise ConfigError(f"{where}: unknown key {key!r}; allowed: {', '.join(sorted(known))}")
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        except TypeError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> TrainConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            values = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        return cls.from_dict(values, str(path))
+
+
+def _data_config(values: dict[str, Any]) -> DataConfig:
+    known = {f.name for f in fields(DataConfig)}
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"unknown key data.{key}; allowed: {', '.join(sorted(known))}")
+    return DataConfig(**values)
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...], optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not supported; allowed: {', '.join(allowed)}")
+
+
+def _integer(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def _number(name: str, value: Any, positive: bool) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        raise ConfigError(f"{name}={value!r} must be a finite number {'> 0' if positive else '>= 0'}")

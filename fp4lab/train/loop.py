@@ -1,0 +1,388 @@
+"""The training loop: `run(config)` trains one model with one recipe and writes everything the
+orchestrator reads into `config.out_dir`:
+
+    config.json     the resolved run (train config, recipe, model shape, parameter count)
+    metrics.jsonl   one object per step: step, loss, lr, grad_norm, tokens_per_s; val_loss every
+                    eval_every steps; probe fields every probe_every steps (attention entropy and max
+                    logit per layer and head, saturated / flushed fractions per FP4 operand)
+    checkpoint.pt   model, optimizer, step, and every random stream (SR and Hadamard generators
+                    included): a run started again in the same out_dir resumes bit for bit
+    summary.json    status (completed | diverged | time_limit | preempted | stopped), the step a
+                    divergence happened, final and best losses, throughput, peak memory
+
+A NaN or Inf loss or gradient norm ends the run with status "diverged" (no traceback). SIGTERM and
+SIGUSR1 (what Slurm sends before preemption or timeout) checkpoint and end with status "preempted".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp4lab.nn.build import attention_generators, build_model, fp4_linears
+from fp4lab.nn.model import Llama, count_parameters, preset
+from fp4lab.nn.recipe import Recipe, load_recipe
+from fp4lab.optim.build import OptimizerConfig, build_optimizer
+from fp4lab.optim.qk_clip import qk_clip_
+from fp4lab.train.checkpoint import MetricsLog, finite_or_none, load_checkpoint, save_checkpoint, write_json
+from fp4lab.train.config import RESUMABLE_CHANGES, ConfigError, TrainConfig
+from fp4lab.train.data import BatchSampler, load_dataset, val_batches
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass
+class RunState:
+    """What the loop carries from step to step besides model and optimizer (checkpointed too)."""
+
+    step: int = 0
+    best_loss: float = math.inf
+    best_val_loss: float = math.inf
+    last_loss: float | None = None
+    last_val_loss: float | None = None
+    train_seconds: float = 0.0
+    tokens_seen: int = 0
+    qk_clip_events: int = 0
+    history: dict[str, Any] = field(default_factory=dict)
+
+
+def lr_factor(config: TrainConfig, step: int) -> float:
+    """Linear warmup, then cosine to min_lr_ratio, constant, or WSD (stable, then a linear decay over
+    the last 20% of steps)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    floor = config.min_lr_ratio
+    if config.lr_schedule == "constant":
+        return 1.0
+    if config.lr_schedule == "wsd":
+        decay_start = int(config.steps * 0.8)
+        if step < decay_start:
+            return 1.0
+        return 1.0 - (1.0 - floor) * (step - decay_start + 1) / max(1, config.steps - decay_start)
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | None = None) -> dict[str, Any]:
+    """Train per `config`, resuming from `out_dir/checkpoint.pt` when it exists; return the summary.
+
+    progress: a rich progress bar (None: when stderr is a terminal; plain lines otherwise).
+    stop_after: end cleanly (status "stopped", checkpoint written) after this many steps of this call,
+    as a preemption would; for drills and tests.
+    """
+    out = Path(config.out_dir)
+    recipe = load_recipe(config.recipe)
+    device = _device(config.device)
+    data = load_dataset(config.data, progress=_interactive(progress))
+    model_config = preset(config.model, data.vocab_size, config.seq_len)
+    torch.manual_seed(config.seed)
+    model = build_model(model_config, recipe, seed=config.seed, device=device)
+    optimizer = build_optimizer(model.named_parameters(), _optimizer_config(config, recipe))
+    sampler = BatchSampler(data.train, config.batch_size, config.seq_len, config.seed)
+    evaluation = val_batches(data.val, config.batch_size, config.seq_len, config.eval_batches)
+    qk_clip, tau = _qk_clip(config, recipe)
+
+    state = RunState()
+    checkpoint_path = out / CHECKPOINT
+    if checkpoint_path.exists():
+        state = _restore(checkpoint_path, config, model, optimizer)
+    identity = {
+        "config": config.to_dict(),
+        "recipe": {"name": recipe.name, "path": recipe.path, "source": recipe.source},
+        "model": model_config.__dict__,
+        "parameters": count_parameters(model_config),
+        "dataset": {"name": data.name, "vocab_size": data.vocab_size, "train_tokens": len(data.train), "val_tokens": len(data.val)},
+        "optimizer": {"qk_clip": qk_clip, "qk_clip_tau": tau},
+    }
+    write_json(out / "config.json", identity)
+    metrics = MetricsLog(out / "metrics.jsonl", resume_step=state.step)
+    status, diverged_step = "completed", None
+    started = time.monotonic()
+    steps_this_call = 0
+    tokens_per_step = config.batch_size * config.seq_len
+
+    with _stop_signals() as stop_requested, _progress(_interactive(progress), config, state.step) as advance:
+        while state.step < config.steps:
+            step = state.step
+            if recipe.lora_svd_rank and step % recipe.lora_svd_every == 0:
+                _realign_low_rank(model)
+            optimizer.set_lr_scale(lr_factor(config, step))
+            probing = step % config.probe_every == 0
+            _set_probes(model, probing, record_max_logits=probing or qk_clip == "kimi")
+
+            tic = time.perf_counter()
+            x, y = (t.to(device) for t in sampler.batch(step))
+            loss = model.loss(x, y)
+            record: dict[str, Any] = {"step": step, "loss": loss.item(), "lr": optimizer.param_groups[0]["lr"]}
+            if not math.isfinite(record["loss"]):
+                status, diverged_step = "diverged", step
+                metrics.write(record)
+                break
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip).item()
+            record["grad_norm"] = grad_norm
+            if not math.isfinite(grad_norm):
+                status, diverged_step = "diverged", step
+                metrics.write(record)
+                break
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if qk_clip == "kimi":
+                record["qk_clipped_heads"] = _apply_qk_clip(model, tau, bool(recipe.lora_svd_rank))
+                state.qk_clip_events += record["qk_clipped_heads"]
+            elapsed = time.perf_counter() - tic
+
+            state.train_seconds += elapsed
+            state.tokens_seen += tokens_per_step
+            state.last_loss = record["loss"]
+            state.best_loss = min(state.best_loss, record["loss"])
+            record["tokens_per_s"] = tokens_per_step / elapsed
+            if probing:
+                record.update(_probe_record(model))
+            _set_probes(model, False, record_max_logits=False)
+            state.step = step + 1
+            if state.step % config.eval_every == 0 or state.step == config.steps:
+                record["val_loss"] = evaluate(model, evaluation, device)
+                state.last_val_loss = record["val_loss"]
+                state.best_val_loss = min(state.best_val_loss, record["val_loss"])
+                if not math.isfinite(record["val_loss"]):
+                    status, diverged_step = "diverged", step
+            metrics.write(record)
+            advance(record)
+            steps_this_call += 1
+            if status == "diverged":
+                break
+            if state.step % config.checkpoint_every == 0 or state.step == config.steps:
+                _save(checkpoint_path, config, model, optimizer, state)
+            if state.step < config.steps:
+                reason = _stop_reason(config, started, stop_requested, stop_after, steps_this_call)
+                if reason:
+                    status = reason
+                    _save(checkpoint_path, config, model, optimizer, state)
+                    break
+    metrics.close()
+    summary = _summary(status, diverged_step, config, state, recipe, device)
+    write_json(out / "summary.json", summary)
+    return summary
+
+
+@torch.no_grad()
+def evaluate(model: Llama, batches: list, device: torch.device) -> float:
+    """Mean validation loss. The evaluation forward draws random bits (random Hadamard signs, SR), so
+    every generator is put back afterwards: evaluating never changes the training trajectory."""
+    with _generators_restored(model):
+        losses = [model.loss(x.to(device), y.to(device)).item() for x, y in batches]
+    return sum(losses) / len(losses)
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but CUDA is not available here; use --device cpu")
+    return torch.device(name)
+
+
+def _interactive(progress: bool | None) -> bool:
+    return sys.stderr.isatty() if progress is None else progress
+
+
+def _optimizer_config(config: TrainConfig, recipe: Recipe) -> OptimizerConfig:
+    opt = recipe.optimizer
+    cap = (opt.update_cap_alpha, opt.update_cap_alpha_qk) if _qk_clip(config, recipe)[0] == "update_cap" else None
+    return OptimizerConfig(
+        name=config.optimizer or opt.name or "muon",
+        lr=config.lr,
+        adam_lr=config.adam_lr,
+        weight_decay=config.weight_decay,
+        ns_steps=config.ns_steps,
+        lr_scaling=config.lr_scaling,
+        ns_format=opt.ns_format,
+        adam_v_format=opt.adam_v_format,
+        update_cap=cap,
+    )
+
+
+def _qk_clip(config: TrainConfig, recipe: Recipe) -> tuple[str, float]:
+    return config.qk_clip or recipe.optimizer.qk_clip, config.qk_clip_tau or recipe.optimizer.qk_clip_tau
+
+
+def _set_probes(model: Llama, probing: bool, record_max_logits: bool) -> None:
+    for attention in model.attentions():
+        attention.probe = probing
+        attention.record_max_logits = record_max_logits
+    for linear in fp4_linears(model).values():
+        linear.probe = probing
+        linear.quant_stats = {}
+
+
+def _probe_record(model: Llama) -> dict[str, Any]:
+    entropy = [a.last_entropy.tolist() for a in model.attentions()]
+    max_logit = [a.last_max_logits.tolist() for a in model.attentions()]
+    quant = {name: {op: list(v) for op, v in linear.quant_stats.items()} for name, linear in fp4_linears(model).items() if linear.quant_stats}
+    return {
+        "attn_entropy": entropy,
+        "attn_entropy_mean": [sum(h) / len(h) for h in entropy],
+        "max_logit": max_logit,
+        "max_logit_max": max(max(h) for h in max_logit),
+        "quant": quant,
+    }
+
+
+@torch.no_grad()
+def _apply_qk_clip(model: Llama, tau: float, realign: bool) -> int:
+    clipped = 0
+    for attention in model.attentions():
+        gammas = qk_clip_(
+            attention.wq.weight, attention.wk.weight, attention.last_max_logits, tau,
+            attention.n_heads, attention.n_kv_heads, attention.head_dim,
+        )
+        hit = int((gammas < 1).sum())
+        clipped += hit
+        if hit and realign:  # LoRA-SVD factors must follow the rescaled weights
+            attention.wq.realign_low_rank()
+            attention.wk.realign_low_rank()
+    return clipped
+
+
+def _realign_low_rank(model: Llama) -> None:
+    for linear in fp4_linears(model).values():
+        if linear.lora_rank:
+            linear.realign_low_rank()
+
+
+@contextlib.contextmanager
+def _generators_restored(model: Llama) -> Iterator[None]:
+    linears = list(fp4_linears(model).values())
+    saved = [linear.get_extra_state() for linear in linears]
+    attention = [(g, g.get_state()) for g in attention_generators(model)]
+    try:
+        yield
+    finally:
+        for linear, state in zip(linears, saved):
+            linear.set_extra_state(state)
+        for generator, state in attention:
+            generator.set_state(state)
+
+
+def _save(path: Path, config: TrainConfig, model: Llama, optimizer, state: RunState) -> None:
+    save_checkpoint(
+        path,
+        {
+            "config": config.to_dict(),
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "attention_generators": [g.get_state() for g in attention_generators(model)],
+            "torch_rng": torch.get_rng_state(),
+            "state": state.__dict__,
+        },
+    )
+
+
+def _restore(path: Path, config: TrainConfig, model: Llama, optimizer) -> RunState:
+    checkpoint = load_checkpoint(path)
+    saved, current = checkpoint["config"], config.to_dict()
+    changed = [k for k in current if k not in RESUMABLE_CHANGES and saved.get(k) != current[k]]
+    if changed:
+        raise ConfigError(
+            f"{path} was written by a run with a different {', '.join(changed)}; resume with the same "
+            "settings, or pass another --out (or delete the checkpoint) to start afresh"
+        )
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    for generator, rng in zip(attention_generators(model), checkpoint["attention_generators"]):
+        generator.set_state(rng)
+    torch.set_rng_state(checkpoint["torch_rng"])
+    return RunState(**checkpoint["state"])
+
+
+def _stop_reason(config, started, stop_requested, stop_after, steps_this_call) -> str | None:
+    if stop_requested.is_set():
+        return "preempted"
+    if config.max_minutes is not None and time.monotonic() - started > 60 * config.max_minutes:
+        return "time_limit"
+    if stop_after is not None and steps_this_call >= stop_after:
+        return "stopped"
+    return None
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[threading.Event]:
+    """SIGTERM / SIGUSR1 set a flag the loop checks after each step (signal handlers can only be
+    installed from the main thread; elsewhere the flag just stays unset)."""
+    requested = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+    previous = {sig: signal.signal(sig, lambda *_: requested.set()) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield requested
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _progress(interactive: bool, config: TrainConfig, start: int):
+    """A rich progress bar on a terminal; otherwise about twenty plain lines per run."""
+    if interactive:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+        with Progress(*columns, transient=False) as bar:
+            task = bar.add_task(f"train {config.recipe}", total=config.steps, completed=start, info="")
+
+            def advance(record: dict) -> None:
+                info = f"loss {record['loss']:.4f}" + (f" val {record['val_loss']:.4f}" if "val_loss" in record else "")
+                bar.update(task, advance=1, info=info)
+
+            yield advance
+        return
+    every = max(1, config.steps // 20)
+
+    def advance(record: dict) -> None:
+        step = record["step"] + 1
+        if step % every == 0 or step == config.steps or "val_loss" in record:
+            val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+            print(f"step {step}/{config.steps} loss {record['loss']:.4f}{val} lr {record['lr']:.3g} tok/s {record['tokens_per_s']:.0f}", file=sys.stderr, flush=True)
+
+    yield advance
+
+
+def _summary(status, diverged_step, config: TrainConfig, state: RunState, recipe: Recipe, device) -> dict[str, Any]:
+    if device.type == "cuda":
+        peak_mb = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return {
+        "status": status,
+        "diverged_step": diverged_step,
+        "steps_completed": state.step,
+        "steps": config.steps,
+        "recipe": recipe.name,
+        "model": config.model,
+        "final_loss": finite_or_none(state.last_loss),
+        "best_loss": finite_or_none(state.best_loss),
+        "final_val_loss": finite_or_none(state.last_val_loss),
+        "best_val_loss": finite_or_none(state.best_val_loss),
+        "tokens_seen": state.tokens_seen,
+        "tokens_per_s": state.tokens_seen / state.train_seconds if state.train_seconds else None,
+        "train_seconds": state.train_seconds,
+        "qk_clip_events": state.qk_clip_events,
+        "peak_memory_mb": peak_mb,
+        "device": str(device),
+    }
