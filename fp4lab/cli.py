@@ -121,6 +121,87 @@ def _print_numerics(rows, title: str) -> None:
     console.print(effect)
 
 
+@app.command()
+def train(
+    recipe: Annotated[Optional[str], typer.Option(help="Recipe name (fp4lab recipes) or path to a recipe .toml.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model preset: tiny | 125m | 350m | 1b.")] = None,
+    data: Annotated[Optional[str], typer.Option(help="shakespeare (embedded) | synthetic | path to a .bin token file.")] = None,
+    val_data: Annotated[Optional[str], typer.Option(help="Validation .bin file (default: hold out the tail of --data).")] = None,
+    token_dtype: Annotated[Optional[str], typer.Option(help="Id width of .bin files: uint16 | uint32.")] = None,
+    vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary size (BPE size for shakespeare).")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps (default 200).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per step (default 8).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sequence (default 128).")] = None,
+    optimizer: Annotated[Optional[str], typer.Option(help="muon (hidden matrices; AdamW for the rest) | adamw (default: the recipe's, else muon).")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Muon learning rate (default 0.02).")] = None,
+    adam_lr: Annotated[Optional[float], typer.Option(help="AdamW learning rate (default 3e-3).")] = None,
+    weight_decay: Annotated[Optional[float], typer.Option(help="Decoupled weight decay (default 0).")] = None,
+    lr_schedule: Annotated[Optional[str], typer.Option(help="cosine | constant | wsd (default cosine).")] = None,
+    warmup_steps: Annotated[Optional[int], typer.Option(help="Linear warmup steps (default 20).")] = None,
+    ns_steps: Annotated[Optional[int], typer.Option(help="Newton-Schulz steps K of Muon (default 5).")] = None,
+    qk_clip: Annotated[Optional[str], typer.Option(help="none | kimi | update_cap (default: the recipe's).")] = None,
+    qk_clip_tau: Annotated[Optional[float], typer.Option(help="QK-Clip threshold tau (default: the recipe's, 100).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of init, data order and every random stream (default 0).")] = None,
+    eval_every: Annotated[Optional[int], typer.Option(help="Validation loss every N steps (default 50).")] = None,
+    probe_every: Annotated[Optional[int], typer.Option(help="Attention and quantization probes every N steps (default 25).")] = None,
+    checkpoint_every: Annotated[Optional[int], typer.Option(help="Checkpoint every N steps (default 50).")] = None,
+    max_minutes: Annotated[Optional[float], typer.Option(help="Stop cleanly (resumable) after this much wall time.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cpu | cuda | auto (default cpu).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<recipe>-<model>-s<seed>).")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="A TOML file of train settings; flags override it.")] = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Delete this run folder's checkpoint and logs first instead of resuming.")] = False,
+) -> None:
+    """Train a small Llama-style model with one FP4 recipe; resumes from the run folder's checkpoint."""
+    from fp4lab.nn.recipe import RecipeError
+    from fp4lab.train.config import ConfigError, TrainConfig
+
+    flags = {
+        "recipe": recipe, "model": model, "steps": steps, "batch_size": batch_size, "seq_len": seq_len,
+        "optimizer": optimizer, "lr": lr, "adam_lr": adam_lr, "weight_decay": weight_decay,
+        "lr_schedule": lr_schedule, "warmup_steps": warmup_steps, "ns_steps": ns_steps, "qk_clip": qk_clip,
+        "qk_clip_tau": qk_clip_tau, "seed": seed, "eval_every": eval_every, "probe_every": probe_every,
+        "checkpoint_every": checkpoint_every, "max_minutes": max_minutes, "device": device,
+    }
+    data_flags = {"source": data, "val_source": val_data, "token_dtype": token_dtype, "vocab_size": vocab_size}
+    try:
+        base = TrainConfig.from_toml(config).to_dict() if config is not None else TrainConfig().to_dict()
+        values = base | {k: v for k, v in flags.items() if v is not None}
+        values["data"] = base["data"] | {k: v for k, v in data_flags.items() if v is not None}
+        if out is not None:
+            values["out_dir"] = str(out)
+        elif config is None or "out_dir" not in _toml_keys(config):
+            values["out_dir"] = f"runs/{Path(values['recipe']).stem}-{values['model']}-s{values['seed']}"
+        train_config = TrainConfig.from_dict(values, "train")
+    except (ConfigError, ValueError) as exc:
+        fail(str(exc))
+    if fresh:
+        _clear_run_folder(Path(train_config.out_dir))
+
+    from fp4lab.train.loop import run
+
+    try:
+        summary = run(train_config)
+    except (ConfigError, RecipeError, ValueError) as exc:
+        fail(str(exc).splitlines()[0])
+    print("---")
+    for key in ("status", "diverged_step", "steps_completed", "final_loss", "best_loss", "final_val_loss", "tokens_per_s", "train_seconds", "peak_memory_mb"):
+        value = summary[key]
+        print(f"{key}: {value:.6g}" if isinstance(value, float) else f"{key}: {value}")
+    print(f"out_dir: {train_config.out_dir}")
+
+
+def _toml_keys(path: Path) -> set[str]:
+    import tomllib
+
+    return set(tomllib.loads(path.read_text()))
+
+
+def _clear_run_folder(folder: Path) -> None:
+    """Remove only the files a training run writes, never anything else the user keeps there."""
+    for name in ("checkpoint.pt", "metrics.jsonl", "summary.json", "config.json"):
+        (folder / name).unlink(missing_ok=True)
+
+
 recipes_app = typer.Typer(help="List the FP4 recipes and show a recipe's per-operand ledger.", no_args_is_help=False)
 app.add_typer(recipes_app, name="recipes")
 
