@@ -134,7 +134,7 @@ def train(
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sequence (default 128).")] = None,
     optimizer: Annotated[Optional[str], typer.Option(help="muon (hidden matrices; AdamW for the rest) | adamw (default: the recipe's, else muon).")] = None,
     lr: Annotated[Optional[float], typer.Option(help="Muon learning rate (default 0.02).")] = None,
-    adam_lr: Annotated[Optional[float], typer.Option(help="AdamW learning rate (default 3e-3).")] = None,
+    adam_lr: Annotated[Optional[float], typer.Option(help="AdamW learning rate (default 1e-2).")] = None,
     weight_decay: Annotated[Optional[float], typer.Option(help="Decoupled weight decay (default 0).")] = None,
     lr_schedule: Annotated[Optional[str], typer.Option(help="cosine | constant | wsd (default cosine).")] = None,
     warmup_steps: Annotated[Optional[int], typer.Option(help="Linear warmup steps (default 20).")] = None,

@@ -37,7 +37,7 @@ class TrainConfig:
     max_minutes: float | None = None
     optimizer: str | None = None
     lr: float = 0.02
-    adam_lr: float = 3e-3
+    adam_lr: float = 1e-2
     weight_decay: float = 0.0
     lr_scaling: str = "original"
     warmup_steps: int = 20
