@@ -84,6 +84,8 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
     out = Path(config.out_dir)
     recipe = load_recipe(config.recipe)
     device = _device(config.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     data = load_dataset(config.data, progress=_interactive(progress))
     model_config = preset(config.model, data.vocab_size, config.seq_len)
     torch.manual_seed(config.seed)
