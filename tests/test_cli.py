@@ -126,3 +126,45 @@ def test_numerics_table_is_reproducible(run_cli):
     assert first.returncode == 0, first.stderr
     assert first.stdout == second.stdout
     assert "mxfp4" in first.stdout and "Transform effect" in first.stdout
+
+
+def test_recipes_lists_and_shows_the_ledger(run_cli):
+    listed = run_cli("recipes")
+    assert listed.returncode == 0
+    for name in ("bf16", "nvfp4", "mxfp4-rowsr-h32", "hybrid-depth", "optitrain", "fullstack"):
+        assert name in listed.stdout
+    shown = run_cli("recipes", "show", "mxfp4-rowsr-h32", "--layers", "4")
+    assert shown.returncode == 0
+    rows = [line for line in shown.stdout.splitlines() if "mxfp4" in line and "│" in line]
+    assert len(rows) == 6  # one per operand of blocks 0-3
+    assert any("rceil adaptive" in r and "32x32" in r for r in rows)
+    assert any("sr" in r.split("│")[6] for r in rows) and sum("h32" in r for r in rows) == 2
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["recipes", "show", "nope"], "unknown recipe 'nope'"),
+        (["recipes", "show", "bf16", "--layers", "0"], "--layers must be positive"),
+        (["train", "--recipe", "nope", "--data", "synthetic"], "unknown recipe 'nope'"),
+        (["train", "--lr", "-1"], "lr=-1.0 must be a finite number > 0"),
+        (["train", "--model", "huge"], "model='huge' is not supported; allowed: tiny, 125m, 350m, 1b"),
+        (["train", "--data", "/no/such.bin"], "no such file"),
+        (["train", "--config", "/no/such.toml"], "does not exist"),
+    ],
+)
+def test_train_and_recipes_errors_are_one_line(run_cli, args, fragment):
+    out = run_cli(*args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], out.stderr
+
+
+def test_train_command_runs_and_prints_the_summary_block(run_cli, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('recipe = "nvfp4"\nsteps = 3\nseq_len = 64\nbatch_size = 2\n[data]\nsource = "synthetic"\n')
+    out = run_cli("train", "--config", str(config), "--out", str(tmp_path / "run"), "--steps", "4")
+    assert out.returncode == 0, out.stderr
+    block = dict(line.split(": ", 1) for line in out.stdout.split("---\n", 1)[1].splitlines())
+    assert block["status"] == "completed" and block["steps_completed"] == "4"
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 4
