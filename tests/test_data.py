@@ -374,16 +374,7 @@ def test_synthetic_task_is_seeded_and_sparse():
     assert len(successors) > 200  # the walk visits most of the vocabulary
 
 
-@pytest.fixture
-def one_torch_thread():
-    # Ops this small only pay for threads, and on a busy CPU a thread team can wait 100x longer.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_synthetic_task_is_learnable_fast(one_torch_thread):
+def test_synthetic_task_is_learnable_fast(one_thread):
     # A bigram table is enough to learn a first-order chain: plain SGD takes its loss from ln 256 to
     # near the floor ln 4 in 100 steps.
     dataset = load_dataset(DataConfig(source="synthetic"))

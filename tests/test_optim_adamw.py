@@ -13,14 +13,7 @@ from fp4lab.optim import AdamW, decode_v, encode_v
 from fp4lab.optim.adamw import adam_step_bound_coefficient, quantized_v
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: a second intra-op thread only adds synchronisation, and on a loaded
-    2-core machine spinning OpenMP threads made this module several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _heavy(gen: torch.Generator, *shape: int) -> torch.Tensor:

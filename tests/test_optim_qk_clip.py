@@ -13,14 +13,7 @@ from fp4lab.optim import UpdateCap, qk_clip_
 DIM, HEAD_DIM, SEQ = 64, 16, 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: a second intra-op thread only adds synchronisation, and on a loaded
-    2-core machine spinning OpenMP threads made this module several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rope(x: torch.Tensor) -> torch.Tensor:

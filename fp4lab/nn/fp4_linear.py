@@ -40,16 +40,7 @@ def encode_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | Non
         return t
     if spec.format == "bf16":
         return t.to(torch.bfloat16)
-    return quantize(
-        t,
-        spec.format,
-        rounding=spec.rounding,
-        tile=spec.tile,
-        scale_mode=spec.scale_mode,
-        generator=generator if spec.rounding == "sr" else None,
-        adaptive=spec.adaptive,
-        cta_tile=spec.cta_tile,
-    )
+    return quantize(t, spec.format, **_quantize_options(spec, generator))
 
 
 def decode_operand(encoded: QTensor | torch.Tensor) -> torch.Tensor:
@@ -62,16 +53,18 @@ def operand_values(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | Non
         return decode_operand(encode_operand(t, spec, signs, generator))
     if signs is not None:
         t = hadamard(t, spec.transform_size, signs)
-    return fake_quantize(
-        t,
-        spec.format,
-        rounding=spec.rounding,
-        tile=spec.tile,
-        scale_mode=spec.scale_mode,
-        generator=generator if spec.rounding == "sr" else None,
-        adaptive=spec.adaptive,
-        cta_tile=spec.cta_tile,
-    )
+    return fake_quantize(t, spec.format, **_quantize_options(spec, generator))
+
+
+def _quantize_options(spec: OperandSpec, generator) -> dict:
+    return {
+        "rounding": spec.rounding,
+        "tile": spec.tile,
+        "scale_mode": spec.scale_mode,
+        "generator": generator if spec.rounding == "sr" else None,
+        "adaptive": spec.adaptive,
+        "cta_tile": spec.cta_tile,
+    }
 
 
 def contraction_multiple(recipe: LinearRecipe, gemm: str) -> int:
