@@ -1,0 +1,709 @@
+"""Scan one training run's log for anomalies and give it a verdict. Standard library only (no torch,
+no numpy), so `fp4lab scan` stays fast.
+
+What it reads (`scan(path, ...)`):
+
+- an fp4lab run folder, or its `metrics.jsonl` directly: one JSON object per step (`step`, `loss`,
+  `lr`, `grad_norm`, `tokens_per_s`, optional `val_loss`; on probe steps `attn_entropy`
+  [layers][heads], `attn_entropy_mean` [layers], `max_logit` [layers][heads], `max_logit_max`).
+  NaN / Infinity tokens are read as floats. `summary.json` beside it, when present, gives the status
+  (completed | diverged | time_limit | preempted | stopped) and `diverged_step`.
+- a foreign plain-text log, parsed line by line with a regex whose named groups are `step` and
+  `loss` (optional `grad_norm`, `val_loss`, `nan_iters`). Built-in presets (`PRESETS`): `nanogpt`
+  (`iter 120: loss 3.2101, time 41.20ms, mfu 12.00%`; eval lines `step 250: train loss 3.1, val loss
+  3.2`) and `megatron` (`iteration      120/    1000 | ... | lm loss: 3.210000E+00 | loss scale: 1.0 |
+  grad norm: 0.812 | number of skipped iterations:   0 | number of nan iterations:   0 |`; eval lines
+  `validation loss at iteration 1000 | lm loss value: 3.2E+00 | ...`). Megatron leaves `lm loss` out of
+  the line when the averaged loss is NaN (its `if avg > 0.0`) and counts it in `number of nan
+  iterations`, so a non-zero `nan_iters` counts as a NaN. With neither `regex` nor `preset`, the preset
+  matching the most lines is used.
+
+Corrupt lines (bad JSON, a half-written last line, a JSON value that is not an object, an object
+without an integer `step`, a regex match whose numbers do not parse) are skipped and counted in
+`counts["skipped_lines"]`, never fatal. A missing file raises `FileNotFoundError`; a bad regex or an
+unknown preset raises `ValueError`.
+
+Events (`ScanEvent`: kind, first step, value, threshold, detail; consecutive flagged steps are merged
+into one event whose detail gives the number of steps and the peak). Defaults are in `ScanThresholds`:
+
+- `nan`: a NaN/Inf loss, grad norm or val loss (or a Megatron line with nan iterations > 0).
+- `loss_spike`: once the trailing window of the previous `spike_window` (128) finite losses holds at
+  least `spike_min_count` (32) values, loss_t > mean + `spike_k` (6) x std of the window (OLMo-core's
+  StabilityMonitor rule; skipped while std < 1e-10) OR loss_t > `spike_ratio` (2.0) x the window's
+  median (LLM Foundry's KillLossSpike uses 2x the window mean; the median ignores earlier spikes).
+- `grad_spike`: the mean + k x std rule on grad_norm (OLMo-core checks both); informational.
+- `entropy_collapse`: on a probe step, one layer's mean attention entropy (nats; mean over heads)
+  below `entropy_floor` (0.05 nats), or, once that layer has `entropy_min_probes` (3) earlier probes,
+  below `entropy_drop_factor` (0.2) x the median of its earlier probes.
+- `max_logit`: any head's max attention logit above `max_logit_tau` (100, Kimi K2's QK-Clip tau).
+- `stalled`: time-based: the run has not finished and its log was last written more than
+  `stall_seconds` (600) before `now` (value = age in seconds). Emitted when `running=True` was passed
+  (the scheduler says the job is alive but it is not logging: hung) or for an fp4lab run with no
+  summary (it died without writing one). Progress-based, off by default: with `stall_steps=M`, the
+  first step at which the best loss has not improved by more than `stall_min_delta` over the
+  previous M steps.
+
+Verdict, first rule that applies wins (precedence top to bottom):
+
+1. `diverged@STEP`: a `nan` event, or summary status `diverged`. STEP = summary `diverged_step`,
+   else the first `nan` event's step.
+2. `entropy_collapse@STEP`: an `entropy_collapse` event; STEP = its first step.
+3. `crashed`: a text log with a crash marker (`Traceback (most recent call last)`, `CUDA error`,
+   `out of memory`, `Segmentation fault`, `NCCL error`) and no timeout marker.
+4. `timeout`: summary status `time_limit`, `preempted` or `stopped` (fp4lab writes `preempted` for
+   Slurm's SIGTERM/SIGUSR1, which it also sends at the time limit: the run stopped cleanly with a
+   checkpoint and can be resumed), or a Slurm marker `DUE TO TIME LIMIT` / `DUE TO PREEMPTION` in a text
+   log. Not when `running=True` (a resumed segment is under way).
+5. `running`: `running=True`, or (`running=None`) not finished and the log was written within
+   `stall_seconds` of `now`. "Finished" = a summary with a terminal status for fp4lab runs; a text log
+   is never known to be finished, so it is running while fresh. A summary whose `steps_completed` is
+   behind the metrics (stale, from an earlier preempted segment) is ignored.
+6. `crashed`: an fp4lab run with no summary that is not running (`running=False`, or a stale log).
+7. `unstable`: any event whose kind is in `unstable_kinds` (default: `loss_spike` only; `max_logit`
+   and `grad_spike` are warnings, since a QK-Clip run's pre-clip logits exceed tau by design).
+8. `converged`: otherwise (including a stale text log with no markers, i.e. a finished one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PRESETS",
+    "ScanEvent",
+    "ScanResult",
+    "ScanThresholds",
+    "LogFormat",
+    "format_result",
+    "scan",
+]
+
+VERDICTS = ("converged", "diverged", "entropy_collapse", "unstable", "crashed", "timeout", "running")
+EVENT_KINDS = ("nan", "loss_spike", "grad_spike", "entropy_collapse", "max_logit", "stalled")
+
+# A number as training code prints it, NaN and Inf included (Python "nan", "inf"; C/C++ "-nan", "NaN").
+NUM = r"[-+]?(?:nan|inf(?:inity)?|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
+
+CRASH_MARKERS = re.compile(
+    r"Traceback \(most recent call last\)|CUDA error|out of memory|OutOfMemoryError|Segmentation fault|NCCL error",
+)
+TIMEOUT_MARKERS = re.compile(r"DUE TO TIME LIMIT|DUE TO PREEMPTION")
+TERMINAL_STATUSES = ("completed", "diverged", "time_limit", "preempted", "stopped")
+
+
+@dataclass(frozen=True)
+class ScanThresholds:
+    """Every rule's knobs. Override with `dataclasses.replace`, or `with_overrides({...})` (which also
+    takes the strings a CLI or sweep spec passes and rejects unknown names)."""
+
+    spike_window: int = 128  # trailing window of previous finite losses (OLMo-core: 128)
+    spike_k: float = 6.0  # loss > mean + k * std of the window (OLMo-core: 6)
+    spike_min_count: int = 32  # no spike test until the window holds this many values
+    spike_ratio: float | None = 2.0  # loss > ratio * median(window); None turns the rule off
+    grad_spike_k: float | None = 6.0  # same mean + k * std rule on grad_norm; None: off
+    entropy_floor: float = 0.05  # nats; a layer's mean attention entropy below this collapses
+    entropy_drop_factor: float | None = 0.2  # ... or below factor * median of its earlier probes
+    entropy_min_probes: int = 3  # earlier probes of that layer needed for the relative rule
+    max_logit_tau: float = 100.0  # any head's max attention logit above tau
+    stall_seconds: float = 600.0  # a log older than this (by mtime) is not running
+    stall_steps: int | None = None  # no best-loss improvement over this many steps; None: off
+    stall_min_delta: float = 0.0  # an improvement must exceed this (absolute, in loss units)
+    unstable_kinds: tuple[str, ...] = ("loss_spike",)  # events that make a finished run "unstable"
+
+    def __post_init__(self) -> None:
+        if self.spike_window < 1 or self.spike_min_count < 2 or self.spike_min_count > self.spike_window:
+            raise ValueError("need spike_window >= 1 and 2 <= spike_min_count <= spike_window")
+        unknown = set(self.unstable_kinds) - set(EVENT_KINDS)
+        if unknown:
+            raise ValueError(f"unstable_kinds: unknown kind(s) {sorted(unknown)}; choose from {', '.join(EVENT_KINDS)}")
+
+    def with_overrides(self, overrides: Mapping[str, Any] | Iterable[str]) -> ScanThresholds:
+        """A copy with some fields changed: a mapping {name: value}, or "name=value" strings.
+        Strings are converted to the field's type ("none"/"off" gives None where allowed,
+        unstable_kinds takes a comma-separated list)."""
+        if not isinstance(overrides, Mapping):
+            pairs = {}
+            for item in overrides:
+                name, sep, value = str(item).partition("=")
+                if not sep:
+                    raise ValueError(f"threshold override {item!r}: expected NAME=VALUE")
+                pairs[name.strip()] = value.strip()
+            overrides = pairs
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        changes = {}
+        for name, value in overrides.items():
+            key = name.replace("-", "_")
+            if key not in fields:
+                raise ValueError(f"unknown threshold {name!r}; valid: {', '.join(fields)}")
+            changes[key] = _coerce(key, value, default=getattr(ScanThresholds, key, None))
+        return dataclasses.replace(self, **changes)
+
+
+def _coerce(name: str, value: Any, default: Any) -> Any:
+    if not isinstance(value, str):
+        return tuple(value) if name == "unstable_kinds" else value
+    text = value.strip()
+    if name == "unstable_kinds":
+        return tuple(k.strip() for k in text.split(",") if k.strip())
+    if text.lower() in ("none", "off", "null", ""):
+        return None
+    try:
+        if name in ("spike_window", "spike_min_count", "entropy_min_probes", "stall_steps"):
+            return int(text)
+        return float(text)
+    except ValueError:
+        raise ValueError(f"threshold {name}: {value!r} is not a number") from None
+
+
+@dataclass
+class ScanEvent:
+    """One anomaly episode: `step` is its first step; `value` the value there (loss, entropy, logit,
+    age in seconds); `threshold` what it was compared with; `steps` how many consecutive flagged steps
+    (or probes) the episode spans; `peak` the worst value in it."""
+
+    kind: str
+    step: int
+    value: float
+    threshold: float | None = None
+    detail: str = ""
+    steps: int = 1
+    peak: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "step": self.step,
+            "value": _json_float(self.value),
+            "threshold": _json_float(self.threshold),
+            "steps": self.steps,
+            "peak": _json_float(self.peak),
+            "detail": self.detail,
+        }
+
+
+@dataclass
+class ScanResult:
+    path: str
+    verdict: str  # "converged", "diverged@STEP", "entropy_collapse@STEP", "unstable", "crashed", "timeout", "running"
+    status: str  # the verdict without "@STEP"
+    verdict_step: int | None
+    events: list[ScanEvent] = field(default_factory=list)
+    first_step: dict[str, int] = field(default_factory=dict)  # kind -> first step of that kind
+    counts: dict[str, int] = field(default_factory=dict)  # lines, skipped_lines, steps, and flagged steps per kind
+    last_step: int | None = None
+    final_loss: float | None = None
+    best_loss: float | None = None
+    final_val_loss: float | None = None
+    source: str = ""  # "fp4lab" or the preset / "regex" used for a text log
+    summary_status: str | None = None
+    reasons: list[str] = field(default_factory=list)  # why this verdict, in words
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe (strict JSON): non-finite event values become the strings "nan", "inf", "-inf"."""
+        return {
+            "path": self.path,
+            "verdict": self.verdict,
+            "status": self.status,
+            "verdict_step": self.verdict_step,
+            "events": [e.to_dict() for e in self.events],
+            "first_step": dict(self.first_step),
+            "counts": dict(self.counts),
+            "last_step": self.last_step,
+            "final_loss": _finite(self.final_loss),
+            "best_loss": _finite(self.best_loss),
+            "final_val_loss": _finite(self.final_val_loss),
+            "source": self.source,
+            "summary_status": self.summary_status,
+            "reasons": list(self.reasons),
+        }
+
+
+@dataclass(frozen=True)
+class LogFormat:
+    """How to read a text log: `pattern` (named groups step and loss; optional grad_norm, val_loss,
+    nan_iters) and optional extra patterns for other line kinds (e.g. evaluation lines with step and
+    val_loss). A line is tried against each pattern in order; the first that matches wins."""
+
+    name: str
+    pattern: re.Pattern
+    extra: tuple[re.Pattern, ...] = ()
+
+    @classmethod
+    def from_regex(cls, regex: str | re.Pattern, name: str = "regex") -> LogFormat:
+        try:
+            pattern = re.compile(regex) if isinstance(regex, str) else regex
+        except re.error as error:
+            raise ValueError(f"bad log regex {regex!r}: {error}") from None
+        missing = {"step", "loss"} - set(pattern.groupindex)
+        if missing:
+            raise ValueError(f"log regex {pattern.pattern!r} needs named groups (?P<step>...) and (?P<loss>...); missing: {', '.join(sorted(missing))}")
+        return cls(name, pattern)
+
+    def patterns(self) -> tuple[re.Pattern, ...]:
+        return (self.pattern, *self.extra)
+
+
+PRESETS: dict[str, LogFormat] = {
+    # karpathy/nanoGPT train.py: print(f"iter {iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%")
+    # and the eval line print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+    "nanogpt": LogFormat(
+        "nanogpt",
+        re.compile(rf"\biter (?P<step>\d+): loss (?P<loss>{NUM})", re.IGNORECASE),
+        (re.compile(rf"\bstep (?P<step>\d+): train loss {NUM}, val loss (?P<val_loss>{NUM})", re.IGNORECASE),),
+    ),
+    # NVIDIA/Megatron-LM training_log: ' iteration {:8d}/{:8d} |' ... ' lm loss: {:.6E} |' ... ' grad norm: {:.3f} |'
+    # ... ' number of nan iterations: {:3d} |'; evaluate_and_print_results: 'validation loss at iteration N | lm loss value: ...'
+    "megatron": LogFormat(
+        "megatron",
+        re.compile(
+            rf"\biteration\s+(?P<step>\d+)\s*/\s*\d+\s*\|"
+            rf"(?:.*?\blm loss:\s*(?P<loss>{NUM}))?"
+            rf"(?:.*?\bgrad norm:\s*(?P<grad_norm>{NUM}))?"
+            rf"(?:.*?\bnumber of nan iterations:\s*(?P<nan_iters>\d+))?",
+            re.IGNORECASE,
+        ),
+        (re.compile(rf"\bvalidation loss at iteration (?P<step>\d+)\b.*?\blm loss value:\s*(?P<val_loss>{NUM})", re.IGNORECASE),),
+    ),
+}
+
+
+# --- the scan --------------------------------------------------------------------------------------
+
+
+def scan(
+    path: str | os.PathLike,
+    thresholds: ScanThresholds | None = None,
+    *,
+    regex: str | re.Pattern | None = None,
+    preset: str | None = None,
+    running: bool | None = None,
+    now: float | None = None,
+) -> ScanResult:
+    """Scan a run folder (its metrics.jsonl and summary.json), a metrics.jsonl, or a text log.
+
+    thresholds: `ScanThresholds()` when None. regex / preset: how to read a text log (regex wins;
+    neither: the preset matching the most lines). running: what the scheduler knows (True: the job is
+    alive; False: it is not; None: judge by the log's mtime against `now`, default time.time()).
+    """
+    th = thresholds or ScanThresholds()
+    target = Path(path)
+    if not target.exists():
+        raise FileNotFoundError(f"no such run folder or log: {target}")
+    summary: dict[str, Any] | None = None
+    if target.is_dir():
+        log = target / "metrics.jsonl"
+        if not log.exists():
+            raise FileNotFoundError(f"{target} is a folder without metrics.jsonl (not an fp4lab run folder)")
+        summary = _read_summary(target / "summary.json")
+        kind = "fp4lab"
+    else:
+        log = target
+        if regex is None and preset is None and _looks_like_jsonl(log):
+            kind = "fp4lab"
+            summary = _read_summary(log.parent / "summary.json")
+        else:
+            kind = "text"
+
+    counts = {"lines": 0, "skipped_lines": 0, "steps": 0}
+    markers: dict[str, str] = {}
+    if kind == "fp4lab":
+        records = _read_jsonl(log, counts)
+        source = "fp4lab"
+    else:
+        fmt = _text_format(log, regex, preset)
+        records = _read_text(log, fmt, counts, markers)
+        source = fmt.name
+
+    detector = _Detector(th)
+    for record in records:
+        detector.feed(record)
+    detector.finish()
+    counts["steps"] = detector.steps
+
+    now = time.time() if now is None else now
+    age = now - log.stat().st_mtime
+    status = summary.get("status") if summary else None
+    if summary and status in ("time_limit", "preempted", "stopped"):
+        completed = summary.get("steps_completed")
+        if isinstance(completed, int) and detector.last_step is not None and detector.last_step + 1 > completed:
+            summary, status = None, None  # stale: written by an earlier segment of a resumed run
+    finished = status in TERMINAL_STATUSES
+
+    events = detector.events
+    reasons: list[str] = []
+    if not finished and age > th.stall_seconds and (running is True or (kind == "fp4lab" and running is None)):
+        step = detector.last_step if detector.last_step is not None else 0
+        events.append(ScanEvent("stalled", step, age, th.stall_seconds, f"log last written {age:.0f} s ago (> {th.stall_seconds:.0f} s)"))
+        detector.flagged["stalled"] = 1
+
+    first_step: dict[str, int] = {}
+    for event in events:
+        first_step[event.kind] = min(first_step.get(event.kind, event.step), event.step)
+
+    # --- the verdict, by precedence ---
+    verdict_step = None
+    if "nan" in first_step or status == "diverged":
+        verdict = "diverged"
+        verdict_step = summary.get("diverged_step") if status == "diverged" and isinstance(summary.get("diverged_step"), int) else None
+        if verdict_step is None:
+            verdict_step = first_step.get("nan", detector.last_step)
+        reasons.append("summary status diverged" if status == "diverged" else f"non-finite value at step {first_step['nan']}")
+    elif "entropy_collapse" in first_step:
+        verdict, verdict_step = "entropy_collapse", first_step["entropy_collapse"]
+        reasons.append(f"attention entropy collapsed at step {verdict_step}")
+    elif "crash" in markers and "timeout" not in markers:
+        verdict = "crashed"
+        reasons.append(f"crash marker in log: {markers['crash']!r}")
+    elif running is not True and (status in ("time_limit", "preempted", "stopped") or "timeout" in markers):
+        verdict = "timeout"
+        reasons.append(f"summary status {status}" if status else f"marker in log: {markers['timeout']!r}")
+    elif running is True or (running is None and not finished and age <= th.stall_seconds):
+        verdict = "running"
+        reasons.append("running=True" if running is True else f"no final summary and log written {age:.0f} s ago")
+    elif kind == "fp4lab" and not finished:
+        verdict = "crashed"
+        reasons.append("no summary.json" + (" and running=False" if running is False else f" and log idle {age:.0f} s"))
+    elif any(k in first_step for k in th.unstable_kinds):
+        verdict = "unstable"
+        reasons.append("events: " + ", ".join(k for k in th.unstable_kinds if k in first_step))
+    else:
+        verdict = "converged"
+        reasons.append(f"summary status {status}" if status else "finished without anomalies")
+
+    for kind_name in EVENT_KINDS:
+        counts[kind_name] = detector.flagged.get(kind_name, 0)
+    final_loss, best_loss, final_val = detector.final_loss, detector.best_loss, detector.final_val_loss
+    if summary:  # a folder whose metrics were lost still has its summary
+        final_loss = final_loss if detector.steps else summary.get("final_loss")
+        best_loss = best_loss if best_loss is not None else _finite(summary.get("best_loss"))
+        final_val = final_val if final_val is not None else _finite(summary.get("final_val_loss"))
+    last_step = detector.last_step
+    if last_step is None and summary and isinstance(summary.get("steps_completed"), int) and summary["steps_completed"] > 0:
+        last_step = summary["steps_completed"] - 1
+    return ScanResult(
+        path=str(target),
+        verdict=f"{verdict}@{verdict_step}" if verdict in ("diverged", "entropy_collapse") else verdict,
+        status=verdict,
+        verdict_step=verdict_step,
+        events=sorted(events, key=lambda e: (e.step, EVENT_KINDS.index(e.kind))),
+        first_step=first_step,
+        counts=counts,
+        last_step=last_step,
+        final_loss=_finite(final_loss),
+        best_loss=_finite(best_loss),
+        final_val_loss=_finite(final_val),
+        source=source,
+        summary_status=status,
+        reasons=reasons,
+    )
+
+
+def format_result(result: ScanResult) -> str:
+    """One line for a human: path, verdict, progress, losses, events, skipped lines."""
+    parts = [f"{result.path}: {result.verdict}"]
+    if result.last_step is not None:
+        parts.append(f"step {result.last_step}")
+    if result.final_loss is not None:
+        best = f" (best {result.best_loss:.4f})" if result.best_loss is not None and result.best_loss != result.final_loss else ""
+        parts.append(f"loss {result.final_loss:.4f}{best}")
+    elif result.best_loss is not None:
+        parts.append(f"best loss {result.best_loss:.4f}")
+    if result.final_val_loss is not None:
+        parts.append(f"val {result.final_val_loss:.4f}")
+    if result.events:
+        summary = []
+        for kind in EVENT_KINDS:
+            if kind in result.first_step:
+                n = sum(1 for e in result.events if e.kind == kind)
+                summary.append(f"{kind}@{result.first_step[kind]}" + (f" x{n}" if n > 1 else ""))
+        parts.append("events: " + ", ".join(summary))
+    else:
+        parts.append("no events")
+    if result.counts.get("skipped_lines"):
+        parts.append(f"{result.counts['skipped_lines']} bad lines skipped")
+    return " | ".join(parts)
+
+
+# --- readers ---------------------------------------------------------------------------------------
+
+
+def _read_summary(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # fp4lab writes it atomically; anything else is treated as absent
+    return value if isinstance(value, dict) else None
+
+
+def _looks_like_jsonl(path: Path) -> bool:
+    if path.suffix == ".jsonl":
+        return True
+    with open(path, errors="replace") as handle:
+        for line in handle:
+            if line.strip():
+                return line.lstrip().startswith("{")
+    return False
+
+
+def _lines(path: Path) -> Iterator[str]:
+    with open(path, errors="replace") as handle:
+        yield from handle
+
+
+def _read_jsonl(path: Path, counts: dict[str, int]) -> Iterator[dict[str, Any]]:
+    for line in _lines(path):
+        if not line.strip():
+            continue
+        counts["lines"] += 1
+        try:
+            record = json.loads(line)
+        except ValueError:
+            counts["skipped_lines"] += 1
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or isinstance(record.get("step"), bool):
+            counts["skipped_lines"] += 1
+            continue
+        yield record
+
+
+def _text_format(path: Path, regex, preset: str | None) -> LogFormat:
+    if regex is not None:
+        return LogFormat.from_regex(regex)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown log preset {preset!r}; choose from {', '.join(PRESETS)} or pass a regex")
+        return PRESETS[preset]
+    hits = dict.fromkeys(PRESETS, 0)
+    for n, line in enumerate(_lines(path)):
+        for name, fmt in PRESETS.items():
+            if fmt.pattern.search(line):
+                hits[name] += 1
+        if n > 20000:
+            break
+    best = max(hits, key=hits.get)
+    if not hits[best]:
+        raise ValueError(f"{path}: no line matches a known log format ({', '.join(PRESETS)}); pass --preset or --regex")
+    return PRESETS[best]
+
+
+def _read_text(path: Path, fmt: LogFormat, counts: dict[str, int], markers: dict[str, str]) -> Iterator[dict[str, Any]]:
+    for line in _lines(path):
+        counts["lines"] += 1
+        if "crash" not in markers and (m := CRASH_MARKERS.search(line)):
+            markers["crash"] = line.strip()[:200]
+        if "timeout" not in markers and (m := TIMEOUT_MARKERS.search(line)):
+            markers["timeout"] = line.strip()[:200]
+        for pattern in fmt.patterns():
+            m = pattern.search(line)
+            if not m:
+                continue
+            groups = m.groupdict()
+            try:
+                record: dict[str, Any] = {"step": int(groups["step"])}
+                for name in ("loss", "grad_norm", "val_loss"):
+                    if groups.get(name) is not None:
+                        record[name] = float(groups[name])
+                if groups.get("nan_iters") is not None:
+                    record["nan_iters"] = int(groups["nan_iters"])
+            except (TypeError, ValueError, KeyError):
+                counts["skipped_lines"] += 1
+                break
+            if len(record) == 1:  # a Megatron line with none of the fields (e.g. cut short)
+                break
+            yield record
+            break
+
+
+# --- detection -------------------------------------------------------------------------------------
+
+
+def _num(value: Any) -> float | None:
+    """A float from a JSON value (NaN/Infinity tokens arrive as floats; "nan" strings are accepted)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+class _Detector:
+    """Feeds records in log order; keeps the trailing windows and merges flagged steps into episodes."""
+
+    def __init__(self, th: ScanThresholds):
+        self.th = th
+        self.events: list[ScanEvent] = []
+        self.flagged: dict[str, int] = {}
+        self.steps = 0
+        self.last_step: int | None = None
+        self.final_loss: float | None = None
+        self.best_loss: float | None = None
+        self.final_val_loss: float | None = None
+        self.losses: deque[float] = deque(maxlen=th.spike_window)
+        self.grads: deque[float] = deque(maxlen=th.spike_window)
+        self.entropy: dict[int, list[float]] = {}
+        self.open: dict[str, ScanEvent] = {}  # kind (or kind/layer) -> the episode still running
+        self.best_history: deque[tuple[int, float]] = deque()
+        self.stall_reported = False
+
+    def _flag(self, key: str, kind: str, step: int, value: float, threshold: float | None, detail: str, worse) -> None:
+        self.flagged[kind] = self.flagged.get(kind, 0) + 1
+        event = self.open.get(key)
+        if event is not None:
+            event.steps += 1
+            if event.peak is None or worse(value, event.peak):
+                event.peak = value
+            return
+        event = ScanEvent(kind, step, value, threshold, detail, 1, value)
+        self.events.append(event)
+        self.open[key] = event
+
+    def _clear(self, key: str) -> None:
+        self.open.pop(key, None)
+
+    def feed(self, record: dict[str, Any]) -> None:
+        th = self.th
+        step = record["step"]
+        if any(k in record for k in ("loss", "grad_norm", "nan_iters")):
+            self.steps += 1  # evaluation-only lines (text logs) are not steps
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
+        loss = _num(record.get("loss"))
+        grad = _num(record.get("grad_norm"))
+        val = _num(record.get("val_loss"))
+
+        bad = [(name, v) for name, v in (("loss", loss), ("grad_norm", grad), ("val_loss", val)) if v is not None and not math.isfinite(v)]
+        nan_iters = record.get("nan_iters") or 0
+        if bad or nan_iters:
+            name, value = bad[0] if bad else ("loss", math.nan)
+            detail = f"{name} = {value}" if bad else f"{nan_iters} nan iteration(s) reported"
+            self._flag("nan", "nan", step, value, None, detail, lambda a, b: False)
+        else:
+            self._clear("nan")
+
+        if loss is not None:
+            self.final_loss = loss
+        if loss is not None and math.isfinite(loss):
+            self._spike("loss_spike", self.losses, step, loss, th.spike_k, th.spike_ratio)
+            self.losses.append(loss)
+            self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
+            self._plateau(step)
+        if grad is not None and math.isfinite(grad) and th.grad_spike_k is not None:
+            self._spike("grad_spike", self.grads, step, grad, th.grad_spike_k, None)
+            self.grads.append(grad)
+        if val is not None:
+            self.final_val_loss = val
+        self._probes(step, record)
+
+    def _spike(self, kind: str, window: deque, step: int, x: float, k: float, ratio: float | None) -> None:
+        if len(window) < self.th.spike_min_count:
+            return
+        mean = sum(window) / len(window)
+        std = math.sqrt(sum((v - mean) ** 2 for v in window) / len(window))
+        median = statistics.median(window)
+        reasons = []
+        if std >= 1e-10 and x > mean + k * std:
+            reasons.append((mean + k * std, f"{x:.4g} > mean {mean:.4g} + {k:g} x std {std:.3g} of last {len(window)}"))
+        if ratio is not None and x > ratio * median:
+            reasons.append((ratio * median, f"{x:.4g} > {ratio:g} x median {median:.4g} of last {len(window)}"))
+        if reasons:
+            threshold, detail = min(reasons, key=lambda r: r[0])
+            self._flag(kind, kind, step, x, threshold, detail, lambda a, b: a > b)
+        else:
+            self._clear(kind)
+
+    def _plateau(self, step: int) -> None:
+        m = self.th.stall_steps
+        if m is None or self.stall_reported:
+            return
+        self.best_history.append((step, self.best_loss))
+        while self.best_history and self.best_history[0][0] <= step - m:
+            before = self.best_history.popleft()
+            if step - before[0] >= m and before[1] - self.best_loss <= self.th.stall_min_delta:
+                self.events.append(
+                    ScanEvent("stalled", step, self.best_loss, self.th.stall_min_delta,
+                              f"best loss {self.best_loss:.4g} improved by {before[1] - self.best_loss:.3g} <= {self.th.stall_min_delta:g} over {step - before[0]} steps (since step {before[0]})")
+                )
+                self.flagged["stalled"] = self.flagged.get("stalled", 0) + 1
+                self.stall_reported = True
+                return
+
+    def _probes(self, step: int, record: dict[str, Any]) -> None:
+        th = self.th
+        layers = record.get("attn_entropy_mean")
+        if not isinstance(layers, list) and isinstance(record.get("attn_entropy"), list):
+            layers = [_mean(h) if isinstance(h, list) else h for h in record["attn_entropy"]]
+        if isinstance(layers, list):
+            for layer, raw in enumerate(layers):
+                value = _num(raw)
+                if value is None or not math.isfinite(value):
+                    continue
+                history = self.entropy.setdefault(layer, [])
+                key = f"entropy_collapse/{layer}"
+                floor = th.entropy_floor
+                median = statistics.median(history) if len(history) >= th.entropy_min_probes else None
+                if value < floor:
+                    self._flag(key, "entropy_collapse", step, value, floor, f"layer {layer}: mean entropy {value:.4g} < floor {floor:g} nats", lambda a, b: a < b)
+                elif median is not None and th.entropy_drop_factor is not None and value < th.entropy_drop_factor * median:
+                    limit = th.entropy_drop_factor * median
+                    self._flag(key, "entropy_collapse", step, value, limit, f"layer {layer}: mean entropy {value:.4g} < {th.entropy_drop_factor:g} x median {median:.4g} of its earlier probes", lambda a, b: a < b)
+                else:
+                    self._clear(key)
+                history.append(value)
+
+        heads = record.get("max_logit")
+        peak, where, above = None, "", 0
+        if isinstance(heads, list):
+            for layer, row in enumerate(heads):
+                for head, raw in enumerate(row if isinstance(row, list) else [row]):
+                    value = _num(raw)
+                    if value is None or math.isnan(value):
+                        continue
+                    if value > th.max_logit_tau:
+                        above += 1
+                    if peak is None or value > peak:
+                        peak, where = value, f"layer {layer} head {head}"
+        elif _num(record.get("max_logit_max")) is not None:
+            peak = _num(record["max_logit_max"])
+            above = int(peak > th.max_logit_tau)
+        if peak is None:
+            return
+        if peak > th.max_logit_tau:
+            self._flag("max_logit", "max_logit", step, peak, th.max_logit_tau, f"max logit {peak:.4g} > tau {th.max_logit_tau:g}" + (f" at {where}; {above} head(s) above tau" if where else ""), lambda a, b: a > b)
+        else:
+            self._clear("max_logit")
+
+    def finish(self) -> None:
+        self.open.clear()
+
+
+def _mean(values: list) -> float | None:
+    nums = [v for v in (_num(x) for x in values) if v is not None]
+    return sum(nums) / len(nums) if nums else None
+
+
+def _finite(value: Any) -> float | None:
+    v = _num(value)
+    return v if v is not None and math.isfinite(v) else None
+
+
+def _json_float(value: float | None) -> float | str | None:
+    if value is None:
+        return None
+    return value if math.isfinite(value) else str(value)

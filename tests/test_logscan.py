@@ -1,0 +1,355 @@
+"""fp4lab.lab.logscan: readers, every event kind, every verdict, thresholds, one real fp4lab run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp4lab.lab.logscan import PRESETS, ScanThresholds, format_result, scan
+
+OLD = 1e12  # a "now" long after any file's mtime: the log is stale
+
+
+def curve(n: int, seed: int = 0, start: float = 5.5, end: float = 3.0, noise: float = 0.03) -> list[float]:
+    """A smoothly decreasing, noisy loss curve."""
+    rng = random.Random(seed)
+    return [end + (start - end) * math.exp(-i / (n / 5)) + rng.gauss(0, noise) for i in range(n)]
+
+
+def write_run(
+    folder: Path,
+    losses: list[float],
+    *,
+    status: str | None = "completed",
+    diverged_step: int | None = None,
+    probe_every: int = 0,
+    entropy=None,
+    max_logit=None,
+    extra_lines: list[str] = (),
+    grad_norms: list[float] | None = None,
+) -> Path:
+    """An fp4lab run folder: metrics.jsonl (as json_line writes it: NaN/Infinity tokens) + summary.json.
+    entropy(step) -> [layers]; max_logit(step) -> [layers][heads]."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for step, loss in enumerate(losses):
+        record = {"step": step, "loss": loss, "lr": 1e-3, "grad_norm": grad_norms[step] if grad_norms else 1.0, "tokens_per_s": 1000.0}
+        if probe_every and step % probe_every == 0:
+            if entropy is not None:
+                means = entropy(step)
+                record["attn_entropy"] = [[m, m] for m in means]
+                record["attn_entropy_mean"] = means
+            if max_logit is not None:
+                heads = max_logit(step)
+                record["max_logit"] = heads
+                record["max_logit_max"] = max(max(h) for h in heads)
+        if step == len(losses) - 1 and math.isfinite(loss):
+            record["val_loss"] = loss + 0.1
+        lines.append(json.dumps(record, allow_nan=True))
+    (folder / "metrics.jsonl").write_text("\n".join([*lines, *extra_lines]) + "\n")
+    if status is not None:
+        summary = {"status": status, "diverged_step": diverged_step, "steps_completed": len(losses), "steps": len(losses)}
+        (folder / "summary.json").write_text(json.dumps(summary))
+    return folder
+
+
+def test_module_imports_without_torch():
+    code = "import sys, fp4lab.lab.logscan; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_converged_run_folder(tmp_path):
+    run = write_run(tmp_path / "r", curve(300))
+    result = scan(run, now=OLD)
+    assert result.verdict == "converged" and result.status == "converged" and result.events == []
+    assert result.counts["lines"] == 300 and result.counts["skipped_lines"] == 0 and result.counts["steps"] == 300
+    assert result.last_step == 299 and result.final_loss == pytest.approx(curve(300)[-1])
+    assert result.best_loss == pytest.approx(min(curve(300))) and result.final_val_loss == pytest.approx(curve(300)[-1] + 0.1)
+    assert result.source == "fp4lab" and result.summary_status == "completed"
+    # the metrics file itself also works (summary.json beside it is read)
+    assert scan(run / "metrics.jsonl", now=OLD).verdict == "converged"
+    line = format_result(result)
+    assert "\n" not in line and "converged" in line and "no events" in line
+
+
+def test_smooth_noisy_curve_gives_no_false_spike(tmp_path):
+    for seed in range(5):
+        result = scan(write_run(tmp_path / f"r{seed}", curve(1000, seed=seed, noise=0.05)), now=OLD)
+        assert "loss_spike" not in result.first_step, result.events
+
+
+def test_loss_spike_first_step_and_unstable(tmp_path):
+    losses = curve(400)
+    losses[300] += 0.8  # ~25 sigma above the window, well below 2x the median
+    losses[301] += 0.8  # the first spike widens the window (as in OLMo-core); this one still counts
+    result = scan(write_run(tmp_path / "r", losses), now=OLD)
+    assert result.verdict == "unstable"
+    assert result.first_step["loss_spike"] == 300
+    spikes = [e for e in result.events if e.kind == "loss_spike"]
+    assert len(spikes) == 1 and spikes[0].steps == 2 and spikes[0].value == pytest.approx(losses[300])
+    assert spikes[0].threshold < losses[300] and result.counts["loss_spike"] == 2
+    assert "loss_spike@300" in format_result(result)
+
+
+def test_ratio_rule_and_min_count(tmp_path):
+    # a flat, noiseless loss: std is 0 so only the ratio rule can fire
+    losses = [2.0] * 100
+    losses[60] = 4.5
+    result = scan(write_run(tmp_path / "a", losses), now=OLD)
+    assert result.first_step["loss_spike"] == 60 and "median" in result.events[0].detail
+    # before spike_min_count values, nothing is tested
+    losses = [2.0] * 100
+    losses[10] = 50.0
+    assert "loss_spike" not in scan(write_run(tmp_path / "b", losses), now=OLD).first_step
+
+
+def test_grad_spike_is_a_warning(tmp_path):
+    grads = [1.0 + 0.01 * math.sin(i) for i in range(200)]
+    grads[150] = 40.0
+    result = scan(write_run(tmp_path / "r", curve(200), grad_norms=grads), now=OLD)
+    assert result.first_step["grad_spike"] == 150 and result.verdict == "converged"
+    strict = ScanThresholds(unstable_kinds=("loss_spike", "grad_spike"))
+    assert scan(tmp_path / "r", strict, now=OLD).verdict == "unstable"
+
+
+def test_nan_tokens_diverged(tmp_path):
+    losses = curve(60)
+    losses[50] = math.nan
+    run = write_run(tmp_path / "r", losses[:51], status="diverged", diverged_step=50)
+    text = (run / "metrics.jsonl").read_text()
+    assert "NaN" in text  # what fp4lab's json_line writes
+    result = scan(run, now=OLD)
+    assert result.verdict == "diverged@50" and result.verdict_step == 50 and result.first_step["nan"] == 50
+    assert result.final_loss is None and result.best_loss is not None
+    json.dumps(result.to_dict(), allow_nan=False)  # strict JSON
+    assert result.to_dict()["events"][0]["value"] == "nan"
+
+
+def test_infinite_grad_norm_without_summary_is_diverged(tmp_path):
+    grads = [1.0] * 30
+    grads[20] = math.inf
+    run = write_run(tmp_path / "r", curve(21), grad_norms=grads, status=None)
+    assert "Infinity" in (run / "metrics.jsonl").read_text()
+    result = scan(run, now=OLD)
+    assert result.verdict == "diverged@20" and "grad_norm" in result.events[0].detail
+
+
+def test_corrupt_and_truncated_lines_are_counted_not_fatal(tmp_path):
+    bad = ["{not json", "[1, 2, 3]", '"a string"', '{"loss": 3.0}', '{"step": "7", "loss": 3.0}', '{"step": 300, "loss": 2.9, "lr"']
+    run = write_run(tmp_path / "r", curve(300), extra_lines=bad)
+    text = (run / "metrics.jsonl").read_text().rstrip("\n")  # the last line is half-written: no newline
+    (run / "metrics.jsonl").write_text(text)
+    result = scan(run, now=OLD)
+    assert result.counts["skipped_lines"] == len(bad) and result.counts["steps"] == 300
+    assert result.counts["lines"] == 300 + len(bad)
+    assert result.verdict == "converged" and result.last_step == 299
+    assert f"{len(bad)} bad lines skipped" in format_result(result)
+
+
+def test_entropy_collapse_on_one_layer(tmp_path):
+    def entropy(step):
+        layer2 = 2.0 if step < 80 else 0.01
+        return [2.1, 1.9, layer2, 2.2]
+
+    run = write_run(tmp_path / "r", curve(200), probe_every=10, entropy=entropy)
+    result = scan(run, now=OLD)
+    assert result.verdict == "entropy_collapse@80" and result.verdict_step == 80
+    events = [e for e in result.events if e.kind == "entropy_collapse"]
+    assert len(events) == 1 and "layer 2" in events[0].detail and events[0].steps == 12  # probes 80..190
+    assert "floor" in events[0].detail
+
+
+def test_entropy_relative_drop(tmp_path):
+    def entropy(step):  # above the 0.05 floor, but a fall to a tenth of its own median
+        return [2.0, 2.0 if step < 100 else 0.2]
+
+    result = scan(write_run(tmp_path / "r", curve(200), probe_every=10, entropy=entropy), now=OLD)
+    assert result.verdict == "entropy_collapse@100" and "median" in result.events[0].detail
+    off = ScanThresholds(entropy_drop_factor=None)
+    assert scan(tmp_path / "r", off, now=OLD).verdict == "converged"
+
+
+def test_max_logit_event(tmp_path):
+    def max_logit(step):
+        return [[10.0, 12.0], [30.0, 150.0 if step >= 40 else 50.0]]
+
+    run = write_run(tmp_path / "r", curve(100), probe_every=10, max_logit=max_logit)
+    result = scan(run, now=OLD)
+    assert result.first_step["max_logit"] == 40 and result.verdict == "converged"  # a warning by default
+    event = result.events[0]
+    assert event.value == 150.0 and event.threshold == 100.0 and "layer 1 head 1" in event.detail
+    assert scan(run, ScanThresholds(max_logit_tau=40.0), now=OLD).first_step["max_logit"] == 0
+    assert scan(run, ScanThresholds(unstable_kinds=("max_logit",)), now=OLD).verdict == "unstable"
+
+
+@pytest.mark.parametrize("status", ["time_limit", "preempted", "stopped"])
+def test_timeout_statuses(tmp_path, status):
+    assert scan(write_run(tmp_path / "r", curve(50), status=status), now=OLD).verdict == "timeout"
+
+
+def test_running_crashed_and_stalled(tmp_path):
+    run = write_run(tmp_path / "r", curve(50), status=None)
+    mtime = (run / "metrics.jsonl").stat().st_mtime
+    fresh = scan(run, now=mtime + 5)
+    assert fresh.verdict == "running" and "stalled" not in fresh.first_step
+    stale = scan(run, now=mtime + 3600)
+    assert stale.verdict == "crashed" and stale.first_step["stalled"] == 49
+    assert stale.events[-1].value == pytest.approx(3600)
+    hung = scan(run, running=True, now=mtime + 3600)
+    assert hung.verdict == "running" and "stalled" in hung.first_step
+    assert scan(run, running=False, now=mtime + 5).verdict == "crashed"
+    assert scan(run, ScanThresholds(stall_seconds=10_000), now=mtime + 3600).verdict == "running"
+
+
+def test_stale_summary_of_a_resumed_run_is_ignored(tmp_path):
+    run = write_run(tmp_path / "r", curve(80), status=None)
+    (run / "summary.json").write_text(json.dumps({"status": "preempted", "diverged_step": None, "steps_completed": 50}))
+    mtime = (run / "metrics.jsonl").stat().st_mtime
+    assert scan(run, now=mtime + 5).verdict == "running"
+    assert scan(run, now=mtime + 3600).verdict == "crashed"
+
+
+def test_progress_stall(tmp_path):
+    losses = curve(100, noise=0.0) + [2.9] * 100  # flat after step 100
+    result = scan(write_run(tmp_path / "r", losses), ScanThresholds(stall_steps=50, stall_min_delta=1e-3), now=OLD)
+    assert result.first_step["stalled"] == 150 and result.verdict == "converged"
+    assert "stalled" not in scan(tmp_path / "r", now=OLD).first_step  # off by default
+
+
+NANOGPT = """\
+number of parameters: 10.65M
+step 0: train loss 4.2874, val loss 4.2823
+iter 0: loss 4.2652, time 30520.47ms, mfu -100.00%
+iter 10: loss 3.2470, time 41.20ms, mfu 12.00%
+iter 20: loss 2.7810, time 41.25ms, mfu 12.01%
+iter 30: loss 2.6124, time 41.31ms, mfu 12.01%
+step 40: train loss 2.5300, val loss 2.5512
+saving checkpoint to out-shakespeare-char
+iter 40: loss 2.5391, time 9012.11ms, mfu 11.90%
+"""
+
+MEGATRON = """\
+[2024-05-01 10:00:00] iteration       10/    1000 | consumed samples:         5120 | elapsed time per iteration (ms): 812.3 | learning rate: 1.000000E-04 | global batch size:   512 | lm loss: 7.812345E+00 | loss scale: 1.0 | grad norm: 2.345 | number of skipped iterations:   0 | number of nan iterations:   0 |
+[2024-05-01 10:00:08] iteration       20/    1000 | consumed samples:        10240 | elapsed time per iteration (ms): 801.0 | learning rate: 2.000000E-04 | global batch size:   512 | lm loss: 6.501234E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 | number of nan iterations:   0 |
+-------------------------------------------------------------------------------------------------
+ validation loss at iteration 20 | lm loss value: 6.400000E+00 | lm loss PPL: 6.018E+02 |
+-------------------------------------------------------------------------------------------------
+[2024-05-01 10:00:16] iteration       30/    1000 | consumed samples:        15360 | elapsed time per iteration (ms): 799.9 | learning rate: 3.000000E-04 | global batch size:   512 | lm loss: 5.900000E+00 | loss scale: 1.0 | grad norm: 0.812 | number of skipped iterations:   0 | number of nan iterations:   0 |
+"""
+
+
+def test_nanogpt_log(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text(NANOGPT)
+    result = scan(log, preset="nanogpt", now=OLD)
+    assert result.source == "nanogpt" and result.verdict == "converged"
+    assert result.counts["steps"] == 5 and result.last_step == 40
+    assert result.final_loss == pytest.approx(2.5391) and result.best_loss == pytest.approx(2.5391)
+    assert result.final_val_loss == pytest.approx(2.5512)
+    assert scan(log, now=OLD).source == "nanogpt"  # detected without a preset
+    assert scan(log, now=log.stat().st_mtime + 1).verdict == "running"  # fresh text log
+    log.write_text(NANOGPT + "iter 50: loss nan, time 41.20ms, mfu 12.00%\n")
+    assert scan(log, now=OLD).verdict == "diverged@50"
+
+
+def test_megatron_log(tmp_path):
+    log = tmp_path / "slurm-123.out"
+    log.write_text(MEGATRON)
+    result = scan(log, preset="megatron", now=OLD)
+    assert result.verdict == "converged" and result.counts["steps"] == 3 and result.last_step == 30
+    assert result.final_loss == pytest.approx(5.9) and result.final_val_loss == pytest.approx(6.4)
+    assert scan(log, now=OLD).source == "megatron"
+    # Megatron drops "lm loss" from the line when it is NaN and counts a nan iteration instead
+    nan_line = (
+        "[2024-05-01 10:00:24] iteration       40/    1000 | consumed samples:        20480 | learning rate: 4.000000E-04 |"
+        " global batch size:   512 | loss scale: 1.0 | grad norm: nan | number of skipped iterations:   0 | number of nan iterations:   1 |\n"
+    )
+    log.write_text(MEGATRON + nan_line)
+    result = scan(log, now=OLD)
+    assert result.verdict == "diverged@40" and result.final_loss == pytest.approx(5.9)
+
+
+def test_text_log_markers(tmp_path):
+    log = tmp_path / "slurm.out"
+    log.write_text(MEGATRON + "slurmstepd: error: *** JOB 123 ON nid001 CANCELLED AT 2024-05-01T12:00:00 DUE TO TIME LIMIT ***\n")
+    assert scan(log, now=OLD).verdict == "timeout"
+    log.write_text(MEGATRON + "Traceback (most recent call last):\n  File \"x.py\", line 1\ntorch.OutOfMemoryError: CUDA out of memory.\n")
+    result = scan(log, now=log.stat().st_mtime + 1)  # a crash wins over a fresh log
+    assert result.verdict == "crashed" and "Traceback" in result.reasons[0]
+
+
+def test_custom_regex(tmp_path):
+    log = tmp_path / "my.log"
+    rows = [f"[rank0] step={i} loss={v:.4f} gnorm={1.0:.3f}" for i, v in enumerate(curve(200))]
+    rows[150] = "[rank0] step=150 loss=9.0000 gnorm=1.000"
+    log.write_text("\n".join(rows) + "\n")
+    regex = r"step=(?P<step>\d+) loss=(?P<loss>\S+) gnorm=(?P<grad_norm>\S+)"
+    result = scan(log, regex=regex, now=OLD)
+    assert result.source == "regex" and result.counts["steps"] == 200
+    assert result.verdict == "unstable" and result.first_step["loss_spike"] == 150
+    with pytest.raises(ValueError, match="loss"):
+        scan(log, regex=r"step=(?P<step>\d+)")
+    with pytest.raises(ValueError, match="bad log regex"):
+        scan(log, regex=r"step=(?P<step>\d+")
+    with pytest.raises(ValueError, match="unknown log preset"):
+        scan(log, preset="fairseq")
+    assert set(PRESETS) == {"nanogpt", "megatron"}
+
+
+def test_threshold_overrides(tmp_path):
+    losses = curve(300)
+    losses[200] += 1.6  # ~8.5 sigma of the (still falling) window, below 2x its median
+    run = write_run(tmp_path / "r", losses)
+    assert scan(run, now=OLD).first_step.get("loss_spike") == 200
+    loose = ScanThresholds().with_overrides(["spike_k=50", "spike_ratio=none"])
+    assert loose.spike_k == 50.0 and loose.spike_ratio is None
+    assert scan(run, loose, now=OLD).verdict == "converged"
+    assert ScanThresholds().with_overrides({"max_logit_tau": "30", "unstable_kinds": "loss_spike,max_logit"}) == ScanThresholds(
+        max_logit_tau=30.0, unstable_kinds=("loss_spike", "max_logit")
+    )
+    with pytest.raises(ValueError, match="unknown threshold"):
+        ScanThresholds().with_overrides({"spike_sigma": 3})
+    with pytest.raises(ValueError, match="not a number"):
+        ScanThresholds().with_overrides(["spike_k=high"])
+    with pytest.raises(ValueError, match="unstable_kinds"):
+        ScanThresholds(unstable_kinds=("boom",))
+
+
+def test_missing_paths_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such run folder or log"):
+        scan(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="without metrics.jsonl"):
+        scan(tmp_path / "empty")
+    (tmp_path / "other.log").write_text("hello\nworld\n")
+    with pytest.raises(ValueError, match="no line matches"):
+        scan(tmp_path / "other.log")
+
+
+def test_real_fp4lab_run_is_converged(tmp_path):
+    from fp4lab.train.config import TrainConfig
+    from fp4lab.train.data import DataConfig
+    from fp4lab.train.loop import run
+
+    config = TrainConfig(
+        recipe="bf16", data=DataConfig(source="synthetic"), seq_len=64, batch_size=4, steps=8,
+        warmup_steps=2, eval_every=4, eval_batches=2, probe_every=4, checkpoint_every=8,
+        out_dir=str(tmp_path / "run"),
+    )
+    summary = run(config, progress=False)
+    assert summary["status"] == "completed"
+    result = scan(tmp_path / "run")
+    assert result.verdict == "converged", result.to_dict()
+    assert result.counts["steps"] == 8 and result.counts["skipped_lines"] == 0 and result.last_step == 7
+    assert result.final_loss == pytest.approx(summary["final_loss"])
+    assert result.final_val_loss == pytest.approx(summary["final_val_loss"])
+    assert result.best_loss == pytest.approx(summary["best_loss"])
+    json.dumps(result.to_dict(), allow_nan=False)
