@@ -1,0 +1,640 @@
+"""`sweep_catalog.json`: one record per run, safe under many writers at once.
+
+Many Slurm jobs finish together on a shared filesystem and each one writes its own record. This module
+makes every write a locked read-modify-write that replaces the file atomically:
+
+1. take an exclusive lock on `<catalog>.lock` beside the catalog (`filelock.FileLock`: `flock(2)`);
+2. re-read the catalog from disk inside the lock, so no other writer's change is lost;
+3. apply the change in memory and validate the records it touched;
+4. write the whole file to a new temporary file `.<catalog>.<random>.tmp` in the same directory,
+   `flush` + `fsync` it, `os.replace` it over the catalog, and `fsync` the directory;
+5. release the lock.
+
+A reader (`get`, `records`) takes no lock: `os.replace` swaps the name from the old complete file to
+the new complete file in one step, so it never sees a partial file. A process killed at any point
+leaves the old catalog or the new one, never half of one; at most an orphaned temporary file stays
+behind, which no reader opens and the next writer deletes (under the lock no other writer can be
+using one, since temporary files exist only while their writer holds the lock).
+
+Example::
+
+    cat = Catalog("sweeps/s1/sweep_catalog.json")
+    cat.upsert({"id": "nvfp4-tiny-s0", "sweep": "s1", "recipe": "nvfp4", "state": "pending"})
+    cat.update("nvfp4-tiny-s0", state="running", started_at=utc_now())
+    with cat.transaction() as tx:                      # several records, one lock, one write
+        run = tx.get("nvfp4-tiny-s0")
+        tx.update(run["id"], attempts=run["attempts"] + 1, state="submitted")
+
+Limits of the locking (what `filelock` can and cannot do):
+
+- Local filesystems: `flock` is exact across processes; the kernel drops the lock of a process that
+  dies (even by SIGKILL), so a crashed writer never leaves the catalog locked.
+- NFS: Linux emulates `flock` with POSIX byte-range locks sent to the server (NLM for NFSv3, built in
+  for NFSv4), so the lock works across nodes as long as the mount has working locking. With
+  `-o nolock` or `local_lock=flock|all` the lock is local to each node and two nodes can write at
+  once (each write is still atomic, but one of two simultaneous updates can be lost). After a client
+  crash the server holds the lock until its lease or grace period ends (about 90 s on NFSv4), which
+  shows up here as a lock timeout.
+- Lustre mounted without `-o flock`, and some FUSE filesystems, return ENOSYS for `flock`; filelock
+  then warns "falling back to SoftFileLock" and uses an `O_CREAT|O_EXCL` marker file. That is
+  exclusive across nodes, and a marker left by a dead process is broken automatically when the
+  holder ran on the same host; a marker left by a process that died on another host blocks writers
+  until it is removed by hand (the lock timeout error says so).
+- Writes are serialised: each one rewrites the whole file, which is fine for thousands of runs
+  (see the timing in `tests/test_catalog.py`), not for millions.
+- The lock file stays in place after release on purpose (waiters must share one inode): do not delete
+  it while jobs may be writing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import json
+import math
+import os
+import secrets
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal, TypedDict
+
+SCHEMA_VERSION = 1
+"""Version of the file layout this module reads and writes. Bump it (and add a migration) whenever a
+field changes meaning; readers refuse files with a newer version instead of silently dropping fields."""
+
+STATES = ("pending", "submitted", "running", "completed", "failed", "cancelled", "timeout", "preempted")
+"""Run states, in lifecycle order. `pending`: recorded, not yet handed to an executor; `submitted`: handed
+to Slurm or the local executor, not started; `running`: the trainer has started; `completed`: finished its
+steps (it may still have diverged: see `verdict`); `failed`: crashed or exited non-zero; `cancelled`:
+cancelled by a user or `scancel`; `timeout`: hit its wall-clock limit; `preempted`: stopped by preemption
+(and possibly requeued: see `requeues`)."""
+
+TERMINAL_STATES = frozenset({"completed", "failed", "cancelled", "timeout", "preempted"})
+EXECUTORS = ("local", "slurm")
+
+RunState = Literal["pending", "submitted", "running", "completed", "failed", "cancelled", "timeout", "preempted"]
+
+
+class Summary(TypedDict, total=False):
+    """Summary metrics of one run (all optional; null when unknown or non-finite)."""
+
+    final_train_loss: float | None  # train loss at the last step
+    best_train_loss: float | None  # lowest train loss seen
+    final_val_loss: float | None  # validation loss at the last evaluation
+    best_val_loss: float | None  # lowest validation loss seen
+    loss_at_steps: dict[str, float | None]  # train loss at matched steps, keyed by the step as a decimal string
+    tokens_per_s: float | None  # training throughput
+    peak_memory_mb: float | None  # peak accelerator (or host) memory in MiB
+
+
+class Paths(TypedDict, total=False):
+    """Where the run's files are (strings; relative paths are relative to the catalog's directory)."""
+
+    run_dir: str | None  # the run's output directory (config.json, metrics.jsonl, summary.json)
+    log: str | None  # stdout/stderr log the scanner reads (e.g. the Slurm .out file)
+    checkpoint: str | None  # the checkpoint a resume starts from
+
+
+class RunRecord(TypedDict, total=False):
+    """One run of the catalog. Only `id` is required from the caller; every other field has a default
+    (see `new_record`). Unknown top-level keys are rejected: put free-form data in `extra`."""
+
+    id: str  # stable run id chosen by the caller (e.g. "<sweep>/<recipe>-<model>-s<seed>"); the dict key too
+    sweep: str | None  # name of the sweep the run belongs to
+    config: dict[str, Any]  # the resolved train config (TrainConfig as a dict)
+    recipe: str | None  # recipe name or path
+    git_commit: str | None  # code commit the run was launched from (full or short hash)
+    git_dirty: bool | None  # whether the work tree had uncommitted changes at launch
+    executor: Literal["local", "slurm"] | None  # which executor runs it
+    slurm_job_id: str | None  # Slurm job id ("123456", or "123456_7" for an array task)
+    slurm_array_index: int | None  # index within a Slurm job array
+    state: RunState  # lifecycle state, one of STATES (default "pending")
+    created_at: str | None  # ISO 8601 UTC ("2026-01-31T12:00:00.000Z"); set on insert if not given
+    submitted_at: str | None  # when handed to the executor
+    started_at: str | None  # when the trainer started
+    finished_at: str | None  # when it reached a terminal state
+    updated_at: str | None  # set by the catalog on every write of the record
+    verdict: str | None  # the log scanner's verdict: "converged", "diverged@120", ...
+    events: list[dict[str, Any]]  # the log scanner's events: {kind, step, value, baseline, threshold, message}
+    summary: Summary  # summary metrics
+    paths: Paths  # run dir, log, checkpoint
+    attempts: int  # how many times the run was launched (first submission counts 1; resubmits add 1)
+    requeues: int  # how many times Slurm requeued it (preemption / timeout requeue)
+    extra: dict[str, Any]  # free-form, JSON-serialisable data (e.g. seed, config_hash, notes)
+
+
+_SUMMARY_FLOATS = ("final_train_loss", "best_train_loss", "final_val_loss", "best_val_loss", "tokens_per_s", "peak_memory_mb")
+_SUMMARY_KEYS = (*_SUMMARY_FLOATS, "loss_at_steps")
+_PATH_KEYS = ("run_dir", "log", "checkpoint")
+_TIMESTAMPS = ("created_at", "submitted_at", "started_at", "finished_at", "updated_at")
+_OPTIONAL_STRINGS = ("sweep", "recipe", "git_commit", "slurm_job_id", "verdict")
+_COUNTERS = ("attempts", "requeues")
+_MERGED_DICTS = ("summary", "paths", "extra")
+"""Fields an upsert/update merges key by key (one level deep). All other fields, `config`, `events` and
+`summary.loss_at_steps` included, are replaced whole by a new value."""
+
+FIELDS = (
+    "id", "sweep", "config", "recipe", "git_commit", "git_dirty", "executor", "slurm_job_id",
+    "slurm_array_index", "state", *_TIMESTAMPS, "verdict", "events", "summary", "paths", *_COUNTERS, "extra",
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+class CatalogError(Exception):
+    """Base class of every catalog error."""
+
+
+class CatalogFormatError(CatalogError):
+    """The catalog file is malformed or was written by a newer fp4lab. It is never overwritten."""
+
+
+class CatalogLockTimeout(CatalogError, TimeoutError):
+    """The catalog's lock could not be taken within the timeout."""
+
+
+class RecordError(CatalogError, ValueError):
+    """A record (or an update to one) does not match the schema."""
+
+
+class RunNotFound(CatalogError, KeyError):
+    """`update` of a run id that is not in the catalog."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def utc_now() -> str:
+    """The current time as the catalog writes timestamps: ISO 8601, UTC, milliseconds, "Z" suffix."""
+    return _format_time(datetime.now(UTC))
+
+
+def _format_time(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _timestamp(field: str, value: Any, run_id: str) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            moment = datetime.fromisoformat(value)
+        except ValueError:
+            raise RecordError(f"run {run_id!r}: {field}={value!r} is not an ISO 8601 timestamp") from None
+    elif isinstance(value, datetime):
+        moment = value
+    else:
+        raise RecordError(f"run {run_id!r}: {field} must be an ISO 8601 string or a datetime, not {type(value).__name__}")
+    if moment.tzinfo is None or moment.utcoffset() is None:
+        raise RecordError(
+            f"run {run_id!r}: {field}={value!r} has no timezone; pass UTC times (fp4lab.lab.catalog.utc_now())"
+        )
+    return _format_time(moment)
+
+
+def _finite_json(value: Any, where: str) -> Any:
+    """A deep copy of a JSON-compatible value with non-finite floats replaced by None (the file is strict
+    JSON, readable by jq and browsers), tuples turned into lists and Paths into strings."""
+    if value is None or isinstance(value, (bool, str, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise RecordError(f"{where}: key {key!r} is not a string (JSON objects have string keys)")
+            out[key] = _finite_json(item, f"{where}.{key}")
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return _finite_json(value.item(), where)
+    raise RecordError(f"{where}: {type(value).__name__} is not JSON-serialisable")
+
+
+def _number(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    if hasattr(value, "item") and callable(value.item) and not isinstance(value, (int, float)):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RecordError(f"{where} must be a number or None, not {value!r}")
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _validate_field(run_id: str, field: str, value: Any) -> Any:
+    """Check one top-level field and return its normalised value."""
+    where = f"run {run_id!r}: {field}"
+    if field == "id":
+        if not isinstance(value, str) or not value:
+            raise RecordError(f"run id must be a non-empty string, not {value!r}")
+        return value
+    if field in _OPTIONAL_STRINGS:
+        if value is not None and not isinstance(value, str):
+            raise RecordError(f"{where} must be a string or None, not {value!r}")
+        return value
+    if field in _TIMESTAMPS:
+        return _timestamp(field, value, run_id)
+    if field == "state":
+        if value not in STATES:
+            raise RecordError(f"{where}={value!r} is not one of {', '.join(STATES)}")
+        return value
+    if field == "executor":
+        if value is not None and value not in EXECUTORS:
+            raise RecordError(f"{where}={value!r} is not one of {', '.join(EXECUTORS)} (or None)")
+        return value
+    if field == "git_dirty":
+        if value is not None and not isinstance(value, bool):
+            raise RecordError(f"{where} must be True, False or None, not {value!r}")
+        return value
+    if field == "slurm_array_index":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise RecordError(f"{where} must be a non-negative int or None, not {value!r}")
+        return value
+    if field in _COUNTERS:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise RecordError(f"{where} must be a non-negative int, not {value!r}")
+        return value
+    if field in ("config", "extra"):
+        if not isinstance(value, Mapping):
+            raise RecordError(f"{where} must be a dict, not {type(value).__name__}")
+        return _finite_json(value, where)
+    if field == "events":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(e, Mapping) for e in value):
+            raise RecordError(f"{where} must be a list of dicts")
+        return _finite_json(value, where)
+    if field == "summary":
+        return _validate_summary(run_id, value)
+    if field == "paths":
+        if not isinstance(value, Mapping):
+            raise RecordError(f"{where} must be a dict with keys {', '.join(_PATH_KEYS)}")
+        out = {}
+        for key, item in value.items():
+            if key not in _PATH_KEYS:
+                raise RecordError(f"{where}: unknown key {key!r} (known: {', '.join(_PATH_KEYS)}; use extra)")
+            if item is not None and not isinstance(item, (str, os.PathLike)):
+                raise RecordError(f"{where}.{key} must be a path string or None, not {item!r}")
+            out[key] = None if item is None else os.fspath(item)
+        return out
+    raise RecordError(f"run {run_id!r}: unknown field {field!r} (known: {', '.join(FIELDS)}; put free-form data in extra)")
+
+
+def _validate_summary(run_id: str, value: Any) -> dict[str, Any]:
+    where = f"run {run_id!r}: summary"
+    if not isinstance(value, Mapping):
+        raise RecordError(f"{where} must be a dict with keys {', '.join(_SUMMARY_KEYS)}")
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if key in _SUMMARY_FLOATS:
+            out[key] = _number(item, f"{where}.{key}")
+        elif key == "loss_at_steps":
+            if not isinstance(item, Mapping):
+                raise RecordError(f"{where}.loss_at_steps must be a dict step -> loss")
+            steps = {}
+            for step, loss in item.items():
+                try:
+                    step_int = int(step)
+                except (TypeError, ValueError):
+                    step_int = None
+                if isinstance(step, bool) or step_int is None or step_int < 0 or str(step).strip() != str(step_int):
+                    raise RecordError(f"{where}.loss_at_steps: step {step!r} is not a non-negative integer")
+                steps[str(step_int)] = _number(loss, f"{where}.loss_at_steps[{step_int}]")
+            out[key] = dict(sorted(steps.items(), key=lambda kv: int(kv[0])))
+        else:
+            raise RecordError(f"{where}: unknown key {key!r} (known: {', '.join(_SUMMARY_KEYS)}; use extra)")
+    return out
+
+
+def new_record(run_id: str, **fields: Any) -> RunRecord:
+    """A complete, validated record: the defaults for `run_id` with `fields` applied."""
+    record: dict[str, Any] = {
+        "id": run_id, "sweep": None, "config": {}, "recipe": None, "git_commit": None, "git_dirty": None,
+        "executor": None, "slurm_job_id": None, "slurm_array_index": None, "state": "pending",
+        "created_at": None, "submitted_at": None, "started_at": None, "finished_at": None, "updated_at": None,
+        "verdict": None, "events": [], "summary": {}, "paths": {}, "attempts": 0, "requeues": 0, "extra": {},
+    }  # fmt: skip
+    return _merge(record, {"id": run_id, **fields})  # type: ignore[return-value]
+
+
+def validate_record(record: Mapping[str, Any]) -> RunRecord:
+    """Check a complete record and return its normalised copy (defaults filled in). Raises RecordError."""
+    if not isinstance(record, Mapping):
+        raise RecordError(f"a record must be a dict, not {type(record).__name__}")
+    if "id" not in record:
+        raise RecordError(f"a record needs an 'id' (got keys {sorted(record)})")
+    return new_record(**{"run_id": record["id"], **{k: v for k, v in record.items() if k != "id"}})
+
+
+def _merge(existing: dict[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
+    """`existing` (a valid record, left untouched) with `fields` validated and merged in: the dicts
+    `summary`, `paths` and `extra` key by key, every other field replaced."""
+    run_id = existing["id"]
+    merged = dict(existing)
+    for field, value in fields.items():
+        if field == "run_id":
+            raise RecordError(f"run {run_id!r}: unknown field 'run_id' (the field is called 'id')")
+        normalised = _validate_field(run_id, field, value)
+        if field == "id" and normalised != run_id:
+            raise RecordError(f"cannot change a run's id ({run_id!r} -> {normalised!r})")
+        if field in _MERGED_DICTS:
+            merged[field] = {**existing.get(field, {}), **normalised}
+        else:
+            merged[field] = normalised
+    return merged
+
+
+# ------------------------------------------------------------------------------------------- the file
+
+
+def _fix_hint(path: Path) -> str:
+    return (
+        f"Fix: inspect {path} (and the newest '.{path.name}.*.tmp' beside it, the last write that did not "
+        f"finish), repair the JSON by hand or move the file aside to start an empty catalog; fp4lab never "
+        f"overwrites a catalog it cannot read."
+    )
+
+
+def _parse(path: Path, text: str) -> dict[str, dict[str, Any]]:
+    """The runs of a catalog file's text. Raises CatalogFormatError naming the file and the fix."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CatalogFormatError(f"catalog {path} is not valid JSON ({error}). {_fix_hint(path)}") from None
+    if not isinstance(data, dict) or "schema_version" not in data or "runs" not in data:
+        raise CatalogFormatError(
+            f"catalog {path} is not a sweep catalog: expected an object with 'schema_version' and 'runs'. "
+            f"{_fix_hint(path)}"
+        )
+    version = data["schema_version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CatalogFormatError(f"catalog {path} has an invalid schema_version {version!r}. {_fix_hint(path)}")
+    if version > SCHEMA_VERSION:
+        raise CatalogFormatError(
+            f"catalog {path} has schema_version {version}, newer than the {SCHEMA_VERSION} this fp4lab reads. "
+            f"Fix: upgrade fp4lab (pip install -U fp4lab, or pull the repo) in every environment that writes "
+            f"this catalog; it was left untouched."
+        )
+    runs = data["runs"]
+    if not isinstance(runs, dict):
+        raise CatalogFormatError(f"catalog {path}: 'runs' must be an object keyed by run id. {_fix_hint(path)}")
+    for run_id, record in runs.items():
+        if not isinstance(record, dict) or record.get("id") != run_id or record.get("state") not in STATES:
+            raise CatalogFormatError(
+                f"catalog {path}: the record under {run_id!r} is malformed (it must be an object whose 'id' is "
+                f"{run_id!r} and whose 'state' is one of {', '.join(STATES)}). {_fix_hint(path)}"
+            )
+    return runs
+
+
+def _read(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except UnicodeDecodeError as error:
+        raise CatalogFormatError(f"catalog {path} is not UTF-8 text ({error}). {_fix_hint(path)}") from None
+    return _parse(path, text)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable. Some network filesystems cannot fsync a directory; the rename is already
+    atomic there, so that refusal is ignored."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+def _write(path: Path, runs: Mapping[str, Any]) -> None:
+    """Replace `path` with the catalog of `runs`: temp file in the same directory, fsync, rename, fsync
+    the directory. Call only while holding the lock."""
+    data = json.dumps({"schema_version": SCHEMA_VERSION, "runs": runs}, indent=1, allow_nan=False).encode() + b"\n"
+    directory = path.parent
+    tmp = directory / f"{_temp_prefix(path)}{secrets.token_hex(8)}.tmp"
+    # os.open with 0o666 lets the umask decide, like any new file (mkstemp would force 0600 and hide a
+    # shared catalog from the rest of the group); an existing catalog keeps its mode.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        try:
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                os.fchmod(fd, path.stat().st_mode & 0o7777)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(directory)
+
+
+def _remove_orphaned_temps(path: Path) -> None:
+    """Delete temp files of writers that died before their rename. Call only while holding the lock: no
+    live writer has a temp file then."""
+    prefix = _temp_prefix(path)
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefix) and name.endswith(".tmp"):
+            with contextlib.suppress(OSError):
+                os.unlink(path.parent / name)
+
+
+# --------------------------------------------------------------------------------------- the catalog
+
+
+_ACTIVE: dict[tuple[str, int], Transaction] = {}
+"""The open transaction of each (lock path, thread): calls made inside one join it instead of taking the
+lock again and writing a file the outer transaction would then overwrite."""
+
+
+class Transaction:
+    """A read-modify-write of several records under one lock (from `Catalog.transaction()`). Reads see
+    the file as read inside the lock plus this transaction's own changes. Nothing is written until the
+    `with` block exits normally; an exception discards every change."""
+
+    def __init__(self, path: Path, runs: dict[str, dict[str, Any]]):
+        self.path = path
+        self._runs = runs
+        self._changed = False
+
+    def get(self, run_id: str) -> RunRecord | None:
+        record = self._runs.get(run_id)
+        return copy.deepcopy(record) if record is not None else None  # type: ignore[return-value]
+
+    def __contains__(self, run_id: str) -> bool:
+        return run_id in self._runs
+
+    def records(self, sweep: str | None = None, state: str | Iterable[str] | None = None) -> list[RunRecord]:
+        return _select(self._runs, sweep, state)
+
+    def upsert(self, record: Mapping[str, Any]) -> RunRecord:
+        if not isinstance(record, Mapping) or "id" not in record:
+            raise RecordError(f"upsert needs a dict with an 'id', not {record!r}")
+        run_id = _validate_field("", "id", record["id"])
+        existing = self._runs.get(run_id)
+        if existing is None:
+            merged = new_record(run_id, **{k: v for k, v in record.items() if k != "id"})
+            if merged["created_at"] is None:
+                merged["created_at"] = utc_now()
+        else:
+            merged = _merge(existing, record)
+        return self._store(merged)
+
+    def update(self, run_id: str, **fields: Any) -> RunRecord:
+        existing = self._runs.get(run_id)
+        if existing is None:
+            raise RunNotFound(f"run {run_id!r} is not in catalog {self.path}; upsert() it first")
+        return self._store(_merge(existing, fields))
+
+    def delete(self, run_id: str) -> bool:
+        """Remove a run; returns whether it was there."""
+        found = self._runs.pop(run_id, None) is not None
+        self._changed |= found
+        return found
+
+    def _store(self, record: dict[str, Any]) -> RunRecord:
+        record["updated_at"] = utc_now()
+        self._runs[record["id"]] = record
+        self._changed = True
+        return copy.deepcopy(record)  # type: ignore[return-value]
+
+
+def _select(runs: Mapping[str, dict[str, Any]], sweep: str | None, state: Any) -> list[RunRecord]:
+    states = {state} if isinstance(state, str) else (set(state) if state is not None else None)
+    if states is not None and not states <= set(STATES):
+        raise ValueError(f"unknown state(s) {sorted(states - set(STATES))}; states are {', '.join(STATES)}")
+    return [
+        copy.deepcopy(r)  # type: ignore[misc]
+        for r in runs.values()
+        if (sweep is None or r.get("sweep") == sweep) and (states is None or r.get("state") in states)
+    ]
+
+
+class Catalog:
+    """The run catalog at `path` (conventionally `sweep_catalog.json`).
+
+    `timeout` is how long a write waits for the lock, in seconds (negative: forever); a write that
+    cannot get it raises CatalogLockTimeout. Reads take no lock. Instances are cheap, hold no open
+    files between calls, and may be created in any process (fork included).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, timeout: float = 60.0):
+        self.path = Path(path)
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self.timeout = timeout
+        self._locks: dict[int, Any] = {}  # pid -> FileLock, so a forked child never reuses its parent's
+
+    def __repr__(self) -> str:
+        return f"Catalog({str(self.path)!r})"
+
+    # reads (no lock) ---------------------------------------------------------------------------------
+
+    def _runs(self) -> dict[str, dict[str, Any]]:
+        active = _ACTIVE.get((str(self.lock_path.absolute()), threading.get_ident()))
+        return active._runs if active is not None else _read(self.path)
+
+    def get(self, run_id: str) -> RunRecord | None:
+        """The record of `run_id`, or None if the catalog has no such run."""
+        record = self._runs().get(run_id)
+        return copy.deepcopy(record) if record is not None else None  # type: ignore[return-value]
+
+    def __contains__(self, run_id: str) -> bool:
+        return run_id in self._runs()
+
+    def __len__(self) -> int:
+        return len(self._runs())
+
+    def records(self, sweep: str | None = None, state: str | Iterable[str] | None = None) -> list[RunRecord]:
+        """Every record, in insertion order, optionally only those of `sweep` and/or in `state` (one state
+        or several)."""
+        return _select(self._runs(), sweep, state)
+
+    # writes (locked) ---------------------------------------------------------------------------------
+
+    def upsert(self, record: Mapping[str, Any]) -> RunRecord:
+        """Insert `record` (a new id: missing fields get defaults, `created_at` defaults to now) or merge
+        it into the stored one (given fields replace stored ones, except `summary`, `paths` and `extra`,
+        which merge key by key). Returns the stored record."""
+        with self.transaction() as tx:
+            return tx.upsert(record)
+
+    def update(self, run_id: str, **fields: Any) -> RunRecord:
+        """Merge `fields` into an existing run (same rules as upsert); RunNotFound if it is missing."""
+        with self.transaction() as tx:
+            return tx.update(run_id, **fields)
+
+    def delete(self, run_id: str) -> bool:
+        """Remove a run; returns whether it was there."""
+        with self.transaction() as tx:
+            return tx.delete(run_id)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        """Hold the lock, read the catalog, yield a Transaction to change it, write it once on exit."""
+        key = (str(self.lock_path.absolute()), threading.get_ident())
+        if (active := _ACTIVE.get(key)) is not None:  # nested: join the outer transaction
+            yield active
+            return
+        with self._locked():
+            _remove_orphaned_temps(self.path)
+            tx = Transaction(self.path, _read(self.path))
+            _ACTIVE[key] = tx
+            try:
+                yield tx
+            finally:
+                del _ACTIVE[key]
+            if tx._changed:
+                _write(self.path, tx._runs)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        from filelock import FileLock, Timeout  # here, not at import: `fp4lab --help` stays fast
+
+        lock = self._locks.get(os.getpid())
+        if lock is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock = self._locks[os.getpid()] = FileLock(self.lock_path, timeout=self.timeout)
+        try:
+            lock.acquire()
+        except Timeout:
+            raise CatalogLockTimeout(
+                f"could not lock catalog {self.path} within {self.timeout:g} s: another process holds "
+                f"{self.lock_path}. A long transaction or a hung job may hold it (find it with "
+                f"`fuser -v {self.lock_path}` on each node); a process that died holds no lock, except on NFS "
+                f"until the server's lease expires (~90 s). If a stale soft-lock marker from a dead host is "
+                f"left (Lustre without -o flock), delete {self.lock_path} once no job is writing. Or pass a "
+                f"longer timeout: Catalog(path, timeout=...)."
+            ) from None
+        try:
+            yield
+        finally:
+            lock.release()
