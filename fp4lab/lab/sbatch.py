@@ -1,0 +1,324 @@
+"""SBATCH scripts for a sweep: one per run, plus job-array scripts that cover all runs.
+
+    paths = write_scripts(spec, expand(spec), "jobs")
+
+writes into jobs/<sweep>/:
+
+- `<id>.toml`: the run's resolved TrainConfig (`fp4lab train --config` reads it);
+- `<id>.sbatch`: a script for that one run;
+- when there is more than one run, `array_<k>.sbatch` + `array_<k>.runs` (run ids, one per line;
+  task i runs line i+1), split so no array exceeds max_array_size ([slurm].max_array_size, else
+  Slurm's MaxArraySize from `scontrol show config`, else 1001);
+- `manifest.json`: sweep name, the runs (id, name, params, config and script paths) and arrays;
+- `logs/`: where Slurm writes each job's stdout/stderr (`<id>-%j.out`, `array_<k>-%A_%a.out`).
+
+Each script can be resubmitted by hand with plain `sbatch PATH` from anywhere (its paths are
+absolute). What a script does: cd to the working directory, run the [slurm].setup lines, then
+`python -m fp4lab.cli train --config <id>.toml` in the background, forwarding signals. Slurm sends
+SIGUSR1 to the batch shell `signal_before_timeout_s` before the time limit (`--signal=B:USR1@N`); the
+script passes it to the trainer, which checkpoints and exits with status "preempted", and then the
+script runs `scontrol requeue $SLURM_JOB_ID` (`--requeue`) so the run resumes from its checkpoint.
+SIGTERM (scancel, preemption) is forwarded without requeueing. FP4LAB_NO_REQUEUE=1 turns the requeue off.
+
+Quoting rule: every value written into the shell body (paths, the interpreter, ids) is passed
+through shlex.quote. #SBATCH lines are parsed by sbatch, not bash; their values are validated
+(spec.SBATCH_PATTERNS, and the path check here) so they contain no whitespace, quotes, `$`, `#`,
+backticks, `;`, newlines or NUL, and are written bare. Comments carry only printable text (values
+JSON-escaped). [slurm].setup lines are shell commands by design and are written verbatim, one entry
+per line; entries with newlines, CR or NUL are rejected when the spec loads.
+
+Multi-GPU: gpus_per_node > 1 on one node launches `python -m torch.distributed.run --standalone
+--nproc-per-node=G`; nodes > 1 launches it through `srun` with a c10d rendezvous on the first node.
+The training loop is single-process today, so every process would train the same run; keep
+gpus_per_node = 1 until the loop is distributed (the scripts say so in a comment).
+
+Nothing is written until every script and config has been rendered; each file is then written to a
+temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fp4lab.lab.spec import RunSpec, SpecError, SweepSpec
+
+DEFAULT_MAX_ARRAY_SIZE = 1001
+# Characters a path may have to appear bare in an #SBATCH line (and `%` is Slurm's pattern escape).
+SBATCH_PATH = re.compile(r"[A-Za-z0-9_./+,:=@~-]+")
+RUN_ID = re.compile(r"[0-9a-f]{12}")
+
+
+def slurm_max_array_size(default: int = DEFAULT_MAX_ARRAY_SIZE) -> int:
+    """MaxArraySize from `scontrol show config` (tasks per array: indices 0..MaxArraySize-1), else default."""
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return default
+    match = re.search(r"^\s*MaxArraySize\s*=\s*(\d+)", out.stdout, re.MULTILINE)
+    return int(match.group(1)) if out.returncode == 0 and match and int(match.group(1)) > 0 else default
+
+
+def write_scripts(
+    spec: SweepSpec,
+    runs: list[RunSpec],
+    jobs_dir: str | Path = "jobs",
+    *,
+    python: str | Path = sys.executable,
+    workdir: str | Path | None = None,
+    max_array_size: int | None = None,
+) -> list[Path]:
+    """Write configs, per-run scripts and array scripts into jobs_dir/<sweep>/; return the script paths
+    (per-run scripts in run order, then array scripts). Raises SpecError before writing anything if a
+    path cannot go into an #SBATCH line."""
+    if not runs:
+        raise SpecError(f"{spec.path}: the sweep has no runs to write")
+    sweep_dir = Path(os.path.abspath(Path(jobs_dir) / spec.name))
+    workdir = Path(os.path.abspath(workdir if workdir is not None else Path.cwd()))
+    for what, path in (("jobs folder", sweep_dir),):
+        if not SBATCH_PATH.fullmatch(str(path)):
+            raise SpecError(f"{what} {str(path)!r} has characters an #SBATCH --output path cannot carry "
+                            "(spaces, quotes, %, $, ...); use a path of letters, digits and _ . / + , : = @ ~ -")
+    for run in runs:
+        if not RUN_ID.fullmatch(run.id):
+            raise SpecError(f"run id {run.id!r} is not 12 hex digits")
+    if len({r.id for r in runs}) != len(runs):
+        raise SpecError(f"{spec.path}: two runs share an id; remove the duplicate configs")
+    size = max_array_size or spec.slurm.max_array_size or slurm_max_array_size()
+
+    files: dict[Path, str] = {}
+    scripts: list[Path] = []
+    for run in runs:
+        files[sweep_dir / f"{run.id}.toml"] = config_toml(run, spec)
+        path = sweep_dir / f"{run.id}.sbatch"
+        files[path] = render_run_script(spec, run, sweep_dir, python=python, workdir=workdir)
+        scripts.append(path)
+    arrays = []
+    if len(runs) > 1:
+        for k, start in enumerate(range(0, len(runs), size)):
+            chunk = runs[start:start + size]
+            path = sweep_dir / f"array_{k}.sbatch"
+            files[sweep_dir / f"array_{k}.runs"] = "".join(f"{r.id}\n" for r in chunk)
+            files[path] = render_array_script(spec, chunk, k, sweep_dir, python=python, workdir=workdir)
+            scripts.append(path)
+            arrays.append({"script": path.name, "runs_file": f"array_{k}.runs", "tasks": len(chunk),
+                           "run_ids": [r.id for r in chunk]})
+    manifest = {
+        "sweep": spec.name, "spec": str(spec.path), "method": spec.method, "workdir": str(workdir),
+        "python": str(python), "max_array_size": size, "scan": spec.scan,
+        "runs": [{"id": r.id, "name": r.name, "params": r.params, "out_dir": r.config["out_dir"],
+                  "config": f"{r.id}.toml", "script": f"{r.id}.sbatch"} for r in runs],
+        "arrays": arrays,
+    }
+    files[sweep_dir / "manifest.json"] = json.dumps(manifest, indent=1, sort_keys=False) + "\n"
+
+    (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for path, text in files.items():
+        _atomic_write(path, text, executable=path.suffix == ".sbatch")
+    return scripts
+
+
+# ------------------------------------------------------------------------------------------ render
+
+
+def render_run_script(spec: SweepSpec, run: RunSpec, sweep_dir: Path, *, python, workdir: Path) -> str:
+    head = [
+        "#!/bin/bash",
+        f"# fp4lab sweep {spec.name!r}, run {run.id}: {_comment(run.name)}",
+        *_description(spec),
+        f"# Config: {_comment(str(sweep_dir / (run.id + '.toml')))} -> out_dir {_comment(run.config['out_dir'])}",
+        f"# Submit again by hand: sbatch {_comment(str(sweep_dir / (run.id + '.sbatch')))}",
+        "# Written by `fp4lab sweep`; edit the spec and re-run it rather than editing this file.",
+        *_sbatch_lines(spec, f"{spec.name}-{run.id}", sweep_dir / "logs" / f"{run.id}-%j"),
+        "",
+        "set -uo pipefail",
+        f"SWEEP_DIR={shlex.quote(str(sweep_dir))}",
+        f"WORKDIR={shlex.quote(str(workdir))}",
+        f"PYTHON={shlex.quote(str(python))}",
+        f"RUN_ID={shlex.quote(run.id)}",
+    ]
+    return "\n".join(head + _body(spec)) + "\n"
+
+
+def render_array_script(spec: SweepSpec, chunk: list[RunSpec], k: int, sweep_dir: Path, *, python, workdir: Path) -> str:
+    n = len(chunk)
+    parallel = f"%{spec.slurm.array_parallelism}" if spec.slurm.array_parallelism else ""
+    head = [
+        "#!/bin/bash",
+        f"# fp4lab sweep {spec.name!r}, job array {k}: {n} runs; task i runs line i+1 of array_{k}.runs",
+        *_description(spec),
+        f"# Submit again by hand: sbatch {_comment(str(sweep_dir / f'array_{k}.sbatch'))}"
+        f"  (one task: sbatch --array=I {_comment(str(sweep_dir / f'array_{k}.sbatch'))})",
+        "# Written by `fp4lab sweep`; edit the spec and re-run it rather than editing this file.",
+        "#",
+        "# task  run id        what",
+        *(f"# {i:<5} {r.id}  {_comment(r.name)}" for i, r in enumerate(chunk)),
+        *_sbatch_lines(spec, f"{spec.name}-array{k}", sweep_dir / "logs" / f"array_{k}-%A_%a",
+                       array=f"0-{n - 1}{parallel}"),
+        "",
+        "set -uo pipefail",
+        f"SWEEP_DIR={shlex.quote(str(sweep_dir))}",
+        f"WORKDIR={shlex.quote(str(workdir))}",
+        f"PYTHON={shlex.quote(str(python))}",
+        f"RUNS_FILE=\"$SWEEP_DIR\"/{shlex.quote(f'array_{k}.runs')}",
+        'TASK="${SLURM_ARRAY_TASK_ID:?not a job array task: submit this file with sbatch}"',
+        'RUN_ID="$(sed -n "$((TASK + 1))p" "$RUNS_FILE")"',
+        'if ! [[ "$RUN_ID" =~ ^[0-9a-f]{12}$ ]]; then',
+        '  echo "fp4lab: no run id on line $((TASK + 1)) of $RUNS_FILE" >&2',
+        "  exit 1",
+        "fi",
+    ]
+    return "\n".join(head + _body(spec)) + "\n"
+
+
+def _description(spec: SweepSpec) -> list[str]:
+    lines = [f"# Spec: {_comment(str(spec.path))} (method {spec.method})"]
+    if spec.description:
+        lines.insert(0, f"# {_comment(spec.description)}")
+    return lines
+
+
+def _sbatch_lines(spec: SweepSpec, job_name: str, log_stem: Path, array: str | None = None) -> list[str]:
+    s = spec.slurm
+    options: list[tuple[str, Any]] = [("job-name", job_name)]
+    if array:
+        options.append(("array", array))
+    for key in ("partition", "account", "qos", "nodes", "ntasks_per_node", "gpus_per_node", "cpus_per_task",
+                "mem", "time", "constraint", "exclude"):
+        value = getattr(s, key)
+        if value is not None:
+            options.append((key.replace("_", "-"), value))
+    options += [
+        ("signal", f"B:USR1@{s.signal_before_timeout_s}"),
+        ("requeue", None),
+        ("open-mode", "append"),
+        ("output", f"{log_stem}.out"),
+        ("error", f"{log_stem}.err"),
+    ]
+    lines = ["#"]
+    for key, value in options:
+        if value is None:
+            lines.append(f"#SBATCH --{key}")
+            continue
+        text = str(value)
+        if not re.fullmatch(r"[A-Za-z0-9_./+,:=@~%&|*!()\[\]-]+", text):
+            raise SpecError(f"{spec.path}: slurm.{key}: {text!r} cannot go into an #SBATCH line")
+        lines.append(f"#SBATCH --{key}={text}")
+    return lines
+
+
+def _body(spec: SweepSpec) -> list[str]:
+    s = spec.slurm
+    gpus = s.gpus_per_node or 0
+    lines = [
+        'CONFIG="$SWEEP_DIR/$RUN_ID.toml"',
+        'cd "$WORKDIR" || { echo "fp4lab: cannot cd to $WORKDIR" >&2; exit 1; }',
+        "",
+    ]
+    if s.setup:
+        lines.append("# setup ([slurm].setup, verbatim)")
+        lines += s.setup
+        lines.append("")
+    lines += [
+        'echo "fp4lab: run $RUN_ID, config $CONFIG, host $(hostname), job ${SLURM_JOB_ID:-none}"',
+        "# USR1 (before the time limit): the trainer checkpoints and stops; then this job is requeued.",
+        "# TERM (scancel, preemption): passed on, no requeue.",
+        "REQUEUE=0",
+        "CHILD=",
+        "trap 'REQUEUE=1; [ -n \"$CHILD\" ] && kill -USR1 \"$CHILD\" 2>/dev/null' USR1",
+        "trap '[ -n \"$CHILD\" ] && kill -TERM \"$CHILD\" 2>/dev/null' TERM",
+    ]
+    train = '-m fp4lab.cli train --config "$CONFIG"'
+    if s.nodes > 1:
+        lines += [
+            "# Multi-node template: one torchrun agent per node, c10d rendezvous on the first node.",
+            "# NOTE: fp4lab's training loop is single-process today; every process would train the same run.",
+            'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+            f'srun --ntasks-per-node=1 --kill-on-bad-exit=1 "$PYTHON" -u -m torch.distributed.run '
+            f'--nnodes="$SLURM_NNODES" --nproc-per-node={max(gpus, 1)} --rdzv-backend=c10d '
+            f'--rdzv-endpoint="$MASTER_ADDR:29500" --rdzv-id="$SLURM_JOB_ID" {train} &',
+        ]
+    elif gpus > 1:
+        lines += [
+            "# Multi-GPU template: torchrun on this node.",
+            "# NOTE: fp4lab's training loop is single-process today; every process would train the same run.",
+            f'"$PYTHON" -u -m torch.distributed.run --standalone --nproc-per-node={gpus} {train} &',
+        ]
+    else:
+        lines.append(f'"$PYTHON" -u {train} &')
+    lines += [
+        "CHILD=$!",
+        "# wait returns early when a trapped signal arrives; keep waiting until the trainer has exited.",
+        'while kill -0 "$CHILD" 2>/dev/null; do wait "$CHILD"; done',
+        'wait "$CHILD"; RC=$?',
+        'if [ "$REQUEUE" = 1 ] && [ "$RC" = 0 ] && [ -z "${FP4LAB_NO_REQUEUE:-}" ] && [ -n "${SLURM_JOB_ID:-}" ]; then',
+        '  echo "fp4lab: checkpointed before the time limit; requeueing job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$RC"',
+    ]
+    return lines
+
+
+def _comment(text: str) -> str:
+    """Text safe on one comment line: printable as is, otherwise JSON-escaped."""
+    return text if text.isprintable() else json.dumps(text)[1:-1]
+
+
+# -------------------------------------------------------------------------------------- run configs
+
+
+def config_toml(run: RunSpec, spec: SweepSpec | None = None) -> str:
+    """The run's resolved config as TOML (None values are left out: they are TrainConfig's defaults)."""
+    head = [f"# fp4lab run {run.id}: {_comment(run.name)}"]
+    if spec is not None:
+        head.append(f"# sweep {spec.name!r} ({_comment(str(spec.path))}); train with: fp4lab train --config THIS_FILE")
+    top, tables = [], []
+    for key, value in run.config.items():
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            tables.append(f"\n[{key}]")
+            tables += [f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None]
+        else:
+            top.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(head + top + tables) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise SpecError(f"{value!r} cannot be written to a run config")
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise SpecError(f"{value!r} ({type(value).__name__}) cannot be written to a run config")
+
+
+def _atomic_write(path: Path, text: str, executable: bool = False) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o755 if executable else 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+__all__ = ["config_toml", "render_array_script", "render_run_script", "slurm_max_array_size", "write_scripts"]

@@ -1,0 +1,533 @@
+"""Sweep specs: a TOML file naming a base training config, the axes to expand and the Slurm settings.
+
+    spec = load_spec("sweeps/recipes.toml")   # validates everything; one-line SpecError otherwise
+    runs = expand(spec)                       # list[RunSpec(id, name, config, params)]
+
+The format is documented in docs/SWEEPS.md. Every error is one line naming the file, the key path
+(`axes.lr[2]`, `slurm.partition`) and the allowed values or the fix.
+
+Run ids: `run_id(config)` is the first 12 hex digits of sha256 over the canonical JSON of the
+resolved TrainConfig (every field, defaults filled in, ints in float fields written as floats, keys
+sorted), leaving out `out_dir`, `device` and `max_minutes` (ID_EXCLUDED), which don't change what a
+run computes. The same config gets the same id in any process on any machine; a run's folder is
+`runs/<sweep>/<id>`.
+
+This module does not import torch at import time; `load_spec` imports `fp4lab.train.config` (and so
+torch) inside the call to validate run configs with `TrainConfig.from_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import random
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+METHODS = ("grid", "random", "optuna")
+# Fields that don't change what a run computes: left out of the run id.
+ID_EXCLUDED = ("out_dir", "device", "max_minutes")
+# Summary keys (train.loop's summary.json) an optuna objective may name.
+OBJECTIVES = ("final_val_loss", "best_val_loss", "final_loss", "best_loss", "tokens_per_s", "train_seconds")
+DIRECTIONS = ("minimize", "maximize")
+PARAM_TYPES = ("float", "int", "categorical")
+SCAN_KEYS = {
+    "spike_sigma": float,
+    "spike_window": int,
+    "spike_ratio": float,
+    "entropy_floor": float,
+    "entropy_drop_factor": float,
+    "max_logit_tau": float,
+    "stall_seconds": float,
+}
+TOP_KEYS = ("name", "description", "base", "axes", "method", "samples", "seed", "optuna", "slurm", "scan")
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# #SBATCH values: sbatch (not bash) parses these lines, so they may only hold characters that need no
+# quoting anywhere: no whitespace, quotes, `#`, `$`, backticks, `;`, newlines or NUL.
+SBATCH_PATTERNS = {
+    "partition": (r"[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*", "names of letters, digits, _ . + -, comma-separated"),
+    "account": (r"[A-Za-z0-9_.+-]+", "letters, digits, _ . + -"),
+    "qos": (r"[A-Za-z0-9_.+-]+", "letters, digits, _ . + -"),
+    "mem": (r"[0-9]+[KMGT]?", "an integer with an optional K/M/G/T suffix, e.g. 64G"),
+    "time": (r"([0-9]+-)?[0-9]+(:[0-9]{1,2}){0,2}", "minutes, MM:SS, HH:MM:SS or D-HH:MM:SS, e.g. 04:00:00"),
+    "constraint": (r"[A-Za-z0-9_.,:&|*!()\[\]-]+", "features joined by & | , with no spaces, e.g. h100&ib"),
+    "exclude": (r"[A-Za-z0-9_.,\[\]-]+", "a node list such as node[01-04],gpu7"),
+}
+
+
+class SpecError(ValueError):
+    """A sweep spec that does not validate: one line naming the file, the key path and the fix."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of a sweep. `config` is the resolved TrainConfig dict (TrainConfig.from_dict takes it);
+    `params` are the axis values that distinguish it; `name` is those values as `k=v` text."""
+
+    id: str
+    name: str
+    config: dict[str, Any]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class SearchParam(_Strict):
+    type: Literal["float", "int", "categorical"]
+    low: float | int | None = None
+    high: float | int | None = None
+    log: bool = False
+    choices: list[Any] | None = None
+
+
+class OptunaSpec(_Strict):
+    n_trials: int
+    objective: str = "final_val_loss"
+    direction: Literal["minimize", "maximize"] = "minimize"
+    search_space: dict[str, SearchParam]
+    storage: str | None = None
+
+
+class SlurmSpec(_Strict):
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    gpus_per_node: int | None = None
+    nodes: int = 1
+    ntasks_per_node: int | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    time: str | int | None = None
+    constraint: str | None = None
+    exclude: str | None = None
+    array_parallelism: int | None = None
+    signal_before_timeout_s: int = 120
+    setup: list[str] = []
+    max_array_size: int | None = None
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    name: str
+    description: str
+    path: Path
+    base: dict[str, Any]
+    axes: dict[str, list[Any]]
+    method: str = "grid"
+    samples: int | None = None
+    seed: int = 0
+    optuna: OptunaSpec | None = None
+    slurm: SlurmSpec = SlurmSpec()
+    scan: dict[str, float | int] = field(default_factory=dict)
+
+    def sweep_dir(self, jobs_dir: str | Path = "jobs") -> Path:
+        """Where this sweep's scripts, configs and logs go: jobs/<name>."""
+        return Path(jobs_dir) / self.name
+
+    def optuna_storage(self, jobs_dir: str | Path = "jobs") -> str:
+        """The optuna JournalFileBackend file: [optuna].storage, default jobs/<name>/optuna.journal."""
+        if self.optuna is not None and self.optuna.storage:
+            return self.optuna.storage
+        return str(self.sweep_dir(jobs_dir) / "optuna.journal")
+
+    def size(self) -> int:
+        """How many runs expand() gives (n_trials for optuna)."""
+        if self.method == "optuna":
+            return self.optuna.n_trials
+        total = math.prod(len(values) for values in self.axes.values())
+        return min(total, self.samples) if self.method == "random" else total
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+
+def load_spec(path: str | Path) -> SweepSpec:
+    """Read and validate a sweep spec; raises SpecError (one line) on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"sweep spec {str(path)!r} does not exist")
+    try:
+        table = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path}: not UTF-8 text: {exc}") from None
+    return spec_from_dict(table, path)
+
+
+def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepSpec:
+    path = Path(path)
+
+    def fail(where: str, message: str) -> SpecError:
+        return SpecError(f"{path}: {where}: {message}")
+
+    _known_keys(table, TOP_KEYS, "", fail)
+    name = table.get("name")
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        raise fail("name", f"{name!r} must be 1-64 letters, digits, . _ - (it names jobs/<name> and runs/<name>)")
+    description = table.get("description", "")
+    if not isinstance(description, str):
+        raise fail("description", "must be a string")
+    method = table.get("method", "grid")
+    if method not in METHODS:
+        raise fail("method", f"{method!r} is not supported; allowed: {', '.join(METHODS)}")
+
+    base = table.get("base", {})
+    if not isinstance(base, dict):
+        raise fail("base", "must be a table of TrainConfig fields ([base])")
+    train_fields, data_fields = _train_fields()
+    _known_keys(base, train_fields, "base", fail)
+    if "data" in base:
+        if not isinstance(base["data"], dict):
+            raise fail("base.data", "must be a table ([base.data]) of DataConfig fields")
+        _known_keys(base["data"], data_fields, "base.data", fail)
+    if "out_dir" in base:
+        raise fail("base.out_dir", "is set by the sweep to runs/<sweep>/<id>; remove it")
+    _check_recipe(base.get("recipe"), "base.recipe", fail)
+    _validate_config(_merge(base, {}), "base", fail)
+
+    axes = table.get("axes", {})
+    if not isinstance(axes, dict):
+        raise fail("axes", "must be a table: name = [values]")
+    for axis, values in axes.items():
+        _check_axis_name(axis, train_fields, data_fields, f"axes.{axis}", fail)
+        if not isinstance(values, list) or not values:
+            raise fail(f"axes.{axis}", "must be a non-empty list of values, e.g. [0.01, 0.02]")
+        seen: dict[str, int] = {}
+        for i, value in enumerate(values):
+            where = f"axes.{axis}[{i}]"
+            key = json.dumps(value, sort_keys=True)
+            if key in seen:
+                raise fail(where, f"{value!r} repeats axes.{axis}[{seen[key]}]; remove the duplicate")
+            seen[key] = i
+            if axis == "recipe":
+                _check_recipe(value, where, fail)
+            _validate_config(_merge(base, {axis: value}), where, fail)
+
+    samples = table.get("samples")
+    seed = table.get("seed", 0)
+    if method != "random":
+        for key in ("samples", "seed"):
+            if key in table:
+                raise fail(key, f"only applies to method = \"random\" (this spec has method = {method!r})")
+    else:
+        if not _is_int(samples) or samples < 1:
+            raise fail("samples", f"{samples!r}: method = \"random\" needs samples = an integer >= 1")
+        if not _is_int(seed) or seed < 0:
+            raise fail("seed", f"{seed!r} must be an integer >= 0")
+        total = math.prod(len(v) for v in axes.values())
+        if samples > total:
+            raise fail("samples", f"{samples} is more than the {total} distinct axis combinations; lower it")
+
+    optuna = None
+    if method == "optuna":
+        if axes:
+            raise fail("axes", "method = \"optuna\" takes its parameters from [optuna.search_space]; "
+                       "move the axes there (type = \"categorical\", choices = [...])")
+        if "optuna" not in table:
+            raise fail("optuna", "method = \"optuna\" needs an [optuna] table (n_trials, objective, direction, search_space)")
+        optuna = _optuna(table["optuna"], base, train_fields, data_fields, fail)
+    elif "optuna" in table:
+        raise fail("optuna", f"only applies to method = \"optuna\" (this spec has method = {method!r})")
+
+    slurm = _slurm(table.get("slurm", {}), fail)
+    scan = _scan(table.get("scan", {}), fail)
+    return SweepSpec(name=name, description=description, path=path, base=base, axes=axes, method=method,
+                     samples=samples, seed=seed if method == "random" else 0, optuna=optuna, slurm=slurm, scan=scan)
+
+
+def _optuna(table: Any, base: dict, train_fields, data_fields, fail) -> OptunaSpec:
+    if not isinstance(table, dict):
+        raise fail("optuna", "must be a table")
+    _known_keys(table, tuple(OptunaSpec.model_fields), "optuna", fail)
+    space = table.get("search_space")
+    if not isinstance(space, dict) or not space:
+        raise fail("optuna.search_space", "must be a non-empty table: name = {type = ..., low, high} or {type = \"categorical\", choices = [...]}")
+    for pname, param in space.items():
+        where = f"optuna.search_space.{pname}"
+        _check_axis_name(pname, train_fields, data_fields, where, fail)
+        if not isinstance(param, dict):
+            raise fail(where, "must be a table {type = \"float\"|\"int\"|\"categorical\", low, high, log, choices}")
+        _known_keys(param, tuple(SearchParam.model_fields), where, fail)
+    for key, allowed in (("objective", OBJECTIVES), ("direction", DIRECTIONS)):
+        if key in table and table[key] not in allowed:
+            raise fail(f"optuna.{key}", f"{table[key]!r} is not supported; allowed: {', '.join(allowed)}")
+    spec = _pydantic(OptunaSpec, table, "optuna", fail)
+    if spec.n_trials < 1:
+        raise fail("optuna.n_trials", f"{spec.n_trials} must be >= 1")
+    if spec.storage is not None and (not spec.storage or not spec.storage.isprintable()):
+        raise fail("optuna.storage", "must be a journal file path (default jobs/<sweep>/optuna.journal)")
+    for pname, p in spec.search_space.items():
+        where = f"optuna.search_space.{pname}"
+        if p.type == "categorical":
+            if not p.choices or p.low is not None or p.high is not None or p.log:
+                raise fail(where, "type = \"categorical\" takes choices = [non-empty list] and no low/high/log")
+            probes = p.choices
+            if pname == "recipe":
+                for i, choice in enumerate(p.choices):
+                    _check_recipe(choice, f"{where}.choices[{i}]", fail)
+        else:
+            if p.choices is not None or p.low is None or p.high is None:
+                raise fail(where, f"type = {p.type!r} takes low and high (and optional log), not choices")
+            if p.type == "int" and not (_is_int(p.low) and _is_int(p.high)):
+                raise fail(where, "type = \"int\" needs integer low and high")
+            if not p.low < p.high:
+                raise fail(where, f"low = {p.low} must be below high = {p.high}")
+            if p.log and p.low <= 0:
+                raise fail(where, f"log = true needs low > 0, got {p.low}")
+            probes = [p.low, p.high]
+        for value in probes:
+            _validate_config(_merge(base, {pname: value}), where, fail)
+    return spec
+
+
+def _slurm(table: Any, fail) -> SlurmSpec:
+    if not isinstance(table, dict):
+        raise fail("slurm", "must be a table")
+    _known_keys(table, tuple(SlurmSpec.model_fields), "slurm", fail)
+    slurm = _pydantic(SlurmSpec, table, "slurm", fail)
+    for key, (pattern, allowed) in SBATCH_PATTERNS.items():
+        value = getattr(slurm, key)
+        if value is None:
+            continue
+        if key == "time" and _is_int(value):
+            if value < 1:
+                raise fail("slurm.time", f"{value} minutes must be >= 1")
+            continue
+        if not re.fullmatch(pattern, value):
+            raise fail(f"slurm.{key}", f"{value!r} is not allowed in an #SBATCH line; use {allowed}")
+    minimum = {"gpus_per_node": 0, "nodes": 1, "ntasks_per_node": 1, "cpus_per_task": 1, "array_parallelism": 1,
+               "signal_before_timeout_s": 1, "max_array_size": 1}
+    for key, low in minimum.items():
+        value = getattr(slurm, key)
+        if value is not None and value < low:
+            raise fail(f"slurm.{key}", f"{value} must be >= {low}")
+    limit = time_limit_seconds(slurm.time)
+    if limit is not None and slurm.signal_before_timeout_s >= limit:
+        raise fail("slurm.signal_before_timeout_s",
+                   f"{slurm.signal_before_timeout_s} s must be shorter than the time limit ({limit} s)")
+    for i, line in enumerate(slurm.setup):
+        if any(ch in line for ch in "\n\r\0") or not line.strip():
+            raise fail(f"slurm.setup[{i}]", "each entry is one shell command on one line: no newlines or NUL, not empty; "
+                       "split it into several entries")
+    return slurm
+
+
+def _scan(table: Any, fail) -> dict[str, float | int]:
+    if not isinstance(table, dict):
+        raise fail("scan", "must be a table")
+    _known_keys(table, tuple(SCAN_KEYS), "scan", fail)
+    for key, value in table.items():
+        kind = SCAN_KEYS[key]
+        ok = _is_int(value) if kind is int else (_is_number(value))
+        if not ok or value < 0 or (kind is int and value < 1):
+            what = "an integer >= 1" if kind is int else "a finite number >= 0"
+            raise fail(f"scan.{key}", f"{value!r} must be {what}")
+    return dict(table)
+
+
+def time_limit_seconds(value: str | int | None) -> int | None:
+    """Slurm --time in seconds: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    if value is None:
+        return None
+    if _is_int(value):
+        return value * 60
+    days, _, rest = value.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        parts += [0] * (3 - len(parts))
+        h, m, s = parts
+        return ((int(days) * 24 + h) * 60 + m) * 60 + s
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+
+
+# -------------------------------------------------------------------------------------------- expand
+
+
+def expand(spec: SweepSpec) -> list[RunSpec]:
+    """The runs of a grid or random sweep, in a stable order (the cartesian product of the axes in the
+    order the spec lists them, last axis fastest; random keeps that order for the sampled points).
+    Optuna sweeps are expanded trial by trial with `make_run(spec, params)`."""
+    if spec.method == "optuna":
+        raise SpecError(f"{spec.path}: method = \"optuna\" runs are proposed one trial at a time; "
+                        "use make_run(spec, trial_params) from the ask/tell loop")
+    names = list(spec.axes)
+    sizes = [len(spec.axes[n]) for n in names]
+    total = math.prod(sizes)
+    if spec.method == "random":
+        indices = sorted(random.Random(spec.seed).sample(range(total), spec.samples))
+    else:
+        indices = range(total)
+    runs, seen = [], {}
+    for index in indices:
+        params = {}
+        for name, size in zip(reversed(names), reversed(sizes)):
+            index, digit = divmod(index, size)
+            params[name] = spec.axes[name][digit]
+        params = {n: params[n] for n in names}
+        run = make_run(spec, params)
+        if run.id in seen:
+            raise SpecError(f"{spec.path}: axes: {run.name!r} and {seen[run.id]!r} resolve to the same config "
+                            f"(id {run.id}); remove one of the values")
+        seen[run.id] = run.name
+        runs.append(run)
+    return runs
+
+
+def make_run(spec: SweepSpec, params: dict[str, Any]) -> RunSpec:
+    """One run: base + params (axis or trial values; `data.x` keys go into the data table), validated
+    by TrainConfig, with out_dir = runs/<sweep>/<id>."""
+    config = _validate_config(_merge(spec.base, params), _describe(params) or "base",
+                              lambda where, message: SpecError(f"{spec.path}: {where}: {message}"))
+    rid = run_id(config)
+    config["out_dir"] = f"runs/{spec.name}/{rid}"
+    return RunSpec(id=rid, name=_describe(params) or "base", config=config, params=dict(params))
+
+
+def run_id(config: dict[str, Any]) -> str:
+    """12 hex digits of sha256 over the canonical JSON of a resolved TrainConfig dict, leaving out
+    ID_EXCLUDED. Pass a complete config (TrainConfig(...).to_dict() or RunSpec.config)."""
+    return hashlib.sha256(canonical_json(config).encode()).hexdigest()[:12]
+
+
+def canonical_json(config: dict[str, Any]) -> str:
+    """Sorted keys, no spaces, ints in float fields as floats, ID_EXCLUDED left out."""
+    floats, data_floats = _float_fields()
+    values = {k: v for k, v in config.items() if k not in ID_EXCLUDED}
+    for key in floats & values.keys():
+        values[key] = _as_float(values[key])
+    if isinstance(values.get("data"), dict):
+        values["data"] = {k: (_as_float(v) if k in data_floats else v) for k, v in values["data"].items()}
+    return json.dumps(values, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def _train_fields() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    from fp4lab.train.config import TrainConfig
+    from fp4lab.train.data import DataConfig
+
+    return tuple(f.name for f in dataclasses.fields(TrainConfig)), tuple(f.name for f in dataclasses.fields(DataConfig))
+
+
+def _float_fields() -> tuple[set[str], set[str]]:
+    from fp4lab.train.config import TrainConfig
+    from fp4lab.train.data import DataConfig
+
+    def floats(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls) if "float" in str(f.type)}
+
+    return floats(TrainConfig), floats(DataConfig)
+
+
+def _validate_config(values: dict[str, Any], where: str, fail) -> dict[str, Any]:
+    """TrainConfig.from_dict(values).to_dict(), with any ConfigError re-raised naming `where`."""
+    from fp4lab.train.config import ConfigError, TrainConfig
+
+    try:
+        return TrainConfig.from_dict(values, "config").to_dict()
+    except ConfigError as exc:
+        raise fail(where, str(exc).removeprefix("config: ")) from None
+
+
+def _check_recipe(value: Any, where: str, fail) -> None:
+    """A built-in recipe name or an existing .toml path (relative to the current directory), loaded
+    and validated in full."""
+    if value is None:
+        return
+    from fp4lab.nn.recipe import RecipeError, list_recipes, load_recipe
+
+    if not isinstance(value, str) or not value:
+        raise fail(where, f"{value!r} must be a recipe name ({', '.join(list_recipes())}) or a .toml path")
+    try:
+        load_recipe(value)
+    except RecipeError as exc:
+        raise fail(where, str(exc).splitlines()[0]) from None
+
+
+def _check_axis_name(name: str, train_fields, data_fields, where: str, fail) -> None:
+    if name.startswith("data."):
+        if name[5:] not in data_fields:
+            raise fail(where, f"unknown data field {name[5:]!r}; allowed: {', '.join('data.' + f for f in data_fields)}")
+        return
+    if name == "data":
+        raise fail(where, "sweep data fields one at a time: data.source, data.vocab_size, ...")
+    if name == "out_dir":
+        raise fail(where, "out_dir is set by the sweep to runs/<sweep>/<id>; remove this axis")
+    if name not in train_fields:
+        allowed = [f for f in train_fields if f not in ("data", "out_dir")] + [f"data.{f}" for f in data_fields]
+        raise fail(where, f"unknown field {name!r}; allowed: {', '.join(allowed)}")
+
+
+def _known_keys(table: dict, allowed, where: str, fail) -> None:
+    for key in table:
+        if key not in allowed:
+            path = f"{where}.{key}" if where else key
+            raise fail(path, f"unknown key; allowed{' in [' + where + ']' if where else ''}: {', '.join(allowed)}")
+
+
+def _pydantic(model, table: dict, where: str, fail):
+    try:
+        return model.model_validate(table)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        loc = where
+        for part in error["loc"]:
+            loc += f"[{part}]" if isinstance(part, int) else f".{part}"
+        value = error.get("input")
+        raise fail(loc, f"{value!r}: {error['msg'].lower()}") from None
+
+
+def _merge(base: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for key, value in params.items():
+        if key.startswith("data."):
+            merged.setdefault("data", {})[key[5:]] = value
+        else:
+            merged[key] = value
+    merged.pop("out_dir", None)
+    return merged
+
+
+def _describe(params: dict[str, Any]) -> str:
+    return " ".join(f"{k}={_short(v)}" for k, v in params.items())
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, str) and value.isprintable() and value and not any(c.isspace() or c in "\"'=" for c in value):
+        return value
+    if isinstance(value, float):
+        return repr(value)
+    return json.dumps(value)
+
+
+def _as_float(value: Any) -> Any:
+    return float(value) if _is_int(value) else value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+__all__ = [
+    "ID_EXCLUDED", "OptunaSpec", "RunSpec", "SearchParam", "SlurmSpec", "SpecError", "SweepSpec",
+    "canonical_json", "expand", "load_spec", "make_run", "run_id", "spec_from_dict", "time_limit_seconds",
+]
