@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import subprocess
 import sys
@@ -62,7 +61,7 @@ def write_run(
 
 def test_module_imports_without_torch():
     code = "import sys, fp4lab.lab.logscan; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
@@ -340,8 +339,8 @@ def test_real_fp4lab_run_is_converged(tmp_path):
     from fp4lab.train.loop import run
 
     config = TrainConfig(
-        recipe="bf16", data=DataConfig(source="synthetic"), seq_len=64, batch_size=4, steps=8,
-        warmup_steps=2, eval_every=4, eval_batches=2, probe_every=4, checkpoint_every=8,
+        recipe="bf16", data=DataConfig(source="synthetic"), seq_len=32, batch_size=2, steps=8,
+        warmup_steps=2, eval_every=4, eval_batches=1, probe_every=4, checkpoint_every=8,
         out_dir=str(tmp_path / "run"),
     )
     summary = run(config, progress=False)

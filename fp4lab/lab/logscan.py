@@ -81,10 +81,10 @@ from typing import Any
 
 __all__ = [
     "PRESETS",
+    "LogFormat",
     "ScanEvent",
     "ScanResult",
     "ScanThresholds",
-    "LogFormat",
     "format_result",
     "scan",
 ]
@@ -544,6 +544,52 @@ def _num(value: Any) -> float | None:
     return None
 
 
+class _Window:
+    """The last `size` values with a running sum and sum of squares (recomputed exactly every `size`
+    pushes, so rounding never drifts): mean and std in O(1) per step."""
+
+    def __init__(self, size: int):
+        self.values: deque[float] = deque(maxlen=size)
+        self.total = 0.0
+        self.squares = 0.0
+        self.pushes = 0
+        self._minima: deque[tuple[int, float]] = deque()  # (push index, value), increasing values
+
+    def minimum(self) -> float:
+        return self._minima[0][1]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def append(self, x: float) -> None:
+        if len(self.values) == self.values.maxlen:
+            old = self.values[0]
+            self.total -= old
+            self.squares -= old * old
+        self.values.append(x)
+        self.total += x
+        self.squares += x * x
+        self.pushes += 1
+        minima = self._minima
+        while minima and minima[-1][1] >= x:
+            minima.pop()
+        minima.append((self.pushes, x))
+        if minima[0][0] <= self.pushes - self.values.maxlen:
+            minima.popleft()
+        if self.pushes % self.values.maxlen == 0:
+            self.total = math.fsum(self.values)
+            self.squares = math.fsum(v * v for v in self.values)
+
+    def mean_std(self) -> tuple[float, float]:
+        n = len(self.values)
+        mean = self.total / n
+        # E[x^2] - mean^2 loses digits when std << mean: then sum the squared deviations exactly
+        var = max(0.0, self.squares / n - mean * mean)
+        if var < 1e-6 * mean * mean:  # cancellation may dominate: compute it exactly
+            var = math.fsum((v - mean) ** 2 for v in self.values) / n
+        return mean, math.sqrt(var)
+
+
 class _Detector:
     """Feeds records in log order; keeps the trailing windows and merges flagged steps into episodes."""
 
@@ -556,8 +602,8 @@ class _Detector:
         self.final_loss: float | None = None
         self.best_loss: float | None = None
         self.final_val_loss: float | None = None
-        self.losses: deque[float] = deque(maxlen=th.spike_window)
-        self.grads: deque[float] = deque(maxlen=th.spike_window)
+        self.losses = _Window(th.spike_window)
+        self.grads = _Window(th.spike_window)
         self.entropy: dict[int, list[float]] = {}
         self.open: dict[str, ScanEvent] = {}  # kind (or kind/layer) -> the episode still running
         self.best_history: deque[tuple[int, float]] = deque()
@@ -588,8 +634,11 @@ class _Detector:
         grad = _num(record.get("grad_norm"))
         val = _num(record.get("val_loss"))
 
-        bad = [(name, v) for name, v in (("loss", loss), ("grad_norm", grad), ("val_loss", val)) if v is not None and not math.isfinite(v)]
         nan_iters = record.get("nan_iters") or 0
+        bad = []
+        for name, v in (("loss", loss), ("grad_norm", grad), ("val_loss", val)):
+            if v is not None and (v - v != 0):  # NaN or +-Inf
+                bad.append((name, v))
         if bad or nan_iters:
             name, value = bad[0] if bad else ("loss", math.nan)
             detail = f"{name} = {value}" if bad else f"{nan_iters} nan iteration(s) reported"
@@ -611,17 +660,17 @@ class _Detector:
             self.final_val_loss = val
         self._probes(step, record)
 
-    def _spike(self, kind: str, window: deque, step: int, x: float, k: float, ratio: float | None) -> None:
+    def _spike(self, kind: str, window: _Window, step: int, x: float, k: float, ratio: float | None) -> None:
         if len(window) < self.th.spike_min_count:
             return
-        mean = sum(window) / len(window)
-        std = math.sqrt(sum((v - mean) ** 2 for v in window) / len(window))
-        median = statistics.median(window)
+        mean, std = window.mean_std()
         reasons = []
         if std >= 1e-10 and x > mean + k * std:
             reasons.append((mean + k * std, f"{x:.4g} > mean {mean:.4g} + {k:g} x std {std:.3g} of last {len(window)}"))
-        if ratio is not None and x > ratio * median:
-            reasons.append((ratio * median, f"{x:.4g} > {ratio:g} x median {median:.4g} of last {len(window)}"))
+        if ratio is not None and x > ratio * window.minimum():  # the median is >= the minimum
+            median = statistics.median(window.values)
+            if x > ratio * median:
+                reasons.append((ratio * median, f"{x:.4g} > {ratio:g} x median {median:.4g} of last {len(window)}"))
         if reasons:
             threshold, detail = min(reasons, key=lambda r: r[0])
             self._flag(kind, kind, step, x, threshold, detail, lambda a, b: a > b)
