@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
@@ -139,7 +140,11 @@ def test_merge_semantics(cat):
     assert merged["state"] == "failed"
     assert merged["summary"] == {**cat.get(run_id)["summary"], "best_val_loss": 3.3}
     assert merged["summary"]["final_train_loss"] == 3.25 and merged["summary"]["loss_at_steps"] == {"300": 3.1}
-    assert merged["paths"] == {"run_dir": "runs/nvfp4-tiny-s0", "log": "jobs/123456_3.out", "checkpoint": "runs/x/checkpoint.pt"}
+    assert merged["paths"] == {
+        "run_dir": "runs/nvfp4-tiny-s0",
+        "log": "jobs/123456_3.out",
+        "checkpoint": "runs/x/checkpoint.pt",
+    }
     assert merged["extra"] == {"seed": 0, "config_hash": "abc", "note": "requeued"}
     assert merged["config"] == {"steps": 400} and merged["events"] == [] and merged["verdict"] is None
     assert merged["created_at"] == "2026-01-31T12:00:00.000Z" and merged["attempts"] == 2  # untouched fields kept
@@ -290,9 +295,11 @@ path, worker, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cat = Catalog(path, timeout=120)
 for i in range(n):
     cat.upsert({"id": f"w{worker:02d}-{i:03d}", "sweep": "load", "state": "running", "extra": {"worker": worker}})
-    with cat.transaction() as tx:
-        shared = tx.get("shared")
-        tx.update("shared", attempts=shared["attempts"] + 1, extra={f"w{worker}": i + 1})
+    if i % 2 == 0:  # a read-modify-write of the shared record, racing the other workers' upserts
+        with cat.transaction() as tx:
+            shared = tx.get("shared")
+            mine = shared["extra"].get(f"w{worker}", 0) + 1
+            tx.update("shared", attempts=shared["attempts"] + 1, extra={f"w{worker}": mine})
 """
 
 
@@ -309,11 +316,12 @@ def test_many_concurrent_writer_processes(cat):
     assert set(runs) == expected | {"shared"}
     assert all(runs[f"w{w:02d}-000"]["extra"] == {"worker": w} for w in range(workers))
     shared = runs["shared"]
-    assert shared["attempts"] == workers * per_worker  # no lost read-modify-write
-    assert shared["extra"] == {f"w{w}": per_worker for w in range(workers)}
+    increments = (per_worker + 1) // 2
+    assert shared["attempts"] == workers * increments  # no lost read-modify-write
+    assert shared["extra"] == {f"w{w}": increments for w in range(workers)}
     assert temp_files(cat.path) == []
-    print(f"\n{workers} processes x {per_worker} upserts + {per_worker} locked increments: "
-          f"{2 * workers * per_worker} writes in {elapsed:.2f} s")  # fmt: skip
+    print(f"\n{workers} processes x ({per_worker} upserts + {increments} locked increments): "
+          f"{workers * (per_worker + increments)} writes in {elapsed:.2f} s")  # fmt: skip
 
 
 KILLED_AT = """
@@ -363,7 +371,8 @@ cat = Catalog(sys.argv[1], timeout=30)
 blob = "x" * 200_000                      # large records: most of the time is spent writing
 for i in range(10**9):
     run_id = f"{sys.argv[2]}-{i:05d}"
-    cat.upsert({"id": run_id, "config": {"blob": blob, "i": i}, "summary": {"loss_at_steps": {s: 1.0 for s in range(200)}}})
+    steps = {s: 1.0 for s in range(200)}
+    cat.upsert({"id": run_id, "config": {"blob": blob, "i": i}, "summary": {"loss_at_steps": steps}})
     print(run_id, flush=True)             # printed only after the upsert returned: committed
 """
 
@@ -371,6 +380,7 @@ for i in range(10**9):
 def test_writer_sigkilled_at_random_moments(cat):
     rng = random.Random(0)
     committed: list[str] = []
+    unconfirmed: set[str] = set()
     orphans_seen = 0
     for round_ in range(6):
         proc = child(LOOPING_WRITER, str(cat.path), f"k{round_}", stdout=subprocess.PIPE, text=True)
@@ -386,7 +396,9 @@ def test_writer_sigkilled_at_random_moments(cat):
         runs = load(cat.path)["runs"]  # valid JSON, never a partial file
         missing = set(committed) - set(runs)
         assert not missing, f"committed records lost after kill {round_}: {sorted(missing)[:5]}"
-        assert set(runs) <= set(committed) | {f"k{round_}-{len(rest.split()) + 1:05d}"}  # at most one unconfirmed
+        # besides those, at most the one record each writer committed but was killed before printing
+        unconfirmed.add(f"k{round_}-{len(rest.split()) + 1:05d}")
+        assert set(runs) <= set(committed) | unconfirmed
     assert len(committed) > 12
     cat.upsert({"id": "after"})
     assert temp_files(cat.path) == []
@@ -411,7 +423,9 @@ def test_lock_timeout_gives_a_clear_error(cat):
         assert holder.stdout.readline().strip() == "locked"
         impatient = Catalog(cat.path, timeout=0.3)
         start = time.perf_counter()
-        with pytest.raises(CatalogLockTimeout, match=r"could not lock catalog .*sweep_catalog.json within 0.3 s") as err:
+        with pytest.raises(
+            CatalogLockTimeout, match=r"could not lock catalog .*sweep_catalog.json within 0.3 s"
+        ) as err:
             impatient.upsert({"id": "b"})
         assert 0.25 < time.perf_counter() - start < 5
         assert isinstance(err.value, TimeoutError) and str(impatient.lock_path) in str(err.value)
@@ -436,7 +450,13 @@ def test_killed_lock_holder_releases_the_lock(cat):
 
 def test_upsert_speed(cat):
     for i in range(100):  # a catalog of 100 runs with realistic configs
-        cat.upsert({"id": f"r{i}", "config": {f"k{j}": j for j in range(40)}, "summary": {"loss_at_steps": {s: 1.0 for s in range(0, 1000, 50)}}})
+        cat.upsert(
+            {
+                "id": f"r{i}",
+                "config": {f"k{j}": j for j in range(40)},
+                "summary": {"loss_at_steps": {s: 1.0 for s in range(0, 1000, 50)}},
+            }
+        )
     n = 50
     start = time.perf_counter()
     for i in range(n):
@@ -455,3 +475,24 @@ def test_import_loads_neither_torch_nor_filelock():
 def test_timezone_offsets_are_normalised_to_utc(cat):
     stored = cat.upsert({"id": "t", "submitted_at": datetime(2026, 1, 1, 9, 0, tzinfo=timezone(timedelta(hours=-5)))})
     assert stored["submitted_at"] == "2026-01-01T14:00:00.000Z"
+
+
+def test_threads_and_second_instances_in_one_process(cat, tmp_path):
+    cat.upsert({"id": "shared"})
+    (tmp_path / "alias").symlink_to(tmp_path, target_is_directory=True)
+    alias = Catalog(tmp_path / "alias" / "sweep_catalog.json")
+    with cat.transaction():  # another spelling of the same catalog in the same thread joins the transaction
+        alias.update("shared", verdict="converged")
+    assert cat.get("shared")["verdict"] == "converged"
+
+    def work(instance: Catalog) -> None:
+        for _ in range(20):
+            with instance.transaction() as tx:
+                tx.update("shared", attempts=tx.get("shared")["attempts"] + 1)
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in (cat, cat, Catalog(cat.path), alias)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert cat.get("shared")["attempts"] == 80
