@@ -10,11 +10,20 @@ makes every write a locked read-modify-write that replaces the file atomically:
    `flush` + `fsync` it, `os.replace` it over the catalog, and `fsync` the directory;
 5. release the lock.
 
+The file is `{"schema_version": 1, "runs": {id: record, ...}}`, strict JSON (non-finite numbers are
+stored as null), one run per line so `grep` and `diff` work on it. Runs keep their insertion order.
+
 A reader (`get`, `records`) takes no lock: `os.replace` swaps the name from the old complete file to
 the new complete file in one step, so it never sees a partial file. A process killed at any point
 leaves the old catalog or the new one, never half of one; at most an orphaned temporary file stays
 behind, which no reader opens and the next writer deletes (under the lock no other writer can be
-using one, since temporary files exist only while their writer holds the lock).
+using one, since temporary files exist only while their writer holds the lock). A file that is not a
+valid catalog, or that has a newer `schema_version`, raises CatalogFormatError naming the file and the
+fix, for reads and writes alike; it is never overwritten.
+
+Records are plain dicts (`RunRecord` documents every field). `upsert` and `update` merge: the fields
+given replace the stored ones, except the dicts `summary`, `paths` and `extra`, which merge key by key;
+`config`, `events` and `summary.loss_at_steps` are replaced whole; passing None clears a field.
 
 Example::
 
@@ -35,7 +44,7 @@ Limits of the locking (what `filelock` can and cannot do):
   once (each write is still atomic, but one of two simultaneous updates can be lost). After a client
   crash the server holds the lock until its lease or grace period ends (about 90 s on NFSv4), which
   shows up here as a lock timeout.
-- Lustre mounted without `-o flock`, and some FUSE filesystems, return ENOSYS for `flock`; filelock
+- Lustre mounted with `noflock` (the default on older releases), and some FUSE filesystems, return ENOSYS for `flock`; filelock
   then warns "falling back to SoftFileLock" and uses an `O_CREAT|O_EXCL` marker file. That is
   exclusive across nodes, and a marker left by a dead process is broken automatically when the
   holder ran on the same host; a marker left by a process that died on another host blocks writers
@@ -491,8 +500,8 @@ def _remove_orphaned_temps(path: Path) -> None:
 # --------------------------------------------------------------------------------------- the catalog
 
 
-_ACTIVE: dict[tuple[str, int], Transaction] = {}
-"""The open transaction of each (lock path, thread): calls made inside one join it instead of taking the
+_ACTIVE: dict[tuple[str, int, int], Transaction] = {}
+"""The open transaction of each (lock path, process, thread): calls made inside one join it instead of taking the
 lock again and writing a file the outer transaction would then overwrite."""
 
 
@@ -580,7 +589,7 @@ class Catalog:
     # reads (no lock) ---------------------------------------------------------------------------------
 
     def _runs(self) -> dict[str, dict[str, Any]]:
-        active = _ACTIVE.get((self._key, threading.get_ident()))
+        active = _ACTIVE.get((self._key, os.getpid(), threading.get_ident()))
         return active._runs if active is not None else _read(self.path)
 
     def get(self, run_id: str) -> RunRecord | None:
@@ -621,7 +630,7 @@ class Catalog:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Transaction]:
         """Hold the lock, read the catalog, yield a Transaction to change it, write it once on exit."""
-        key = (self._key, threading.get_ident())
+        key = (self._key, os.getpid(), threading.get_ident())
         if (active := _ACTIVE.get(key)) is not None:  # nested: join the outer transaction
             yield active
             return
