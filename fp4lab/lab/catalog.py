@@ -379,9 +379,9 @@ def _merge(existing: dict[str, Any], fields: Mapping[str, Any]) -> dict[str, Any
 
 def _fix_hint(path: Path) -> str:
     return (
-        f"Fix: inspect {path} (and the newest '.{path.name}.*.tmp' beside it, the last write that did not "
-        f"finish), repair the JSON by hand or move the file aside to start an empty catalog; fp4lab never "
-        f"overwrites a catalog it cannot read."
+        f"Fix: fp4lab writes catalogs only whole, so something else wrote this file; repair it by hand "
+        f"(`python -m json.tool {path}` shows where it breaks) or move it aside to start an empty catalog. "
+        f"fp4lab never overwrites a catalog it cannot read."
     )
 
 
