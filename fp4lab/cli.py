@@ -202,6 +202,41 @@ def _clear_run_folder(folder: Path) -> None:
         (folder / name).unlink(missing_ok=True)
 
 
+@app.command()
+def scan(
+    logs: Annotated[list[Path], typer.Argument(help="Run folders, metrics.jsonl files, or text logs of other trainers.")],
+    preset: Annotated[Optional[str], typer.Option(help="Text log format: nanogpt | megatron (default: detect).")] = None,
+    regex: Annotated[Optional[str], typer.Option(help="Regex with named groups step and loss (optional grad_norm, val_loss).")] = None,
+    threshold: Annotated[Optional[list[str]], typer.Option(help="NAME=VALUE threshold override, repeatable (e.g. spike_k=5).")] = None,
+    running: Annotated[Optional[bool], typer.Option("--running/--not-running", help="Whether the job is alive (default: judge by the log's age).")] = None,
+    events: Annotated[bool, typer.Option("--events", help="Print every event under its run's line.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of one line per log.")] = False,
+) -> None:
+    """Scan logs for NaNs, loss spikes, entropy collapse and large attention logits; print a verdict per log.
+
+    Exit code 0 when every verdict is converged or running, 1 when any run is diverged, collapsed,
+    unstable, crashed or timed out, 2 on bad input.
+    """
+    from fp4lab.lab.logscan import ScanThresholds, format_result
+    from fp4lab.lab.logscan import scan as scan_log
+
+    try:
+        thresholds = ScanThresholds().with_overrides(threshold or [])
+        results = [scan_log(path, thresholds, regex=regex, preset=preset, running=running) for path in logs]
+    except (FileNotFoundError, ValueError) as exc:
+        fail(f"scan: {str(exc).splitlines()[0]}")
+    if as_json:
+        json.dump([r.to_dict() for r in results], sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        for result in results:
+            print(format_result(result))
+            for event in result.events if events else ():
+                print(f"    {event.kind}@{event.step}: {event.detail}")
+    healthy = all(r.status in ("converged", "running") for r in results)
+    raise typer.Exit(0 if healthy else 1)
+
+
 recipes_app = typer.Typer(help="List the FP4 recipes and show a recipe's per-operand ledger.", no_args_is_help=False)
 app.add_typer(recipes_app, name="recipes")
 

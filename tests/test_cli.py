@@ -168,3 +168,21 @@ def test_train_command_runs_and_prints_the_summary_block(run_cli, tmp_path):
     block = dict(line.split(": ", 1) for line in out.stdout.split("---\n", 1)[1].splitlines())
     assert block["status"] == "completed" and block["steps_completed"] == "4"
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 4
+
+
+def test_scan_reports_verdicts_and_exit_codes(run_cli, tmp_path):
+    healthy, broken = tmp_path / "healthy", tmp_path / "broken"
+    for folder, losses in ((healthy, [5.0 - 0.01 * i for i in range(50)]), (broken, [5.0, 4.9, float("nan")])):
+        folder.mkdir()
+        lines = [json.dumps({"step": i, "loss": v, "grad_norm": 1.0}) for i, v in enumerate(losses)]
+        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n{\"step\": 3, \"lo")  # a torn last line
+        status = "diverged" if folder is broken else "completed"
+        (folder / "summary.json").write_text(json.dumps({"status": status, "diverged_step": 2 if folder is broken else None, "steps_completed": len(losses)}))
+    ok = run_cli("scan", str(healthy))
+    assert ok.returncode == 0 and "converged" in ok.stdout and "1 bad line" in ok.stdout
+    bad = run_cli("scan", str(healthy), str(broken), "--json")
+    assert bad.returncode == 1
+    verdicts = [r["verdict"] for r in json.loads(bad.stdout)]
+    assert verdicts == ["converged", "diverged@2"]
+    missing = run_cli("scan", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and missing.stderr.startswith("fp4lab: error: scan:")
