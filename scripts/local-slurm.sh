@@ -48,12 +48,21 @@ need_root() {
     [ "$(id -u)" -eq 0 ] || die "must run as root (it installs packages and starts slurmctld/slurmd/munged); try: sudo $0 $*"
 }
 
-# pid from a pid file if that process is alive and is the expected program, else nothing
+# A process counts as running unless it is gone or a zombie: in a container whose pid 1 does not reap,
+# a SIGKILLed daemon stays a zombie, and `kill -0` still succeeds on it.
+running() {
+    local stat
+    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+    stat=${stat##*) }  # the field after "(comm) " is the state letter
+    [ "${stat%% *}" != Z ] && [ "${stat%% *}" != X ]
+}
+
+# pid from a pid file if that process is running and is the expected program, else nothing
 live_pid() {  # $1 pid file, $2 process name
     local f=$1 name=$2 pid
     [ -s "$f" ] || return 1
     pid=$(tr -dc '0-9' <"$f")
-    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 1
+    [ -n "$pid" ] && running "$pid" || return 1
     [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$name" ] || return 1
     echo "$pid"
 }
@@ -335,8 +344,8 @@ cmd_start() {
 wait_gone() {  # wait up to 10 s for each pid to exit, then SIGKILL it
     local pid i
     for pid in "$@"; do
-        for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-        if kill -0 "$pid" 2>/dev/null; then
+        for i in $(seq 50); do running "$pid" || break; sleep 0.2; done
+        if running "$pid"; then
             log "pid $pid did not exit, sending SIGKILL"
             kill -KILL "$pid" 2>/dev/null || true
         fi
