@@ -280,6 +280,25 @@ dump_logs() {
     return 0
 }
 
+# Job steps (slurmstepd and the job's processes) outlive a SIGKILLed slurmd. With a wiped job table the
+# new slurmctld hands out job ids from 1 again, and such a leftover step would report "job 1 done" for
+# a new job 1. So when slurmd is down and the state is being wiped, end those process trees first.
+kill_orphan_steps() {
+    local steps tree
+    steps=$(pgrep -x slurmstepd | tr '\n' ' ' || true)
+    [ -n "${steps// /}" ] || return 0
+    tree=$(ps -eo pid=,ppid= | awk -v roots="$steps" '
+        BEGIN { n = split(roots, r, " "); for (i = 1; i <= n; i++) keep[r[i]] = 1 }
+        { parent[$1] = $2 }
+        END { grew = 1
+              while (grew) { grew = 0
+                  for (p in parent) if (!(p in keep) && (parent[p] in keep)) { keep[p] = 1; grew = 1 } }
+              for (p in keep) print p }')
+    log "ending job steps left over from a previous cluster (slurmstepd $steps)"
+    # shellcheck disable=SC2086
+    kill -KILL $tree 2>/dev/null || true
+}
+
 cmd_start() {
     need_root start
     command -v apt-get >/dev/null || die "this script needs a Debian/Ubuntu machine (apt-get)"
@@ -301,7 +320,10 @@ cmd_start() {
         # A stale pid file (daemons SIGKILLed) is removed; slurmd is restarted too so both read one config.
         [ -n "$d_pid" ] && { kill "$d_pid" 2>/dev/null || true; wait_gone "$d_pid"; d_pid=""; }
         rm -f "$BASE/slurmctld.pid" "$BASE/slurmd.pid"
-        if [ "${SLURM_LOCAL_KEEP_STATE:-0}" != 1 ]; then rm -rf "$BASE/ctld" "$BASE/spool"; fi
+        if [ "${SLURM_LOCAL_KEEP_STATE:-0}" != 1 ]; then
+            kill_orphan_steps
+            rm -rf "$BASE/ctld" "$BASE/spool"
+        fi
         mkdir -p "$BASE/ctld" "$BASE/spool"
         write_conf
     fi
