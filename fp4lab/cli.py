@@ -237,6 +237,112 @@ def scan(
     raise typer.Exit(0 if healthy else 1)
 
 
+@app.command()
+def sweep(
+    spec: Annotated[Path, typer.Argument(help="A sweep spec, e.g. sweeps/quickstart.toml (docs/SWEEPS.md).")],
+    executor: Annotated[str, typer.Option(help="local (this machine) | slurm (sbatch the written scripts).")] = "local",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Write jobs/<sweep>/ and register the runs; start nothing.")] = False,
+    workers: Annotated[int, typer.Option(help="Local executor: runs at once.")] = 1,
+    retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Also rerun failed, timed-out and preempted runs (they resume).")] = False,
+    jobs_dir: Annotated[Path, typer.Option(help="Where SBATCH scripts and run configs go.")] = Path("jobs"),
+    catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
+) -> None:
+    """Expand a sweep spec into runs, write their SBATCH scripts, run what is still needed, record every run."""
+    from fp4lab.lab.catalog import Catalog, CatalogError
+    from fp4lab.lab.spec import SpecError
+    from fp4lab.lab.sweep import needed_runs, plan_sweep, register_runs, run_local, submit_slurm
+
+    if executor not in ("local", "slurm"):
+        fail(f"sweep: --executor {executor!r} is not supported; allowed: local, slurm")
+    if workers < 1:
+        fail(f"sweep: --workers must be >= 1, got {workers}")
+    try:
+        plan = plan_sweep(spec, jobs_dir)
+        runs_catalog = Catalog(catalog)
+        register_runs(plan, runs_catalog, executor)
+        todo, skipped = needed_runs(plan, runs_catalog, retry_failed=retry_failed)
+    except (SpecError, CatalogError, ValueError) as exc:
+        fail(str(exc).splitlines()[0])
+    console = _console()
+    console.print(
+        f"sweep [bold]{plan.spec.name}[/]: {len(plan.runs)} runs, {len(todo)} to run, {len(skipped)} skipped "
+        f"(done{' or failed; --retry-failed reruns failed ones' if not retry_failed else ''}); scripts in {plan.sweep_dir}"
+    )
+    if dry_run or not todo:
+        for run in todo:
+            console.print(f"  {run.id}  {run.name}  {plan.sweep_dir / (run.id + '.sbatch')}")
+        return
+    if executor == "slurm":
+        try:
+            job_ids = submit_slurm(plan, todo, runs_catalog)
+        except (RuntimeError, FileNotFoundError) as exc:
+            fail(f"sweep: {exc}")
+        console.print(f"submitted Slurm jobs {', '.join(job_ids)}; follow them with: fp4lab status {plan.spec.name}")
+        return
+
+    def report(run, record) -> None:
+        console.print(f"  {run.id}  {run.name}: {record['state']}, {record.get('verdict')}, val {record['summary'].get('final_val_loss')}")
+
+    run_local(plan, todo, runs_catalog, workers=workers, on_finish=report)
+    _print_status(runs_catalog, plan.spec.name)
+
+
+@app.command()
+def status(
+    sweep_name: Annotated[Optional[str], typer.Argument(metavar="SWEEP", help="Only this sweep (default: all).")] = None,
+    catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
+    watch: Annotated[float, typer.Option(help="Refresh every N seconds until every run has ended (0: once).")] = 0.0,
+) -> None:
+    """A table of the runs in the catalog: state, step, loss, verdict (refreshed from their run folders)."""
+    from fp4lab.lab.catalog import Catalog, CatalogError
+
+    if not catalog.exists():
+        fail(f"status: no catalog at {str(catalog)!r}; run fp4lab sweep SPEC first (or pass --catalog)")
+    try:
+        runs_catalog = Catalog(catalog)
+        _print_status(runs_catalog, sweep_name, watch=watch)
+    except CatalogError as exc:
+        fail(str(exc).splitlines()[0])
+
+
+def _print_status(runs_catalog, sweep_name: str | None, watch: float = 0.0) -> None:
+    import time
+
+    from rich.live import Live
+    from rich.table import Table
+
+    from fp4lab.lab.logscan import ScanThresholds
+    from fp4lab.lab.sweep import progress_of, refresh
+
+    def table() -> tuple[Table, bool]:
+        records = refresh(runs_catalog, ScanThresholds(), sweep_name)
+        view = Table(title=f"runs{' of ' + sweep_name if sweep_name else ''} ({runs_catalog.path})")
+        for column in ("sweep", "id", "run", "state", "step", "loss", "val loss", "verdict", "job"):
+            view.add_column(column, no_wrap=column != "run")
+        for record in records:
+            step, loss = progress_of(record)
+            val = record["summary"].get("final_val_loss")
+            view.add_row(
+                record["sweep"] or "", record["id"], record["extra"].get("name", ""), record["state"],
+                "" if step is None else str(step), "" if loss is None else f"{loss:.4f}",
+                "" if val is None else f"{val:.4f}", record["verdict"] or "",
+                str(record["slurm_job_id"] or ""),
+            )
+        active = any(r["state"] in ("pending", "submitted", "running") for r in records)
+        return view, active
+
+    console = _console()
+    view, active = table()
+    if watch <= 0 or not active:
+        console.print(view)
+        return
+    with Live(view, console=console, refresh_per_second=1) as live:
+        while active:
+            time.sleep(watch)
+            view, active = table()
+            live.update(view)
+
+
 recipes_app = typer.Typer(help="List the FP4 recipes and show a recipe's per-operand ledger.", no_args_is_help=False)
 app.add_typer(recipes_app, name="recipes")
 
