@@ -64,13 +64,20 @@ def plan_sweep(spec_path: str | Path, jobs_dir: str | Path = "jobs") -> SweepPla
     spec = load_spec(spec_path)
     if spec.method == "optuna":
         raise ValueError(f"{spec_path}: method = \"optuna\" sweeps are not run by `fp4lab sweep` yet; use grid or random")
+    scan_thresholds(spec)  # fail on bad [scan] values before anything is written
     runs = expand(spec)
     scripts = write_scripts(spec, runs, str(jobs_dir))
     return SweepPlan(spec, runs, scripts, Path(jobs_dir))
 
 
 def scan_thresholds(spec: SweepSpec) -> ScanThresholds:
-    return ScanThresholds().with_overrides({_SCAN_KEYS[k]: v for k, v in spec.scan.items() if k in _SCAN_KEYS})
+    overrides = {_SCAN_KEYS[k]: v for k, v in spec.scan.items() if k in _SCAN_KEYS}
+    if "spike_window" in overrides:  # a short window must not demand more history than it holds
+        overrides["spike_min_count"] = min(ScanThresholds().spike_min_count, max(2, int(overrides["spike_window"])))
+    try:
+        return ScanThresholds().with_overrides(overrides)
+    except ValueError as exc:
+        raise ValueError(f"{spec.path}: [scan]: {exc}") from None
 
 
 def register_runs(plan: SweepPlan, catalog: Catalog, executor: str) -> None:
