@@ -1,0 +1,510 @@
+"""The recipe ledger of a sweep: one row per recipe/config (seeds grouped), loss excess vs bf16, plots.
+
+    report = build_report("sweep_catalog.json", sweep="mini")   # reads the catalog and the runs' metrics
+    paths = write_report(report, "reports/mini")                # ledger.csv, ledger.md, report.html, *.png
+    console.print(render_ledger(report))                        # a rich Table
+
+Ledger columns (one row per (recipe, config without seed) group):
+  recipe, config (the non-seed sweep parameters, or a hash of the config), n_seeds, seeds,
+  final_val_loss_mean/_std, final_train_loss_mean/_std (std: sample std over seeds, empty for one seed),
+  excess_pct_mean (train-loss excess vs bf16 in %, mean over the steps present in both `loss_at_steps`,
+  averaged over the group's runs), excess_pct_last and excess_last_step (same at the last common step),
+  tokens_per_s_mean, verdicts ("converged x2, diverged@40 x1"), first_bad_event ("loss_spike@12",
+  earliest over the group), runs (the run ids).
+
+The bf16 reference of a run is the mean of the bf16 runs of the same sweep whose config (minus seed,
+recipe and run-specific fields) equals the run's; if there is none, every bf16 run of the sweep. With no
+bf16 run at all, the excess columns are empty and `report.notes` says so.
+
+pandas and matplotlib (Agg) are imported lazily inside functions; this module never imports torch.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BASELINE = "bf16"
+RUN_SPECIFIC = ("seed", "out_dir", "name", "run_name", "resume", "resume_from", "checkpoint")
+"""Config keys that differ between runs of one config; dropped (with `recipe` for the bf16 match) when grouping."""
+
+COLUMNS = (
+    "recipe", "config", "n_seeds", "seeds",
+    "final_val_loss_mean", "final_val_loss_std", "final_train_loss_mean", "final_train_loss_std",
+    "excess_pct_mean", "excess_pct_last", "excess_last_step", "tokens_per_s_mean",
+    "verdicts", "first_bad_event", "runs",
+)  # fmt: skip
+
+PLOTS = ("loss_curves", "loss_excess", "attn_entropy", "max_logit")
+
+
+@dataclass
+class RunMetrics:
+    """What the plots need from one run's metrics.jsonl."""
+
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    val: list[tuple[int, float]] = field(default_factory=list)  # (step, val_loss)
+    entropy: list[tuple[int, list[float]]] = field(default_factory=list)  # (step, mean over heads per layer)
+    max_logit: list[tuple[int, list[float]]] = field(default_factory=list)  # (step, max over heads per layer)
+
+
+@dataclass
+class Report:
+    """A built report: the ledger DataFrame, the records and metrics it came from, notes (skips, no bf16)."""
+
+    sweep: str | None
+    catalog_path: Path
+    ledger: Any  # pandas.DataFrame with COLUMNS
+    records: list[dict[str, Any]]
+    metrics: dict[str, RunMetrics]  # run id -> metrics (runs with missing/corrupt metrics are absent)
+    notes: list[str] = field(default_factory=list)
+    has_baseline: bool = False
+    default_out_dir: Path | None = None
+
+
+# --- small helpers -------------------------------------------------------------------------------------
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _std(values: list[float]) -> float:
+    """Sample standard deviation (ddof=1); NaN for fewer than two values."""
+    if len(values) < 2:
+        return math.nan
+    m = _mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def _config_key(config: dict[str, Any], drop: tuple[str, ...]) -> str:
+    return json.dumps({k: v for k, v in config.items() if k not in drop}, sort_keys=True, default=str)
+
+
+def _config_label(record: dict[str, Any]) -> str:
+    params = (record.get("extra") or {}).get("params")
+    if isinstance(params, dict):
+        shown = {k: v for k, v in params.items() if k not in ("seed", "recipe")}
+        if shown or params:
+            return ", ".join(f"{k}={v}" for k, v in sorted(shown.items())) or "default"
+    config = record.get("config") or {}
+    return "cfg-" + hashlib.sha1(_config_key(config, ("recipe", *RUN_SPECIFIC)).encode()).hexdigest()[:8]
+
+
+def _losses(record: dict[str, Any]) -> dict[int, float]:
+    raw = (record.get("summary") or {}).get("loss_at_steps") or {}
+    out: dict[int, float] = {}
+    for step, loss in raw.items():
+        value = _num(loss)
+        try:
+            if value is not None:
+                out[int(step)] = value
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def _reference(curves: list[dict[int, float]]) -> dict[int, float]:
+    """Mean over the given step->loss curves, per step (each step averaged over the curves that have it)."""
+    sums: dict[int, list[float]] = {}
+    for curve in curves:
+        for step, loss in curve.items():
+            sums.setdefault(step, []).append(loss)
+    return {step: _mean(vals) for step, vals in sums.items()}
+
+
+def excess_pct(run: dict[int, float], ref: dict[int, float]) -> tuple[float | None, float | None, int | None]:
+    """(mean excess %, excess % at the last common step, that step) of `run` over `ref` (step -> loss)."""
+    common = sorted(s for s in run if s in ref and ref[s] != 0)
+    if not common:
+        return None, None, None
+    per_step = [100.0 * (run[s] - ref[s]) / ref[s] for s in common]
+    return _mean(per_step), per_step[-1], common[-1]
+
+
+def _run_dir(record: dict[str, Any], base: Path) -> Path | None:
+    run_dir = (record.get("paths") or {}).get("run_dir")
+    if not run_dir:
+        return None
+    path = Path(run_dir)
+    return path if path.is_absolute() else base / path  # relative paths are relative to the catalog's folder
+
+
+def _per_layer(value: Any, reduce) -> list[float] | None:
+    if not isinstance(value, list) or not value:
+        return None
+    out = []
+    for layer in value:
+        if isinstance(layer, list):
+            nums = [v for v in (_num(x) for x in layer) if v is not None]
+            out.append(reduce(nums) if nums else math.nan)
+        else:
+            v = _num(layer)
+            out.append(math.nan if v is None else v)
+    return out
+
+
+def read_metrics(path: Path) -> RunMetrics:
+    """Parse a metrics.jsonl; raises ValueError when it is missing, unreadable, corrupt or has no loss."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    metrics = RunMetrics()
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{number}: not JSON") from None
+        if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path}:{number}: no integer step")
+        step = row["step"]
+        loss = _num(row.get("loss"))
+        if loss is not None:
+            metrics.steps.append(step)
+            metrics.loss.append(loss)
+        val = _num(row.get("val_loss"))
+        if val is not None:
+            metrics.val.append((step, val))
+        if "attn_entropy" in row or "attn_entropy_mean" in row:
+            layers = _per_layer(row.get("attn_entropy"), _mean) or _per_layer(row.get("attn_entropy_mean"), _mean)
+            if layers:
+                metrics.entropy.append((step, layers))
+        if "max_logit" in row:
+            layers = _per_layer(row.get("max_logit"), max)
+            if layers:
+                metrics.max_logit.append((step, layers))
+    if not metrics.steps:
+        raise ValueError(f"{path}: no loss values")
+    return metrics
+
+
+# --- building ------------------------------------------------------------------------------------------
+
+
+def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None, out_dir: Any = None) -> Report:
+    """Read the catalog (and each run's metrics.jsonl) and build the ledger. Raises ValueError for a
+    missing catalog, an unknown sweep or an empty catalog. `out_dir` only sets `report.default_out_dir`."""
+    import pandas as pd
+
+    from fp4lab.lab.catalog import Catalog, CatalogError
+
+    catalog_path = Path(catalog_path)
+    if not catalog_path.exists():
+        raise ValueError(f"report: no catalog at {str(catalog_path)!r}; run fp4lab sweep SPEC first")
+    try:
+        catalog = Catalog(catalog_path)
+        records = [dict(r) for r in catalog.records(sweep=sweep)]
+        all_sweeps = sorted({str(r.get("sweep")) for r in catalog.records() if r.get("sweep")})
+    except CatalogError as exc:
+        raise ValueError(f"report: {str(exc).splitlines()[0]}") from None
+    if not records:
+        if sweep is not None:
+            known = ", ".join(all_sweeps) or "none"
+            raise ValueError(f"report: unknown sweep {sweep!r} in {catalog_path} (sweeps: {known})")
+        raise ValueError(f"report: the catalog {catalog_path} has no runs")
+
+    notes: list[str] = []
+    base = catalog_path.resolve().parent
+    metrics: dict[str, RunMetrics] = {}
+    for record in records:
+        run_dir = _run_dir(record, base)
+        if run_dir is None:
+            notes.append(f"{record['id']}: no run_dir; skipped in plots")
+            continue
+        try:
+            metrics[record["id"]] = read_metrics(run_dir / "metrics.jsonl")
+        except ValueError as exc:
+            notes.append(f"{record['id']}: metrics skipped ({exc})")
+
+    # bf16 references: per (sweep, config without seed/recipe), with a per-sweep fallback
+    drop = ("recipe", *RUN_SPECIFIC)
+    baselines = [r for r in records if r.get("recipe") == BASELINE]
+    has_baseline = bool(baselines)
+    if not has_baseline:
+        notes.append(f"no {BASELINE} run in {'sweep ' + repr(sweep) if sweep else 'the catalog'}: loss excess not computed")
+
+    def reference_for(record: dict[str, Any]) -> dict[int, float]:
+        same_sweep = [b for b in baselines if b.get("sweep") == record.get("sweep")]
+        key = _config_key(record.get("config") or {}, drop)
+        matched = [b for b in same_sweep if _config_key(b.get("config") or {}, drop) == key]
+        return _reference([_losses(b) for b in (matched or same_sweep)])
+
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for record in records:
+        key = (record.get("sweep"), record.get("recipe"), _config_key(record.get("config") or {}, RUN_SPECIFIC))
+        groups.setdefault(key, []).append(record)
+
+    rows = []
+    for (_sweep, recipe, _key), members in groups.items():
+        summaries = [r.get("summary") or {} for r in members]
+        vals = [v for v in (_num(s.get("final_val_loss")) for s in summaries) if v is not None]
+        trains = [v for v in (_num(s.get("final_train_loss")) for s in summaries) if v is not None]
+        tps = [v for v in (_num(s.get("tokens_per_s")) for s in summaries) if v is not None]
+        ex_mean, ex_last, last_steps = [], [], []
+        if has_baseline:
+            for r in members:
+                m, last, step = excess_pct(_losses(r), reference_for(r))
+                if m is not None:
+                    ex_mean.append(m)
+                    ex_last.append(last)
+                    last_steps.append(step)
+        verdict_counts: dict[str, int] = {}
+        for r in members:
+            v = r.get("verdict") or r.get("state") or "?"
+            verdict_counts[v] = verdict_counts.get(v, 0) + 1
+        bad = []
+        for r in members:
+            for e in r.get("events") or []:
+                if isinstance(e, dict) and isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool):
+                    bad.append((e["step"], str(e.get("kind", "?"))))
+        first_bad = min(bad) if bad else None
+        seeds = [(r.get("config") or {}).get("seed") for r in members]
+        rows.append(
+            {
+                "recipe": recipe or "?",
+                "config": _config_label(members[0]),
+                "n_seeds": len(members),
+                "seeds": ",".join("?" if s is None else str(s) for s in seeds),
+                "final_val_loss_mean": _mean(vals),
+                "final_val_loss_std": _std(vals),
+                "final_train_loss_mean": _mean(trains),
+                "final_train_loss_std": _std(trains),
+                "excess_pct_mean": _mean(ex_mean),
+                "excess_pct_last": _mean(ex_last),
+                "excess_last_step": min(last_steps) if last_steps else None,
+                "tokens_per_s_mean": _mean(tps),
+                "verdicts": ", ".join(f"{v} x{n}" for v, n in verdict_counts.items()),
+                "first_bad_event": f"{first_bad[1]}@{first_bad[0]}" if first_bad else "",
+                "runs": " ".join(r["id"] for r in members),
+            }
+        )
+    ledger = pd.DataFrame(rows, columns=list(COLUMNS))
+    ledger["excess_last_step"] = ledger["excess_last_step"].astype("Int64")
+    default = Path(out_dir) if out_dir is not None else Path("reports") / (sweep or "all")
+    return Report(sweep, catalog_path, ledger, records, metrics, notes, has_baseline, default)
+
+
+# --- rendering -----------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.{digits}f}"
+    try:
+        import pandas as pd
+
+        if pd.isna(value):
+            return ""
+    except (TypeError, ValueError):
+        pass
+    return str(value)
+
+
+_SHOWN = {  # column -> (header, digits)
+    "recipe": ("recipe", 0), "config": ("config", 0), "n_seeds": ("seeds", 0),
+    "final_val_loss_mean": ("val loss", 4), "final_val_loss_std": ("± std", 4),
+    "final_train_loss_mean": ("train loss", 4), "final_train_loss_std": ("± std", 4),
+    "excess_pct_mean": ("excess % (mean)", 2), "excess_pct_last": ("excess % (last)", 2),
+    "excess_last_step": ("@step", 0), "tokens_per_s_mean": ("tok/s", 1),
+    "verdicts": ("verdicts", 0), "first_bad_event": ("first event", 0),
+}  # fmt: skip
+
+
+def _display_rows(report: Report) -> list[list[str]]:
+    rows = []
+    for _, row in report.ledger.iterrows():
+        rows.append([_fmt(row[c], d) if d else _fmt(row[c]) for c, (_, d) in _SHOWN.items()])
+    return rows
+
+
+def render_ledger(report: Report):
+    """The ledger as a rich Table (for printing); notes go in the caption."""
+    from rich.table import Table
+
+    title = f"recipe ledger{' of ' + report.sweep if report.sweep else ''} ({report.catalog_path})"
+    table = Table(title=title, caption="\n".join(report.notes) or None)
+    for column, (header, _) in _SHOWN.items():
+        table.add_column(header, justify="left" if column in ("recipe", "config", "verdicts", "first_bad_event") else "right")
+    for row in _display_rows(report):
+        table.add_row(*row)
+    return table
+
+
+def ledger_markdown(report: Report) -> str:
+    headers = [h for h, _ in _SHOWN.values()]
+
+    def esc(cell: str) -> str:
+        return cell.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in _display_rows(report)]
+    title = f"# Recipe ledger{': ' + report.sweep if report.sweep else ''}\n\n"
+    notes = "".join(f"- {n}\n" for n in report.notes)
+    return title + "\n".join(lines) + "\n" + ("\nNotes:\n\n" + notes if notes else "")
+
+
+# --- plots ---------------------------------------------------------------------------------------------
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _label(report: Report, run_id: str) -> str:
+    for r in report.records:
+        if r["id"] == run_id:
+            name = (r.get("extra") or {}).get("name")
+            return str(name or run_id)
+    return run_id
+
+
+def _plot_png(report: Report, which: str) -> bytes | None:
+    """One plot as PNG bytes, or None when no run has the data for it."""
+    import io
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    drawn = False
+    try:
+        if which == "loss_curves":
+            for run_id, m in report.metrics.items():
+                (line,) = ax.plot(m.steps, m.loss, label=_label(report, run_id), linewidth=1)
+                if m.val:
+                    ax.plot([s for s, _ in m.val], [v for _, v in m.val], "o", color=line.get_color(), markersize=4)
+                drawn = True
+            ax.set(xlabel="step", ylabel="train loss (o: val loss)", title="loss curves")
+        elif which == "loss_excess":
+            ref_ids = [r["id"] for r in report.records if r.get("recipe") == BASELINE and r["id"] in report.metrics]
+            if ref_ids:
+                ref = _reference([dict(zip(report.metrics[i].steps, report.metrics[i].loss)) for i in ref_ids])
+                for r in report.records:
+                    m = report.metrics.get(r["id"])
+                    if m is None or r.get("recipe") == BASELINE:
+                        continue
+                    pts = [(s, 100.0 * (v - ref[s]) / ref[s]) for s, v in zip(m.steps, m.loss) if ref.get(s)]
+                    if pts:
+                        ax.plot([s for s, _ in pts], [e for _, e in pts], label=_label(report, r["id"]), linewidth=1)
+                        drawn = True
+                ax.axhline(0, color="gray", linewidth=0.8)
+            ax.set(xlabel="step", ylabel="train loss excess vs bf16 (%)", title="loss excess vs bf16")
+        else:
+            attr = "entropy" if which == "attn_entropy" else "max_logit"
+            for run_id, m in report.metrics.items():
+                series = getattr(m, attr)
+                if not series:
+                    continue
+                n_layers = max(len(v) for _, v in series)
+                for layer in range(n_layers):
+                    pts = [(s, v[layer]) for s, v in series if layer < len(v)]
+                    ax.plot([s for s, _ in pts], [y for _, y in pts], marker=".", linewidth=1,
+                            label=f"{_label(report, run_id)} L{layer}")  # fmt: skip
+                drawn = True
+            ylabel = "attention entropy (mean over heads)" if attr == "entropy" else "max logit (max over heads)"
+            ax.set(xlabel="step", ylabel=ylabel, title=ylabel + " per layer")
+        if not drawn:
+            return None
+        if len(ax.get_lines()) <= 24:
+            ax.legend(fontsize=7, loc="best")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+        return buffer.getvalue()
+    finally:
+        plt.close(fig)
+
+
+# --- writing -------------------------------------------------------------------------------------------
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temp, 0o644)  # mkstemp makes 0600
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+def _html(report: Report, pngs: dict[str, bytes]) -> str:
+    import html
+
+    headers = "".join(f"<th>{html.escape(h)}</th>" for h, _ in _SHOWN.values())
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in _display_rows(report)
+    )
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in report.notes)
+    images = "".join(
+        f'<h2>{html.escape(name.replace("_", " "))}</h2>\n'
+        f'<img alt="{name}" src="data:image/png;base64,{base64.b64encode(data).decode()}">\n'
+        for name, data in pngs.items()
+    )
+    title = f"fp4lab recipe ledger{' — ' + report.sweep if report.sweep else ''}"
+    return (
+        "<!doctype html>\n<html><head><meta charset=\"utf-8\">"
+        f"<title>{html.escape(title)}</title><style>"
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}img{max-width:100%}"
+        "</style></head><body>\n"
+        f"<h1>{html.escape(title)}</h1>\n<p>catalog: {html.escape(str(report.catalog_path))}</p>\n"
+        f"<table><tr>{headers}</tr>{body}</table>\n"
+        + (f"<h2>notes</h2><ul>{notes}</ul>\n" if notes else "")
+        + images
+        + "</body></html>\n"
+    )
+
+
+def write_report(report: Report, out_dir: str | os.PathLike[str] | None = None) -> dict[str, Path]:
+    """Write ledger.csv, ledger.md, the PNG plots and report.html (PNGs embedded) into `out_dir`
+    (default: report.default_out_dir, i.e. reports/<sweep or all>/), each atomically. Returns
+    name -> path of every file written ("csv", "md", "html" and the plot names that had data)."""
+    out = Path(out_dir) if out_dir is not None else (report.default_out_dir or Path("reports") / (report.sweep or "all"))
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    _atomic_write(out / "ledger.csv", report.ledger.to_csv(index=False).encode())
+    written["csv"] = out / "ledger.csv"
+    _atomic_write(out / "ledger.md", ledger_markdown(report).encode())
+    written["md"] = out / "ledger.md"
+    pngs: dict[str, bytes] = {}
+    for name in PLOTS:
+        data = _plot_png(report, name)
+        if data is None:
+            continue
+        pngs[name] = data
+        _atomic_write(out / f"{name}.png", data)
+        written[name] = out / f"{name}.png"
+    _atomic_write(out / "report.html", _html(report, pngs).encode())
+    written["html"] = out / "report.html"
+    return written
