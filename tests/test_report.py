@@ -29,6 +29,7 @@ def real_sweep(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("sweep")
     (folder / "mini.toml").write_text(SPEC)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env["OMP_NUM_THREADS"] = "1"  # two workers of tiny tensors: spinning OpenMP threads made it several times slower
     done = subprocess.run(
         [sys.executable, "-m", "fp4lab.cli", "sweep", "mini.toml", "--workers", "2"],
         cwd=folder, env=env, capture_output=True, text=True, timeout=300, check=False,
@@ -109,7 +110,7 @@ def test_real_sweep_ledger_and_exports(real_sweep, tmp_path):
     assert html.count('src="data:image/png;base64,') == 4
     assert not list((tmp_path / "out").glob(".*.tmp"))  # atomic writes leave no temps
     table = render_ledger(report)
-    assert table.row_count == 2
+    assert table.row_count == 2 and table.columns[0].header == "recipe"  # no sweep column for one sweep
 
 
 def test_default_out_dir_is_reports_sweep(real_sweep, tmp_path, monkeypatch):
@@ -117,6 +118,8 @@ def test_default_out_dir_is_reports_sweep(real_sweep, tmp_path, monkeypatch):
     report = build_report(real_sweep)  # all sweeps
     written = write_report(report)
     assert written["csv"] == Path("reports/all/ledger.csv") and written["csv"].exists()
+    assert report.ledger["sweep"].tolist() == ["mini", "mini"]
+    assert [c.header for c in render_ledger(report).columns][:2] == ["sweep", "recipe"]
     assert build_report(real_sweep, "mini").default_out_dir == Path("reports/mini")
 
 

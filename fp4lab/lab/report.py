@@ -5,7 +5,7 @@
     console.print(render_ledger(report))                        # a rich Table
 
 Ledger columns (one row per (recipe, config without seed) group):
-  recipe, config (the non-seed sweep parameters, or a hash of the config), n_seeds, seeds,
+  sweep, recipe, config (the non-seed sweep parameters, or a hash of the config), n_seeds, seeds,
   final_val_loss_mean/_std, final_train_loss_mean/_std (std: sample std over seeds, empty for one seed),
   excess_pct_mean (train-loss excess vs bf16 in %, mean over the steps present in both `loss_at_steps`,
   averaged over the group's runs), excess_pct_last and excess_last_step (same at the last common step),
@@ -37,6 +37,7 @@ RUN_SPECIFIC = ("seed", "out_dir", "name", "run_name", "resume", "resume_from", 
 """Config keys that differ between runs of one config; dropped (with `recipe` for the bf16 match) when grouping."""
 
 COLUMNS = (
+    "sweep",
     "recipe", "config", "n_seeds", "seeds",
     "final_val_loss_mean", "final_val_loss_std", "final_train_loss_mean", "final_train_loss_std",
     "excess_pct_mean", "excess_pct_last", "excess_last_step", "tokens_per_s_mean",
@@ -173,9 +174,9 @@ def read_metrics(path: Path) -> RunMetrics:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise ValueError(f"{path}:{number}: not JSON") from None
-        if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
+        step = row.get("step") if isinstance(row, dict) else None
+        if type(step) is not int:  # bool and float steps too: a corrupt line
             raise ValueError(f"{path}:{number}: no integer step")
-        step = row["step"]
         loss = _num(row.get("loss"))
         if loss is not None:
             metrics.steps.append(step)
@@ -239,7 +240,9 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
     baselines = [r for r in records if r.get("recipe") == BASELINE]
     has_baseline = bool(baselines)
     if not has_baseline:
-        notes.append(f"no {BASELINE} run in {'sweep ' + repr(sweep) if sweep else 'the catalog'}: loss excess not computed")
+        notes.append(
+            f"no {BASELINE} run in {'sweep ' + repr(sweep) if sweep else 'the catalog'}: loss excess not computed"
+        )
 
     def reference_for(record: dict[str, Any]) -> dict[int, float]:
         same_sweep = [b for b in baselines if b.get("sweep") == record.get("sweep")]
@@ -279,6 +282,7 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
         seeds = [(r.get("config") or {}).get("seed") for r in members]
         rows.append(
             {
+                "sweep": _sweep or "",
                 "recipe": recipe or "?",
                 "config": _config_label(members[0]),
                 "n_seeds": len(members),
@@ -321,7 +325,7 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 
 _SHOWN = {  # column -> (header, digits)
-    "recipe": ("recipe", 0), "config": ("config", 0), "n_seeds": ("seeds", 0),
+    "sweep": ("sweep", 0), "recipe": ("recipe", 0), "config": ("config", 0), "n_seeds": ("seeds", 0),
     "final_val_loss_mean": ("val loss", 4), "final_val_loss_std": ("± std", 4),
     "final_train_loss_mean": ("train loss", 4), "final_train_loss_std": ("± std", 4),
     "excess_pct_mean": ("excess % (mean)", 2), "excess_pct_last": ("excess % (last)", 2),
@@ -330,10 +334,15 @@ _SHOWN = {  # column -> (header, digits)
 }  # fmt: skip
 
 
+def _shown(report: Report) -> dict[str, tuple[str, int]]:
+    """The displayed columns: the sweep column only for a report over every sweep."""
+    return {c: v for c, v in _SHOWN.items() if c != "sweep" or report.sweep is None}
+
+
 def _display_rows(report: Report) -> list[list[str]]:
     rows = []
     for _, row in report.ledger.iterrows():
-        rows.append([_fmt(row[c], d) if d else _fmt(row[c]) for c, (_, d) in _SHOWN.items()])
+        rows.append([_fmt(row[c], d) if d else _fmt(row[c]) for c, (_, d) in _shown(report).items()])
     return rows
 
 
@@ -343,15 +352,16 @@ def render_ledger(report: Report):
 
     title = f"recipe ledger{' of ' + report.sweep if report.sweep else ''} ({report.catalog_path})"
     table = Table(title=title, caption="\n".join(report.notes) or None)
-    for column, (header, _) in _SHOWN.items():
-        table.add_column(header, justify="left" if column in ("recipe", "config", "verdicts", "first_bad_event") else "right")
+    for column, (header, _) in _shown(report).items():
+        left = column in ("sweep", "recipe", "config", "verdicts", "first_bad_event")
+        table.add_column(header, justify="left" if left else "right")
     for row in _display_rows(report):
         table.add_row(*row)
     return table
 
 
 def ledger_markdown(report: Report) -> str:
-    headers = [h for h, _ in _SHOWN.values()]
+    headers = [h for h, _ in _shown(report).values()]
 
     def esc(cell: str) -> str:
         return cell.replace("|", "\\|")
@@ -399,12 +409,19 @@ def _plot_png(report: Report, which: str) -> bytes | None:
                 drawn = True
             ax.set(xlabel="step", ylabel="train loss (o: val loss)", title="loss curves")
         elif which == "loss_excess":
-            ref_ids = [r["id"] for r in report.records if r.get("recipe") == BASELINE and r["id"] in report.metrics]
-            if ref_ids:
-                ref = _reference([dict(zip(report.metrics[i].steps, report.metrics[i].loss)) for i in ref_ids])
+            refs: dict[Any, dict[int, float]] = {}  # sweep -> mean bf16 curve from metrics.jsonl
+            for name in {r.get("sweep") for r in report.records}:
+                ids = [
+                    r["id"] for r in report.records
+                    if r.get("sweep") == name and r.get("recipe") == BASELINE and r["id"] in report.metrics
+                ]  # fmt: skip
+                if ids:
+                    refs[name] = _reference([dict(zip(report.metrics[i].steps, report.metrics[i].loss)) for i in ids])
+            if refs:
                 for r in report.records:
                     m = report.metrics.get(r["id"])
-                    if m is None or r.get("recipe") == BASELINE:
+                    ref = refs.get(r.get("sweep"))
+                    if m is None or ref is None or r.get("recipe") == BASELINE:
                         continue
                     pts = [(s, 100.0 * (v - ref[s]) / ref[s]) for s, v in zip(m.steps, m.loss) if ref.get(s)]
                     if pts:
@@ -461,19 +478,19 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def _html(report: Report, pngs: dict[str, bytes]) -> str:
     import html
 
-    headers = "".join(f"<th>{html.escape(h)}</th>" for h, _ in _SHOWN.values())
+    headers = "".join(f"<th>{html.escape(h)}</th>" for h, _ in _shown(report).values())
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in _display_rows(report)
     )
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in report.notes)
     images = "".join(
-        f'<h2>{html.escape(name.replace("_", " "))}</h2>\n'
+        f"<h2>{html.escape(name.replace('_', ' '))}</h2>\n"
         f'<img alt="{name}" src="data:image/png;base64,{base64.b64encode(data).decode()}">\n'
         for name, data in pngs.items()
     )
     title = f"fp4lab recipe ledger{' — ' + report.sweep if report.sweep else ''}"
     return (
-        "<!doctype html>\n<html><head><meta charset=\"utf-8\">"
+        '<!doctype html>\n<html><head><meta charset="utf-8">'
         f"<title>{html.escape(title)}</title><style>"
         "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}img{max-width:100%}"
@@ -490,7 +507,9 @@ def write_report(report: Report, out_dir: str | os.PathLike[str] | None = None) 
     """Write ledger.csv, ledger.md, the PNG plots and report.html (PNGs embedded) into `out_dir`
     (default: report.default_out_dir, i.e. reports/<sweep or all>/), each atomically. Returns
     name -> path of every file written ("csv", "md", "html" and the plot names that had data)."""
-    out = Path(out_dir) if out_dir is not None else (report.default_out_dir or Path("reports") / (report.sweep or "all"))
+    out = (
+        Path(out_dir) if out_dir is not None else (report.default_out_dir or Path("reports") / (report.sweep or "all"))
+    )
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
     _atomic_write(out / "ledger.csv", report.ledger.to_csv(index=False).encode())
