@@ -343,6 +343,26 @@ def _print_status(runs_catalog, sweep_name: str | None, watch: float = 0.0) -> N
             live.update(view)
 
 
+@app.command()
+def report(
+    sweep_name: Annotated[Optional[str], typer.Argument(metavar="SWEEP", help="Only this sweep (default: all).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: reports/<SWEEP or all>/).")] = None,
+    catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
+) -> None:
+    """The recipe ledger of a sweep (seeds grouped, loss excess vs bf16) as CSV, Markdown and HTML with plots."""
+    from fp4lab.lab.report import build_report, render_ledger, write_report
+
+    try:
+        built = build_report(catalog, sweep=sweep_name, out_dir=out)
+        written = write_report(built, out)
+    except (ValueError, OSError) as exc:
+        fail(str(exc).splitlines()[0])
+    console = _console()
+    console.print(render_ledger(built))
+    for path in written.values():
+        console.print(f"wrote {path}")
+
+
 recipes_app = typer.Typer(help="List the FP4 recipes and show a recipe's per-operand ledger.", no_args_is_help=False)
 app.add_typer(recipes_app, name="recipes")
 

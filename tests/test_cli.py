@@ -186,3 +186,9 @@ def test_scan_reports_verdicts_and_exit_codes(run_cli, tmp_path):
     assert verdicts == ["converged", "diverged@2"]
     missing = run_cli("scan", str(tmp_path / "nope"))
     assert missing.returncode == 2 and missing.stderr.startswith("fp4lab: error: scan:")
+
+
+def test_report_command_errors_are_one_line(run_cli, tmp_path):
+    out = run_cli("report", "--catalog", str(tmp_path / "none.json"))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert out.stderr.startswith("fp4lab: error: report:")
