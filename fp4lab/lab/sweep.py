@@ -226,20 +226,62 @@ def submit_slurm(plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> list
     return job_ids
 
 
+# Slurm job states (squeue --states=all) -> catalog states, for jobs that ended without a summary.
+_STATE_OF_SLURM = {
+    "CANCELLED": "cancelled", "TIMEOUT": "timeout", "PREEMPTED": "preempted", "FAILED": "failed",
+    "NODE_FAIL": "failed", "OUT_OF_MEMORY": "failed", "BOOT_FAIL": "failed", "DEADLINE": "timeout",
+}  # fmt: skip
+_SLURM_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
+
+
 def refresh(catalog: Catalog, thresholds: ScanThresholds, sweep: str | None = None) -> list[dict[str, Any]]:
-    """Bring submitted/running records up to date from their run folders: a run whose summary.json
-    exists is finished (scanned and recorded); one with metrics but no summary is running."""
+    """Bring submitted/running records up to date from their run folders and from Slurm: a run whose
+    summary.json exists is finished (scanned and recorded); a Slurm job that ended without one was
+    cancelled, timed out or failed; one with metrics and a live job is running."""
     records = catalog.records(sweep=sweep)
+    jobs = slurm_job_states([r for r in records if r["state"] in ("submitted", "running") and r["slurm_job_id"]])
     for record in records:
         if record["state"] not in ("submitted", "running", "pending"):
             continue
         run_dir = Path(record["paths"].get("run_dir", ""))
-        if (run_dir / "summary.json").exists():
+        job_state = jobs.get(_job_key(record))
+        if (run_dir / "summary.json").exists() and job_state not in _SLURM_ACTIVE:
             run = RunSpec(record["id"], record["extra"].get("name", record["id"]), record["config"])
             finish_run(run, catalog, thresholds, returncode=0)
+            if job_state in _STATE_OF_SLURM:  # e.g. scancel: the trainer checkpointed, Slurm says why
+                catalog.update(record["id"], state=_STATE_OF_SLURM[job_state])
+        elif job_state in _STATE_OF_SLURM:
+            verdict = scan(run_dir, thresholds, running=False).verdict if (run_dir / "metrics.jsonl").exists() else None
+            catalog.update(record["id"], state=_STATE_OF_SLURM[job_state], finished_at=utc_now(), verdict=verdict)
         elif (run_dir / "metrics.jsonl").exists() and record["state"] == "submitted":
             catalog.update(record["id"], state="running")
     return catalog.records(sweep=sweep)
+
+
+def _job_key(record: dict[str, Any]) -> str:
+    index = record["slurm_array_index"]
+    return f"{record['slurm_job_id']}_{index}" if index is not None else str(record["slurm_job_id"])
+
+
+def slurm_job_states(records: list[dict[str, Any]]) -> dict[str, str]:
+    """Slurm's state of each record's job ("123" or "123_4" for array tasks), from one squeue call;
+    empty when Slurm is not reachable (then run folders alone decide)."""
+    if not records:
+        return {}
+    job_ids = sorted({str(r["slurm_job_id"]) for r in records})
+    try:
+        done = subprocess.run(
+            ["squeue", "--noheader", "--array", "--states=all", "--format=%i %T", "--jobs", ",".join(job_ids)],
+            capture_output=True, text=True, timeout=30,
+        )
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return {}
+    states = {}
+    for line in done.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            states[parts[0]] = parts[1]
+    return states
 
 
 def progress_of(record: dict[str, Any]) -> tuple[int | None, float | None]:
