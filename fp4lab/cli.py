@@ -76,7 +76,6 @@ def numerics(
 
 
 def _print_numerics(rows, title: str) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     best = {}
@@ -372,7 +371,6 @@ def recipes(ctx: typer.Context) -> None:
     """List the built-in recipes (`fp4lab recipes show NAME` prints one)."""
     if ctx.invoked_subcommand is not None:
         return
-    from rich.console import Console
     from rich.table import Table
 
     from fp4lab.nn.recipe import list_recipes, load_recipe
@@ -392,7 +390,6 @@ def recipes_show(
     layers: Annotated[int, typer.Option(help="Model depth to resolve block overrides for.")] = 32,
 ) -> None:
     """Print the resolved per-operand ledger of a recipe: every GEMM operand of every block group."""
-    from rich.console import Console
     from rich.table import Table
 
     from fp4lab.nn.recipe import GEMMS, OPERANDS, RecipeError, load_recipe

@@ -6,25 +6,9 @@ import json
 import math
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
-
-
-@pytest.fixture
-def run_cli(capsys, monkeypatch):
-    """Run the real console entry point in-process; return (exit code, stdout, stderr)."""
-    from fp4lab.cli import main
-
-    def run(*args: str) -> SimpleNamespace:
-        monkeypatch.setattr(sys, "argv", ["fp4lab", *args])
-        with pytest.raises(SystemExit) as exited:
-            main()
-        captured = capsys.readouterr()
-        return SimpleNamespace(returncode=exited.value.code, stdout=captured.out, stderr=captured.err)
-
-    return run
 
 
 def test_help_does_not_import_torch():

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -31,19 +29,10 @@ recipe = ["bf16", "nvfp4"]
 
 
 @pytest.fixture
-def cli(capsys, monkeypatch, tmp_path):
-    from fp4lab.cli import main
-
+def cli(run_cli, monkeypatch, tmp_path):
+    """The CLI, run from inside tmp_path (jobs/, runs/ and the catalog land there)."""
     monkeypatch.chdir(tmp_path)
-
-    def run(*args: str) -> SimpleNamespace:
-        monkeypatch.setattr(sys, "argv", ["fp4lab", *args])
-        with pytest.raises(SystemExit) as exited:
-            main()
-        captured = capsys.readouterr()
-        return SimpleNamespace(returncode=exited.value.code, stdout=captured.out, stderr=captured.err)
-
-    return run
+    return run_cli
 
 
 def test_dry_run_writes_scripts_and_registers_runs(cli, tmp_path):

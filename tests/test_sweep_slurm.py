@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import time
 
-import pytest
 
 from fp4lab.lab.catalog import Catalog
 from tests.test_slurm_local import UP_STATES, _node_state  # skips this module too when Slurm is down
@@ -17,7 +16,7 @@ assert _node_state() in UP_STATES
 SLURM = '\n[slurm]\ncpus_per_task = 1\ntime = "00:10:00"\n'
 
 
-def wait_for(cli, catalog, predicate, timeout=240):
+def wait_for(cli, catalog, predicate, timeout=240):  # noqa: F811
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         cli("status")
