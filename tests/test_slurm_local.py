@@ -289,7 +289,8 @@ def test_submitit_checkpointable_is_requeued_and_resumes(executor):
     assert result["resumed_at"] is not None and result["resumed_at"] > 0, result
     assert result["step"] == result["resumed_at"] + 3
     assert result["restarts"] >= 1
-    (record,) = _job_records(job.job_id)
+    # submitit reads the result file the job wrote, which can be before Slurm marks the job ended.
+    (record,) = _wait_finished(job.job_id, 60)
     assert int(record["Restarts"]) >= 1 and record["JobState"] == "COMPLETED", record
 
 
