@@ -149,8 +149,10 @@ def train(
     out: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<recipe>-<model>-s<seed>).")] = None,
     config: Annotated[Optional[Path], typer.Option(help="A TOML file of train settings; flags override it.")] = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Delete this run folder's checkpoint and logs first instead of resuming.")] = False,
+    catalog: Annotated[Optional[Path], typer.Option(help="Record this sweep run's start and end in this catalog (sweep jobs pass it; needs --config jobs/<sweep>/<id>.toml and no other flag).")] = None,
 ) -> None:
     """Train a small Llama-style model with one FP4 recipe; resumes from the run folder's checkpoint."""
+    from fp4lab.lab.catalog import CatalogError
     from fp4lab.nn.recipe import RecipeError
     from fp4lab.train.config import ConfigError, TrainConfig
 
@@ -179,8 +181,18 @@ def train(
     from fp4lab.train.loop import run
 
     try:
-        summary = run(train_config)
-    except (ConfigError, RecipeError, ValueError) as exc:
+        if catalog is not None:
+            from fp4lab.lab.catalog import Catalog
+            from fp4lab.lab.job import train_recorded
+
+            changed = [k for k, v in {**flags, **data_flags, "out": out, "fresh": fresh or None}.items() if v is not None]
+            if config is None or changed:
+                fail(f"train: --catalog trains a sweep run exactly as written: pass only --config jobs/<sweep>/<id>.toml"
+                     f"{' (drop ' + ', '.join('--' + k.replace('_', '-') for k in changed) + ')' if changed else ''}")
+            summary = train_recorded(config, Catalog(catalog))
+        else:
+            summary = run(train_config)
+    except (ConfigError, RecipeError, ValueError, CatalogError) as exc:
         fail(str(exc).splitlines()[0])
     print("---")
     for key in ("status", "diverged_step", "steps_completed", "final_loss", "best_loss", "final_val_loss", "tokens_per_s", "train_seconds", "peak_memory_mb"):
@@ -239,7 +251,7 @@ def scan(
 @app.command()
 def sweep(
     spec: Annotated[Path, typer.Argument(help="A sweep spec, e.g. sweeps/quickstart.toml (docs/SWEEPS.md).")],
-    executor: Annotated[str, typer.Option(help="local (this machine) | slurm (sbatch the written scripts).")] = "local",
+    executor: Annotated[str, typer.Option(help="local (this machine) | slurm (submitit job arrays) | sbatch (plain sbatch of the written scripts).")] = "local",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Write jobs/<sweep>/ and register the runs; start nothing.")] = False,
     workers: Annotated[int, typer.Option(help="Local executor: runs at once.")] = 1,
     retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Also rerun failed, timed-out and preempted runs (they resume).")] = False,
@@ -249,34 +261,56 @@ def sweep(
     """Expand a sweep spec into runs, write their SBATCH scripts, run what is still needed, record every run."""
     from fp4lab.lab.catalog import Catalog, CatalogError
     from fp4lab.lab.spec import SpecError
-    from fp4lab.lab.sweep import needed_runs, plan_sweep, register_runs, run_local, submit_slurm
+    from fp4lab.lab.sweep import needed_runs, plan_sweep, register_runs, run_local, run_trials_local, submit_sbatch, submit_submitit
 
-    if executor not in ("local", "slurm"):
-        fail(f"sweep: --executor {executor!r} is not supported; allowed: local, slurm")
+    if executor not in ("local", "slurm", "sbatch"):
+        fail(f"sweep: --executor {executor!r} is not supported; allowed: local, slurm, sbatch")
     if workers < 1:
         fail(f"sweep: --workers must be >= 1, got {workers}")
     try:
-        plan = plan_sweep(spec, jobs_dir)
         runs_catalog = Catalog(catalog)
-        register_runs(plan, runs_catalog, executor)
+        runs_catalog.records()  # a corrupt catalog fails here, before anything is written
+        plan = plan_sweep(spec, jobs_dir, catalog)
+        register_runs(plan, runs_catalog, "local" if executor == "local" else "slurm")
         todo, skipped = needed_runs(plan, runs_catalog, retry_failed=retry_failed)
     except (SpecError, CatalogError, ValueError) as exc:
         fail(str(exc).splitlines()[0])
     console = _console()
-    console.print(
-        f"sweep [bold]{plan.spec.name}[/]: {len(plan.runs)} runs, {len(todo)} to run, {len(skipped)} skipped "
-        f"(done{' or failed; --retry-failed reruns failed ones' if not retry_failed else ''}); scripts in {plan.sweep_dir}"
-    )
-    if dry_run or not todo:
+    optuna = plan.spec.method == "optuna"
+    if optuna:
+        from fp4lab.lab.trials import trial_counts
+
+        counts = trial_counts(plan.spec, jobs_dir)
+        console.print(f"sweep [bold]{plan.spec.name}[/] (optuna, {plan.spec.optuna.objective} {plan.spec.optuna.direction}): "
+                      f"{plan.spec.optuna.n_trials} trials, study {plan.spec.optuna_storage(jobs_dir)} holds "
+                      f"{', '.join(f'{n} {k.lower()}' for k, n in counts.items()) or 'none yet'}; scripts in {plan.sweep_dir}")
+    else:
+        console.print(
+            f"sweep [bold]{plan.spec.name}[/]: {len(plan.runs)} runs, {len(todo)} to run, {len(skipped)} skipped "
+            f"(done{' or failed; --retry-failed reruns failed ones' if not retry_failed else ''}); scripts in {plan.sweep_dir}"
+        )
+    if dry_run or (not todo and not optuna):
         for run in todo:
             console.print(f"  {run.id}  {run.name}  {plan.sweep_dir / (run.id + '.sbatch')}")
+        for script in plan.scripts if optuna else ():
+            console.print(f"  {script}")
         return
-    if executor == "slurm":
+    if executor != "local":
         try:
-            job_ids = submit_slurm(plan, todo, runs_catalog)
-        except (RuntimeError, FileNotFoundError) as exc:
-            fail(f"sweep: {exc}")
-        console.print(f"submitted Slurm jobs {', '.join(job_ids)}; follow them with: fp4lab status {plan.spec.name}")
+            job_ids = (submit_submitit if executor == "slurm" else submit_sbatch)(plan, todo, runs_catalog)
+        except Exception as exc:  # submitit and sbatch report a missing or refusing Slurm in many ways
+            fail(f"sweep: Slurm submission failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}")
+        console.print(f"submitted Slurm jobs {', '.join(job_ids) or '(none: the study is complete)'}; follow them with: fp4lab status {plan.spec.name}")
+        return
+    if optuna:
+        def trial_done(record) -> None:
+            console.print(f"  trial {record['extra'].get('trial')}  {record['id']}  {record['extra'].get('name')}: "
+                          f"{record['state']}, {record.get('verdict')}, {plan.spec.optuna.objective} {record['extra'].get('objective')}")
+
+        ran = run_trials_local(plan, runs_catalog, workers=workers, on_finish=trial_done)
+        if ran == 0:
+            console.print("the study already holds every trial; raise [optuna].n_trials to run more")
+        _print_status(runs_catalog, plan.spec.name)
         return
 
     def report(run, record) -> None:
@@ -284,6 +318,34 @@ def sweep(
 
     run_local(plan, todo, runs_catalog, workers=workers, on_finish=report)
     _print_status(runs_catalog, plan.spec.name)
+
+
+@app.command()
+def trial(
+    spec: Annotated[Path, typer.Argument(help="A method = \"optuna\" sweep spec (jobs/<sweep>/spec.toml in sweep jobs).")],
+    jobs_dir: Annotated[Path, typer.Option(help="The jobs folder holding the study (jobs/<sweep>/optuna.journal).")] = Path("jobs"),
+    catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
+    slot: Annotated[int, typer.Option(help="This job's slot (array task): offsets the sampler seed.")] = 0,
+    resume: Annotated[Optional[int], typer.Option(help="Continue this RUNNING trial number instead of asking a new one.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the trial's catalog record as JSON.")] = False,
+) -> None:
+    """Run one trial of an Optuna sweep: ask the study, train, tell (what each optuna sweep job runs)."""
+    from fp4lab.lab.catalog import CatalogError
+    from fp4lab.lab.spec import SpecError
+    from fp4lab.lab.trials import run_trial
+    from fp4lab.nn.recipe import RecipeError
+    from fp4lab.train.config import ConfigError
+
+    try:
+        record = run_trial(spec, jobs_dir=jobs_dir, catalog_path=catalog, slot=slot, resume=resume)
+    except (SpecError, CatalogError, ConfigError, RecipeError, ValueError) as exc:
+        fail(f"trial: {str(exc).splitlines()[0]}")
+    if as_json:
+        json.dump(record, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(f"trial {record['extra'].get('trial')} run {record['id']} ({record['extra'].get('name')}): {record['state']}, "
+              f"{record.get('verdict')}, objective {record['extra'].get('objective')}")
 
 
 @app.command()

@@ -79,3 +79,94 @@ def test_sweep_errors_are_one_line(cli, tmp_path):
         assert out.returncode == 2, (args, out.stdout)
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and fragment in lines[0], (args, out.stderr)
+
+
+BASE_TABLES = "[base]" + SPEC.split("[base]", 1)[1].split("[axes]")[0]  # the mini sweep's [base] and [base.data]
+OPTUNA_SPEC = 'name = "opt"\nmethod = "optuna"\nseed = 7\n' + BASE_TABLES + """
+[optuna]
+n_trials = 3
+objective = "final_val_loss"
+[optuna.search_space]
+lr = { type = "float", low = 0.005, high = 0.05, log = true }
+ns_steps = { type = "int", low = 3, high = 6 }
+"""
+
+
+def _study(tmp_path):
+    import optuna
+
+    from fp4lab.lab.spec import load_spec
+    from fp4lab.lab.trials import open_study
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return open_study(load_spec(tmp_path / "opt.toml"), tmp_path / "jobs")
+
+
+def test_optuna_sweep_asks_trains_and_tells_every_trial(cli, tmp_path):
+    (tmp_path / "opt.toml").write_text(OPTUNA_SPEC)
+    out = cli("sweep", "opt.toml", "--dry-run")
+    assert out.returncode in (0, None), out.stderr
+    script = (tmp_path / "jobs" / "opt" / "trials_0.sbatch").read_text()
+    assert "#SBATCH --array=0-2" in script and "-m fp4lab.cli trial" in script and '--slot "$SLOT"' in script
+    assert (tmp_path / "jobs" / "opt" / "spec.toml").read_text() == OPTUNA_SPEC
+    out = cli("sweep", "opt.toml", "--workers", "2")
+    assert out.returncode in (0, None), out.stderr
+    records = Catalog(tmp_path / "sweep_catalog.json").records(sweep="opt")
+    assert sorted(r["extra"]["trial"] for r in records) == [0, 1, 2]
+    trials = {t.number: t for t in _study(tmp_path).get_trials()}
+    for record in records:
+        assert record["state"] == "completed" and record["verdict"] == "converged"
+        trial = trials[record["extra"]["trial"]]
+        assert trial.state.name == "COMPLETE"
+        assert trial.value == record["summary"]["final_val_loss"] == record["extra"]["objective"]
+        assert record["config"]["lr"] == trial.params["lr"] and record["config"]["ns_steps"] == trial.params["ns_steps"]
+        assert 0.005 <= trial.params["lr"] <= 0.05 and 3 <= trial.params["ns_steps"] <= 6
+    assert len({r["id"] for r in records}) == 3
+    again = cli("sweep", "opt.toml")
+    assert "already holds every trial" in again.stdout and len(_study(tmp_path).get_trials()) == 3
+
+
+def test_optuna_sweep_resumes_a_trial_a_killed_sweep_left_running(cli, tmp_path):
+    (tmp_path / "opt.toml").write_text(OPTUNA_SPEC.replace("n_trials = 3", "n_trials = 2"))
+    assert cli("sweep", "opt.toml", "--dry-run").returncode in (0, None)
+    orphan = _study(tmp_path).ask()  # what a local trial process killed mid-run leaves: a RUNNING trial
+    orphan.suggest_float("lr", 0.005, 0.05, log=True)
+    orphan.suggest_int("ns_steps", 3, 6)
+    assert cli("sweep", "opt.toml").returncode in (0, None)
+    trials = _study(tmp_path).get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]  # the orphan was finished, one new trial
+    records = Catalog(tmp_path / "sweep_catalog.json").records(sweep="opt")
+    assert sorted(r["extra"]["trial"] for r in records) == [0, 1]
+    resumed = next(r for r in records if r["extra"]["trial"] == orphan.number)
+    assert resumed["config"]["lr"] == trials[orphan.number].params["lr"]
+
+
+def test_optuna_trial_that_diverges_is_told_fail(cli, tmp_path):
+    spec = OPTUNA_SPEC.replace("n_trials = 3", "n_trials = 1").replace(
+        "lr = { type = \"float\", low = 0.005, high = 0.05, log = true }", "lr = { type = \"float\", low = 1e30, high = 1e31 }")
+    (tmp_path / "opt.toml").write_text(spec.replace("[base]\n", "[base]\noptimizer = \"adamw\"\nadam_lr = 1e30\ngrad_clip = 1e30\n"))
+    assert cli("sweep", "opt.toml").returncode in (0, None)
+    (record,) = Catalog(tmp_path / "sweep_catalog.json").records(sweep="opt")
+    assert record["verdict"].startswith("diverged"), record["verdict"]
+    assert [t.state.name for t in _study(tmp_path).get_trials()] == ["FAIL"]
+
+
+def test_train_with_catalog_records_its_own_start_and_end(cli, tmp_path):
+    (tmp_path / "mini.toml").write_text(SPEC)
+    assert cli("sweep", "mini.toml", "--dry-run").returncode in (0, None)
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    first = catalog.records(sweep="mini")[0]
+    config = tmp_path / "jobs" / "mini" / f"{first['id']}.toml"
+    out = cli("train", "--config", str(config), "--catalog", "sweep_catalog.json")
+    assert out.returncode in (0, None), out.stderr
+    record = catalog.get(first["id"])
+    assert record["state"] == "completed" and record["attempts"] == 1 and record["verdict"] == "converged"
+    assert record["summary"]["final_val_loss"] > 0 and record["started_at"] <= record["finished_at"]
+    assert catalog.get(catalog.records(sweep="mini")[1]["id"])["state"] == "pending"  # only its own record
+    for args, fragment in [
+        (("train", "--config", str(config), "--catalog", "sweep_catalog.json", "--steps", "3"), "drop --steps"),
+        (("train", "--steps", "3", "--catalog", "sweep_catalog.json"), "pass only --config"),
+        (("train", "--config", str(config), "--catalog", "other.json"), "no run " + first["id"]),
+    ]:
+        bad = cli(*args)
+        assert bad.returncode == 2 and fragment in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, (args, bad.stderr)

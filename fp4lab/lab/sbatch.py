@@ -14,7 +14,8 @@ writes into jobs/<sweep>/:
 
 Each script can be resubmitted by hand with plain `sbatch PATH` from anywhere (its paths are
 absolute). What a script does: cd to the working directory, run the [slurm].setup lines, then
-`python -m fp4lab.cli train --config <id>.toml` in the background, forwarding signals. Slurm sends
+`python -m fp4lab.cli train --config <id>.toml --catalog <catalog>` in the background, forwarding
+signals (with --catalog the job records its own start and end: fp4lab.lab.job). Slurm sends
 SIGUSR1 to the batch shell `signal_before_timeout_s` before the time limit (`--signal=B:USR1@N`); the
 script passes it to the trainer, which checkpoints and exits with status "preempted", and then the
 script runs `scontrol requeue $SLURM_JOB_ID` (`--requeue`) so the run resumes from its checkpoint.
@@ -74,6 +75,7 @@ def write_scripts(
     python: str | Path = sys.executable,
     workdir: str | Path | None = None,
     max_array_size: int | None = None,
+    catalog: str | Path | None = None,
 ) -> list[Path]:
     """Write configs, per-run scripts and array scripts into jobs_dir/<sweep>/; return the script paths
     (per-run scripts in run order, then array scripts). Raises SpecError before writing anything if a
@@ -82,6 +84,7 @@ def write_scripts(
         raise SpecError(f"{spec.path}: the sweep has no runs to write")
     sweep_dir = Path(os.path.abspath(Path(jobs_dir) / spec.name))
     workdir = Path(os.path.abspath(workdir if workdir is not None else Path.cwd()))
+    catalog = Path(os.path.abspath(catalog)) if catalog is not None else None
     for what, path in (("jobs folder", sweep_dir),):
         if not SBATCH_PATH.fullmatch(str(path)):
             raise SpecError(f"{what} {str(path)!r} has characters an #SBATCH --output path cannot carry "
@@ -98,7 +101,7 @@ def write_scripts(
     for run in runs:
         files[sweep_dir / f"{run.id}.toml"] = config_toml(run, spec)
         path = sweep_dir / f"{run.id}.sbatch"
-        files[path] = render_run_script(spec, run, sweep_dir, python=python, workdir=workdir)
+        files[path] = render_run_script(spec, run, sweep_dir, python=python, workdir=workdir, catalog=catalog)
         scripts.append(path)
     arrays = []
     if len(runs) > 1:
@@ -106,13 +109,13 @@ def write_scripts(
             chunk = runs[start:start + size]
             path = sweep_dir / f"array_{k}.sbatch"
             files[sweep_dir / f"array_{k}.runs"] = "".join(f"{r.id}\n" for r in chunk)
-            files[path] = render_array_script(spec, chunk, k, sweep_dir, python=python, workdir=workdir)
+            files[path] = render_array_script(spec, chunk, k, sweep_dir, python=python, workdir=workdir, catalog=catalog)
             scripts.append(path)
             arrays.append({"script": path.name, "runs_file": f"array_{k}.runs", "tasks": len(chunk),
                            "run_ids": [r.id for r in chunk]})
     manifest = {
         "sweep": spec.name, "spec": str(spec.path), "method": spec.method, "workdir": str(workdir),
-        "python": str(python), "max_array_size": size, "scan": spec.scan,
+        "python": str(python), "catalog": str(catalog) if catalog else None, "max_array_size": size, "scan": spec.scan,
         "runs": [{"id": r.id, "name": r.name, "params": r.params, "out_dir": r.config["out_dir"],
                   "config": f"{r.id}.toml", "script": f"{r.id}.sbatch"} for r in runs],
         "arrays": arrays,
@@ -128,7 +131,7 @@ def write_scripts(
 # ------------------------------------------------------------------------------------------ render
 
 
-def render_run_script(spec: SweepSpec, run: RunSpec, sweep_dir: Path, *, python, workdir: Path) -> str:
+def render_run_script(spec: SweepSpec, run: RunSpec, sweep_dir: Path, *, python, workdir: Path, catalog: Path | None = None) -> str:
     head = [
         "#!/bin/bash",
         f"# fp4lab sweep {spec.name!r}, run {run.id}: {_comment(run.name)}",
@@ -144,10 +147,10 @@ def render_run_script(spec: SweepSpec, run: RunSpec, sweep_dir: Path, *, python,
         f"PYTHON={shlex.quote(str(python))}",
         f"RUN_ID={shlex.quote(run.id)}",
     ]
-    return "\n".join(head + _body(spec)) + "\n"
+    return "\n".join(head + _body(spec, catalog)) + "\n"
 
 
-def render_array_script(spec: SweepSpec, chunk: list[RunSpec], k: int, sweep_dir: Path, *, python, workdir: Path) -> str:
+def render_array_script(spec: SweepSpec, chunk: list[RunSpec], k: int, sweep_dir: Path, *, python, workdir: Path, catalog: Path | None = None) -> str:
     n = len(chunk)
     parallel = f"%{spec.slurm.array_parallelism}" if spec.slurm.array_parallelism else ""
     head = [
@@ -175,7 +178,7 @@ def render_array_script(spec: SweepSpec, chunk: list[RunSpec], k: int, sweep_dir
         "  exit 1",
         "fi",
     ]
-    return "\n".join(head + _body(spec)) + "\n"
+    return "\n".join(head + _body(spec, catalog)) + "\n"
 
 
 def _description(spec: SweepSpec) -> list[str]:
@@ -214,11 +217,14 @@ def _sbatch_lines(spec: SweepSpec, job_name: str, log_stem: Path, array: str | N
     return lines
 
 
-def _body(spec: SweepSpec) -> list[str]:
+def _body(spec: SweepSpec, catalog: Path | None, command: str | None = None) -> list[str]:
+    """The script after its variables: cd, setup, the trainer (`command`, default: train $CONFIG) in the
+    background with USR1/TERM forwarded, then the requeue."""
     s = spec.slurm
     gpus = s.gpus_per_node or 0
     lines = [
-        'CONFIG="$SWEEP_DIR/$RUN_ID.toml"',
+        *([] if command else ['CONFIG="$SWEEP_DIR/$RUN_ID.toml"']),
+        *([f"CATALOG={shlex.quote(str(catalog))}  # the job records its own start and end here"] if catalog else []),
         'cd "$WORKDIR" || { echo "fp4lab: cannot cd to $WORKDIR" >&2; exit 1; }',
         "",
     ]
@@ -227,7 +233,8 @@ def _body(spec: SweepSpec) -> list[str]:
         lines += s.setup
         lines.append("")
     lines += [
-        'echo "fp4lab: run $RUN_ID, config $CONFIG, host $(hostname), job ${SLURM_JOB_ID:-none}"',
+        ('echo "fp4lab: optuna trial slot $SLOT, host $(hostname), job ${SLURM_JOB_ID:-none}"' if command else
+         'echo "fp4lab: run $RUN_ID, config $CONFIG, host $(hostname), job ${SLURM_JOB_ID:-none}"'),
         "# USR1 (before the time limit): the trainer checkpoints and stops; then this job is requeued.",
         "# TERM (scancel, preemption): passed on, no requeue.",
         "REQUEUE=0",
@@ -235,7 +242,7 @@ def _body(spec: SweepSpec) -> list[str]:
         "trap 'REQUEUE=1; [ -n \"$CHILD\" ] && kill -USR1 \"$CHILD\" 2>/dev/null' USR1",
         "trap '[ -n \"$CHILD\" ] && kill -TERM \"$CHILD\" 2>/dev/null' TERM",
     ]
-    train = '-m fp4lab.cli train --config "$CONFIG"'
+    train = command or '-m fp4lab.cli train --config "$CONFIG"' + (' --catalog "$CATALOG"' if catalog else "")
     if s.nodes > 1:
         lines += [
             "# Multi-node template: one torchrun agent per node, c10d rendezvous on the first node.",
@@ -270,6 +277,64 @@ def _body(spec: SweepSpec) -> list[str]:
 def _comment(text: str) -> str:
     """Text safe on one comment line: printable as is, otherwise JSON-escaped."""
     return text if text.isprintable() else json.dumps(text)[1:-1]
+
+
+def write_trial_scripts(
+    spec: SweepSpec,
+    jobs_dir: str | Path = "jobs",
+    *,
+    catalog: str | Path,
+    python: str | Path = sys.executable,
+    workdir: str | Path | None = None,
+    max_array_size: int | None = None,
+) -> list[Path]:
+    """Optuna sweeps: a copy of the spec (jobs/<sweep>/spec.toml, what the jobs read, so later edits of
+    the original do not change a running sweep), the manifest, and `trials_<k>.sbatch` job arrays of
+    [optuna].n_trials tasks in all; each task runs `fp4lab trial` (ask, train, tell) with its slot
+    number (the sampler seed offset). Returns the script paths."""
+    sweep_dir = Path(os.path.abspath(Path(jobs_dir) / spec.name))
+    if not SBATCH_PATH.fullmatch(str(sweep_dir)):
+        raise SpecError(f"jobs folder {str(sweep_dir)!r} has characters an #SBATCH --output path cannot carry "
+                        "(spaces, quotes, %, $, ...); use a path of letters, digits and _ . / + , : = @ ~ -")
+    workdir = Path(os.path.abspath(workdir if workdir is not None else Path.cwd()))
+    catalog = Path(os.path.abspath(catalog))
+    size = max_array_size or spec.slurm.max_array_size or slurm_max_array_size()
+    n = spec.optuna.n_trials
+    files = {sweep_dir / "spec.toml": Path(spec.path).read_text()}
+    scripts = []
+    for k, offset in enumerate(range(0, n, size)):
+        tasks = min(size, n - offset)
+        parallel = f"%{spec.slurm.array_parallelism}" if spec.slurm.array_parallelism else ""
+        path = sweep_dir / f"trials_{k}.sbatch"
+        head = [
+            "#!/bin/bash",
+            f"# fp4lab sweep {spec.name!r} (method optuna), trial array {k}: {tasks} of {n} trials; slots {offset}..{offset + tasks - 1}",
+            *_description(spec),
+            f"# Study: {_comment(spec.optuna_storage(jobs_dir))}; objective {spec.optuna.objective} ({spec.optuna.direction})",
+            f"# Submit again by hand: sbatch {_comment(str(path))}",
+            "# Written by `fp4lab sweep`; edit the spec and re-run it rather than editing this file.",
+            *_sbatch_lines(spec, f"{spec.name}-trials{k}", sweep_dir / "logs" / f"trials_{k}-%A_%a", array=f"0-{tasks - 1}{parallel}"),
+            "",
+            "set -uo pipefail",
+            f"SWEEP_DIR={shlex.quote(str(sweep_dir))}",
+            f"WORKDIR={shlex.quote(str(workdir))}",
+            f"PYTHON={shlex.quote(str(python))}",
+            f"JOBS_DIR={shlex.quote(str(Path(os.path.abspath(jobs_dir))))}",
+            'TASK="${SLURM_ARRAY_TASK_ID:?not a job array task: submit this file with sbatch}"',
+            f"SLOT=$((TASK + {offset}))",
+        ]
+        command = '-m fp4lab.cli trial "$SWEEP_DIR/spec.toml" --jobs-dir "$JOBS_DIR" --catalog "$CATALOG" --slot "$SLOT"'
+        files[path] = "\n".join(head + _body(spec, catalog, command)) + "\n"
+        scripts.append(path)
+    manifest = {"sweep": spec.name, "spec": str(spec.path), "method": spec.method, "workdir": str(workdir),
+                "python": str(python), "catalog": str(catalog), "max_array_size": size, "scan": spec.scan,
+                "study": spec.optuna_storage(jobs_dir), "n_trials": n, "runs": [],
+                "arrays": [{"script": p.name} for p in scripts]}
+    files[sweep_dir / "manifest.json"] = json.dumps(manifest, indent=1) + "\n"
+    (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for file, text in files.items():
+        _atomic_write(file, text, executable=file.suffix == ".sbatch")
+    return scripts
 
 
 # -------------------------------------------------------------------------------------- run configs
@@ -321,4 +386,4 @@ def _atomic_write(path: Path, text: str, executable: bool = False) -> None:
         raise
 
 
-__all__ = ["config_toml", "render_array_script", "render_run_script", "slurm_max_array_size", "write_scripts"]
+__all__ = ["config_toml", "render_array_script", "render_run_script", "slurm_max_array_size", "write_scripts", "write_trial_scripts"]

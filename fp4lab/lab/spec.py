@@ -113,6 +113,7 @@ class SlurmSpec(_Strict):
     signal_before_timeout_s: int = 120
     setup: list[str] = []
     max_array_size: int | None = None
+    max_requeues: int = 3
 
 
 @dataclass(frozen=True)
@@ -215,11 +216,13 @@ def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepS
 
     samples = table.get("samples")
     seed = table.get("seed", 0)
-    if method != "random":
-        for key in ("samples", "seed"):
-            if key in table:
-                raise fail(key, f"only applies to method = \"random\" (this spec has method = {method!r})")
-    else:
+    if method != "random" and "samples" in table:
+        raise fail("samples", f"only applies to method = \"random\" (this spec has method = {method!r})")
+    if method == "grid" and "seed" in table:
+        raise fail("seed", "only applies to method = \"random\" or \"optuna\" (this spec has method = \"grid\")")
+    if method == "optuna" and (not _is_int(seed) or seed < 0):
+        raise fail("seed", f"{seed!r} must be an integer >= 0 (the Optuna sampler's seed)")
+    if method == "random":
         if not _is_int(samples) or samples < 1:
             raise fail("samples", f"{samples!r}: method = \"random\" needs samples = an integer >= 1")
         if not _is_int(seed) or seed < 0:
@@ -242,7 +245,7 @@ def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepS
     slurm = _slurm(table.get("slurm", {}), fail)
     scan = _scan(table.get("scan", {}), fail)
     return SweepSpec(name=name, description=description, path=path, base=base, axes=axes, method=method,
-                     samples=samples, seed=seed if method == "random" else 0, optuna=optuna, slurm=slurm, scan=scan)
+                     samples=samples, seed=seed if method != "grid" else 0, optuna=optuna, slurm=slurm, scan=scan)
 
 
 def _optuna(table: Any, base: dict, train_fields, data_fields, fail) -> OptunaSpec:
@@ -306,7 +309,7 @@ def _slurm(table: Any, fail) -> SlurmSpec:
         if not re.fullmatch(pattern, value):
             raise fail(f"slurm.{key}", f"{value!r} is not allowed in an #SBATCH line; use {allowed}")
     minimum = {"gpus_per_node": 0, "nodes": 1, "ntasks_per_node": 1, "cpus_per_task": 1, "array_parallelism": 1,
-               "signal_before_timeout_s": 1, "max_array_size": 1}
+               "signal_before_timeout_s": 1, "max_array_size": 1, "max_requeues": 0}
     for key, low in minimum.items():
         value = getattr(slurm, key)
         if value is not None and value < low:
@@ -511,7 +514,7 @@ def _short(value: Any) -> str:
     if isinstance(value, str) and value.isprintable() and value and not any(c.isspace() or c in "\"'=" for c in value):
         return value
     if isinstance(value, float):
-        return repr(value)
+        return f"{value:.4g}"  # a label: the run id keeps the exact value
     return json.dumps(value)
 
 

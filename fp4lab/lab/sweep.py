@@ -1,14 +1,16 @@
 """Run a sweep: expand the spec, write its SBATCH scripts, run what is still needed, record every run.
 
     plan_sweep(spec_path)          load + expand + write jobs/<sweep>/ (scripts, configs, manifest)
-    needed_runs(...)               which runs to start: never completed ones (and failed ones on retry)
+    register_runs / needed_runs    one catalog record per run; which runs still need to run
     run_local(...)                 run them on this machine, `workers` at a time, each as its own
-                                   `python -m fp4lab.cli train --config jobs/<sweep>/<id>.toml` process
-    finish_run(...)                scan the run folder and write its catalog record
+                                   `fp4lab train --config jobs/<sweep>/<id>.toml --catalog ...` process
+    run_trials_local(...)          the same for optuna sweeps: `fp4lab trial` processes (trials.py)
+    submit_submitit(...)           Slurm through submitit: job arrays, signal + requeue, resume
+    submit_sbatch(...)             Slurm with plain `sbatch` of the written scripts
+    refresh(...)                   bring records up to date from run folders and `squeue`
 
-Every run's record in sweep_catalog.json is written before it starts (state "running") and again
-when it ends (state, verdict, events, summary metrics), so a sweep that is killed loses nothing and
-re-running it skips what already completed.
+Each job records its own start and end in sweep_catalog.json (job.py), so a sweep that is killed loses
+nothing, `fp4lab status` sees finished runs at once, and re-running a sweep skips what completed.
 """
 
 from __future__ import annotations
@@ -24,29 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from fp4lab.lab.catalog import Catalog, utc_now
+from fp4lab.lab.job import finish_run, thresholds_from_table
 from fp4lab.lab.logscan import ScanThresholds, scan
-from fp4lab.lab.sbatch import write_scripts
-from fp4lab.lab.spec import RunSpec, SweepSpec, expand, load_spec
-
-# Summary status of a finished training process -> catalog state.
-_STATE_OF_STATUS = {
-    "completed": "completed",
-    "diverged": "completed",  # the run ended as designed; the verdict says it diverged
-    "time_limit": "timeout",
-    "preempted": "preempted",
-    "stopped": "preempted",
-}
-# Spec [scan] keys -> log scanner thresholds.
-_SCAN_KEYS = {
-    "spike_sigma": "spike_k",
-    "spike_window": "spike_window",
-    "spike_ratio": "spike_ratio",
-    "entropy_floor": "entropy_floor",
-    "entropy_drop_factor": "entropy_drop_factor",
-    "max_logit_tau": "max_logit_tau",
-    "stall_seconds": "stall_seconds",
-}
-
+from fp4lab.lab.sbatch import write_scripts, write_trial_scripts
+from fp4lab.lab.spec import RunSpec, SweepSpec, expand, load_spec, time_limit_seconds
 
 @dataclass
 class SweepPlan:
@@ -60,24 +43,20 @@ class SweepPlan:
         return self.spec.sweep_dir(str(self.jobs_dir))
 
 
-def plan_sweep(spec_path: str | Path, jobs_dir: str | Path = "jobs") -> SweepPlan:
+def plan_sweep(spec_path: str | Path, jobs_dir: str | Path = "jobs", catalog: str | Path = "sweep_catalog.json") -> SweepPlan:
+    """Load and expand the spec and write jobs/<sweep>/. Optuna sweeps have no runs up front (each
+    trial makes its own): they get trial-array scripts instead."""
     spec = load_spec(spec_path)
-    if spec.method == "optuna":
-        raise ValueError(f"{spec_path}: method = \"optuna\" sweeps are not run by `fp4lab sweep` yet; use grid or random")
     scan_thresholds(spec)  # fail on bad [scan] values before anything is written
+    if spec.method == "optuna":
+        return SweepPlan(spec, [], write_trial_scripts(spec, str(jobs_dir), catalog=catalog), Path(jobs_dir))
     runs = expand(spec)
-    scripts = write_scripts(spec, runs, str(jobs_dir))
+    scripts = write_scripts(spec, runs, str(jobs_dir), catalog=catalog)
     return SweepPlan(spec, runs, scripts, Path(jobs_dir))
 
 
 def scan_thresholds(spec: SweepSpec) -> ScanThresholds:
-    overrides = {_SCAN_KEYS[k]: v for k, v in spec.scan.items() if k in _SCAN_KEYS}
-    if "spike_window" in overrides:  # a short window must not demand more history than it holds
-        overrides["spike_min_count"] = min(ScanThresholds().spike_min_count, max(2, int(overrides["spike_window"])))
-    try:
-        return ScanThresholds().with_overrides(overrides)
-    except ValueError as exc:
-        raise ValueError(f"{spec.path}: [scan]: {exc}") from None
+    return thresholds_from_table(spec.scan, str(spec.path))
 
 
 def register_runs(plan: SweepPlan, catalog: Catalog, executor: str) -> None:
@@ -116,19 +95,23 @@ def run_local(
     workers: int = 1,
     on_finish: Callable[[RunSpec, dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run `runs` as separate training processes, at most `workers` at once; return their records."""
+    """Run `runs` as separate training processes, at most `workers` at once; return their records.
+    Each process records its own start and end (`train --catalog`); a process that dies without doing
+    so (killed, out of memory) is recorded here as failed."""
     thresholds = scan_thresholds(plan.spec)
     lock = threading.Lock()
 
     def one(run: RunSpec) -> dict[str, Any]:
         log = _log_path(plan, run)
         log.parent.mkdir(parents=True, exist_ok=True)
-        record = catalog.get(run.id)
-        catalog.update(run.id, state="running", started_at=utc_now(), attempts=(record["attempts"] if record else 0) + 1)
-        command = [sys.executable, "-m", "fp4lab.cli", "train", "--config", str(plan.sweep_dir / f"{run.id}.toml")]
+        catalog.update(run.id, state="submitted", submitted_at=utc_now(), executor="local")
+        command = [sys.executable, "-m", "fp4lab.cli", "train", "--config", str(plan.sweep_dir / f"{run.id}.toml"),
+                   "--catalog", str(catalog.path)]
         with open(log, "ab") as out:
             returncode = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
-        finished = finish_run(run, catalog, thresholds, returncode=returncode)
+        finished = catalog.get(run.id)
+        if finished["state"] in ("submitted", "running"):
+            finished = finish_run(run, catalog, thresholds, returncode=returncode or 1)
         if on_finish is not None:
             with lock:
                 on_finish(run, finished)
@@ -138,52 +121,39 @@ def run_local(
         return list(pool.map(one, runs))
 
 
-def finish_run(run: RunSpec, catalog: Catalog, thresholds: ScanThresholds, *, returncode: int) -> dict[str, Any]:
-    """Scan a finished run's folder and write state, verdict, events and summary metrics."""
-    run_dir = Path(run.config["out_dir"])
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-    state = _STATE_OF_STATUS.get(summary["status"], "failed") if summary and returncode == 0 else "failed"
-    fields: dict[str, Any] = {"state": state, "finished_at": utc_now()}
-    if (run_dir / "metrics.jsonl").exists():
-        result = scan(run_dir, thresholds, running=False)
-        fields["verdict"] = result.verdict
-        fields["events"] = result.to_dict()["events"]
-    else:
-        fields["verdict"] = "crashed"
-    if summary:
-        fields["summary"] = {
-            "final_train_loss": summary.get("final_loss"),
-            "best_train_loss": summary.get("best_loss"),
-            "final_val_loss": summary.get("final_val_loss"),
-            "best_val_loss": summary.get("best_val_loss"),
-            "tokens_per_s": summary.get("tokens_per_s"),
-            "peak_memory_mb": summary.get("peak_memory_mb"),
-            "loss_at_steps": _loss_at_steps(run_dir / "metrics.jsonl"),
-        }
-        fields["paths"] = {"checkpoint": str(run_dir / "checkpoint.pt")}
-    return catalog.update(run.id, **fields)
+def run_trials_local(
+    plan: SweepPlan,
+    catalog: Catalog,
+    *,
+    workers: int = 1,
+    on_finish: Callable[[dict[str, Any]], None] | None = None,
+) -> int:
+    """Optuna sweep on this machine: first resume the trials a killed sweep left RUNNING, then run new
+    trials until the study holds [optuna].n_trials finished ones; each trial is its own `fp4lab trial`
+    process (ask, train, tell), `workers` at once. Returns how many trials ran."""
+    from fp4lab.lab.trials import orphaned_trials, trial_counts
 
+    counts = trial_counts(plan.spec, plan.jobs_dir)
+    done = sum(counts.get(state, 0) for state in ("COMPLETE", "FAIL", "PRUNED"))
+    resumes = orphaned_trials(plan.spec, plan.jobs_dir)
+    fresh = max(0, plan.spec.optuna.n_trials - done - len(resumes) - counts.get("WAITING", 0))
+    spec_copy = plan.sweep_dir / "spec.toml"
+    base = [sys.executable, "-m", "fp4lab.cli", "trial", str(spec_copy), "--jobs-dir", str(plan.jobs_dir), "--catalog", str(catalog.path)]
+    launches = [base + ["--resume", str(n)] for n in resumes] + [base + ["--slot", str(done + len(resumes) + i)] for i in range(fresh)]
+    log = plan.sweep_dir / "logs" / "trials.local.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    lock = threading.Lock()
 
-def _loss_at_steps(metrics: Path, every: int = 10) -> dict[str, float]:
-    """Train loss every `every` steps (and the last step), for comparisons at matched steps."""
-    losses: dict[str, float] = {}
-    if not metrics.exists():
-        return losses
-    last = None
-    for line in metrics.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        step, loss = record.get("step"), record.get("loss")
-        if isinstance(step, int) and isinstance(loss, float) and loss == loss and abs(loss) != float("inf"):
-            last = (step, loss)
-            if step % every == 0:
-                losses[str(step)] = loss
-    if last is not None:
-        losses[str(last[0])] = last[1]
-    return losses
+    def one(command: list[str]) -> None:
+        with open(log, "ab") as out:
+            done = subprocess.run(command + ["--json"], stdout=subprocess.PIPE, stderr=out, text=True)
+        if done.returncode == 0 and on_finish is not None:
+            with lock:
+                on_finish(json.loads(done.stdout))
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        list(pool.map(one, launches))
+    return len(launches)
 
 
 def _log_path(plan: SweepPlan, run: RunSpec) -> Path:
@@ -201,11 +171,13 @@ def git_state() -> tuple[str | None, bool | None]:
         return None, None
 
 
-def submit_slurm(plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> list[str]:
+def submit_sbatch(plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> list[str]:
     """Submit with plain `sbatch` the scripts written into jobs/<sweep>/ (the same ones a user can
     resubmit by hand): the job arrays when every run is needed, else one script per run. Records
     each run's job id and state "submitted"; returns the job ids."""
     manifest = json.loads((plan.sweep_dir / "manifest.json").read_text())
+    if plan.spec.method == "optuna":
+        return [_sbatch(plan.sweep_dir / a["script"]) for a in manifest["arrays"]]
     ids = {run.id for run in runs}
     submissions: list[tuple[Path, list[str]]]
     if manifest["arrays"] and ids == {run.id for run in plan.runs}:
@@ -214,16 +186,77 @@ def submit_slurm(plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> list
         submissions = [(plan.sweep_dir / f"{run.id}.sbatch", [run.id]) for run in runs]
     job_ids = []
     for script, run_ids in submissions:
-        done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"sbatch {script} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
-        job_id = done.stdout.strip().split(";")[0]
+        job_id = _sbatch(script)
         job_ids.append(job_id)
         with catalog.transaction() as tx:
             for index, run_id in enumerate(run_ids):
                 array_index = index if len(run_ids) > 1 or script.name.startswith("array_") else None
-                tx.update(run_id, state="submitted", submitted_at=utc_now(), slurm_job_id=job_id, slurm_array_index=array_index)
+                tx.update(run_id, state="submitted", submitted_at=utc_now(), slurm_job_id=job_id,
+                          slurm_array_index=array_index, executor="slurm")
     return job_ids
+
+
+def _sbatch(script: Path) -> str:
+    done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"sbatch {script} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+    return done.stdout.strip().split(";")[0]
+
+
+def submitit_executor(spec: SweepSpec, folder: Path):
+    """A submitit SlurmExecutor set from the spec's [slurm] table. submitit needs a time limit to tell a
+    timeout from a preemption: [slurm].time, else 60 minutes."""
+    import submitit
+
+    s = spec.slurm
+    limit = time_limit_seconds(s.time)
+    executor = submitit.AutoExecutor(folder=str(folder), cluster="slurm", slurm_max_num_timeout=s.max_requeues)
+    params: dict[str, Any] = {
+        "name": f"fp4lab-{spec.name}", "timeout_min": -(-limit // 60) if limit else 60, "nodes": s.nodes,
+        "tasks_per_node": 1, "slurm_signal_delay_s": s.signal_before_timeout_s,
+    }
+    for key in ("gpus_per_node", "cpus_per_task"):
+        if getattr(s, key):
+            params[key] = getattr(s, key)
+    for key in ("partition", "account", "qos", "mem", "constraint", "exclude", "array_parallelism"):
+        if getattr(s, key):
+            params[f"slurm_{key}"] = getattr(s, key)
+    if s.setup:
+        params["slurm_setup"] = list(s.setup)
+    executor.update_parameters(**params)
+    return executor
+
+
+def submit_submitit(plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> list[str]:
+    """Submit through submitit: job arrays (split at MaxArraySize) of `job.SweepTask` (grid/random) or
+    `trials.TrialTask` (optuna) with --signal before the time limit and requeue on preemption and
+    timeout. Records each run's job id; returns the array job ids."""
+    from fp4lab.lab.job import SweepTask
+    from fp4lab.lab.trials import TrialTask, trial_counts
+
+    manifest = json.loads((plan.sweep_dir / "manifest.json").read_text())
+    size = int(manifest["max_array_size"])
+    executor = submitit_executor(plan.spec, plan.sweep_dir.absolute() / "submitit")
+    catalog_path = Path(catalog.path).absolute()
+    if plan.spec.method == "optuna":
+        counts = trial_counts(plan.spec, plan.jobs_dir)
+        first = sum(counts.values())
+        slots = list(range(first, first + max(0, plan.spec.optuna.n_trials - first)))
+        task = TrialTask((plan.sweep_dir / "spec.toml").absolute(), plan.jobs_dir.absolute(), catalog_path)
+        jobs = [job for start in range(0, len(slots), size) for job in executor.map_array(task, slots[start:start + size])]
+        return sorted({job.job_id.split("_")[0] for job in jobs})
+    task = SweepTask(plan.sweep_dir.absolute(), catalog_path)
+    array_ids = []
+    for start in range(0, len(runs), size):
+        chunk = runs[start:start + size]
+        jobs = executor.map_array(task, [run.id for run in chunk])
+        with catalog.transaction() as tx:
+            for run, job in zip(chunk, jobs):
+                job_id, _, index = job.job_id.partition("_")
+                tx.update(run.id, state="submitted", submitted_at=utc_now(), slurm_job_id=job_id, executor="slurm",
+                          slurm_array_index=int(index) if index else None, paths={"log": str(job.paths.stdout)})
+                array_ids.append(job_id)
+    return sorted(set(array_ids))
 
 
 # Slurm job states (squeue --states=all) -> catalog states, for jobs that ended without a summary.
@@ -239,8 +272,15 @@ def refresh(catalog: Catalog, thresholds: ScanThresholds, sweep: str | None = No
     summary.json exists is finished (scanned and recorded); a Slurm job that ended without one was
     cancelled, timed out or failed; one with metrics and a live job is running."""
     records = catalog.records(sweep=sweep)
-    jobs = slurm_job_states([r for r in records if r["state"] in ("submitted", "running") and r["slurm_job_id"]])
+    jobs = slurm_job_states([r for r in records if r["state"] in ("submitted", "running", "preempted") and r["slurm_job_id"]])
     for record in records:
+        if record["state"] == "preempted":
+            job_state = jobs.get(_job_key(record))
+            if job_state in _SLURM_ACTIVE:
+                catalog.update(record["id"], state="submitted")  # requeued: waiting to resume
+            elif job_state in _STATE_OF_SLURM and job_state != "PREEMPTED":
+                catalog.update(record["id"], state=_STATE_OF_SLURM[job_state])  # e.g. scancel: the trainer checkpointed on TERM
+            continue
         if record["state"] not in ("submitted", "running", "pending"):
             continue
         run_dir = Path(record["paths"].get("run_dir", ""))

@@ -10,8 +10,10 @@ orchestrator reads into `config.out_dir`:
     summary.json    status (completed | diverged | time_limit | preempted | stopped), the step a
                     divergence happened, final and best losses, throughput, peak memory
 
-A NaN or Inf loss or gradient norm ends the run with status "diverged" (no traceback). SIGTERM and
-SIGUSR1 (what Slurm sends before preemption or timeout) checkpoint and end with status "preempted".
+A NaN or Inf loss or gradient norm ends the run with status "diverged" (no traceback). SIGTERM, SIGUSR1
+and SIGUSR2 (what Slurm, our SBATCH scripts and submitit send before preemption or a time limit)
+checkpoint after the current step and end with status "preempted"; summary.json names the signal
+(`stop_signal`), so the caller can tell a scancel (TERM) from a request to requeue (USR1/USR2).
 """
 
 from __future__ import annotations
@@ -175,6 +177,7 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
                     break
     metrics.close()
     summary = _summary(status, diverged_step, config, state, recipe, device)
+    summary["stop_signal"] = stop_requested[0] if status == "preempted" else None
     write_json(out / "summary.json", summary)
     return summary
 
@@ -313,7 +316,7 @@ def _restore(path: Path, config: TrainConfig, model: Llama, optimizer) -> RunSta
 
 
 def _stop_reason(config, started, stop_requested, stop_after, steps_this_call) -> str | None:
-    if stop_requested.is_set():
+    if stop_requested:
         return "preempted"
     if config.max_minutes is not None and time.monotonic() - started > 60 * config.max_minutes:
         return "time_limit"
@@ -322,17 +325,21 @@ def _stop_reason(config, started, stop_requested, stop_after, steps_this_call) -
     return None
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
 @contextlib.contextmanager
-def _stop_signals() -> Iterator[threading.Event]:
-    """SIGTERM / SIGUSR1 set a flag the loop checks after each step (signal handlers can only be
-    installed from the main thread; elsewhere the flag just stays unset)."""
-    requested = threading.Event()
+def _stop_signals() -> Iterator[list[str]]:
+    """The stop signals append their name to a list the loop checks after each step (a handler must not
+    checkpoint mid-step). Handlers can only be installed from the main thread; elsewhere the list stays
+    empty. The previous handlers (e.g. submitit's) come back on exit."""
+    received: list[str] = []
     if threading.current_thread() is not threading.main_thread():
-        yield requested
+        yield received
         return
-    previous = {sig: signal.signal(sig, lambda *_: requested.set()) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    previous = {sig: signal.signal(sig, lambda signum, _: received.append(signal.Signals(signum).name)) for sig in STOP_SIGNALS}
     try:
-        yield requested
+        yield received
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -1,0 +1,197 @@
+"""What runs inside one sweep job, wherever it runs: record the start, train, scan, record the end.
+
+    fp4lab train --config jobs/<sweep>/<id>.toml --catalog sweep_catalog.json
+
+is the command every SBATCH script and every local worker runs. With `--catalog`, the job itself keeps
+its catalog record current, so `fp4lab status` and `fp4lab report` see a finished run the moment it
+ends, on Slurm as on this machine:
+
+- start: state "running", `started_at`, `attempts` + 1, `requeues` = SLURM_RESTART_COUNT, the Slurm job
+  id and array index from the environment;
+- end: `finish_run` scans the run folder (thresholds from the sweep's manifest.json) and writes state,
+  verdict, events and summary metrics. A crash inside training records state "failed" before the
+  exception propagates; a job killed outright (SIGKILL, out of memory) leaves "running", which
+  `fp4lab status` corrects from Slurm's view of the job (or the local executor from the exit code).
+
+`SweepTask` is the same thing as a submitit callable (`fp4lab sweep --executor slurm`); it also
+hands a preemption or time-limit signal back to submitit so the job is requeued and resumes from its
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from fp4lab.lab.catalog import Catalog, utc_now
+from fp4lab.lab.logscan import ScanThresholds, scan
+from fp4lab.lab.spec import RunSpec
+
+# Summary status of a finished training process -> catalog state.
+STATE_OF_STATUS = {
+    "completed": "completed",
+    "diverged": "completed",  # the run ended as designed; the verdict says it diverged
+    "time_limit": "timeout",
+    "preempted": "preempted",
+    "stopped": "preempted",
+}
+# Spec [scan] keys -> log scanner thresholds.
+SCAN_KEYS = {
+    "spike_sigma": "spike_k",
+    "spike_window": "spike_window",
+    "spike_ratio": "spike_ratio",
+    "entropy_floor": "entropy_floor",
+    "entropy_drop_factor": "entropy_drop_factor",
+    "max_logit_tau": "max_logit_tau",
+    "stall_seconds": "stall_seconds",
+}
+
+
+def thresholds_from_table(table: dict[str, Any], where: str) -> ScanThresholds:
+    """Log scanner thresholds from a spec's [scan] table (documented in docs/SWEEPS.md)."""
+    overrides = {SCAN_KEYS[k]: v for k, v in table.items() if k in SCAN_KEYS}
+    if "spike_window" in overrides:  # a short window must not demand more history than it holds
+        overrides["spike_min_count"] = min(ScanThresholds().spike_min_count, max(2, int(overrides["spike_window"])))
+    try:
+        return ScanThresholds().with_overrides(overrides)
+    except ValueError as exc:
+        raise ValueError(f"{where}: [scan]: {exc}") from None
+
+
+def slurm_identity() -> dict[str, Any]:
+    """This process's Slurm job id, array index and restart count (empty outside Slurm)."""
+    env = os.environ
+    if "SLURM_JOB_ID" not in env:
+        return {}
+    if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
+        fields: dict[str, Any] = {"slurm_job_id": env["SLURM_ARRAY_JOB_ID"], "slurm_array_index": int(env["SLURM_ARRAY_TASK_ID"])}
+    else:
+        fields = {"slurm_job_id": env["SLURM_JOB_ID"], "slurm_array_index": None}
+    fields["requeues"] = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    return fields
+
+
+def record_start(catalog: Catalog, run_id: str) -> dict[str, Any]:
+    with catalog.transaction() as tx:
+        record = tx.get(run_id)
+        if record is None:
+            raise ValueError(f"{catalog.path}: no run {run_id}; --catalog records runs written by `fp4lab sweep` "
+                             f"(jobs/<sweep>/<id>.toml): run the sweep, or train without --catalog")
+        fields = {"state": "running", "started_at": utc_now(), "finished_at": None, "attempts": record["attempts"] + 1}
+        return tx.update(run_id, **fields, **slurm_identity())
+
+
+def train_recorded(config_path: Path, catalog: Catalog, *, progress: bool | None = None) -> dict[str, Any]:
+    """Train the run whose config is `config_path` (jobs/<sweep>/<id>.toml), keeping its catalog record
+    current; return the loop's summary."""
+    from fp4lab.train.config import TrainConfig
+    from fp4lab.train.loop import run
+
+    run_id = config_path.stem
+    config = TrainConfig.from_toml(config_path)
+    manifest_path = config_path.parent / "manifest.json"
+    table = json.loads(manifest_path.read_text()).get("scan", {}) if manifest_path.exists() else {}
+    thresholds = thresholds_from_table(table, str(manifest_path))
+    record = record_start(catalog, run_id)
+    spec = RunSpec(run_id, record["extra"].get("name", run_id), config.to_dict())
+    try:
+        summary = run(config, progress=progress)
+    except BaseException:
+        finish_run(spec, catalog, thresholds, returncode=1)
+        raise
+    finish_run(spec, catalog, thresholds, returncode=0)
+    return summary
+
+
+def finish_run(run: RunSpec, catalog: Catalog, thresholds: ScanThresholds, *, returncode: int) -> dict[str, Any]:
+    """Scan a finished run's folder and write state, verdict, events and summary metrics."""
+    run_dir = Path(run.config["out_dir"])
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    state = STATE_OF_STATUS.get(summary["status"], "failed") if summary and returncode == 0 else "failed"
+    fields: dict[str, Any] = {"state": state, "finished_at": utc_now()}
+    if (run_dir / "metrics.jsonl").exists():
+        result = scan(run_dir, thresholds, running=False)
+        fields["verdict"] = result.verdict
+        fields["events"] = result.to_dict()["events"]
+    else:
+        fields["verdict"] = "crashed"
+    if summary:
+        fields["summary"] = {
+            "final_train_loss": summary.get("final_loss"),
+            "best_train_loss": summary.get("best_loss"),
+            "final_val_loss": summary.get("final_val_loss"),
+            "best_val_loss": summary.get("best_val_loss"),
+            "tokens_per_s": summary.get("tokens_per_s"),
+            "peak_memory_mb": summary.get("peak_memory_mb"),
+            "loss_at_steps": loss_at_steps(run_dir / "metrics.jsonl"),
+        }
+        fields["paths"] = {"checkpoint": str(run_dir / "checkpoint.pt")}
+    return catalog.update(run.id, **fields)
+
+
+def loss_at_steps(metrics: Path, every: int = 10) -> dict[str, float]:
+    """Train loss every `every` steps (and the last step), for comparisons at matched steps."""
+    losses: dict[str, float] = {}
+    if not metrics.exists():
+        return losses
+    last = None
+    for line in metrics.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        step, loss = record.get("step"), record.get("loss")
+        if isinstance(step, int) and isinstance(loss, float) and loss == loss and abs(loss) != float("inf"):
+            last = (step, loss)
+            if step % every == 0:
+                losses[str(step)] = loss
+    if last is not None:
+        losses[str(last[0])] = last[1]
+    return losses
+
+
+class SweepTask:
+    """A submitit callable: `task(run_id)` trains jobs/<sweep>/<run_id>.toml with its catalog record kept
+    current. submitit sends SIGUSR2 before the time limit (and on preemption); the training loop turns
+    it into a checkpoint at the end of the current step; this task then raises the signal again so
+    submitit's own handler (back in place once the loop has returned) calls `checkpoint`, requeues the
+    job and exits. The requeued job starts this task again, and the loop resumes from its checkpoint.
+    When submitit refuses (out of timeout requeues: [slurm].max_requeues) the run is recorded as
+    "timeout"."""
+
+    def __init__(self, sweep_dir: str | Path, catalog_path: str | Path) -> None:
+        self.sweep_dir = Path(sweep_dir)
+        self.catalog_path = Path(catalog_path)
+
+    def __call__(self, run_id: str) -> dict[str, Any]:
+        catalog = Catalog(self.catalog_path)
+        summary = train_recorded(self.sweep_dir / f"{run_id}.toml", catalog, progress=False)
+        hand_back_preemption(summary, catalog, run_id)
+        return summary
+
+    def checkpoint(self, run_id: str):
+        """What submitit resubmits on requeue: this same task (the trainer's checkpoint is on disk)."""
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self, run_id)
+
+
+def hand_back_preemption(summary: dict[str, Any], catalog: Catalog, run_id: str) -> None:
+    """Inside a submitit job: if the trainer stopped on submitit's preemption signal, raise that signal
+    again so submitit's handler requeues the job (it exits the process); if submitit declines (out of
+    timeout requeues), record the run as "timeout" and let its error end the job."""
+    preempt = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+    preempt = preempt if preempt.startswith("SIG") else f"SIG{preempt}"
+    if summary.get("status") != "preempted" or summary.get("stop_signal") != preempt:
+        return
+    from submitit.core.utils import UncompletedJobError
+
+    try:
+        signal.raise_signal(signal.Signals[preempt])
+    except UncompletedJobError:
+        catalog.update(run_id, state="timeout")
+        raise

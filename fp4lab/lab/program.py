@@ -1,0 +1,483 @@
+"""program.md: what `fp4lab ratchet` optimises, as prose for the proposers plus one machine-readable block.
+
+    program = load_program("program.md")     # validated; a one-line ProgramError otherwise
+    program.better(new, best)                # strictly better, given the direction
+    program.editable("fp4lab/recipes/x.toml")
+
+The file is Markdown. Exactly one fenced code block whose info string is `toml ratchet` holds the
+header; everything outside it is the goal, handed to proposers verbatim. A fence inside another fence
+(a ```` example, say) does not count. The header (all tables but [run] optional):
+
+    metric = "val_loss"       # kind "fp4lab": a summary.json key, see FP4LAB_METRICS; "command": a label
+    direction = "minimize"    # or "maximize"
+    [run]                     # kind = "fp4lab": base = {TrainConfig fields, data = {DataConfig fields}},
+                              #   steps and/or minutes per run (not in base: they are the budget)
+                              # kind = "command": command = [argv], metric_regex (>= 1 group; the last
+                              #   match in stdout+stderr wins), timeout_minutes, env = {KEY = "value"}
+    [health]                  # no_nan, entropy_floor, max_logit (absent: the log scanner's defaults),
+                              #   require_verdict = ["converged"]
+    [edit]                    # files = glob patterns a diff proposal may touch
+    [search_space]            # name = {type = "float"|"int"|"categorical", low, high, log, choices}
+    [stop]                    # iterations, target, plateau
+    [noise]                   # seeds, rule = "sigma"|"paired", k, confidence
+
+Edit patterns are relative to the repo root: `*` and `?` match within one path component and `**`
+across components (`fp4lab/**/*.py`). A path that is absolute, has an empty, `.` or `..` component, or
+lies under a `.git` folder never matches, whatever the patterns say.
+
+Every error is one line: the file, the key (`[run].kind`, `[search_space].lr.low`) and the fix. This
+module does not import torch; validating a kind = "fp4lab" run imports fp4lab.train.config (and torch)
+inside the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from fp4lab.lab.logscan import VERDICTS
+from fp4lab.lab.spec import SearchParam
+
+# metric names a kind = "fp4lab" program may give -> the summary.json key the run writes.
+FP4LAB_METRICS = {
+    "final_val_loss": "final_val_loss",
+    "val_loss": "final_val_loss",
+    "best_val_loss": "best_val_loss",
+    "final_train_loss": "final_loss",
+    "final_loss": "final_loss",
+    "best_train_loss": "best_loss",
+    "best_loss": "best_loss",
+    "tokens_per_s": "tokens_per_s",
+}
+TOP_KEYS = ("metric", "direction", "run", "health", "edit", "search_space", "stop", "noise")
+# The per-run budget is [run].steps / [run].minutes, so that every run gets the same one.
+BUDGET_FIELDS = {"steps": "[run].steps", "max_minutes": "[run].minutes"}
+# Searching over these would compare runs that measure different things (another seed is noise,
+# another budget is not the same experiment) or fight the loop, which chooses out_dir itself.
+NOT_SEARCHABLE = ("seed", "steps", "max_minutes", "out_dir", "data")
+FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ProgramError(ValueError):
+    """A program.md that does not validate: one line naming the file, the key and the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def _as_tuple(value: Any) -> Any:
+    # TOML gives lists; the models hold tuples so that a Program cannot change after validation.
+    return tuple(value) if isinstance(value, list) else value
+
+
+class RunTarget(_Strict):
+    kind: Literal["fp4lab", "command"]
+    base: dict[str, Any] = Field(default_factory=dict)
+    steps: int | None = None
+    minutes: float | None = None
+    command: tuple[str, ...] | None = None
+    metric_regex: str | None = None
+    timeout_minutes: float | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+
+    _tuples = field_validator("command", mode="before")(_as_tuple)
+
+
+class Health(_Strict):
+    no_nan: bool = True
+    entropy_floor: float | None = None
+    max_logit: float | None = None
+    require_verdict: tuple[str, ...] = ("converged",)
+
+    _tuples = field_validator("require_verdict", mode="before")(_as_tuple)
+
+
+class StopRules(_Strict):
+    iterations: int | None = None
+    target: float | None = None
+    plateau: int | None = None
+
+
+class NoiseGate(_Strict):
+    seeds: int = 1
+    rule: Literal["sigma", "paired"] = "sigma"
+    k: float = 2.0
+    confidence: float = 0.95
+
+
+class _Edit(_Strict):
+    files: tuple[str, ...] = ()
+
+    _tuples = field_validator("files", mode="before")(_as_tuple)
+
+
+@dataclass(frozen=True)
+class Program:
+    path: Path
+    goal: str
+    metric: str
+    direction: str
+    run: RunTarget
+    health: Health
+    edit_files: tuple[str, ...]
+    search_space: dict[str, SearchParam]
+    stop: StopRules
+    noise: NoiseGate
+    header: dict[str, Any]
+
+    def improvement(self, new: float, old: float) -> float:
+        """How much better `new` is than `old`: positive = better, in metric units."""
+        return old - new if self.direction == "minimize" else new - old
+
+    def better(self, a: float, b: float) -> bool:
+        """a strictly better than b. NaN compares as never better (nan > 0 is False)."""
+        return self.improvement(a, b) > 0
+
+    def editable(self, path: str) -> bool:
+        """May a diff touch this repo-relative posix path?"""
+        if not safe_relative_path(path):
+            return False
+        return any(_glob(pattern).fullmatch(path) for pattern in self.edit_files)
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+
+def load_program(path: str | Path) -> Program:
+    """Read and validate program.md; raises ProgramError (one line) on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProgramError(f"{path}: does not exist; write the goal and a ```toml ratchet block there")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise ProgramError(f"{path}: not UTF-8 text: {exc}") from None
+    return parse_program(text, path)
+
+
+def parse_program(text: str, path: str | Path = "program.md") -> Program:
+    path = Path(path)
+
+    def fail(where: str, message: str) -> ProgramError:
+        return ProgramError(f"{path}: {where}: {message}")
+
+    goal, block, first_line = _split(text, path)
+    try:
+        header = tomllib.loads(block)
+    except tomllib.TOMLDecodeError as exc:
+        # tomllib counts lines from the start of the block; point at the line of program.md instead.
+        message = re.sub(r"at line (\d+)", lambda m: f"at line {int(m[1]) + first_line}", str(exc))
+        raise ProgramError(f"{path}: the ```toml ratchet block is not valid TOML: {message}; fix that line") from None
+
+    _known_keys(header, TOP_KEYS, "", fail)
+    for key in ("metric", "direction", "run"):
+        if key not in header:
+            example = {"metric": 'metric = "val_loss"', "direction": 'direction = "minimize"',
+                       "run": '[run] with kind = "fp4lab" or "command"'}[key]
+            raise fail(key, f"missing; add {example}")
+    direction = header["direction"]
+    if direction not in ("minimize", "maximize"):
+        raise fail("direction", f"{direction!r} is not supported; allowed: minimize, maximize")
+
+    if isinstance(header["run"], dict) and "kind" not in header["run"]:
+        raise fail("[run].kind", "missing; add kind = \"fp4lab\" (a training run of this repo) "
+                   "or \"command\" (any program)")
+    run = _model(RunTarget, header["run"], "run", fail)
+    metric = header["metric"]
+    if run.kind == "fp4lab":
+        if not isinstance(metric, str) or metric not in FP4LAB_METRICS:
+            raise fail("metric", f"{metric!r} is not a summary key of an fp4lab run; "
+                       f"allowed: {', '.join(FP4LAB_METRICS)}")
+        metric = FP4LAB_METRICS[metric]
+    elif not isinstance(metric, str) or not metric.strip() or not metric.isprintable():
+        raise fail("metric", f"{metric!r} must be a name for the command's number, e.g. \"score\"")
+
+    space = header.get("search_space", {})
+    if not isinstance(space, dict):
+        raise fail("[search_space]", "must be a table: name = {type = ..., low, high} "
+                   "or {type = \"categorical\", choices = [...]}")
+    search_space = {name: _search_param(name, param, fail) for name, param in space.items()}
+    if run.kind == "fp4lab":
+        _check_fp4lab(run, search_space, fail)
+    else:
+        _check_command(run, fail)
+
+    health = _model(Health, header.get("health", {}), "health", fail)
+    for key in ("entropy_floor", "max_logit"):
+        value = getattr(health, key)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise fail(f"[health].{key}", f"{value} must be a finite number >= 0 "
+                       "(leave it out for the scanner's default)")
+    for verdict in health.require_verdict:
+        if verdict not in VERDICTS:
+            raise fail("[health].require_verdict",
+                       f"{verdict!r} is not a scanner verdict; allowed: {', '.join(VERDICTS)}")
+    if not health.require_verdict:
+        raise fail("[health].require_verdict",
+                   "is empty; list the verdicts that count as healthy, e.g. [\"converged\"]")
+
+    edit = _model(_Edit, header.get("edit", {}), "edit", fail)
+    for i, pattern in enumerate(edit.files):
+        if not safe_relative_path(pattern.replace("**", "x")):
+            raise fail(f"[edit].files[{i}]", f"{pattern!r} must be a pattern relative to the repo root, without "
+                       "'..', '.' or empty components and outside .git, e.g. \"fp4lab/recipes/*.toml\"")
+
+    stop = _model(StopRules, header.get("stop", {}), "stop", fail)
+    for key in ("iterations", "plateau"):
+        value = getattr(stop, key)
+        if value is not None and value < 1:
+            raise fail(f"[stop].{key}", f"{value} must be an integer >= 1 (leave it out for no limit)")
+    if stop.target is not None and not math.isfinite(stop.target):
+        raise fail("[stop].target", f"{stop.target} must be a finite number")
+
+    noise = _model(NoiseGate, header.get("noise", {}), "noise", fail)
+    if noise.seeds < 1:
+        raise fail("[noise].seeds", f"{noise.seeds} must be >= 1 (1 turns the noise gate off)")
+    if noise.rule == "paired" and noise.seeds < 2:
+        raise fail("[noise].rule", "\"paired\" compares a proposal with the baseline seed by seed; set seeds >= 2")
+    if not (math.isfinite(noise.k) and noise.k >= 0):
+        raise fail("[noise].k", f"{noise.k} must be a finite number >= 0")
+    if not 0 < noise.confidence < 1:
+        raise fail("[noise].confidence", f"{noise.confidence} must be between 0 and 1, e.g. 0.95")
+
+    return Program(path=path, goal=goal, metric=metric, direction=direction, run=run, health=health,
+                   edit_files=edit.files, search_space=search_space, stop=stop, noise=noise, header=header)
+
+
+def metric_from_output(text: str, regex: str) -> float | None:
+    """Group 1 of the last match of `regex` (multiline) in `text`, as a finite float; else None."""
+    matches = list(re.finditer(regex, text, re.MULTILINE))
+    if not matches or matches[-1].group(1) is None:
+        return None
+    try:
+        value = float(matches[-1].group(1))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def _split(text: str, path: Path) -> tuple[str, str, int]:
+    """(goal prose, block text, 1-based line of the opening fence) for the one ```toml ratchet block."""
+    lines = text.splitlines()
+    blocks, outer = [], None  # outer: (fence char, length, start index, is ratchet) of the open fence
+    for i, line in enumerate(lines):
+        match = FENCE.match(line)
+        if not match:
+            continue
+        fence, info = match[1], match[2].strip()
+        if outer is None:
+            outer = (fence[0], len(fence), i, fence[0] == "`" and info.split() == ["toml", "ratchet"])
+        elif fence[0] == outer[0] and len(fence) >= outer[1] and not info:
+            if outer[3]:
+                blocks.append((outer[2], i))
+            outer = None
+    if outer is not None and outer[3]:
+        raise ProgramError(f"{path}:{outer[2] + 1}: the ```toml ratchet block is never closed; end it with a ``` line")
+    if not blocks:
+        raise ProgramError(f"{path}: found no ```toml ratchet block; add one with metric, direction and [run]")
+    if len(blocks) > 1:
+        lines_at = ", ".join(str(start + 1) for start, _ in blocks)
+        raise ProgramError(f"{path}: found {len(blocks)} ```toml ratchet blocks (lines {lines_at}); keep exactly one")
+    start, end = blocks[0]
+    goal = re.sub(r"\n{3,}", "\n\n", "\n".join(lines[:start] + lines[end + 1:])).strip()
+    return goal, "\n".join(lines[start + 1:end]), start + 1
+
+
+def _model(model: type[BaseModel], table: Any, name: str, fail):
+    where = f"[{name}]"
+    if not isinstance(table, dict):
+        raise fail(where, f"must be a table ([{name}] with key = value lines)")
+    _known_keys(table, tuple(model.model_fields), where, fail)
+    try:
+        return model.model_validate(table)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        loc = where + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+        value = error.get("input")
+        if error["type"] == "literal_error":
+            allowed = re.findall(r"'([^']*)'", error["ctx"]["expected"])
+            raise fail(loc, f"{value!r} is not supported; allowed: {', '.join(allowed)}") from None
+        if error["type"] == "tuple_type":
+            raise fail(loc, f"{value!r} must be a list, e.g. [\"a\", \"b\"]") from None
+        raise fail(loc, f"{value!r}: {error['msg'].lower()}") from None
+
+
+def _known_keys(table: dict, allowed, where: str, fail) -> None:
+    for key in table:
+        if key not in allowed:
+            raise fail(f"{where}.{key}" if where else key, f"unknown key; allowed{' in ' + where if where else ''}: "
+                       f"{', '.join(allowed)}")
+
+
+def _search_param(name: str, param: Any, fail) -> SearchParam:
+    where = f"[search_space].{name}"
+    if not isinstance(param, dict):
+        raise fail(where, "must be a table {type = \"float\"|\"int\"|\"categorical\", low, high, log, choices}")
+    _known_keys(param, tuple(SearchParam.model_fields), where, fail)
+    if "type" not in param:
+        raise fail(f"{where}.type", "missing; add type = \"float\", \"int\" or \"categorical\"")
+    if param["type"] not in ("float", "int", "categorical"):
+        raise fail(f"{where}.type", f"{param['type']!r} is not supported; allowed: float, int, categorical")
+    try:
+        p = SearchParam.model_validate(param)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise fail(f"{where}.{error['loc'][0]}", f"{error.get('input')!r}: {error['msg'].lower()}") from None
+    if p.type == "categorical":
+        if not p.choices or p.low is not None or p.high is not None or p.log:
+            raise fail(where, "type = \"categorical\" takes choices = [non-empty list] and no low/high/log")
+        for i, choice in enumerate(p.choices):
+            if not isinstance(choice, (str, int, float, bool)) or p.choices.index(choice) != i:
+                raise fail(f"{where}.choices[{i}]", f"{choice!r}: choices are distinct strings, numbers or booleans")
+        return p
+    if p.choices is not None or p.low is None or p.high is None:
+        raise fail(where, f"type = {p.type!r} takes low and high (and optional log), not choices")
+    if p.type == "int" and not (_is_int(p.low) and _is_int(p.high)):
+        raise fail(where, f"type = \"int\" needs integer low and high, got {p.low!r}, {p.high!r}")
+    if not (math.isfinite(p.low) and math.isfinite(p.high) and p.low < p.high):
+        raise fail(where, f"low = {p.low} must be below high = {p.high}")
+    if p.log and p.low <= 0:
+        raise fail(where, f"log = true needs low > 0, got {p.low}")
+    return p
+
+
+def _check_fp4lab(run: RunTarget, search_space: dict[str, SearchParam], fail) -> None:
+    from fp4lab.nn.recipe import RecipeError, load_recipe
+    from fp4lab.train.config import ConfigError, TrainConfig
+    from fp4lab.train.data import DataConfig
+
+    for key in ("command", "metric_regex", "timeout_minutes", "env"):
+        if key in run.model_fields_set:
+            raise fail(f"[run].{key}", "only applies to kind = \"command\"; remove it or set kind = \"command\"")
+    train_fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    data_fields = [f.name for f in dataclasses.fields(DataConfig)]
+    _known_keys(run.base, train_fields, "[run].base", fail)
+    if "data" in run.base:
+        if not isinstance(run.base["data"], dict):
+            raise fail("[run].base.data",
+                       "must be a table of DataConfig fields, e.g. data = { source = \"synthetic\" }")
+        _known_keys(run.base["data"], data_fields, "[run].base.data", fail)
+    if "out_dir" in run.base:
+        raise fail("[run].base.out_dir", "is chosen by the ratchet for every run; remove it")
+    for key, budget in BUDGET_FIELDS.items():
+        if key in run.base:
+            raise fail(f"[run].base.{key}", f"the per-run budget is {budget}; move it there")
+    if run.steps is None and run.minutes is None:
+        raise fail("[run]", "kind = \"fp4lab\" needs a budget: steps = N and/or minutes = M per run")
+    if run.steps is not None and run.steps < 1:
+        raise fail("[run].steps", f"{run.steps} must be an integer >= 1")
+    if run.minutes is not None and not (math.isfinite(run.minutes) and run.minutes > 0):
+        raise fail("[run].minutes", f"{run.minutes} must be a number of minutes > 0")
+
+    def validate(params: dict[str, Any], where: str) -> None:
+        values = {**run.base, "data": dict(run.base.get("data", {})), "max_minutes": run.minutes}
+        if run.steps is not None:
+            values["steps"] = run.steps
+        for key, value in params.items():
+            if key.startswith("data."):
+                values["data"][key[5:]] = value
+            else:
+                values[key] = value
+        try:
+            config = TrainConfig.from_dict(values, "config")
+            load_recipe(config.recipe)
+        except (ConfigError, RecipeError) as exc:
+            raise fail(where, str(exc).removeprefix("config: ")) from None
+
+    validate({}, "[run].base")
+    for name, p in search_space.items():
+        where = f"[search_space].{name}"
+        field_name = name.removeprefix("data.")
+        known = data_fields if name.startswith("data.") else train_fields
+        if name in NOT_SEARCHABLE or field_name not in known:
+            why = ("is not searchable: seed is the noise gate's, steps/max_minutes are the fixed budget, "
+                   "out_dir is the loop's" if name in NOT_SEARCHABLE
+                   else "is not a TrainConfig field (or data.<DataConfig field>)")
+            searchable = [f for f in train_fields if f not in NOT_SEARCHABLE] + [f"data.{f}" for f in data_fields]
+            raise fail(where, f"{why}; allowed: {', '.join(searchable)}")
+        for value in p.choices if p.type == "categorical" else (p.low, p.high):
+            validate({name: value}, where)
+
+
+def _check_command(run: RunTarget, fail) -> None:
+    for key in ("base", "steps", "minutes"):
+        if key in run.model_fields_set:
+            raise fail(f"[run].{key}", "only applies to kind = \"fp4lab\"; remove it or set kind = \"fp4lab\"")
+    if not run.command or not all(arg and "\0" not in arg for arg in run.command):
+        raise fail("[run].command", "must be a non-empty list of non-empty strings (argv, no shell), "
+                   "e.g. [\"python\", \"bench.py\"]")
+    if run.metric_regex is None:
+        raise fail("[run].metric_regex", "missing; add a regex whose first group captures the metric, "
+                   "e.g. '^score:\\s*([-+0-9.eE]+)'")
+    try:
+        groups = re.compile(run.metric_regex, re.MULTILINE).groups
+    except re.error as exc:
+        raise fail("[run].metric_regex", f"{run.metric_regex!r} does not compile: {exc}") from None
+    if groups < 1:
+        raise fail("[run].metric_regex", f"{run.metric_regex!r} has no capture group; wrap the number in ( )")
+    if run.timeout_minutes is None or not (math.isfinite(run.timeout_minutes) and run.timeout_minutes > 0):
+        raise fail("[run].timeout_minutes", f"{run.timeout_minutes!r}: every run is capped; set minutes > 0, e.g. 10")
+    for key in run.env:
+        if not ENV_NAME.match(key):
+            raise fail(f"[run].env.{key}", "is not an environment variable name (letters, digits, _)")
+
+
+def safe_relative_path(path: str) -> bool:
+    """A plain repo-relative posix path: not absolute, no empty, `.` or `..` component, nothing under .git."""
+    if not isinstance(path, str) or not path or path.startswith("/") or "\\" in path or not path.isprintable():
+        return False
+    parts = path.split("/")
+    return not any(part in ("", ".", "..") or part.lower() == ".git" for part in parts)
+
+
+@functools.lru_cache(maxsize=256)
+def _glob(pattern: str) -> re.Pattern:
+    """Glob pattern -> regex: `*`, `?`, `[...]` within one component, `**` across components."""
+    out, i = [], 0
+    while i < len(pattern):
+        char = pattern[i]
+        if pattern.startswith("**/", i):
+            out.append("(?:[^/]+/)*")
+            i += 3
+            continue
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        if char == "*":
+            out.append("[^/]*")
+        elif char == "?":
+            out.append("[^/]")
+        elif char == "[" and (end := pattern.find("]", i + 2)) != -1:
+            body = pattern[i + 1:end]
+            body = "^" + body[1:] if body.startswith("!") else body
+            out.append("(?!/)[" + body.replace("\\", "\\\\") + "]")
+            i = end + 1
+            continue
+        else:
+            out.append(re.escape(char))
+        i += 1
+    return re.compile("".join(out))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+__all__ = [
+    "FP4LAB_METRICS", "Health", "NoiseGate", "Program", "ProgramError", "RunTarget", "SearchParam", "StopRules",
+    "load_program", "metric_from_output", "parse_program", "safe_relative_path",
+]
