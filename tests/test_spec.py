@@ -58,6 +58,15 @@ def test_recipes_sweep_covers_every_recipe_with_one_seed():
     assert len({(r.config["seed"], r.config["data"]["source"], r.config["steps"]) for r in runs}) == 1
 
 
+def test_shipped_optuna_spec_loads_and_makes_valid_trial_runs():
+    spec = load_spec(ROOT / "sweeps" / "muon_tpe.toml")
+    assert spec.method == "optuna" and spec.size() == spec.optuna.n_trials == 8
+    space = spec.optuna.search_space
+    corner = make_run(spec, {name: p.low for name, p in space.items()})
+    assert corner.config["device"] == "cpu" and corner.config["lr"] == space["lr"].low
+    assert corner.id != make_run(spec, {name: p.high for name, p in space.items()}).id
+
+
 def test_quickstart_is_small_and_on_cpu():
     for run in expand(load_spec(ROOT / "sweeps" / "quickstart.toml")):
         assert run.config["device"] == "cpu" and run.config["model"] == "tiny" and run.config["steps"] <= 100
