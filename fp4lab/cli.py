@@ -407,21 +407,141 @@ def _print_status(runs_catalog, sweep_name: str | None, watch: float = 0.0) -> N
 @app.command()
 def report(
     sweep_name: Annotated[Optional[str], typer.Argument(metavar="SWEEP", help="Only this sweep (default: all).")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: reports/<SWEEP or all>/).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: reports/<SWEEP or all>/, reports/ratchet-<TAG>/).")] = None,
     catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
+    ratchet: Annotated[Optional[str], typer.Option(help="Report a ratchet run instead: its TAG (metric vs iteration).")] = None,
 ) -> None:
     """The recipe ledger of a sweep (seeds grouped, loss excess vs bf16) as CSV, Markdown and HTML with plots."""
-    from fp4lab.lab.report import build_report, render_ledger, write_report
+    from fp4lab.lab.report import build_report, ratchet_report, render_ledger, write_report
 
+    console = _console()
+    if ratchet is not None:
+        if sweep_name is not None:
+            fail("report: give a SWEEP or --ratchet TAG, not both")
+        try:
+            table, written = ratchet_report(catalog, ratchet, out)
+        except (ValueError, OSError) as exc:
+            fail(str(exc).splitlines()[0])
+        console.print(table)
+        for path in written.values():
+            console.print(f"wrote {path}")
+        return
     try:
         built = build_report(catalog, sweep=sweep_name, out_dir=out)
         written = write_report(built, out)
     except (ValueError, OSError) as exc:
         fail(str(exc).splitlines()[0])
-    console = _console()
     console.print(render_ledger(built))
     for path in written.values():
         console.print(f"wrote {path}")
+
+
+@app.command()
+def ratchet(
+    program: Annotated[Path, typer.Option(help="The goal, metric, budget, health rules and search space (program.md).")] = Path("program.md"),
+    iterations: Annotated[Optional[int], typer.Option(help="Proposals to decide in all for this tag (default: [stop].iterations).")] = None,
+    tag: Annotated[Optional[str], typer.Option(help="Names the branch ratchet/<TAG> and its state; the same tag resumes (default: program file name).")] = None,
+    agent: Annotated[str, typer.Option(help="Proposer: optuna (TPE, no network) | llm (OpenAI-compatible endpoint) | command (an executable).")] = "optuna",
+    command: Annotated[Optional[str], typer.Option(help="--agent command: the executable and its arguments (split like a shell, never run by one).")] = None,
+    base_url: Annotated[Optional[str], typer.Option(help="--agent llm: endpoint (default $FP4LAB_LLM_BASE_URL, $OPENAI_BASE_URL, http://127.0.0.1:8000/v1).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="--agent llm: model name (default $FP4LAB_LLM_MODEL). The key comes from $FP4LAB_LLM_API_KEY or $OPENAI_API_KEY only.")] = None,
+    timeout: Annotated[Optional[float], typer.Option(help="--agent llm/command: seconds per proposal (default 60 / 300).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the optuna sampler and the paired bootstrap.")] = 0,
+    catalog: Annotated[Path, typer.Option(help="The results catalog (one record per iteration, sweep ratchet/<TAG>).")] = Path("sweep_catalog.json"),
+) -> None:
+    """Propose a change, run a capped experiment, keep it (git commit) only if the metric strictly improves
+    and the run is healthy, otherwise revert; every iteration recorded. Works in its own git worktree."""
+    from fp4lab.lab.agents import PROPOSERS
+    from fp4lab.lab.catalog import CatalogError
+    from fp4lab.lab.program import ProgramError, load_program
+    from fp4lab.lab.ratchet import Ratchet, RatchetError
+
+    if agent not in PROPOSERS:
+        fail(f"ratchet: --agent {agent!r} is not supported; allowed: {', '.join(PROPOSERS)}")
+    if iterations is not None and iterations < 1:
+        fail(f"ratchet: --iterations must be >= 1, got {iterations}")
+    options = {k: v for k, v in {"base_url": base_url, "model": model, "command": command, "timeout_s": timeout}.items() if v is not None}
+    console = _console()
+    view = _RatchetView(console)
+    try:
+        loaded = load_program(program)
+        loop = Ratchet(loaded, tag=tag or program.stem, proposer=agent, catalog=catalog, seed=seed,
+                       proposer_options=options, on_event=view.event)
+        with view:
+            summary = loop.run(iterations)
+    except (ProgramError, RatchetError, CatalogError, ValueError) as exc:
+        fail(f"ratchet: {str(exc).splitlines()[0]}")
+    console.print(
+        f"ratchet [bold]{summary['tag']}[/]: stopped after {summary['reason']}; baseline {_fmt(summary['baseline'])} "
+        f"(sigma {_fmt(summary['sigma'])}), best {_fmt(summary['best'])}; kept iterations "
+        f"{', '.join(map(str, summary['kept'])) or 'none'} on branch {summary['branch']} ({summary['worktree']}); "
+        f"table {summary['results']}; plot: fp4lab report --ratchet {summary['tag']}"
+    )
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+class _RatchetView:
+    """The ratchet's live view: a table of decided iterations under a line for the one running."""
+
+    STYLE = {"keep": "bold green", "discard": "yellow", "crash": "red", "invalid": "red", "duplicate": "dim", "baseline": "cyan"}
+
+    def __init__(self, console) -> None:
+        self.console, self.rows, self.running, self.live = console, [], "", None
+
+    def __enter__(self):
+        if self.console.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+    def event(self, kind: str, data: dict) -> None:
+        if kind == "note":
+            self.console.print(f"[dim]{data['message']}[/]")
+        elif kind == "start":
+            proposal = data["proposal"]
+            what = "baseline (unchanged tree)" if proposal is None else _describe_proposal(proposal.kind, proposal.params, proposal.rationale)
+            self.running = f"iteration {data['iteration']}: {what}"
+            if self.live is None:
+                self.console.print(f"running {self.running}")
+        elif kind == "decided":
+            extra = data["extra"]
+            proposal = extra.get("proposal") or {}
+            what = ("baseline" if extra["iteration"] == 0 else proposal.get("error") or
+                    _describe_proposal(proposal.get("kind"), proposal.get("params") or {}, proposal.get("rationale") or ""))
+            self.rows.append((extra["iteration"], what, extra.get("metric"), extra.get("best_before"), extra["decision"], extra.get("note") or ""))
+            self.running = ""
+            if self.live is None:
+                self.console.print(f"iteration {extra['iteration']}: {extra['decision']}  metric {_fmt(extra.get('metric'))}  "
+                                   f"best before {_fmt(extra.get('best_before'))}  {what}  {extra.get('note') or ''}".rstrip())
+        if self.live is not None:
+            self.live.update(self._render())
+
+    def _render(self):
+        from rich.console import Group
+        from rich.table import Table
+
+        table = Table(title="fp4lab ratchet", expand=False)
+        for column in ("iter", "proposal", "metric", "best before", "decision", "note"):
+            table.add_column(column, overflow="fold")
+        for number, what, metric, best, decision, note in self.rows[-30:]:
+            style = self.STYLE.get(decision, "")
+            table.add_row(str(number), what[:70], _fmt(metric), _fmt(best), f"[{style}]{decision}[/]" if style else decision, note[:50])
+        return Group(table, f"[bold]running[/] {self.running}" if self.running else "")
+
+
+def _describe_proposal(kind, params: dict, rationale: str) -> str:
+    if kind == "params":
+        return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+    return f"diff: {rationale}" if rationale else "diff"
 
 
 recipes_app = typer.Typer(help="List the FP4 recipes and show a recipe's per-operand ledger.", no_args_is_help=False)

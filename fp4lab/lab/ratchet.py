@@ -1,0 +1,623 @@
+"""`fp4lab ratchet`: the autoresearch commit/revert loop as software, driven by program.md.
+
+    ratchet = Ratchet(load_program("program.md"), tag="nov29", proposer="optuna")
+    ratchet.run(iterations=5)
+
+Where things live (for tag T, in the repository that holds program.md):
+
+    branch ratchet/T                    the kept iterations, one commit each, on top of the HEAD the
+                                        ratchet started from
+    .fp4lab/ratchet/T/worktree/         a git worktree of that branch: the only tree the loop edits;
+                                        the user's checkout and its uncommitted work are never touched
+    .fp4lab/ratchet/T/results.tsv       one row per iteration, kept or not (autoresearch's columns+)
+    .fp4lab/ratchet/T/patches/          iter-NNNN.patch: the change each iteration tried
+    .fp4lab/ratchet/T/runs/, logs/      run folders (kind fp4lab) and command output (kind command)
+    .fp4lab/ratchet/T/optuna.journal    the optuna proposer's study
+    sweep_catalog.json                  one record per iteration, sweep "ratchet/T": the proposal, the
+                                        metric per seed, the decision, the kept commit
+
+One iteration: propose -> save the change as a patch -> record it (phase "running") -> apply it in the
+worktree (params go to `ratchet.toml`, diffs through `git apply`) -> run the capped experiment once
+per seed -> scan it -> decide -> record the decision in the catalog and results.tsv (phase "decided")
+-> `git commit` (keep) or reset the worktree (discard) -> phase "done". Because every step is
+recorded before the next one, a ratchet killed at any point (SIGKILL included) continues correctly
+when started again with the same tag: a decided iteration is committed or reverted as recorded; a
+running one is re-applied on a clean tree and its runs continue from their checkpoints.
+
+The noise gate: iteration 0 runs the unchanged tree on [noise].seeds seeds; sigma is their sample
+standard deviation. Rule "sigma" runs a proposal on the first seed and keeps it when it beats the
+best by more than k * sigma; rule "paired" runs it on every seed and keeps it when a paired bootstrap
+gives P(better) >= confidence. Either way the run must be healthy ([health]) and strictly better. A
+proposal already tried (same fingerprint) is never run again.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import random
+import shlex
+import subprocess
+import signal
+import sys
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fp4lab.lab.agents import AgentError, Context, Proposal, ProposalError, apply_proposal, editable_files, make_proposer
+from fp4lab.lab.catalog import Catalog, utc_now
+from fp4lab.lab.program import Program, metric_from_output
+
+PARAMS_FILE = "ratchet.toml"
+TSV_COLUMNS = ("iteration", "commit", "metric", "best", "status", "healthy", "source", "fingerprint", "description")
+GIT_TIMEOUT_S = 60
+
+
+class RatchetError(RuntimeError):
+    """The ratchet cannot start or continue safely; one line saying why and what to do."""
+
+
+@dataclass
+class Outcome:
+    """What one iteration measured: the metric per seed (None where a run failed) and health."""
+
+    values: list[float | None]
+    healthy: bool
+    verdicts: list[str]
+    note: str = ""
+
+    @property
+    def metric(self) -> float | None:
+        finite = [v for v in self.values if v is not None]
+        return sum(finite) / len(finite) if finite and len(finite) == len(self.values) else None
+
+
+class Ratchet:
+    def __init__(self, program: Program, *, tag: str, proposer: str = "optuna", catalog: str | Path = "sweep_catalog.json",
+                 seed: int = 0, proposer_options: dict[str, Any] | None = None,
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+        if not tag or not all(c.isalnum() or c in "._-" for c in tag) or tag.startswith((".", "-")):
+            raise RatchetError(f"--tag {tag!r}: use letters, digits, '.', '_' or '-' (it names the branch ratchet/<tag>)")
+        self.program, self.tag, self.seed = program, tag, seed
+        self.repo_root = _git_root(program.path.resolve().parent)
+        self.state_dir = self.repo_root / ".fp4lab" / "ratchet" / tag
+        self.worktree = self.state_dir / "worktree"
+        self.branch = f"ratchet/{tag}"
+        self.sweep = f"ratchet/{tag}"
+        self.catalog = Catalog(catalog)
+        self.proposer_name = proposer
+        self.proposer_options = proposer_options or {}
+        self.on_event = on_event or (lambda kind, data: None)
+        self._proposer = None
+
+    # ------------------------------------------------------------------------------------ the loop
+
+    def run(self, iterations: int | None = None) -> dict[str, Any]:
+        """Run until `iterations` proposals (iteration 1..N; 0 is the baseline) have been decided, or a
+        [stop] rule fires. Returns the summary (best metric, kept iterations, branch)."""
+        target = iterations if iterations is not None else self.program.stop.iterations
+        if target is None:
+            raise RatchetError(f"{self.program.path}: no iteration budget: pass --iterations N or set [stop].iterations")
+        self._prepare_worktree()
+        self._recover()
+        if self._record(0) is None:
+            self._iteration(0, None)
+        while True:
+            records = self._records()
+            reason = self._stop_reason(records, target)
+            if reason:
+                break
+            number = len([r for r in records if r["extra"]["iteration"] > 0]) + 1
+            proposal = self._propose(records, number)
+            if proposal is not None:
+                self._iteration(number, proposal)
+        summary = self.summary(reason)
+        self.on_event("end", summary)
+        return summary
+
+    def summary(self, reason: str = "") -> dict[str, Any]:
+        records = self._records()
+        kept = [r["extra"]["iteration"] for r in records if r["extra"].get("decision") == "keep"]
+        baseline = self._record(0)
+        return {"tag": self.tag, "branch": self.branch, "worktree": str(self.worktree), "reason": reason,
+                "iterations": len([r for r in records if r["extra"]["iteration"] > 0]), "kept": kept,
+                "baseline": baseline["extra"].get("metric") if baseline else None, "best": self._best(records)[0],
+                "sigma": baseline["extra"].get("sigma") if baseline else None, "results": str(self.state_dir / "results.tsv")}
+
+    def _stop_reason(self, records: list[dict[str, Any]], target: int) -> str:
+        iterations = [r for r in records if r["extra"]["iteration"] > 0]
+        if len(iterations) >= target:
+            return f"{len(iterations)} iterations"
+        best, _ = self._best(records)
+        stop = self.program.stop
+        if stop.target is not None and best is not None and not self.program.better(stop.target, best):
+            return f"target {stop.target} reached ({best:.6g})"
+        if stop.plateau and len(iterations) >= stop.plateau:
+            if not any(r["extra"].get("decision") == "keep" for r in iterations[-stop.plateau:]):
+                return f"plateau: no kept change in the last {stop.plateau} iterations"
+        return ""
+
+    def _iteration(self, number: int, proposal: Proposal | None) -> None:
+        """Record, apply, run, decide, commit or revert one iteration (0 = the baseline, proposal None)."""
+        head = _git(self.worktree, "rev-parse", "HEAD")
+        record_id = self._record_id(number)
+        extra: dict[str, Any] = {"iteration": number, "phase": "running", "base_commit": head,
+                                 "proposal": _proposal_dict(proposal)}
+        if proposal is not None and self._seen(proposal.fingerprint(), number):
+            self._finish(number, proposal, Outcome([], False, [], "duplicate of an earlier iteration"), "duplicate", record=extra)
+            return
+        config = self._config(number, seed_index=0)
+        self.catalog.upsert({"id": record_id, "sweep": self.sweep, "state": "running", "started_at": utc_now(),
+                             "git_commit": head, "executor": "local", "config": config or {},
+                             "recipe": (config or {}).get("recipe"), "extra": extra})
+        self.on_event("start", {"iteration": number, "proposal": proposal})
+        if proposal is not None:
+            self._apply(number, proposal)
+        outcome = self._measure(number, proposal)
+        self._decide(number, proposal, outcome)
+
+    def _measure(self, number: int, proposal: Proposal | None) -> Outcome:
+        seeds = self.program.noise.seeds
+        count = seeds if number == 0 or self.program.noise.rule == "paired" else 1
+        values, verdicts, healthy, notes = [], [], True, []
+        for index in range(count):
+            value, verdict, ok, note = self._run_once(number, index)
+            values.append(value)
+            verdicts.append(verdict)
+            healthy = healthy and ok
+            if note:
+                notes.append(note)
+        return Outcome(values, healthy and all(v is not None for v in values), verdicts, "; ".join(notes))
+
+    def _decide(self, number: int, proposal: Proposal | None, outcome: Outcome) -> None:
+        records = self._records()
+        best, best_values = self._best([r for r in records if r["extra"]["iteration"] < number])
+        sigma = (self._record(0) or {}).get("extra", {}).get("sigma") or 0.0
+        if number == 0:
+            decision = "baseline" if outcome.healthy else "crash"
+        elif not outcome.healthy or outcome.metric is None:
+            decision = "crash"
+        elif best is None:
+            decision = "keep"
+        elif self.program.noise.rule == "paired" and len(best_values) == len(outcome.values) > 1:
+            decision = "keep" if self._paired_probability(outcome.values, best_values) >= self.program.noise.confidence else "discard"
+        else:  # rule "sigma": the proposal's first-seed run against the best's run on that seed
+            reference = best_values[0] if best_values and best_values[0] is not None else best
+            gate = self.program.noise.k * sigma
+            decision = "keep" if self.program.improvement(outcome.values[0], reference) > gate else "discard"
+        self._finish(number, proposal, outcome, decision, best=best, sigma=sigma)
+
+    def _finish(self, number: int, proposal: Proposal | None, outcome: Outcome, decision: str, *,
+                best: float | None = None, sigma: float | None = None, record: dict[str, Any] | None = None) -> None:
+        """Record the decision (catalog, then results.tsv), then commit or revert, then mark done."""
+        fields: dict[str, Any] = {
+            "iteration": number, "phase": "decided", "decision": decision, "metric": outcome.metric,
+            "values": outcome.values, "verdicts": outcome.verdicts, "healthy": outcome.healthy, "note": outcome.note,
+            "best_before": best,
+        }
+        if number == 0:
+            finite = [v for v in outcome.values if v is not None]
+            fields["sigma"] = _stdev(finite) if len(finite) == len(outcome.values) else None
+        elif sigma is not None:
+            fields["sigma"] = sigma
+        if record is not None:
+            fields |= {k: v for k, v in record.items() if k not in fields}
+        record_id = self._record_id(number)
+        state = "completed" if decision in ("keep", "discard", "baseline") else "failed"
+        if self.catalog.get(record_id) is None:
+            self.catalog.upsert({"id": record_id, "sweep": self.sweep, "state": state, "finished_at": utc_now(),
+                                 "executor": "local", "extra": fields})
+        else:
+            self.catalog.update(record_id, state=state, finished_at=utc_now(),
+                                verdict=outcome.verdicts[0] if outcome.verdicts else None, extra=fields)
+        self._append_tsv(number, proposal, outcome, decision)
+        self._complete(number)
+        if proposal is not None and self._proposer is not None:
+            self._proposer.observe(proposal, outcome.metric, outcome.healthy)
+        self.on_event("decided", self.catalog.get(record_id))
+
+    def _complete(self, number: int) -> None:
+        """The git half of a decided iteration: commit a kept change, reset anything else; idempotent."""
+        record = self._record(number)
+        extra = record["extra"]
+        if extra["decision"] == "keep" and not extra.get("kept_commit"):
+            if _git(self.worktree, "status", "--porcelain"):
+                metric = extra["metric"]
+                title = (f"ratchet {self.tag} iteration {number}: {self.program.metric} {metric:.6g}"
+                         f" (was {extra['best_before']:.6g})" if extra.get("best_before") is not None else
+                         f"ratchet {self.tag} iteration {number}: {self.program.metric} {metric:.6g}")
+                rationale = (extra.get("proposal") or {}).get("rationale") or ""
+                _git(self.worktree, "add", "-A")
+                _commit(self.worktree, title + (f"\n\n{rationale}" if rationale else ""))
+            commit = _git(self.worktree, "rev-parse", "HEAD")
+            self.catalog.update(record["id"], extra={"kept_commit": commit})
+            self._rewrite_tsv_commit(number, commit)
+        elif extra["decision"] != "keep":
+            _reset(self.worktree, extra.get("base_commit") or "HEAD")
+        self.catalog.update(record["id"], extra={"phase": "done"})
+
+    # --------------------------------------------------------------------------------- proposing
+
+    def proposer(self):
+        if self._proposer is None:
+            self._proposer = make_proposer(self.proposer_name, self.program, state_dir=self.state_dir, seed=self.seed,
+                                           **self.proposer_options)
+        return self._proposer
+
+    def _propose(self, records: list[dict[str, Any]], number: int) -> Proposal | None:
+        """The next proposal, or None when the proposer failed (that iteration is recorded as invalid)."""
+        proposer = self.proposer()
+        pending = getattr(proposer, "pending_trial", lambda: None)()
+        if pending is not None:  # asked before a crash, never recorded: run that trial now
+            return proposer.resume_trial(pending)
+        context = Context(self.program, files=editable_files(self.program, self.worktree),
+                          history=[_history_row(r) for r in records[-20:]],
+                          best={"metric": self._best(records)[0]}, current_params=self._current_params(),
+                          root=self.worktree)
+        try:
+            proposal = proposer.propose(context)
+        except (ProposalError, AgentError) as exc:
+            self._finish(number, None, Outcome([], False, [], f"rejected proposal: {exc}"), "invalid",
+                         record={"base_commit": _git(self.worktree, "rev-parse", "HEAD"),
+                                 "proposal": {"source": self.proposer_name, "error": str(exc)}})
+            return None
+        return proposal
+
+    def _seen(self, fingerprint: str, number: int) -> bool:
+        return any((r["extra"].get("proposal") or {}).get("fingerprint") == fingerprint
+                   for r in self._records() if r["extra"]["iteration"] not in (0, number))
+
+    def _current_params(self) -> dict[str, Any]:
+        path = self.worktree / PARAMS_FILE
+        return tomllib.loads(path.read_text()) if path.exists() else {}
+
+    # ----------------------------------------------------------------------------------- applying
+
+    def _apply(self, number: int, proposal: Proposal) -> None:
+        patch = self.state_dir / "patches" / f"iter-{number:04d}.patch"
+        patch.parent.mkdir(parents=True, exist_ok=True)
+        if proposal.kind == "params":
+            params = self._current_params() | proposal.params
+            (self.worktree / PARAMS_FILE).write_text(_params_toml(params, self.tag))
+        else:
+            apply_proposal(proposal, self.worktree)
+        _git(self.worktree, "add", "-A")
+        patch.write_text(_git(self.worktree, "diff", "--cached", "--binary", strip=False))
+        self.catalog.update(self._record_id(number), extra={"patch": str(patch)})
+
+    # ------------------------------------------------------------------------------------ running
+
+    def _config(self, number: int, seed_index: int) -> dict[str, Any] | None:
+        """The TrainConfig dict of one run (kind fp4lab): base, the params file, the budget, the seed."""
+        run = self.program.run
+        if run.kind != "fp4lab":
+            return None
+        config = {k: (dict(v) if isinstance(v, dict) else v) for k, v in run.base.items()}
+        config |= self._current_params()
+        config["seed"] = int(run.base.get("seed", 0)) + seed_index
+        if run.steps is not None:
+            config["steps"] = run.steps
+        if run.minutes is not None:
+            config["max_minutes"] = run.minutes
+        config["out_dir"] = str(self.state_dir / "runs" / f"iter-{number:04d}-s{seed_index}")
+        return config
+
+    def _run_once(self, number: int, seed_index: int) -> tuple[float | None, str, bool, str]:
+        """(metric, verdict, healthy, note) of one run of the worktree as it is now."""
+        if self.program.run.kind == "command":
+            return self._run_command(number, seed_index)
+        return self._run_fp4lab(number, seed_index)
+
+    def _run_fp4lab(self, number: int, seed_index: int) -> tuple[float | None, str, bool, str]:
+        from fp4lab.lab.logscan import ScanThresholds, scan
+
+        config = self._config(number, seed_index)
+        out = Path(config["out_dir"])
+        out.mkdir(parents=True, exist_ok=True)
+        config_path = out / "run.toml"
+        config_path.write_text(_config_toml(config))
+        summary_path = out / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+        if summary is None or summary.get("status") not in ("completed", "diverged"):
+            log = self.state_dir / "logs" / f"iter-{number:04d}-s{seed_index}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            # The worktree's own fp4lab runs (cwd and PYTHONPATH), so a diff to its code takes effect.
+            env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(self.worktree), os.environ.get("PYTHONPATH")]))}
+            with open(log, "ab") as handle:
+                done = subprocess.run([sys.executable, "-m", "fp4lab.cli", "train", "--config", str(config_path)],
+                                      cwd=self.worktree, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                      preexec_fn=_die_with_parent)
+            if done.returncode != 0 or not summary_path.exists():
+                return None, "crashed", False, f"training exited with {done.returncode} (log {log})"
+            summary = json.loads(summary_path.read_text())
+        health = self.program.health
+        overrides = {k: v for k, v in (("entropy_floor", health.entropy_floor), ("max_logit_tau", health.max_logit)) if v is not None}
+        result = scan(out, ScanThresholds().with_overrides(overrides), running=False)
+        verdict = result.verdict
+        value = summary.get(self.program.metric)
+        value = float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+        status = verdict.split("@")[0]
+        healthy = status in health.require_verdict and summary.get("status") == "completed"
+        if not health.no_nan and status == "diverged":
+            healthy = value is not None
+        return value, verdict, healthy, "" if healthy else f"unhealthy: {verdict}"
+
+    def _run_command(self, number: int, seed_index: int) -> tuple[float | None, str, bool, str]:
+        run = self.program.run
+        log = self.state_dir / "logs" / f"iter-{number:04d}-s{seed_index}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = os.environ | dict(run.env) | {"FP4LAB_SEED": str(seed_index), "FP4LAB_PARAMS": json.dumps(self._current_params())}
+        try:
+            done = subprocess.run(list(run.command), cwd=self.worktree, env=env, capture_output=True, text=True,
+                                  timeout=60 * run.timeout_minutes, preexec_fn=_die_with_parent)
+        except subprocess.TimeoutExpired as exc:
+            log.write_text(f"$ {shlex.join(run.command)}\n{exc.stdout or ''}{exc.stderr or ''}\n[timed out]\n")
+            return None, "timeout", False, f"timed out after {run.timeout_minutes} min"
+        except OSError as exc:
+            return None, "crashed", False, f"cannot run {run.command[0]!r}: {exc.strerror}"
+        output = done.stdout + done.stderr
+        log.write_text(f"$ {shlex.join(run.command)}\n{output}\n[exit {done.returncode}]\n")
+        value = metric_from_output(output, run.metric_regex)
+        if done.returncode != 0:
+            return value, "crashed", False, f"exit code {done.returncode} (log {log})"
+        if value is None:
+            return None, "crashed", False, f"no metric matched {run.metric_regex!r} (log {log})"
+        return value, "converged", True, ""
+
+    # ------------------------------------------------------------------------ worktree and recovery
+
+    def _prepare_worktree(self) -> None:
+        """Create (or re-attach) the worktree of branch ratchet/<tag>; refuse whatever could touch the
+        user's checkout."""
+        exclude = Path(_git(self.repo_root, "rev-parse", "--git-common-dir"))
+        exclude = (exclude if exclude.is_absolute() else self.repo_root / exclude) / "info" / "exclude"
+        if ".fp4lab/" not in (exclude.read_text() if exclude.exists() else "").split():
+            exclude.parent.mkdir(parents=True, exist_ok=True)
+            with open(exclude, "a") as handle:
+                handle.write("\n.fp4lab/\n")  # the ratchet's state never shows up as untracked in the checkout
+        current = _git(self.repo_root, "rev-parse", "--abbrev-ref", "HEAD")
+        if current == self.branch:
+            raise RatchetError(f"{self.repo_root} has branch {self.branch} checked out; the ratchet works on it in its own "
+                               f"worktree: check out another branch first")
+        worktrees = _git(self.repo_root, "worktree", "list", "--porcelain")
+        registered = f"worktree {self.worktree}" in worktrees.splitlines()
+        branch_exists = bool(_git(self.repo_root, "branch", "--list", self.branch))
+        if registered:
+            if _git(self.worktree, "rev-parse", "--abbrev-ref", "HEAD") != self.branch:
+                raise RatchetError(f"{self.worktree} is not on {self.branch}; remove it (git worktree remove) or use another --tag")
+            return
+        if self.worktree.exists():
+            raise RatchetError(f"{self.worktree} exists but is not a git worktree of {self.repo_root}; move it away or use another --tag")
+        if branch_exists:
+            if not self._records():
+                raise RatchetError(f"branch {self.branch} exists but {self.catalog.path} has no iteration of it; "
+                                   f"pick another --tag (or delete the branch)")
+            _git(self.repo_root, "worktree", "add", str(self.worktree), self.branch)
+        else:
+            if self._records():
+                raise RatchetError(f"{self.catalog.path} has iterations of {self.sweep} but branch {self.branch} is gone; "
+                                   f"pick another --tag")
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            _git(self.repo_root, "worktree", "add", "-b", self.branch, str(self.worktree), "HEAD")
+            dirty = _git(self.repo_root, "status", "--porcelain", "--untracked-files=no")
+            self.on_event("note", {"message": f"branch {self.branch} starts at {_git(self.repo_root, 'rev-parse', '--short', 'HEAD')}"
+                                   + ("; uncommitted changes in your checkout are not part of it" if dirty else "")})
+
+    def _recover(self) -> None:
+        """Finish what a killed ratchet left: a decided iteration gets its commit or revert; a running
+        one is rolled back to its base commit (any stray change saved as a patch first) and run again."""
+        records = self._records()
+        if not records:
+            _reset_if_dirty(self.worktree, self.state_dir / "patches" / "stray-before-start.patch")
+            return
+        last = records[-1]
+        extra = last["extra"]
+        number = extra["iteration"]
+        if extra.get("phase") == "decided":
+            self._complete(number)
+            trial = (extra.get("proposal") or {}).get("trial")
+            if trial is not None and self.proposer_name == "optuna":  # the tell may not have happened
+                self.proposer().tell_trial(trial, extra.get("metric"), bool(extra.get("healthy")))
+        elif extra.get("phase") == "running":
+            _reset_if_dirty(self.worktree, self.state_dir / "patches" / f"iter-{number:04d}.interrupted.patch")
+            _reset(self.worktree, extra["base_commit"])
+            proposal = _proposal_from(extra.get("proposal"), self.program, self.worktree)
+            self.on_event("note", {"message": f"resuming iteration {number} after an interruption"})
+            if proposal is not None and proposal.trial is not None:
+                self.proposer()  # the optuna study must be open to be told the result
+            self._iteration(number, proposal)
+        elif _git(self.worktree, "status", "--porcelain"):
+            _reset_if_dirty(self.worktree, self.state_dir / "patches" / "stray-before-resume.patch")
+
+    # ---------------------------------------------------------------------------------- bookkeeping
+
+    def _record_id(self, number: int) -> str:
+        return f"ratchet-{self.tag}-{number:04d}"
+
+    def _records(self) -> list[dict[str, Any]]:
+        records = [r for r in self.catalog.records(sweep=self.sweep) if "iteration" in r["extra"]]
+        return sorted(records, key=lambda r: r["extra"]["iteration"])
+
+    def _record(self, number: int) -> dict[str, Any] | None:
+        return self.catalog.get(self._record_id(number))
+
+    def _best(self, records: list[dict[str, Any]]) -> tuple[float | None, list[float]]:
+        """The metric (and per-seed values) of the latest kept iteration, else of the baseline."""
+        for record in reversed(records):
+            if record["extra"].get("decision") in ("keep", "baseline") and record["extra"].get("metric") is not None:
+                return record["extra"]["metric"], list(record["extra"].get("values") or [])
+        return None, []
+
+    def _paired_probability(self, new: list[float], old: list[float], draws: int = 10_000) -> float:
+        """Bootstrap probability that the mean per-seed improvement is positive (seeded: reproducible)."""
+        gains = [self.program.improvement(a, b) for a, b in zip(new, old)]
+        rng = random.Random(self.seed)
+        wins = sum(sum(rng.choice(gains) for _ in gains) > 0 for _ in range(draws))
+        return wins / draws
+
+    def _append_tsv(self, number: int, proposal: Proposal | None, outcome: Outcome, decision: str) -> None:
+        path = self.state_dir / "results.tsv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = _read_tsv(path)
+        rows = [r for r in rows if r["iteration"] != str(number)]  # a resumed iteration replaces its row
+        best = self._best(self._records())[0]
+        description = (proposal.rationale if proposal else "baseline") or ""
+        if proposal is not None and proposal.kind == "params":
+            description = " ".join(f"{k}={_short(v)}" for k, v in proposal.params.items()) + (f" ({description})" if description else "")
+        if outcome.note:
+            description += f" [{outcome.note}]"
+        rows.append({"iteration": str(number), "commit": "", "metric": "" if outcome.metric is None else f"{outcome.metric:.6f}",
+                     "best": "" if best is None else f"{best:.6f}", "status": decision, "healthy": str(outcome.healthy).lower(),
+                     "source": proposal.source if proposal else ("baseline" if number == 0 else self.proposer_name),
+                     "fingerprint": proposal.fingerprint()[:12] if proposal else "",
+                     "description": " ".join(description.split())})
+        _write_tsv(path, rows)
+
+    def _rewrite_tsv_commit(self, number: int, commit: str) -> None:
+        path = self.state_dir / "results.tsv"
+        rows = _read_tsv(path)
+        for row in rows:
+            if row["iteration"] == str(number):
+                row["commit"] = commit[:7]
+        _write_tsv(path, rows)
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def _git_root(folder: Path) -> Path:
+    try:
+        done = subprocess.run(["git", "-C", str(folder), "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                              timeout=GIT_TIMEOUT_S)
+    except FileNotFoundError:
+        raise RatchetError("git is not installed; the ratchet keeps its iterations as git commits") from None
+    if done.returncode != 0:
+        raise RatchetError(f"{folder} is not inside a git repository; the ratchet needs one (git init && git commit)")
+    root = Path(done.stdout.strip())
+    if subprocess.run(["git", "-C", str(root), "rev-parse", "--verify", "-q", "HEAD"], capture_output=True).returncode != 0:
+        raise RatchetError(f"{root} has no commit yet; commit your work first (the ratchet branches from HEAD)")
+    return root
+
+
+def _git(cwd: Path, *args: str, strip: bool = True) -> str:
+    done = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
+    if done.returncode != 0:
+        message = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise RatchetError(f"git {' '.join(args[:3])} in {cwd} failed: {message}")
+    return done.stdout.strip() if strip else done.stdout
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL when the ratchet dies, so a killed ratchet leaves no run behind that
+    would race the resumed one on the same run folder (Linux prctl; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _commit(worktree: Path, message: str) -> None:
+    identity = []
+    for key, fallback in (("user.name", "fp4lab ratchet"), ("user.email", "ratchet@fp4lab.invalid")):
+        if subprocess.run(["git", "-C", str(worktree), "config", key], capture_output=True).returncode != 0:
+            identity += ["-c", f"{key}={fallback}"]
+    done = subprocess.run(["git", *identity, "-C", str(worktree), "commit", "-q", "--no-verify", "-m", message],
+                          capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RatchetError(f"git commit in {worktree} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+
+
+def _reset(worktree: Path, commit: str) -> None:
+    _git(worktree, "reset", "-q", "--hard", commit)
+    _git(worktree, "clean", "-q", "-fd")
+
+
+def _reset_if_dirty(worktree: Path, patch: Path) -> None:
+    """Only the ratchet edits its worktree, but save whatever is there before resetting it anyway."""
+    if not _git(worktree, "status", "--porcelain"):
+        return
+    _git(worktree, "add", "-A")
+    patch.parent.mkdir(parents=True, exist_ok=True)
+    patch.write_text(_git(worktree, "diff", "--cached", "--binary", strip=False))
+    _reset(worktree, "HEAD")
+
+
+def _proposal_dict(proposal: Proposal | None) -> dict[str, Any] | None:
+    if proposal is None:
+        return None
+    return {"kind": proposal.kind, "params": proposal.params, "diff": proposal.diff, "rationale": proposal.rationale,
+            "source": proposal.source, "trial": proposal.trial, "paths": list(proposal.paths),
+            "fingerprint": proposal.fingerprint()}
+
+
+def _proposal_from(data: dict[str, Any] | None, program: Program, worktree: Path) -> Proposal | None:
+    """A recorded proposal again; a diff goes through validation again before it may be applied."""
+    if not data or "kind" not in data:
+        return None
+    from fp4lab.lab.agents import validate_proposal
+
+    raw = {"params": data["params"]} if data["kind"] == "params" else {"diff": data["diff"]}
+    proposal = validate_proposal(raw | {"rationale": data.get("rationale", "")}, program, worktree, data["source"])
+    return Proposal(proposal.kind, proposal.params, proposal.diff, proposal.rationale, proposal.source,
+                    data.get("trial"), proposal.paths)
+
+
+def _history_row(record: dict[str, Any]) -> dict[str, Any]:
+    extra = record["extra"]
+    proposal = extra.get("proposal") or {}
+    return {"iteration": extra["iteration"], "decision": extra.get("decision"), "metric": extra.get("metric"),
+            "kind": proposal.get("kind"), "params": proposal.get("params"), "rationale": proposal.get("rationale"),
+            "note": extra.get("note")}
+
+
+def _params_toml(params: dict[str, Any], tag: str) -> str:
+    lines = [f"# fp4lab ratchet {tag}: the parameters of the kept iterations (written by the loop)"]
+    lines += [f"{key} = {json.dumps(value) if not isinstance(value, bool) else str(value).lower()}" for key, value in sorted(params.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _config_toml(config: dict[str, Any]) -> str:
+    from fp4lab.lab.sbatch import _toml_value
+
+    top = [f"{k} = {_toml_value(v)}" for k, v in config.items() if v is not None and not isinstance(v, dict)]
+    tables = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            tables += [f"\n[{key}]"] + [f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None]
+    return "\n".join(top + tables) + "\n"
+
+
+def _stdev(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _read_tsv(path: Path) -> list[dict[str, str]]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle, delimiter="\t"))
+
+
+def _write_tsv(path: Path, rows: list[dict[str, str]]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=TSV_COLUMNS, delimiter="\t", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
