@@ -297,12 +297,16 @@ class OptunaProposer:
         from optuna.storages.journal import JournalFileBackend
 
         Path(storage_path).parent.mkdir(parents=True, exist_ok=True)
-        self.program = program
+        self.program, self.seed = program, seed
         self.study = optuna.create_study(
             storage=JournalStorage(JournalFileBackend(str(storage_path))), study_name=study_name,
             sampler=optuna.samplers.TPESampler(seed=seed), direction=program.direction, load_if_exists=True)
 
     def propose(self, context: Context) -> Proposal:
+        # A fresh process would replay the seeded sampler from its first draw and propose the same
+        # start-up points again; seeding with the number of trials so far continues the sequence.
+        optuna = _optuna()
+        self.study.sampler = optuna.samplers.TPESampler(seed=self.seed * 1_000_003 + len(self.study.get_trials(deepcopy=False)))
         trial = self.study.ask()
         params = {name: _suggest(trial, name, p) for name, p in self.program.search_space.items()}
         return self._proposal(trial.number, params)
