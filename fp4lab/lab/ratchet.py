@@ -102,6 +102,7 @@ class Ratchet:
         target = iterations if iterations is not None else self.program.stop.iterations
         if target is None:
             raise RatchetError(f"{self.program.path}: no iteration budget: pass --iterations N or set [stop].iterations")
+        self.proposer()  # a misconfigured proposer fails here, before anything runs
         self._prepare_worktree()
         self._recover()
         if self._record(0) is None:
@@ -150,13 +151,14 @@ class Ratchet:
         if proposal is not None and self._seen(proposal.fingerprint(), number):
             self._finish(number, proposal, Outcome([], False, [], "duplicate of an earlier iteration"), "duplicate", record=extra)
             return
-        config = self._config(number, seed_index=0)
         self.catalog.upsert({"id": record_id, "sweep": self.sweep, "state": "running", "started_at": utc_now(),
-                             "git_commit": head, "executor": "local", "config": config or {},
-                             "recipe": (config or {}).get("recipe"), "extra": extra})
+                             "git_commit": head, "executor": "local", "extra": extra})
         self.on_event("start", {"iteration": number, "proposal": proposal})
         if proposal is not None:
             self._apply(number, proposal)
+        config = self._config(number, seed_index=0)
+        if config is not None:
+            self.catalog.update(record_id, config=config, recipe=config.get("recipe"))
         outcome = self._measure(number, proposal)
         self._decide(number, proposal, outcome)
 
@@ -427,8 +429,6 @@ class Ratchet:
             _reset(self.worktree, extra["base_commit"])
             proposal = _proposal_from(extra.get("proposal"), self.program, self.worktree)
             self.on_event("note", {"message": f"resuming iteration {number} after an interruption"})
-            if proposal is not None and proposal.trial is not None:
-                self.proposer()  # the optuna study must be open to be told the result
             self._iteration(number, proposal)
         elif _git(self.worktree, "status", "--porcelain"):
             _reset_if_dirty(self.worktree, self.state_dir / "patches" / "stray-before-resume.patch")

@@ -1,0 +1,274 @@
+"""fp4lab ratchet end to end, with real git, real proposers and real runs: a command target (fast), an
+fp4lab training target, diff proposals, refusals, and a ratchet killed with SIGKILL and started again."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from fp4lab.lab.catalog import Catalog
+from fp4lab.lab.program import load_program
+from fp4lab.lab.ratchet import Ratchet, RatchetError
+
+# The target: a "benchmark" whose score is (x - 3)^2 + a small seed-dependent jitter; lower is better.
+SCORE = textwrap.dedent("""
+    import json, os, sys, time
+    from pathlib import Path
+    calls = os.environ.get("CALLS_FILE")
+    if calls:
+        with open(calls, "a") as f:
+            f.write("call\\n")
+        if Path(calls + ".block").exists() and len(Path(calls).read_text().splitlines()) == int(os.environ["BLOCK_AT"]):
+            time.sleep(120)
+    x = json.loads(os.environ["FP4LAB_PARAMS"]).get("x", 0.0)
+    offset = float(Path("offset.txt").read_text()) if Path("offset.txt").exists() else 0.0
+    seed = int(os.environ["FP4LAB_SEED"])
+    print(f"score: {(x - 3.0) ** 2 + offset + 0.001 * seed}")
+""")
+
+PROGRAM = textwrap.dedent("""
+    # Minimise the score
+
+    Make score.py's score as small as possible.
+
+    ```toml ratchet
+    metric = "score"
+    direction = "minimize"
+
+    [run]
+    kind = "command"
+    command = ["{python}", "score.py"]
+    metric_regex = '^score: ([-+0-9.eE]+)'
+    timeout_minutes = 2
+
+    [edit]
+    files = ["offset.txt"]
+
+    [search_space]
+    x = {{ type = "float", low = 0.0, high = 6.0 }}
+
+    [noise]
+    seeds = 2
+    rule = "sigma"
+    k = 2.0
+    ```
+""")
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True, text=True).stdout.rstrip("\n")
+
+
+@pytest.fixture
+def repo(tmp_path):
+    root = tmp_path / "project"
+    root.mkdir()
+    git(root, "init", "-q", "-b", "main")
+    git(root, "config", "user.name", "Test User")
+    git(root, "config", "user.email", "test@example.invalid")
+    (root / "score.py").write_text(SCORE)
+    (root / "offset.txt").write_text("0.5\n")
+    (root / "program.md").write_text(PROGRAM.format(python=sys.executable))
+    (root / ".gitignore").write_text("sweep_catalog.json*\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "initial")
+    return root
+
+
+def ratchet_tsv(root: Path, tag: str) -> list[dict[str, str]]:
+    with open(root / ".fp4lab" / "ratchet" / tag / "results.tsv", newline="") as handle:
+        return list(csv.DictReader(handle, delimiter="\t"))
+
+
+def test_optuna_ratchet_keeps_exactly_the_improvements_and_never_touches_the_checkout(repo):
+    (repo / "offset.txt").write_text("0.5\n# my uncommitted edit\n")  # the user's work in progress
+    (repo / "notes.txt").write_text("untracked notes\n")
+    head = git(repo, "rev-parse", "HEAD")
+    catalog = repo / "sweep_catalog.json"
+    events = []
+    loop = Ratchet(load_program(repo / "program.md"), tag="t1", catalog=catalog, on_event=lambda k, d: events.append(k))
+    summary = loop.run(iterations=5)
+
+    records = Catalog(catalog).records(sweep="ratchet/t1")
+    assert [r["extra"]["iteration"] for r in records] == [0, 1, 2, 3, 4, 5]
+    assert all(r["extra"]["phase"] == "done" for r in records)
+    decisions = [r["extra"]["decision"] for r in records]
+    assert decisions[0] == "baseline" and set(decisions[1:]) <= {"keep", "discard"}
+    kept = [r for r in records if r["extra"]["decision"] == "keep"]
+    assert summary["kept"] == [r["extra"]["iteration"] for r in kept]
+    # The branch holds exactly one commit per kept iteration, in order, on top of the starting HEAD.
+    log = git(repo, "log", "--format=%H %s", f"{head}..ratchet/t1").splitlines()[::-1]
+    assert [line.split()[0] for line in log] == [r["extra"]["kept_commit"] for r in kept]
+    for line, record in zip(log, kept):
+        assert f"iteration {record['extra']['iteration']}: score" in line
+    # Each kept change is strictly better than the best before it by more than 2 sigma of the baseline.
+    sigma = records[0]["extra"]["sigma"]
+    assert sigma == pytest.approx(0.001 / 2**0.5, rel=1e-6)
+    for record in kept:
+        assert record["extra"]["best_before"] - record["extra"]["values"][0] > 2 * sigma
+    for record in records[1:]:
+        if record["extra"]["decision"] == "discard":
+            assert record["extra"]["best_before"] - record["extra"]["values"][0] <= 2 * sigma
+    # results.tsv: every iteration, the commit of each kept one.
+    rows = ratchet_tsv(repo, "t1")
+    assert [row["status"] for row in rows] == decisions
+    assert [row["commit"] for row in rows if row["commit"]] == [r["extra"]["kept_commit"][:7] for r in kept]
+    # Every proposal's change was kept as a patch, kept or not.
+    for record in records[1:]:
+        assert "x = " in Path(record["extra"]["patch"]).read_text()
+    # The user's checkout: same HEAD and branch, same uncommitted and untracked files, nothing new.
+    assert git(repo, "rev-parse", "HEAD") == head and git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+    assert (repo / "offset.txt").read_text() == "0.5\n# my uncommitted edit\n"
+    assert git(repo, "status", "--porcelain").splitlines() == [" M offset.txt", "?? notes.txt"]
+    worktree = Path(summary["worktree"])
+    assert git(worktree, "status", "--porcelain") == ""
+    assert "start" in events and "decided" in events and events[-1] == "end"
+    # Run again: the budget is spent, nothing new happens.
+    again = Ratchet(load_program(repo / "program.md"), tag="t1", catalog=catalog).run(iterations=5)
+    assert again["iterations"] == 5 and len(Catalog(catalog).records(sweep="ratchet/t1")) == 6
+
+
+def test_a_killed_ratchet_continues_where_it_stopped(repo, tmp_path):
+    calls = tmp_path / "calls.txt"
+    Path(f"{calls}.block").write_text("")
+    env = os.environ | {"CALLS_FILE": str(calls), "BLOCK_AT": "4", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "fp4lab.cli", "ratchet", "--program", "program.md", "--iterations", "3", "--tag", "k"]
+    first = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    # Calls 1-2: the baseline's two seeds; 3: iteration 1; 4: iteration 2, which blocks mid-run.
+    while not (calls.exists() and len(calls.read_text().splitlines()) >= 4):
+        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read().decode()
+        time.sleep(0.2)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    records = Catalog(repo / "sweep_catalog.json").records(sweep="ratchet/k")
+    assert records[-1]["extra"]["iteration"] == 2 and records[-1]["extra"]["phase"] == "running"
+    worktree = repo / ".fp4lab" / "ratchet" / "k" / "worktree"
+    assert git(worktree, "status", "--porcelain")  # the interrupted change is still applied
+    time.sleep(0.5)
+    assert subprocess.run(["pgrep", "-f", "score.py"], capture_output=True).returncode != 0  # the run died with it
+
+    Path(f"{calls}.block").unlink()
+    second = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resuming iteration 2" in second.stdout
+    records = Catalog(repo / "sweep_catalog.json").records(sweep="ratchet/k")
+    assert [r["extra"]["iteration"] for r in records] == [0, 1, 2, 3]
+    assert all(r["extra"]["phase"] == "done" for r in records)
+    kept = [r["extra"]["kept_commit"] for r in records if r["extra"]["decision"] == "keep"]
+    base = git(repo, "rev-parse", "main")
+    assert git(repo, "log", "--format=%H", f"{base}..ratchet/k").splitlines()[::-1] == kept
+    assert git(worktree, "status", "--porcelain") == ""
+    assert (repo / ".fp4lab" / "ratchet" / "k" / "patches" / "iter-0002.interrupted.patch").exists()
+    trials = json.loads(json.dumps([r["extra"]["proposal"]["trial"] for r in records[1:]]))
+    assert trials == [0, 1, 2]  # the interrupted trial was finished, not asked again
+    assert [row["iteration"] for row in ratchet_tsv(repo, "k")] == ["0", "1", "2", "3"]
+
+
+PROPOSER = textwrap.dedent("""
+    import json, sys
+    context = json.load(sys.stdin)
+    n = len([h for h in context["history"] if h["iteration"] > 0])
+    answers = [
+        {"diff": "--- a/offset.txt\\n+++ b/offset.txt\\n@@ -1 +1 @@\\n-0.5\\n+0.1\\n", "rationale": "lower the offset"},
+        {"diff": "--- a/score.py\\n+++ b/score.py\\n@@ -1 +1 @@\\n-\\n+import os; os.system('touch PWNED')\\n", "rationale": "evil"},
+        "this is not json",
+        {"params": {"x": 3.0}, "rationale": "the optimum"},
+    ]
+    answer = answers[n]
+    print(answer if isinstance(answer, str) else json.dumps(answer))
+""")
+
+
+def test_command_proposer_diffs_are_validated_applied_and_committed(repo, tmp_path):
+    proposer = tmp_path / "propose.py"
+    proposer.write_text(PROPOSER)
+    catalog = repo / "sweep_catalog.json"
+    loop = Ratchet(load_program(repo / "program.md"), tag="cmd", proposer="command", catalog=catalog,
+                   proposer_options={"command": [sys.executable, str(proposer)]})
+    loop.run(iterations=4)
+    records = Catalog(catalog).records(sweep="ratchet/cmd")
+    assert [r["extra"]["decision"] for r in records] == ["baseline", "keep", "invalid", "invalid", "keep"]
+    assert "score.py" in records[2]["extra"]["note"] and "offset.txt" in records[2]["extra"]["note"]
+    worktree = Path(loop.worktree)
+    assert (worktree / "offset.txt").read_text() == "0.1\n"  # the kept diff
+    assert not (worktree / "PWNED").exists() and not (repo / "PWNED").exists()
+    assert records[4]["extra"]["metric"] == pytest.approx(0.1)  # x = 3 on top of the kept offset
+    subjects = git(repo, "log", "--format=%s", "main..ratchet/cmd").splitlines()
+    assert len(subjects) == 2 and "iteration 1" in subjects[1] and "iteration 4" in subjects[0]
+    assert "lower the offset" in git(repo, "log", "-1", "--format=%b", "ratchet/cmd~1")
+
+
+def test_fp4lab_training_target(repo, tmp_path, one_thread):
+    program = tmp_path / "project" / "train.md"
+    program.write_text(textwrap.dedent("""
+        Lowest validation loss of the tiny model.
+
+        ```toml ratchet
+        metric = "val_loss"
+        direction = "minimize"
+        [run]
+        kind = "fp4lab"
+        steps = 6
+        base = { model = "tiny", batch_size = 2, seq_len = 16, warmup_steps = 1, eval_every = 3, eval_batches = 1, probe_every = 3, checkpoint_every = 3, data = { source = "synthetic" } }
+        [search_space]
+        lr = { type = "float", low = 0.005, high = 0.05, log = true }
+        ```
+    """))
+    git(repo, "add", "train.md")
+    git(repo, "commit", "-q", "-m", "training program")
+    summary = Ratchet(load_program(program), tag="tr", catalog=repo / "sweep_catalog.json").run(iterations=1)
+    records = Catalog(repo / "sweep_catalog.json").records(sweep="ratchet/tr")
+    assert [r["extra"]["decision"] for r in records][0] == "baseline"
+    for record in records:
+        assert record["extra"]["metric"] > 0 and record["verdict"] == "converged"
+        assert record["config"]["steps"] == 6 and record["config"]["model"] == "tiny"
+    assert records[1]["config"]["lr"] == records[1]["extra"]["proposal"]["params"]["lr"]
+    run_dir = Path(records[1]["config"]["out_dir"])
+    assert json.loads((run_dir / "summary.json").read_text())["final_val_loss"] == records[1]["extra"]["metric"]
+    assert summary["baseline"] == records[0]["extra"]["metric"]
+
+
+def test_refusals(repo, tmp_path):
+    program = load_program(repo / "program.md")
+    with pytest.raises(RatchetError, match="letters, digits"):
+        Ratchet(program, tag="a b")
+    git(repo, "branch", "ratchet/busy")
+    git(repo, "checkout", "-q", "ratchet/busy")
+    with pytest.raises(RatchetError, match="checked out"):
+        Ratchet(program, tag="busy", catalog=repo / "c.json").run(iterations=1)
+    git(repo, "checkout", "-q", "main")
+    with pytest.raises(RatchetError, match="branch ratchet/busy exists"):
+        Ratchet(program, tag="busy", catalog=repo / "c.json").run(iterations=1)
+    (repo / ".fp4lab" / "ratchet" / "squat" / "worktree").mkdir(parents=True)
+    with pytest.raises(RatchetError, match="not a git worktree"):
+        Ratchet(program, tag="squat", catalog=repo / "c.json").run(iterations=1)
+    outside = tmp_path / "plain"
+    outside.mkdir()
+    (outside / "program.md").write_text((repo / "program.md").read_text())
+    with pytest.raises(RatchetError, match="not inside a git repository"):
+        Ratchet(load_program(outside / "program.md"), tag="x")
+
+
+def test_cli_errors_are_one_line(run_cli, repo, monkeypatch):
+    monkeypatch.chdir(repo)
+    for args, fragment in [
+        (("ratchet", "--agent", "oracle"), "--agent 'oracle' is not supported"),
+        (("ratchet", "--program", "missing.md"), "missing.md"),
+        (("ratchet", "--iterations", "0"), "--iterations must be >= 1"),
+        (("ratchet", "--agent", "command", "--iterations", "1"), "needs a command"),
+        (("ratchet",), "no iteration budget"),
+    ]:
+        out = run_cli(*args)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and fragment in lines[0], (args, out.stderr)
