@@ -199,7 +199,7 @@ class Ratchet:
         fields: dict[str, Any] = {
             "iteration": number, "phase": "decided", "decision": decision, "metric": outcome.metric,
             "values": outcome.values, "verdicts": outcome.verdicts, "healthy": outcome.healthy, "note": outcome.note,
-            "best_before": best,
+            "best_before": best, "metric_name": self.program.metric, "direction": self.program.direction,
         }
         if number == 0:
             finite = [v for v in outcome.values if v is not None]

@@ -610,6 +610,7 @@ def _ratchet_png(rows: list[dict[str, Any]], tag: str, metric_name: str, sigma: 
             ax.axhspan(base - NOISE_K * sigma, base + NOISE_K * sigma, color="tab:blue", alpha=0.12,
                        label=f"noise gate ({NOISE_K:g} sigma)")  # fmt: skip
         ax.set(xlabel="iteration", ylabel=metric_name, title=f"fp4lab ratchet {tag}")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.legend(fontsize=7, loc="best")
         ax.grid(alpha=0.3)
         fig.tight_layout()
