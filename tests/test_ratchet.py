@@ -272,3 +272,20 @@ def test_cli_errors_are_one_line(run_cli, repo, monkeypatch):
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and fragment in lines[0], (args, out.stderr)
+
+
+def test_the_generic_example_in_docs_runs(tmp_path):
+    doc = (Path(__file__).parent.parent / "docs" / "ratchet_generic.md").read_text()
+    root = tmp_path / "sorting"
+    root.mkdir()
+    (root / "bench.py").write_text(doc.split("```python\n", 1)[1].split("```", 1)[0])
+    (root / "ratchet_generic.md").write_text(doc.replace('command = ["python3", "bench.py"]', f'command = ["{sys.executable}", "bench.py"]'))
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-q", "-m", "bench")
+    summary = Ratchet(load_program(root / "ratchet_generic.md"), tag="g", catalog=tmp_path / "c.json").run(iterations=2)
+    records = Catalog(tmp_path / "c.json").records(sweep="ratchet/g")
+    assert [r["extra"]["iteration"] for r in records] == [0, 1, 2]
+    assert records[0]["extra"]["decision"] == "baseline" and len(records[0]["extra"]["values"]) == 3
+    assert all(r["extra"]["healthy"] and r["extra"]["metric"] > 0 for r in records)
+    assert summary["best"] <= summary["baseline"]
