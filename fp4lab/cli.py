@@ -447,6 +447,7 @@ def ratchet(
     model: Annotated[Optional[str], typer.Option(help="--agent llm: model name (default $FP4LAB_LLM_MODEL). The key comes from $FP4LAB_LLM_API_KEY or $OPENAI_API_KEY only.")] = None,
     timeout: Annotated[Optional[float], typer.Option(help="--agent llm/command: seconds per proposal (default 60 / 300).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the optuna sampler and the paired bootstrap.")] = 0,
+    executor: Annotated[str, typer.Option(help="local (this machine) | slurm (each experiment a submitit job, program.md [slurm]).")] = "local",
     catalog: Annotated[Path, typer.Option(help="The results catalog (one record per iteration, sweep ratchet/<TAG>).")] = Path("sweep_catalog.json"),
 ) -> None:
     """Propose a change, run a capped experiment, keep it (git commit) only if the metric strictly improves
@@ -466,7 +467,7 @@ def ratchet(
     try:
         loaded = load_program(program)
         loop = Ratchet(loaded, tag=tag or program.stem, proposer=agent, catalog=catalog, seed=seed,
-                       proposer_options=options, on_event=view.event)
+                       proposer_options=options, executor=executor, on_event=view.event)
         with view:
             summary = loop.run(iterations)
     except (ProgramError, RatchetError, CatalogError, ValueError) as exc:

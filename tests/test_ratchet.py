@@ -27,8 +27,9 @@ SCORE = textwrap.dedent("""
     if calls:
         with open(calls, "a") as f:
             f.write("call\\n")
-        if Path(calls + ".block").exists() and len(Path(calls).read_text().splitlines()) == int(os.environ["BLOCK_AT"]):
-            time.sleep(120)
+        if len(Path(calls).read_text().splitlines()) == int(os.environ.get("BLOCK_AT", "0")):
+            while Path(calls + ".block").exists():  # held here until the test removes the file
+                time.sleep(0.1)
     x = json.loads(os.environ["FP4LAB_PARAMS"]).get("x", 0.0)
     offset = float(Path("offset.txt").read_text()) if Path("offset.txt").exists() else 0.0
     seed = int(os.environ["FP4LAB_SEED"])

@@ -20,6 +20,7 @@ header; everything outside it is the goal, handed to proposers verbatim. A fence
     [search_space]            # name = {type = "float"|"int"|"categorical", low, high, log, choices}
     [stop]                    # iterations, target, plateau
     [noise]                   # seeds, rule = "sigma"|"paired", k, confidence
+    [slurm]                   # as in a sweep spec: where --executor slurm runs each experiment
 
 Edit patterns are relative to the repo root: `*` and `?` match within one path component and `**`
 across components (`fp4lab/**/*.py`). A path that is absolute, has an empty, `.` or `..` component, or
@@ -44,7 +45,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fp4lab.lab.logscan import VERDICTS
-from fp4lab.lab.spec import SearchParam
+from fp4lab.lab.spec import SearchParam, SlurmSpec, _slurm
 
 # metric names a kind = "fp4lab" program may give -> the summary.json key the run writes.
 FP4LAB_METRICS = {
@@ -57,7 +58,7 @@ FP4LAB_METRICS = {
     "best_loss": "best_loss",
     "tokens_per_s": "tokens_per_s",
 }
-TOP_KEYS = ("metric", "direction", "run", "health", "edit", "search_space", "stop", "noise")
+TOP_KEYS = ("metric", "direction", "run", "health", "edit", "search_space", "stop", "noise", "slurm")
 # The per-run budget is [run].steps / [run].minutes, so that every run gets the same one.
 BUDGET_FIELDS = {"steps": "[run].steps", "max_minutes": "[run].minutes"}
 # Searching over these would compare runs that measure different things (another seed is noise,
@@ -134,6 +135,7 @@ class Program:
     stop: StopRules
     noise: NoiseGate
     header: dict[str, Any]
+    slurm: SlurmSpec = SlurmSpec()  # where `fp4lab ratchet --executor slurm` runs each experiment
 
     def improvement(self, new: float, old: float) -> float:
         """How much better `new` is than `old`: positive = better, in metric units."""
@@ -250,8 +252,10 @@ def parse_program(text: str, path: str | Path = "program.md") -> Program:
     if not 0 < noise.confidence < 1:
         raise fail("[noise].confidence", f"{noise.confidence} must be between 0 and 1, e.g. 0.95")
 
+    slurm = _slurm(header.get("slurm", {}), lambda where, message: fail(f"[{where.replace('.', '].', 1)}", message))
     return Program(path=path, goal=goal, metric=metric, direction=direction, run=run, health=health,
-                   edit_files=edit.files, search_space=search_space, stop=stop, noise=noise, header=header)
+                   edit_files=edit.files, search_space=search_space, stop=stop, noise=noise, header=header,
+                   slurm=slurm)
 
 
 def metric_from_output(text: str, regex: str) -> float | None:

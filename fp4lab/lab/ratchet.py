@@ -78,8 +78,10 @@ class Outcome:
 
 class Ratchet:
     def __init__(self, program: Program, *, tag: str, proposer: str = "optuna", catalog: str | Path = "sweep_catalog.json",
-                 seed: int = 0, proposer_options: dict[str, Any] | None = None,
+                 seed: int = 0, proposer_options: dict[str, Any] | None = None, executor: str = "local",
                  on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+        if executor not in ("local", "slurm"):
+            raise RatchetError(f"--executor {executor!r} is not supported; allowed: local, slurm")
         if not tag or not all(c.isalnum() or c in "._-" for c in tag) or tag.startswith((".", "-")):
             raise RatchetError(f"--tag {tag!r}: use letters, digits, '.', '_' or '-' (it names the branch ratchet/<tag>)")
         self.program, self.tag, self.seed = program, tag, seed
@@ -90,6 +92,7 @@ class Ratchet:
         self.sweep = f"ratchet/{tag}"
         self.catalog = Catalog(catalog)
         self.proposer_name = proposer
+        self.executor = executor
         self.proposer_options = proposer_options or {}
         self.on_event = on_event or (lambda kind, data: None)
         self._proposer = None
@@ -152,7 +155,7 @@ class Ratchet:
             self._finish(number, proposal, Outcome([], False, [], "duplicate of an earlier iteration"), "duplicate", record=extra)
             return
         self.catalog.upsert({"id": record_id, "sweep": self.sweep, "state": "running", "started_at": utc_now(),
-                             "git_commit": head, "executor": "local", "extra": extra})
+                             "git_commit": head, "executor": self.executor, "extra": extra})
         self.on_event("start", {"iteration": number, "proposal": proposal})
         if proposal is not None:
             self._apply(number, proposal)
@@ -212,7 +215,7 @@ class Ratchet:
         state = "completed" if decision in ("keep", "discard", "baseline") else "failed"
         if self.catalog.get(record_id) is None:
             self.catalog.upsert({"id": record_id, "sweep": self.sweep, "state": state, "finished_at": utc_now(),
-                                 "executor": "local", "extra": fields})
+                                 "executor": self.executor, "extra": fields})
         else:
             self.catalog.update(record_id, state=state, finished_at=utc_now(),
                                 verdict=outcome.verdicts[0] if outcome.verdicts else None, extra=fields)
@@ -325,16 +328,15 @@ class Ratchet:
         summary_path = out / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
         if summary is None or summary.get("status") not in ("completed", "diverged"):
-            log = self.state_dir / "logs" / f"iter-{number:04d}-s{seed_index}.log"
-            log.parent.mkdir(parents=True, exist_ok=True)
             # The worktree's own fp4lab runs (cwd and PYTHONPATH), so a diff to its code takes effect.
-            env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(self.worktree), os.environ.get("PYTHONPATH")]))}
-            with open(log, "ab") as handle:
-                done = subprocess.run([sys.executable, "-m", "fp4lab.cli", "train", "--config", str(config_path)],
-                                      cwd=self.worktree, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                      preexec_fn=_die_with_parent)
-            if done.returncode != 0 or not summary_path.exists():
-                return None, "crashed", False, f"training exited with {done.returncode} (log {log})"
+            pythonpath = os.pathsep.join(filter(None, [str(self.worktree), os.environ.get("PYTHONPATH")]))
+            minutes = self.program.run.minutes
+            command = WorktreeCommand([sys.executable, "-m", "fp4lab.cli", "train", "--config", str(config_path)],
+                                      self.worktree, {"PYTHONPATH": pythonpath}, self._log(number, seed_index),
+                                      timeout_s=None if minutes is None else 120 * minutes + 600)
+            returncode, _ = self._execute(number, seed_index, command)
+            if returncode != 0 or not summary_path.exists():
+                return None, "crashed", False, f"training exited with {returncode} (log {command.log})"
             summary = json.loads(summary_path.read_text())
         health = self.program.health
         overrides = {k: v for k, v in (("entropy_floor", health.entropy_floor), ("max_logit_tau", health.max_logit)) if v is not None}
@@ -350,25 +352,49 @@ class Ratchet:
 
     def _run_command(self, number: int, seed_index: int) -> tuple[float | None, str, bool, str]:
         run = self.program.run
-        log = self.state_dir / "logs" / f"iter-{number:04d}-s{seed_index}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        env = os.environ | dict(run.env) | {"FP4LAB_SEED": str(seed_index), "FP4LAB_PARAMS": json.dumps(self._current_params())}
-        try:
-            done = subprocess.run(list(run.command), cwd=self.worktree, env=env, capture_output=True, text=True,
-                                  timeout=60 * run.timeout_minutes, preexec_fn=_die_with_parent)
-        except subprocess.TimeoutExpired as exc:
-            log.write_text(f"$ {shlex.join(run.command)}\n{exc.stdout or ''}{exc.stderr or ''}\n[timed out]\n")
-            return None, "timeout", False, f"timed out after {run.timeout_minutes} min"
-        except OSError as exc:
-            return None, "crashed", False, f"cannot run {run.command[0]!r}: {exc.strerror}"
-        output = done.stdout + done.stderr
-        log.write_text(f"$ {shlex.join(run.command)}\n{output}\n[exit {done.returncode}]\n")
+        env = dict(run.env) | {"FP4LAB_SEED": str(seed_index), "FP4LAB_PARAMS": json.dumps(self._current_params())}
+        command = WorktreeCommand(list(run.command), self.worktree, env, self._log(number, seed_index),
+                                  timeout_s=60 * run.timeout_minutes)
+        returncode, output = self._execute(number, seed_index, command)
+        if returncode is None:
+            return None, "timeout", False, f"{output} (log {command.log})"
         value = metric_from_output(output, run.metric_regex)
-        if done.returncode != 0:
-            return value, "crashed", False, f"exit code {done.returncode} (log {log})"
+        if returncode != 0:
+            return value, "crashed", False, f"exit code {returncode} (log {command.log})"
         if value is None:
-            return None, "crashed", False, f"no metric matched {run.metric_regex!r} (log {log})"
+            return None, "crashed", False, f"no metric matched {run.metric_regex!r} (log {command.log})"
         return value, "converged", True, ""
+
+    def _log(self, number: int, seed_index: int) -> Path:
+        return self.state_dir / "logs" / f"iter-{number:04d}-s{seed_index}.log"
+
+    def _execute(self, number: int, seed_index: int, command: WorktreeCommand) -> tuple[int | None, str]:
+        """Run one experiment here, or as a Slurm job through submitit (`--executor slurm`). The job id
+        goes into the iteration's record first, so a ratchet restarted while the job still runs waits
+        for that job instead of starting a second one on the same run folder."""
+        if self.executor == "local":
+            return command()
+        import submitit
+
+        from fp4lab.lab.sweep import submitit_executor
+
+        folder = self.state_dir / "submitit"
+        record_id = self._record_id(number)
+        jobs = dict(self.catalog.get(record_id)["extra"].get("jobs") or {})
+        job = None
+        if str(seed_index) in jobs:
+            job = submitit.SlurmJob(folder=folder, job_id=jobs[str(seed_index)])
+            if job.state in ("CANCELLED", "FAILED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY") and not job.paths.result_pickle.exists():
+                job = None  # it ended without a result: run the experiment again
+        if job is None:
+            job = submitit_executor(self.program.slurm, f"ratchet-{self.tag}", folder).submit(command)
+            jobs[str(seed_index)] = job.job_id
+            self.catalog.update(record_id, executor="slurm", slurm_job_id=job.job_id, extra={"jobs": jobs})
+        self.on_event("note", {"message": f"iteration {number} seed {seed_index}: Slurm job {job.job_id}"})
+        try:
+            return job.result()
+        except Exception as exc:  # the job died (scancel, node failure, time limit): a crashed experiment
+            return 1, f"Slurm job {job.job_id} failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
 
     # ------------------------------------------------------------------------ worktree and recovery
 
@@ -487,6 +513,36 @@ class Ratchet:
 
 
 # ------------------------------------------------------------------------------------------- helpers
+
+
+class WorktreeCommand:
+    """One experiment process: `argv` in the worktree with `env` added to the environment; writes its
+    output to `log` and returns (exit code, output), exit code None on timeout. Called here, or pickled
+    by submitit and called inside a Slurm job (so it is a plain class of an importable module)."""
+
+    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str], log: Path, timeout_s: float | None) -> None:
+        self.argv, self.cwd, self.env, self.log, self.timeout_s = list(argv), Path(cwd), dict(env), Path(log), timeout_s
+
+    def __call__(self) -> tuple[int | None, str]:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        header = f"$ {shlex.join(self.argv)}\n"
+        try:
+            done = subprocess.run(self.argv, cwd=self.cwd, env=os.environ | self.env, capture_output=True, text=True,
+                                  timeout=self.timeout_s, preexec_fn=_die_with_parent)
+        except subprocess.TimeoutExpired as exc:
+            output = _text(exc.stdout) + _text(exc.stderr)
+            self.log.write_text(header + output + "\n[timed out]\n")
+            return None, f"timed out after {self.timeout_s / 60:.3g} min"
+        except OSError as exc:
+            self.log.write_text(header + f"[cannot run: {exc.strerror}]\n")
+            return 127, f"cannot run {self.argv[0]!r}: {exc.strerror}"
+        output = done.stdout + done.stderr
+        self.log.write_text(header + output + f"\n[exit {done.returncode}]\n")
+        return done.returncode, output
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
 
 
 def _git_root(folder: Path) -> Path:

@@ -29,7 +29,7 @@ from fp4lab.lab.catalog import Catalog, utc_now
 from fp4lab.lab.job import finish_run, thresholds_from_table
 from fp4lab.lab.logscan import ScanThresholds, scan
 from fp4lab.lab.sbatch import write_scripts, write_trial_scripts
-from fp4lab.lab.spec import RunSpec, SweepSpec, expand, load_spec, time_limit_seconds
+from fp4lab.lab.spec import RunSpec, SlurmSpec, SweepSpec, expand, load_spec, time_limit_seconds
 
 @dataclass
 class SweepPlan:
@@ -203,16 +203,15 @@ def _sbatch(script: Path) -> str:
     return done.stdout.strip().split(";")[0]
 
 
-def submitit_executor(spec: SweepSpec, folder: Path):
-    """A submitit SlurmExecutor set from the spec's [slurm] table. submitit needs a time limit to tell a
-    timeout from a preemption: [slurm].time, else 60 minutes."""
+def submitit_executor(s: SlurmSpec, name: str, folder: Path):
+    """A submitit SlurmExecutor set from a [slurm] table. submitit needs a time limit to tell a timeout
+    from a preemption: [slurm].time, else 60 minutes."""
     import submitit
 
-    s = spec.slurm
     limit = time_limit_seconds(s.time)
     executor = submitit.AutoExecutor(folder=str(folder), cluster="slurm", slurm_max_num_timeout=s.max_requeues)
     params: dict[str, Any] = {
-        "name": f"fp4lab-{spec.name}", "timeout_min": -(-limit // 60) if limit else 60, "nodes": s.nodes,
+        "name": name, "timeout_min": -(-limit // 60) if limit else 60, "nodes": s.nodes,
         "tasks_per_node": 1, "slurm_signal_delay_s": s.signal_before_timeout_s,
     }
     for key in ("gpus_per_node", "cpus_per_task"):
@@ -236,7 +235,7 @@ def submit_submitit(plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> l
 
     manifest = json.loads((plan.sweep_dir / "manifest.json").read_text())
     size = int(manifest["max_array_size"])
-    executor = submitit_executor(plan.spec, plan.sweep_dir.absolute() / "submitit")
+    executor = submitit_executor(plan.spec.slurm, f"fp4lab-{plan.spec.name}", plan.sweep_dir.absolute() / "submitit")
     catalog_path = Path(catalog.path).absolute()
     if plan.spec.method == "optuna":
         counts = trial_counts(plan.spec, plan.jobs_dir)
