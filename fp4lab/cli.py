@@ -448,6 +448,7 @@ def ratchet(
     timeout: Annotated[Optional[float], typer.Option(help="--agent llm/command: seconds per proposal (default 60 / 300).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the optuna sampler and the paired bootstrap.")] = 0,
     executor: Annotated[str, typer.Option(help="local (this machine) | slurm (each experiment a submitit job, program.md [slurm]).")] = "local",
+    workers: Annotated[int, typer.Option(help="Proposals in flight at once, each in its own worktree.")] = 1,
     catalog: Annotated[Path, typer.Option(help="The results catalog (one record per iteration, sweep ratchet/<TAG>).")] = Path("sweep_catalog.json"),
 ) -> None:
     """Propose a change, run a capped experiment, keep it (git commit) only if the metric strictly improves
@@ -467,7 +468,7 @@ def ratchet(
     try:
         loaded = load_program(program)
         loop = Ratchet(loaded, tag=tag or program.stem, proposer=agent, catalog=catalog, seed=seed,
-                       proposer_options=options, executor=executor, on_event=view.event)
+                       proposer_options=options, executor=executor, workers=workers, on_event=view.event)
         with view:
             summary = loop.run(iterations)
     except (ProgramError, RatchetError, CatalogError, ValueError) as exc:
@@ -487,7 +488,8 @@ def _fmt(value) -> str:
 class _RatchetView:
     """The ratchet's live view: a table of decided iterations under a line for the one running."""
 
-    STYLE = {"keep": "bold green", "discard": "yellow", "crash": "red", "invalid": "red", "duplicate": "dim", "baseline": "cyan"}
+    STYLE = {"keep": "bold green", "discard": "yellow", "crash": "red", "invalid": "red", "duplicate": "dim", "stale": "dim",
+             "baseline": "cyan"}
 
     def __init__(self, console) -> None:
         self.console, self.rows, self.running, self.live = console, [], "", None

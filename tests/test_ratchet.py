@@ -138,38 +138,40 @@ def test_optuna_ratchet_keeps_exactly_the_improvements_and_never_touches_the_che
     assert again["iterations"] == 5 and len(Catalog(catalog).records(sweep="ratchet/t1")) == 6
 
 
-def test_a_killed_ratchet_continues_where_it_stopped(repo, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_killed_ratchet_continues_where_it_stopped(repo, tmp_path, workers):
     calls = tmp_path / "calls.txt"
     Path(f"{calls}.block").write_text("")
     env = os.environ | {"CALLS_FILE": str(calls), "BLOCK_AT": "4", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "fp4lab.cli", "ratchet", "--program", "program.md", "--iterations", "3", "--tag", "k"]
+    command = [sys.executable, "-m", "fp4lab.cli", "ratchet", "--program", "program.md", "--iterations", "3", "--tag", "k",
+               "--workers", str(workers)]
     first = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
-    # Calls 1-2: the baseline's two seeds; 3: iteration 1; 4: iteration 2, which blocks mid-run.
+    # Calls 1-2: the baseline's two seeds; then iterations 1, 2, ...: the 4th call blocks mid-run.
     while not (calls.exists() and len(calls.read_text().splitlines()) >= 4):
         assert first.poll() is None and time.monotonic() < deadline, first.stdout.read().decode()
         time.sleep(0.2)
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
     records = Catalog(repo / "sweep_catalog.json").records(sweep="ratchet/k")
-    assert records[-1]["extra"]["iteration"] == 2 and records[-1]["extra"]["phase"] == "running"
-    worktree = repo / ".fp4lab" / "ratchet" / "k" / "worktree"
-    assert git(worktree, "status", "--porcelain")  # the interrupted change is still applied
+    blocked = [r["extra"]["iteration"] for r in records if r["extra"]["phase"] == "running"]
+    assert blocked and (workers == 2 or blocked == [2])
+    for number in blocked:  # the interrupted change is still applied in its tree
+        assert git(Path(records[number]["extra"]["tree_dir"]), "status", "--porcelain")
     time.sleep(0.5)
     assert subprocess.run(["pgrep", "-f", "score.py"], capture_output=True).returncode != 0  # the run died with it
 
     Path(f"{calls}.block").unlink()
     second = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stdout + second.stderr
-    assert "resuming iteration 2" in second.stdout
+    assert all(f"resuming iteration {n}" in second.stdout for n in blocked)
     records = Catalog(repo / "sweep_catalog.json").records(sweep="ratchet/k")
     assert [r["extra"]["iteration"] for r in records] == [0, 1, 2, 3]
     assert all(r["extra"]["phase"] == "done" for r in records)
     kept = [r["extra"]["kept_commit"] for r in records if r["extra"]["decision"] == "keep"]
     base = git(repo, "rev-parse", "main")
     assert git(repo, "log", "--format=%H", f"{base}..ratchet/k").splitlines()[::-1] == kept
-    assert git(worktree, "status", "--porcelain") == ""
-    assert (repo / ".fp4lab" / "ratchet" / "k" / "patches" / "iter-0002.interrupted.patch").exists()
+    assert git(repo / ".fp4lab" / "ratchet" / "k" / "worktree", "status", "--porcelain") == ""
     trials = json.loads(json.dumps([r["extra"]["proposal"]["trial"] for r in records[1:]]))
     assert trials == [0, 1, 2]  # the interrupted trial was finished, not asked again
     assert [row["iteration"] for row in ratchet_tsv(repo, "k")] == ["0", "1", "2", "3"]
@@ -290,3 +292,66 @@ def test_the_generic_example_in_docs_runs(tmp_path):
     assert records[0]["extra"]["decision"] == "baseline" and len(records[0]["extra"]["values"]) == 3
     assert all(r["extra"]["healthy"] and r["extra"]["metric"] > 0 for r in records)
     assert summary["best"] <= summary["baseline"]
+
+
+def test_parallel_workers_keep_only_changes_that_land_as_the_measured_tree(repo):
+    catalog = repo / "sweep_catalog.json"
+    summary = Ratchet(load_program(repo / "program.md"), tag="par", catalog=catalog, workers=2).run(iterations=6)
+    records = Catalog(catalog).records(sweep="ratchet/par")
+    assert [r["extra"]["iteration"] for r in records] == list(range(7))
+    assert all(r["extra"]["phase"] == "done" for r in records)
+    trees = {r["extra"]["tree_dir"] for r in records[1:]}
+    assert trees == {str(repo / ".fp4lab" / "ratchet" / "par" / f"worker-{k}") for k in (0, 1)}
+    kept = [r for r in records if r["extra"]["decision"] == "keep"]
+    assert kept and summary["kept"] == [r["extra"]["iteration"] for r in kept]
+    # Every kept commit holds exactly the tree its worker measured; the commits are the kept ones.
+    commits = git(repo, "log", "--format=%H", "main..ratchet/par").splitlines()
+    assert sorted(commits) == sorted(r["extra"]["kept_commit"] for r in kept)
+    for record in kept:
+        assert git(repo, "rev-parse", f"{record['extra']['kept_commit']}^{{tree}}") == record["extra"]["tree"]
+    # A full parameter set lands on any head, so nothing was stale here; the best is monotone.
+    assert "stale" not in [r["extra"]["decision"] for r in records]
+    assert summary["best"] == min(r["extra"]["metric"] for r in kept + records[:1])
+    assert git(repo, "status", "--porcelain") == ""
+
+
+CONFLICTING = textwrap.dedent("""
+    import json, sys, time
+    context = json.load(sys.stdin)
+    n = len([h for h in context["history"] if h["iteration"] > 0])
+    new = ["0.3", "0.1"][n % 2]
+    print(json.dumps({"diff": f"--- a/offset.txt\\n+++ b/offset.txt\\n@@ -1 +1 @@\\n-0.5\\n+{new}\\n", "rationale": f"offset {new}"}))
+""")
+
+
+def test_a_parallel_change_that_no_longer_applies_is_stale_not_kept(repo, tmp_path):
+    proposer = tmp_path / "propose.py"
+    proposer.write_text(CONFLICTING)
+    # Offset 0.1 (the better change) takes longer, so it is decided after 0.3 has been kept.
+    score = (repo / "score.py").read_text().replace("seed = int(", "time.sleep(2.0 if offset == 0.1 else 0.0)\nseed = int(")
+    (repo / "score.py").write_text(score)
+    git(repo, "commit", "-q", "-am", "slow when better")
+    catalog = repo / "sweep_catalog.json"
+    loop = Ratchet(load_program(repo / "program.md"), tag="st", proposer="command", catalog=catalog, workers=2,
+                   proposer_options={"command": [sys.executable, str(proposer)]})
+    loop.run(iterations=2)
+    records = Catalog(catalog).records(sweep="ratchet/st")
+    # Both edit the same line of the same base: 0.3 is kept; 0.1 is better still but no longer applies.
+    assert [r["extra"]["decision"] for r in records[1:]] == ["keep", "stale"]
+    stale = next(r for r in records if r["extra"]["decision"] == "stale")
+    assert "stale" in stale["extra"]["note"] and Path(stale["extra"]["patch"]).read_text()
+    assert len(git(repo, "log", "--format=%H", "main..ratchet/st").splitlines()) == 1
+    assert git(Path(loop.worktree), "status", "--porcelain") == ""
+
+
+def test_an_optuna_trial_asked_but_never_recorded_is_run_not_lost(repo):
+    from fp4lab.lab.agents import Context, make_proposer
+
+    program = load_program(repo / "program.md")
+    state = repo / ".fp4lab" / "ratchet" / "orphan"
+    asked = make_proposer("optuna", program, state_dir=state).propose(Context(program))  # then "the ratchet died"
+    Ratchet(program, tag="orphan", catalog=repo / "sweep_catalog.json").run(iterations=2)
+    records = Catalog(repo / "sweep_catalog.json").records(sweep="ratchet/orphan")
+    assert records[1]["extra"]["proposal"]["trial"] == asked.trial == 0
+    assert records[1]["extra"]["proposal"]["params"] == asked.params
+    assert records[2]["extra"]["proposal"]["trial"] == 1

@@ -44,6 +44,7 @@ import signal
 import sys
 import tomllib
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,9 +80,11 @@ class Outcome:
 class Ratchet:
     def __init__(self, program: Program, *, tag: str, proposer: str = "optuna", catalog: str | Path = "sweep_catalog.json",
                  seed: int = 0, proposer_options: dict[str, Any] | None = None, executor: str = "local",
-                 on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+                 workers: int = 1, on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         if executor not in ("local", "slurm"):
             raise RatchetError(f"--executor {executor!r} is not supported; allowed: local, slurm")
+        if workers < 1:
+            raise RatchetError(f"--workers must be >= 1, got {workers}")
         if not tag or not all(c.isalnum() or c in "._-" for c in tag) or tag.startswith((".", "-")):
             raise RatchetError(f"--tag {tag!r}: use letters, digits, '.', '_' or '-' (it names the branch ratchet/<tag>)")
         self.program, self.tag, self.seed = program, tag, seed
@@ -93,6 +96,7 @@ class Ratchet:
         self.catalog = Catalog(catalog)
         self.proposer_name = proposer
         self.executor = executor
+        self.workers = workers
         self.proposer_options = proposer_options or {}
         self.on_event = on_event or (lambda kind, data: None)
         self._proposer = None
@@ -107,21 +111,66 @@ class Ratchet:
             raise RatchetError(f"{self.program.path}: no iteration budget: pass --iterations N or set [stop].iterations")
         self.proposer()  # a misconfigured proposer fails here, before anything runs
         self._prepare_worktree()
-        self._recover()
-        if self._record(0) is None:
-            self._iteration(0, None)
-        while True:
-            records = self._records()
-            reason = self._stop_reason(records, target)
-            if reason:
-                break
-            number = len([r for r in records if r["extra"]["iteration"] > 0]) + 1
-            proposal = self._propose(records, number)
-            if proposal is not None:
-                self._iteration(number, proposal)
-        summary = self.summary(reason)
+        interrupted = self._recover()
+        baseline = self._record(0)
+        if baseline is None or baseline["extra"].get("phase") == "running":
+            self._iteration(0, None, self.worktree, resumed=baseline is not None)
+        if self.workers > 1:
+            self._run_parallel(target, interrupted)
+        else:
+            for number, proposal in interrupted:
+                self._iteration(number, proposal, self.worktree, resumed=True)
+            while not self._stop_reason(self._records(), target):
+                number = self._next_number()
+                proposal = self._propose(self._records(), number)
+                if proposal is not None:
+                    self._iteration(number, proposal, self.worktree)
+        summary = self.summary(self._stop_reason(self._records(), target))
         self.on_event("end", summary)
         return summary
+
+    def _run_parallel(self, target: int, interrupted: list[tuple[int, Proposal | None]]) -> None:
+        """`workers` proposals at once, each applied and run in its own worktree (detached at the branch
+        head when it starts); decisions are taken one at a time as results come in."""
+        free = [self._worker_tree(k) for k in range(self.workers)]
+        inflight: dict[Future, tuple[int, Proposal | None, Path]] = {}
+        queue = list(interrupted)
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            while True:
+                while free and (queue or not self._stop_reason(self._records(), target)):
+                    if queue:
+                        number, proposal = queue.pop(0)
+                        resumed = True
+                    else:
+                        number = self._next_number()
+                        proposal = self._propose(self._records(), number)
+                        resumed = False
+                        if proposal is None:
+                            continue
+                    tree = free.pop()
+                    if not self._start(number, proposal, tree, resumed=resumed):
+                        free.append(tree)
+                        continue
+                    inflight[pool.submit(self._measure, number, tree)] = (number, proposal, tree)
+                if not inflight:
+                    return
+                done, _ = wait(inflight, return_when=FIRST_COMPLETED)
+                for future in done:
+                    number, proposal, tree = inflight.pop(future)
+                    self._decide(number, proposal, future.result(), tree)
+                    free.append(tree)
+
+    def _worker_tree(self, k: int) -> Path:
+        """Worker k's own worktree (detached; only the main worktree is on the branch)."""
+        tree = self.state_dir / f"worker-{k}"
+        if f"worktree {tree}" not in _git(self.repo_root, "worktree", "list", "--porcelain").splitlines():
+            if tree.exists():
+                raise RatchetError(f"{tree} exists but is not a git worktree of {self.repo_root}; move it away")
+            _git(self.repo_root, "worktree", "add", "-q", "--detach", str(tree), self.branch)
+        return tree
+
+    def _next_number(self) -> int:
+        return max((r["extra"]["iteration"] for r in self._records()), default=0) + 1
 
     def summary(self, reason: str = "") -> dict[str, Any]:
         records = self._records()
@@ -140,37 +189,47 @@ class Ratchet:
         stop = self.program.stop
         if stop.target is not None and best is not None and not self.program.better(stop.target, best):
             return f"target {stop.target} reached ({best:.6g})"
-        if stop.plateau and len(iterations) >= stop.plateau:
-            if not any(r["extra"].get("decision") == "keep" for r in iterations[-stop.plateau:]):
+        decided = [r for r in iterations if r["extra"].get("decision")]
+        if stop.plateau and len(decided) >= stop.plateau:
+            if not any(r["extra"].get("decision") == "keep" for r in decided[-stop.plateau:]):
                 return f"plateau: no kept change in the last {stop.plateau} iterations"
         return ""
 
-    def _iteration(self, number: int, proposal: Proposal | None) -> None:
+    def _iteration(self, number: int, proposal: Proposal | None, tree: Path, resumed: bool = False) -> None:
         """Record, apply, run, decide, commit or revert one iteration (0 = the baseline, proposal None)."""
-        head = _git(self.worktree, "rev-parse", "HEAD")
-        record_id = self._record_id(number)
-        extra: dict[str, Any] = {"iteration": number, "phase": "running", "base_commit": head,
-                                 "proposal": _proposal_dict(proposal)}
+        if self._start(number, proposal, tree, resumed=resumed):
+            self._decide(number, proposal, self._measure(number, tree), tree)
+
+    def _start(self, number: int, proposal: Proposal | None, tree: Path, *, resumed: bool = False) -> bool:
+        """Record the iteration and apply its change in `tree`, on the branch head (a resumed one: on the
+        commit it started from). False when the proposal was tried before (recorded as a duplicate)."""
+        record = self._record(number)
+        base = record["extra"]["base_commit"] if resumed and record else _git(self.worktree, "rev-parse", "HEAD")
+        extra: dict[str, Any] = {"iteration": number, "phase": "running", "base_commit": base,
+                                 "proposal": _proposal_dict(proposal), "tree_dir": str(tree)}
         if proposal is not None and self._seen(proposal.fingerprint(), number):
-            self._finish(number, proposal, Outcome([], False, [], "duplicate of an earlier iteration"), "duplicate", record=extra)
-            return
-        self.catalog.upsert({"id": record_id, "sweep": self.sweep, "state": "running", "started_at": utc_now(),
-                             "git_commit": head, "executor": self.executor, "extra": extra})
+            self._finish(number, proposal, Outcome([], False, [], "duplicate of an earlier iteration"), "duplicate",
+                         record=extra)
+            return False
+        _reset(tree, "HEAD")
+        if tree != self.worktree:  # a worker's tree: detached at the commit the change starts from
+            _git(tree, "checkout", "-q", "--detach", base)
+        self.catalog.upsert({"id": self._record_id(number), "sweep": self.sweep, "state": "running",
+                             "started_at": utc_now(), "git_commit": base, "executor": self.executor, "extra": extra})
         self.on_event("start", {"iteration": number, "proposal": proposal})
         if proposal is not None:
-            self._apply(number, proposal)
-        config = self._config(number, seed_index=0)
+            self._apply(number, proposal, tree)
+        config = self._config(number, 0, tree)
         if config is not None:
-            self.catalog.update(record_id, config=config, recipe=config.get("recipe"))
-        outcome = self._measure(number, proposal)
-        self._decide(number, proposal, outcome)
+            self.catalog.update(self._record_id(number), config=config, recipe=config.get("recipe"))
+        return True
 
-    def _measure(self, number: int, proposal: Proposal | None) -> Outcome:
+    def _measure(self, number: int, tree: Path) -> Outcome:
         seeds = self.program.noise.seeds
         count = seeds if number == 0 or self.program.noise.rule == "paired" else 1
         values, verdicts, healthy, notes = [], [], True, []
         for index in range(count):
-            value, verdict, ok, note = self._run_once(number, index)
+            value, verdict, ok, note = self._run_once(number, index, tree)
             values.append(value)
             verdicts.append(verdict)
             healthy = healthy and ok
@@ -178,9 +237,8 @@ class Ratchet:
                 notes.append(note)
         return Outcome(values, healthy and all(v is not None for v in values), verdicts, "; ".join(notes))
 
-    def _decide(self, number: int, proposal: Proposal | None, outcome: Outcome) -> None:
-        records = self._records()
-        best, best_values = self._best([r for r in records if r["extra"]["iteration"] < number])
+    def _decide(self, number: int, proposal: Proposal | None, outcome: Outcome, tree: Path) -> None:
+        best, best_values = self._best([r for r in self._records() if r["extra"]["iteration"] != number])
         sigma = (self._record(0) or {}).get("extra", {}).get("sigma") or 0.0
         if number == 0:
             decision = "baseline" if outcome.healthy else "crash"
@@ -189,12 +247,33 @@ class Ratchet:
         elif best is None:
             decision = "keep"
         elif self.program.noise.rule == "paired" and len(best_values) == len(outcome.values) > 1:
-            decision = "keep" if self._paired_probability(outcome.values, best_values) >= self.program.noise.confidence else "discard"
+            chance = self._paired_probability(outcome.values, best_values)
+            decision = "keep" if chance >= self.program.noise.confidence else "discard"
         else:  # rule "sigma": the proposal's first-seed run against the best's run on that seed
             reference = best_values[0] if best_values and best_values[0] is not None else best
             gate = self.program.noise.k * sigma
             decision = "keep" if self.program.improvement(outcome.values[0], reference) > gate else "discard"
+        if decision == "keep" and tree != self.worktree and not self._land(number):
+            outcome.note = "stale: the branch moved and the change no longer gives the tree that was measured"
+            decision = "stale"
         self._finish(number, proposal, outcome, decision, best=best, sigma=sigma)
+
+    def _land(self, number: int) -> bool:
+        """Apply a worker's change on the branch head (the main worktree). True when the result is the
+        very tree the worker measured; otherwise the main worktree is reset and the change is stale."""
+        extra = self._record(number)["extra"]
+        _reset(self.worktree, "HEAD")
+        patch = extra.get("patch")
+        if patch and Path(patch).read_text():
+            done = subprocess.run(["git", "-C", str(self.worktree), "apply", "--index", patch], capture_output=True,
+                                  timeout=GIT_TIMEOUT_S)
+            if done.returncode != 0:
+                _reset(self.worktree, "HEAD")
+                return False
+        if _git(self.worktree, "write-tree") != extra.get("tree"):
+            _reset(self.worktree, "HEAD")
+            return False
+        return True
 
     def _finish(self, number: int, proposal: Proposal | None, outcome: Outcome, decision: str, *,
                 best: float | None = None, sigma: float | None = None, record: dict[str, Any] | None = None) -> None:
@@ -212,7 +291,7 @@ class Ratchet:
         if record is not None:
             fields |= {k: v for k, v in record.items() if k not in fields}
         record_id = self._record_id(number)
-        state = "completed" if decision in ("keep", "discard", "baseline") else "failed"
+        state = "completed" if decision in ("keep", "discard", "baseline", "stale") else "failed"
         if self.catalog.get(record_id) is None:
             self.catalog.upsert({"id": record_id, "sweep": self.sweep, "state": state, "finished_at": utc_now(),
                                  "executor": self.executor, "extra": fields})
@@ -230,6 +309,8 @@ class Ratchet:
         record = self._record(number)
         extra = record["extra"]
         if extra["decision"] == "keep" and not extra.get("kept_commit"):
+            if not _git(self.worktree, "status", "--porcelain") and extra.get("patch") and Path(extra["patch"]).read_text():
+                _git(self.worktree, "apply", "--index", extra["patch"])  # e.g. decided by a worker, then killed
             if _git(self.worktree, "status", "--porcelain"):
                 metric = extra["metric"]
                 title = (f"ratchet {self.tag} iteration {number}: {self.program.metric} {metric:.6g}"
@@ -242,7 +323,7 @@ class Ratchet:
             self.catalog.update(record["id"], extra={"kept_commit": commit})
             self._rewrite_tsv_commit(number, commit)
         elif extra["decision"] != "keep":
-            _reset(self.worktree, extra.get("base_commit") or "HEAD")
+            _reset(self.worktree, "HEAD")  # the main worktree never holds more than the branch head, but be sure
         self.catalog.update(record["id"], extra={"phase": "done"})
 
     # --------------------------------------------------------------------------------- proposing
@@ -256,9 +337,9 @@ class Ratchet:
     def _propose(self, records: list[dict[str, Any]], number: int) -> Proposal | None:
         """The next proposal, or None when the proposer failed (that iteration is recorded as invalid)."""
         proposer = self.proposer()
-        pending = getattr(proposer, "pending_trial", lambda: None)()
-        if pending is not None:  # asked before a crash, never recorded: run that trial now
-            return proposer.resume_trial(pending)
+        orphan = self._orphan_trial(records)
+        if orphan is not None:  # asked before a crash, never recorded: run that trial now
+            return proposer.resume_trial(orphan)
         context = Context(self.program, files=editable_files(self.program, self.worktree),
                           history=[_history_row(r) for r in records[-20:]],
                           best={"metric": self._best(records)[0]}, current_params=self._current_params(),
@@ -272,37 +353,50 @@ class Ratchet:
             return None
         return proposal
 
+    def _orphan_trial(self, records: list[dict[str, Any]]) -> int | None:
+        """An optuna trial that was asked but belongs to no iteration (the ratchet died in between)."""
+        if self.proposer_name != "optuna":
+            return None
+        from optuna.trial import TrialState
+
+        known = {(r["extra"].get("proposal") or {}).get("trial") for r in records}
+        for trial in self.proposer().study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if trial.number not in known and set(trial.params) >= set(self.program.search_space):
+                return trial.number
+        return None
+
     def _seen(self, fingerprint: str, number: int) -> bool:
         return any((r["extra"].get("proposal") or {}).get("fingerprint") == fingerprint
                    for r in self._records() if r["extra"]["iteration"] not in (0, number))
 
-    def _current_params(self) -> dict[str, Any]:
-        path = self.worktree / PARAMS_FILE
+    def _current_params(self, tree: Path | None = None) -> dict[str, Any]:
+        path = (tree or self.worktree) / PARAMS_FILE
         return tomllib.loads(path.read_text()) if path.exists() else {}
 
     # ----------------------------------------------------------------------------------- applying
 
-    def _apply(self, number: int, proposal: Proposal) -> None:
+    def _apply(self, number: int, proposal: Proposal, tree: Path) -> None:
         patch = self.state_dir / "patches" / f"iter-{number:04d}.patch"
         patch.parent.mkdir(parents=True, exist_ok=True)
         if proposal.kind == "params":
-            params = self._current_params() | proposal.params
-            (self.worktree / PARAMS_FILE).write_text(_params_toml(params, self.tag))
+            params = self._current_params(tree) | proposal.params
+            (tree / PARAMS_FILE).write_text(_params_toml(params, self.tag))
         else:
-            apply_proposal(proposal, self.worktree)
-        _git(self.worktree, "add", "-A")
-        patch.write_text(_git(self.worktree, "diff", "--cached", "--binary", strip=False))
-        self.catalog.update(self._record_id(number), extra={"patch": str(patch)})
+            apply_proposal(proposal, tree)
+        _git(tree, "add", "-A")
+        patch.write_text(_git(tree, "diff", "--cached", "--binary", strip=False))
+        # The tree that will be measured: a kept change must land as exactly this tree (see _land).
+        self.catalog.update(self._record_id(number), extra={"patch": str(patch), "tree": _git(tree, "write-tree")})
 
     # ------------------------------------------------------------------------------------ running
 
-    def _config(self, number: int, seed_index: int) -> dict[str, Any] | None:
+    def _config(self, number: int, seed_index: int, tree: Path) -> dict[str, Any] | None:
         """The TrainConfig dict of one run (kind fp4lab): base, the params file, the budget, the seed."""
         run = self.program.run
         if run.kind != "fp4lab":
             return None
         config = {k: (dict(v) if isinstance(v, dict) else v) for k, v in run.base.items()}
-        config |= self._current_params()
+        config |= self._current_params(tree)
         config["seed"] = int(run.base.get("seed", 0)) + seed_index
         if run.steps is not None:
             config["steps"] = run.steps
@@ -311,16 +405,16 @@ class Ratchet:
         config["out_dir"] = str(self.state_dir / "runs" / f"iter-{number:04d}-s{seed_index}")
         return config
 
-    def _run_once(self, number: int, seed_index: int) -> tuple[float | None, str, bool, str]:
-        """(metric, verdict, healthy, note) of one run of the worktree as it is now."""
+    def _run_once(self, number: int, seed_index: int, tree: Path) -> tuple[float | None, str, bool, str]:
+        """(metric, verdict, healthy, note) of one run of `tree` as it is now."""
         if self.program.run.kind == "command":
-            return self._run_command(number, seed_index)
-        return self._run_fp4lab(number, seed_index)
+            return self._run_command(number, seed_index, tree)
+        return self._run_fp4lab(number, seed_index, tree)
 
-    def _run_fp4lab(self, number: int, seed_index: int) -> tuple[float | None, str, bool, str]:
+    def _run_fp4lab(self, number: int, seed_index: int, tree: Path) -> tuple[float | None, str, bool, str]:
         from fp4lab.lab.logscan import ScanThresholds, scan
 
-        config = self._config(number, seed_index)
+        config = self._config(number, seed_index, tree)
         out = Path(config["out_dir"])
         out.mkdir(parents=True, exist_ok=True)
         config_path = out / "run.toml"
@@ -329,10 +423,10 @@ class Ratchet:
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
         if summary is None or summary.get("status") not in ("completed", "diverged"):
             # The worktree's own fp4lab runs (cwd and PYTHONPATH), so a diff to its code takes effect.
-            pythonpath = os.pathsep.join(filter(None, [str(self.worktree), os.environ.get("PYTHONPATH")]))
+            pythonpath = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
             minutes = self.program.run.minutes
             command = WorktreeCommand([sys.executable, "-m", "fp4lab.cli", "train", "--config", str(config_path)],
-                                      self.worktree, {"PYTHONPATH": pythonpath}, self._log(number, seed_index),
+                                      tree, {"PYTHONPATH": pythonpath}, self._log(number, seed_index),
                                       timeout_s=None if minutes is None else 120 * minutes + 600)
             returncode, _ = self._execute(number, seed_index, command)
             if returncode != 0 or not summary_path.exists():
@@ -350,10 +444,10 @@ class Ratchet:
             healthy = value is not None
         return value, verdict, healthy, "" if healthy else f"unhealthy: {verdict}"
 
-    def _run_command(self, number: int, seed_index: int) -> tuple[float | None, str, bool, str]:
+    def _run_command(self, number: int, seed_index: int, tree: Path) -> tuple[float | None, str, bool, str]:
         run = self.program.run
-        env = dict(run.env) | {"FP4LAB_SEED": str(seed_index), "FP4LAB_PARAMS": json.dumps(self._current_params())}
-        command = WorktreeCommand(list(run.command), self.worktree, env, self._log(number, seed_index),
+        env = dict(run.env) | {"FP4LAB_SEED": str(seed_index), "FP4LAB_PARAMS": json.dumps(self._current_params(tree))}
+        command = WorktreeCommand(list(run.command), tree, env, self._log(number, seed_index),
                                   timeout_s=60 * run.timeout_minutes)
         returncode, output = self._execute(number, seed_index, command)
         if returncode is None:
@@ -435,29 +529,29 @@ class Ratchet:
             self.on_event("note", {"message": f"branch {self.branch} starts at {_git(self.repo_root, 'rev-parse', '--short', 'HEAD')}"
                                    + ("; uncommitted changes in your checkout are not part of it" if dirty else "")})
 
-    def _recover(self) -> None:
-        """Finish what a killed ratchet left: a decided iteration gets its commit or revert; a running
-        one is rolled back to its base commit (any stray change saved as a patch first) and run again."""
+    def _recover(self) -> list[tuple[int, Proposal | None]]:
+        """Finish what a killed ratchet left: a decided iteration gets its commit or revert as recorded;
+        the main worktree is brought back to the branch head (any stray change saved as a patch first);
+        the iterations that were running are returned, to run again (their runs continue from their
+        checkpoints, or re-attach to their Slurm jobs)."""
         records = self._records()
-        if not records:
-            _reset_if_dirty(self.worktree, self.state_dir / "patches" / "stray-before-start.patch")
-            return
-        last = records[-1]
-        extra = last["extra"]
-        number = extra["iteration"]
-        if extra.get("phase") == "decided":
-            self._complete(number)
-            trial = (extra.get("proposal") or {}).get("trial")
-            if trial is not None and self.proposer_name == "optuna":  # the tell may not have happened
-                self.proposer().tell_trial(trial, extra.get("metric"), bool(extra.get("healthy")))
-        elif extra.get("phase") == "running":
-            _reset_if_dirty(self.worktree, self.state_dir / "patches" / f"iter-{number:04d}.interrupted.patch")
-            _reset(self.worktree, extra["base_commit"])
-            proposal = _proposal_from(extra.get("proposal"), self.program, self.worktree)
-            self.on_event("note", {"message": f"resuming iteration {number} after an interruption"})
-            self._iteration(number, proposal)
-        elif _git(self.worktree, "status", "--porcelain"):
-            _reset_if_dirty(self.worktree, self.state_dir / "patches" / "stray-before-resume.patch")
+        for record in records:
+            extra = record["extra"]
+            if extra.get("phase") == "decided":
+                self._complete(extra["iteration"])
+                trial = (extra.get("proposal") or {}).get("trial")
+                if trial is not None and self.proposer_name == "optuna":  # the tell may not have happened
+                    self.proposer().tell_trial(trial, extra.get("metric"), bool(extra.get("healthy")))
+        running = [r["extra"] for r in self._records() if r["extra"].get("phase") == "running"]
+        name = f"iter-{running[0]['iteration']:04d}.interrupted.patch" if running else "stray-before-start.patch"
+        _reset_if_dirty(self.worktree, self.state_dir / "patches" / name)
+        interrupted = []
+        for extra in running:
+            if extra["iteration"] == 0:
+                continue  # run() runs an unfinished baseline again
+            self.on_event("note", {"message": f"resuming iteration {extra['iteration']} after an interruption"})
+            interrupted.append((extra["iteration"], _proposal_from(extra.get("proposal"), self.program, self.worktree)))
+        return interrupted
 
     # ---------------------------------------------------------------------------------- bookkeeping
 
@@ -472,11 +566,15 @@ class Ratchet:
         return self.catalog.get(self._record_id(number))
 
     def _best(self, records: list[dict[str, Any]]) -> tuple[float | None, list[float]]:
-        """The metric (and per-seed values) of the latest kept iteration, else of the baseline."""
-        for record in reversed(records):
-            if record["extra"].get("decision") in ("keep", "baseline") and record["extra"].get("metric") is not None:
-                return record["extra"]["metric"], list(record["extra"].get("values") or [])
-        return None, []
+        """The best metric (and its per-seed values) among the baseline and the kept iterations: since a
+        change is kept only when it beats the best, this is the branch head's."""
+        candidates = [r["extra"] for r in records
+                      if r["extra"].get("decision") in ("keep", "baseline") and r["extra"].get("metric") is not None]
+        if not candidates:
+            return None, []
+        sign = 1 if self.program.direction == "minimize" else -1
+        best = min(candidates, key=lambda extra: sign * extra["metric"])
+        return best["metric"], list(best.get("values") or [])
 
     def _paired_probability(self, new: list[float], old: list[float], draws: int = 10_000) -> float:
         """Bootstrap probability that the mean per-seed improvement is positive (seeded: reproducible)."""
