@@ -377,6 +377,8 @@ def _print_status(runs_catalog, sweep_name: str | None, watch: float = 0.0) -> N
 
     def table() -> tuple[Table, bool]:
         records = refresh(runs_catalog, ScanThresholds(), sweep_name)
+        if sweep_name is None:  # ratchet iterations have their own view: fp4lab report --ratchet TAG
+            records = [r for r in records if not (r["sweep"] or "").startswith("ratchet/")]
         view = Table(title=f"runs{' of ' + sweep_name if sweep_name else ''} ({runs_catalog.path})")
         for column in ("sweep", "id", "run", "state", "step", "loss", "val loss", "verdict", "job"):
             view.add_column(column, no_wrap=column != "run")
@@ -387,7 +389,7 @@ def _print_status(runs_catalog, sweep_name: str | None, watch: float = 0.0) -> N
                 record["sweep"] or "", record["id"], record["extra"].get("name", ""), record["state"],
                 "" if step is None else str(step), "" if loss is None else f"{loss:.4f}",
                 "" if val is None else f"{val:.4f}", record["verdict"] or "",
-                str(record["slurm_job_id"] or ""),
+                str(record["slurm_job_id"] or "") + ("" if record["slurm_array_index"] is None else f"_{record['slurm_array_index']}"),
             )
         active = any(r["state"] in ("pending", "submitted", "running") for r in records)
         return view, active
