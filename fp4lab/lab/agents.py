@@ -325,13 +325,15 @@ class OptunaProposer:
         else:
             self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
 
-    def pending_trial(self) -> int | None:
-        """The oldest RUNNING trial, left by a process that died between ask and tell; call it before the
-        first propose. A trial that died before all its parameters were sampled was never proposed and
-        is failed here."""
+    def pending_trial(self, in_flight: set[int] = frozenset()) -> int | None:
+        """The oldest RUNNING trial, left by a process that died between ask and tell, other than the
+        `in_flight` ones (still being run by their caller). A trial that died before all its parameters
+        were sampled was never proposed and is failed here."""
         from optuna.trial import TrialState
 
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if trial.number in in_flight:
+                continue
             if set(trial.params) >= set(self.program.search_space):
                 return trial.number
             self.study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)

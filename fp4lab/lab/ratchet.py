@@ -24,6 +24,12 @@ recorded before the next one, a ratchet killed at any point (SIGKILL included) c
 when started again with the same tag: a decided iteration is committed or reverted as recorded; a
 running one is re-applied on a clean tree and its runs continue from their checkpoints.
 
+`workers > 1` keeps that many proposals in flight, each applied and run in its own worktree
+(.fp4lab/ratchet/T/worker-k/, detached at the branch head); decisions are taken one at a time, and a
+kept change must land on the branch as exactly the tree that was measured, else it is "stale".
+`executor="slurm"` runs each experiment as a submitit job (program.md [slurm]); its job id is
+recorded first, so a restarted ratchet waits for that job instead of running the experiment twice.
+
 The noise gate: iteration 0 runs the unchanged tree on [noise].seeds seeds; sigma is their sample
 standard deviation. Rule "sigma" runs a proposal on the first seed and keeps it when it beats the
 best by more than k * sigma; rule "paired" runs it on every seed and keeps it when a paired bootstrap
@@ -357,13 +363,8 @@ class Ratchet:
         """An optuna trial that was asked but belongs to no iteration (the ratchet died in between)."""
         if self.proposer_name != "optuna":
             return None
-        from optuna.trial import TrialState
-
-        known = {(r["extra"].get("proposal") or {}).get("trial") for r in records}
-        for trial in self.proposer().study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if trial.number not in known and set(trial.params) >= set(self.program.search_space):
-                return trial.number
-        return None
+        known = {(r["extra"].get("proposal") or {}).get("trial") for r in records} - {None}
+        return self.proposer().pending_trial(in_flight=known)
 
     def _seen(self, fingerprint: str, number: int) -> bool:
         return any((r["extra"].get("proposal") or {}).get("fingerprint") == fingerprint
