@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import io
 import json
 import math
 import os
@@ -397,7 +398,6 @@ def _label(report: Report, run_id: str) -> str:
 
 def _plot_png(report: Report, which: str) -> bytes | None:
     """One plot as PNG bytes, or None when no run has the data for it."""
-    import io
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
@@ -450,10 +450,7 @@ def _plot_png(report: Report, which: str) -> bytes | None:
         if len(ax.get_lines()) <= 24:
             ax.legend(fontsize=7, loc="best")
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png")
-        return buffer.getvalue()
+        return _png(fig)
     finally:
         plt.close(fig)
 
@@ -581,7 +578,6 @@ def _ratchet_rows(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
 
 
 def _ratchet_png(rows: list[dict[str, Any]], tag: str, metric_name: str, sigma: float | None) -> bytes:
-    import io
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
@@ -613,10 +609,7 @@ def _ratchet_png(rows: list[dict[str, Any]], tag: str, metric_name: str, sigma: 
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.legend(fontsize=7, loc="best")
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png")
-        return buffer.getvalue()
+        return _png(fig)
     finally:
         plt.close(fig)
 
@@ -668,3 +661,10 @@ def ratchet_report(catalog_path: str | os.PathLike[str], tag: str, out_dir: str 
     _atomic_write(written["md"], (f"# fp4lab ratchet {tag}\n\n" + "\n".join(lines) + "\n").encode())
     _atomic_write(written["png"], _ratchet_png(rows, tag, metric_name, sigma))
     return table, written
+
+
+def _png(fig) -> bytes:
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
