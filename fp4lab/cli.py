@@ -494,7 +494,7 @@ class _RatchetView:
              "baseline": "cyan"}
 
     def __init__(self, console) -> None:
-        self.console, self.rows, self.running, self.live = console, [], "", None
+        self.console, self.rows, self.running, self.live = console, [], {}, None
 
     def __enter__(self):
         if self.console.is_terminal:
@@ -514,16 +514,16 @@ class _RatchetView:
         elif kind == "start":
             proposal = data["proposal"]
             what = "baseline (unchanged tree)" if proposal is None else _describe_proposal(proposal.kind, proposal.params, proposal.rationale)
-            self.running = f"iteration {data['iteration']}: {what}"
+            self.running[data["iteration"]] = f"iteration {data['iteration']}: {what}"
             if self.live is None:
-                self.console.print(f"running {self.running}")
+                self.console.print(f"running {self.running[data['iteration']]}")
         elif kind == "decided":
             extra = data["extra"]
             proposal = extra.get("proposal") or {}
             what = ("baseline" if extra["iteration"] == 0 else proposal.get("error") or
                     _describe_proposal(proposal.get("kind"), proposal.get("params") or {}, proposal.get("rationale") or ""))
             self.rows.append((extra["iteration"], what, extra.get("metric"), extra.get("best_before"), extra["decision"], extra.get("note") or ""))
-            self.running = ""
+            self.running.pop(extra["iteration"], None)
             if self.live is None:
                 self.console.print(f"iteration {extra['iteration']}: {extra['decision']}  metric {_fmt(extra.get('metric'))}  "
                                    f"best before {_fmt(extra.get('best_before'))}  {what}  {extra.get('note') or ''}".rstrip())
@@ -540,7 +540,7 @@ class _RatchetView:
         for number, what, metric, best, decision, note in self.rows[-30:]:
             style = self.STYLE.get(decision, "")
             table.add_row(str(number), what[:70], _fmt(metric), _fmt(best), f"[{style}]{decision}[/]" if style else decision, note[:50])
-        return Group(table, f"[bold]running[/] {self.running}" if self.running else "")
+        return Group(table, *(f"[bold]running[/] {line}" for _, line in sorted(self.running.items())))
 
 
 def _describe_proposal(kind, params: dict, rationale: str) -> str:

@@ -315,6 +315,36 @@ def test_parallel_workers_keep_only_changes_that_land_as_the_measured_tree(repo)
     assert git(repo, "status", "--porcelain") == ""
 
 
+PARAMS_IN_TURN = textwrap.dedent("""
+    import json, sys
+    context = json.load(sys.stdin)
+    n = len([h for h in context["history"] if h["iteration"] > 0])
+    print(json.dumps({"params": {"x": [2.9, 2.0][n % 2]}, "rationale": "try x"}))
+""")
+
+
+def test_a_parameter_change_lands_on_a_head_that_moved_while_it_ran(repo, tmp_path):
+    proposer = tmp_path / "propose.py"
+    proposer.write_text(PARAMS_IN_TURN)
+    # x = 2.9 (proposed first, the better one) runs slowly, so x = 2.0 is kept while it runs.
+    score = (repo / "score.py").read_text().replace("seed = int(", "time.sleep(2.0 if x == 2.9 else 0.0)\nseed = int(")
+    (repo / "score.py").write_text(score)
+    git(repo, "commit", "-q", "-am", "slow when better")
+    catalog = repo / "sweep_catalog.json"
+    loop = Ratchet(load_program(repo / "program.md"), tag="mv", proposer="command", catalog=catalog, workers=2,
+                   proposer_options={"command": [sys.executable, str(proposer)]})
+    loop.run(iterations=2)
+    records = Catalog(catalog).records(sweep="ratchet/mv")
+    assert [r["extra"]["decision"] for r in records[1:]] == ["keep", "keep"]
+    first, second = sorted(records[1:], key=lambda r: r["finished_at"])
+    assert first["extra"]["proposal"]["params"] == {"x": 2.0} and second["extra"]["proposal"]["params"] == {"x": 2.9}
+    assert second["extra"]["base_commit"] != first["extra"]["kept_commit"]  # it started before the head moved
+    for record in (first, second):
+        assert git(repo, "rev-parse", f"{record['extra']['kept_commit']}^{{tree}}") == record["extra"]["tree"]
+    assert git(repo, "log", "--format=%H", "main..ratchet/mv").splitlines() == [second["extra"]["kept_commit"], first["extra"]["kept_commit"]]
+    assert "x = 2.9" in (Path(loop.worktree) / "ratchet.toml").read_text()
+
+
 CONFLICTING = textwrap.dedent("""
     import json, sys, time
     context = json.load(sys.stdin)

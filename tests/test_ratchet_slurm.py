@@ -55,3 +55,19 @@ def test_ratchet_runs_each_experiment_as_a_slurm_job_and_reattaches_after_a_kill
     assert len(jobs) == 4
     kept = [r["extra"]["kept_commit"] for r in records if r["extra"]["decision"] == "keep"]
     assert git(repo, "log", "--format=%H", "main..ratchet/s").splitlines()[::-1] == kept
+
+
+def test_parallel_workers_on_slurm(repo):  # noqa: F811
+    from fp4lab.lab.program import load_program
+    from fp4lab.lab.ratchet import Ratchet
+
+    add_slurm_table(repo)
+    catalog = repo / "sweep_catalog.json"
+    Ratchet(load_program(repo / "program.md"), tag="ps", catalog=catalog, executor="slurm", workers=2).run(iterations=4)
+    records = Catalog(catalog).records(sweep="ratchet/ps")
+    assert [r["extra"]["iteration"] for r in records] == [0, 1, 2, 3, 4]
+    assert all(r["extra"]["phase"] == "done" and r["executor"] == "slurm" for r in records)
+    assert len({job for r in records for job in r["extra"]["jobs"].values()}) == 6  # 2 baseline seeds + 4
+    assert {r["extra"]["tree_dir"] for r in records[1:]} == {str(repo / ".fp4lab" / "ratchet" / "ps" / f"worker-{k}") for k in (0, 1)}
+    kept = [r for r in records if r["extra"]["decision"] == "keep"]
+    assert sorted(git(repo, "log", "--format=%H", "main..ratchet/ps").splitlines()) == sorted(r["extra"]["kept_commit"] for r in kept)

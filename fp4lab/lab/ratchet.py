@@ -259,20 +259,24 @@ class Ratchet:
             reference = best_values[0] if best_values and best_values[0] is not None else best
             gate = self.program.noise.k * sigma
             decision = "keep" if self.program.improvement(outcome.values[0], reference) > gate else "discard"
-        if decision == "keep" and tree != self.worktree and not self._land(number):
+        if decision == "keep" and tree != self.worktree and not self._land(number, tree):
             outcome.note = "stale: the branch moved and the change no longer gives the tree that was measured"
             decision = "stale"
         self._finish(number, proposal, outcome, decision, best=best, sigma=sigma)
 
-    def _land(self, number: int) -> bool:
-        """Apply a worker's change on the branch head (the main worktree). True when the result is the
-        very tree the worker measured; otherwise the main worktree is reset and the change is stale."""
+    def _land(self, number: int, tree: Path) -> bool:
+        """Put a worker's change on the branch head (the main worktree). True when the result is the very
+        tree the worker measured; otherwise the main worktree is reset and the change is stale. Parameters
+        land as the worker's whole params file (so they land on any head that differs only there); a diff
+        lands through its patch."""
         extra = self._record(number)["extra"]
         _reset(self.worktree, "HEAD")
-        patch = extra.get("patch")
-        if patch and Path(patch).read_text():
-            done = subprocess.run(["git", "-C", str(self.worktree), "apply", "--index", patch], capture_output=True,
-                                  timeout=GIT_TIMEOUT_S)
+        if (extra.get("proposal") or {}).get("kind") == "params":
+            (self.worktree / PARAMS_FILE).write_text((tree / PARAMS_FILE).read_text())
+            _git(self.worktree, "add", PARAMS_FILE)
+        elif extra.get("patch") and Path(extra["patch"]).read_text():
+            done = subprocess.run(["git", "-C", str(self.worktree), "apply", "--index", extra["patch"]],
+                                  capture_output=True, timeout=GIT_TIMEOUT_S)
             if done.returncode != 0:
                 _reset(self.worktree, "HEAD")
                 return False
@@ -600,7 +604,7 @@ class Ratchet:
                      "source": proposal.source if proposal else ("baseline" if number == 0 else self.proposer_name),
                      "fingerprint": proposal.fingerprint()[:12] if proposal else "",
                      "description": " ".join(description.split())})
-        _write_tsv(path, rows)
+        _write_tsv(path, sorted(rows, key=lambda row: int(row["iteration"])))  # workers decide out of order
 
     def _rewrite_tsv_commit(self, number: int, commit: str) -> None:
         path = self.state_dir / "results.tsv"
