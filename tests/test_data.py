@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp4lab.train import data
+from fp4lab.train import atomic, data
 from fp4lab.train.data import BatchSampler, DataConfig, load_dataset, val_batches
 
 # sha256 of shakespeare_text(). When the conversion changes on purpose, bump data.FORMAT_VERSION (so
@@ -213,7 +213,7 @@ def test_atomic_write_never_exposes_a_partial_file(tmp_path, monkeypatch):
         seen_at_sync.append(target.read_bytes())
 
     monkeypatch.setattr(os, "fsync", fsync_then_look)
-    data.write_atomic(target, b"new contents")
+    atomic.write_atomic(target, b"new contents")
     assert seen_at_sync == [b"old"], "the new bytes were written into the target itself"
     assert target.read_bytes() == b"new contents"
     assert stat.S_IMODE(target.stat().st_mode) == 0o644
@@ -229,7 +229,7 @@ def test_failed_atomic_write_keeps_the_old_file_and_cleans_up(tmp_path, monkeypa
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="disk full"):
-        data.write_atomic(target, b"new contents")
+        atomic.write_atomic(target, b"new contents")
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["train.bin"]
 

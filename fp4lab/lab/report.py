@@ -22,16 +22,16 @@ pandas and matplotlib (Agg) are imported lazily inside functions; this module ne
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import io
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from fp4lab.train.atomic import write_atomic
 
 BASELINE = "bf16"
 RUN_SPECIFIC = ("seed", "out_dir", "name", "run_name", "resume", "resume_from", "checkpoint")
@@ -458,22 +458,6 @@ def _plot_png(report: Report, which: str) -> bytes | None:
 # --- writing -------------------------------------------------------------------------------------------
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp, 0o644)  # mkstemp makes 0600
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-
-
 def _html(report: Report, pngs: dict[str, bytes]) -> str:
     import html
 
@@ -511,9 +495,9 @@ def write_report(report: Report, out_dir: str | os.PathLike[str] | None = None) 
     )
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
-    _atomic_write(out / "ledger.csv", report.ledger.to_csv(index=False).encode())
+    write_atomic(out / "ledger.csv", report.ledger.to_csv(index=False).encode())
     written["csv"] = out / "ledger.csv"
-    _atomic_write(out / "ledger.md", ledger_markdown(report).encode())
+    write_atomic(out / "ledger.md", ledger_markdown(report).encode())
     written["md"] = out / "ledger.md"
     pngs: dict[str, bytes] = {}
     for name in PLOTS:
@@ -521,9 +505,9 @@ def write_report(report: Report, out_dir: str | os.PathLike[str] | None = None) 
         if data is None:
             continue
         pngs[name] = data
-        _atomic_write(out / f"{name}.png", data)
+        write_atomic(out / f"{name}.png", data)
         written[name] = out / f"{name}.png"
-    _atomic_write(out / "report.html", _html(report, pngs).encode())
+    write_atomic(out / "report.html", _html(report, pngs).encode())
     written["html"] = out / "report.html"
     return written
 
@@ -657,9 +641,9 @@ def ratchet_report(catalog_path: str | os.PathLike[str], tag: str, out_dir: str 
     out = Path(out_dir) if out_dir is not None else Path("reports") / f"ratchet-{tag.replace('/', '-')}"
     out.mkdir(parents=True, exist_ok=True)
     written = {"csv": out / "iterations.csv", "md": out / "iterations.md", "png": out / "metric.png"}
-    _atomic_write(written["csv"], frame.to_csv(index=False).encode())
-    _atomic_write(written["md"], (f"# fp4lab ratchet {tag}\n\n" + "\n".join(lines) + "\n").encode())
-    _atomic_write(written["png"], _ratchet_png(rows, tag, metric_name, sigma))
+    write_atomic(written["csv"], frame.to_csv(index=False).encode())
+    write_atomic(written["md"], (f"# fp4lab ratchet {tag}\n\n" + "\n".join(lines) + "\n").encode())
+    write_atomic(written["png"], _ratchet_png(rows, tag, metric_name, sigma))
     return table, written
 
 

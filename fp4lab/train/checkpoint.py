@@ -4,32 +4,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-
-def _replace_atomically(path: Path, write) -> None:
-    """Write to a temporary file beside `path`, fsync it, then rename over `path`: a reader (or a
-    resumed run after a kill) sees the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from fp4lab.train.atomic import replace_atomically
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    _replace_atomically(path, lambda handle: torch.save(state, handle))
+    replace_atomically(path, lambda handle: torch.save(state, handle))
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -38,7 +22,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def write_json(path: Path, value: Any) -> None:
-    _replace_atomically(path, lambda handle: handle.write(json.dumps(value, indent=1, default=str).encode() + b"\n"))
+    replace_atomically(path, lambda handle: handle.write(json.dumps(value, indent=1, default=str).encode() + b"\n"))
 
 
 def json_line(record: dict[str, Any]) -> str:
@@ -62,7 +46,7 @@ class MetricsLog:
                     continue  # a line cut short by a kill
                 if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < resume_step:
                     kept.append(line)
-        _replace_atomically(path, lambda handle: handle.write("".join(k + "\n" for k in kept).encode()))
+        replace_atomically(path, lambda handle: handle.write("".join(k + "\n" for k in kept).encode()))
         self._handle = open(path, "a")
 
     def write(self, record: dict[str, Any]) -> None:

@@ -27,7 +27,6 @@ import hashlib
 import importlib.util
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,8 @@ import numpy as np
 import tokenizers
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from fp4lab.train.atomic import write_atomic
 
 NAMED_SOURCES = ("shakespeare", "synthetic")
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -255,24 +256,6 @@ def encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
 def cache_dir() -> Path:
     """$FP4LAB_CACHE, or ~/.cache/fp4lab."""
     return Path(os.environ.get("FP4LAB_CACHE") or Path.home() / ".cache" / "fp4lab").expanduser()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the whole new one, never a part:
-    concurrent jobs building the same cache entry each rename their own complete temp file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.chmod(temp_name, 0o644)  # mkstemp makes it private; others' jobs may share this cache
-        os.replace(temp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp_name)
-        raise
 
 
 def _shakespeare_key(plays: list[tuple[str, str]], vocab_size: int, val_fraction: float) -> str:
