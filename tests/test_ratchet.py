@@ -315,6 +315,20 @@ def test_parallel_workers_keep_only_changes_that_land_as_the_measured_tree(repo)
     assert git(repo, "status", "--porcelain") == ""
 
 
+def run_two_workers(repo: Path, tmp_path: Path, proposer_source: str, *, slow_when: str, tag: str):
+    """Two iterations with two workers and a command proposer; score.py sleeps 2 s when `slow_when`."""
+    proposer = tmp_path / "propose.py"
+    proposer.write_text(proposer_source)
+    score = (repo / "score.py").read_text().replace("seed = int(", f"time.sleep(2.0 if {slow_when} else 0.0)\nseed = int(")
+    (repo / "score.py").write_text(score)
+    git(repo, "commit", "-q", "-am", "slow when better")
+    catalog = repo / "sweep_catalog.json"
+    loop = Ratchet(load_program(repo / "program.md"), tag=tag, proposer="command", catalog=catalog, workers=2,
+                   proposer_options={"command": [sys.executable, str(proposer)]})
+    loop.run(iterations=2)
+    return loop, Catalog(catalog).records(sweep=f"ratchet/{tag}")
+
+
 PARAMS_IN_TURN = textwrap.dedent("""
     import json, sys
     context = json.load(sys.stdin)
@@ -324,17 +338,8 @@ PARAMS_IN_TURN = textwrap.dedent("""
 
 
 def test_a_parameter_change_lands_on_a_head_that_moved_while_it_ran(repo, tmp_path):
-    proposer = tmp_path / "propose.py"
-    proposer.write_text(PARAMS_IN_TURN)
     # x = 2.9 (proposed first, the better one) runs slowly, so x = 2.0 is kept while it runs.
-    score = (repo / "score.py").read_text().replace("seed = int(", "time.sleep(2.0 if x == 2.9 else 0.0)\nseed = int(")
-    (repo / "score.py").write_text(score)
-    git(repo, "commit", "-q", "-am", "slow when better")
-    catalog = repo / "sweep_catalog.json"
-    loop = Ratchet(load_program(repo / "program.md"), tag="mv", proposer="command", catalog=catalog, workers=2,
-                   proposer_options={"command": [sys.executable, str(proposer)]})
-    loop.run(iterations=2)
-    records = Catalog(catalog).records(sweep="ratchet/mv")
+    loop, records = run_two_workers(repo, tmp_path, PARAMS_IN_TURN, slow_when="x == 2.9", tag="mv")
     assert [r["extra"]["decision"] for r in records[1:]] == ["keep", "keep"]
     first, second = sorted(records[1:], key=lambda r: r["finished_at"])
     assert first["extra"]["proposal"]["params"] == {"x": 2.0} and second["extra"]["proposal"]["params"] == {"x": 2.9}
@@ -355,17 +360,8 @@ CONFLICTING = textwrap.dedent("""
 
 
 def test_a_parallel_change_that_no_longer_applies_is_stale_not_kept(repo, tmp_path):
-    proposer = tmp_path / "propose.py"
-    proposer.write_text(CONFLICTING)
     # Offset 0.1 (the better change) takes longer, so it is decided after 0.3 has been kept.
-    score = (repo / "score.py").read_text().replace("seed = int(", "time.sleep(2.0 if offset == 0.1 else 0.0)\nseed = int(")
-    (repo / "score.py").write_text(score)
-    git(repo, "commit", "-q", "-am", "slow when better")
-    catalog = repo / "sweep_catalog.json"
-    loop = Ratchet(load_program(repo / "program.md"), tag="st", proposer="command", catalog=catalog, workers=2,
-                   proposer_options={"command": [sys.executable, str(proposer)]})
-    loop.run(iterations=2)
-    records = Catalog(catalog).records(sweep="ratchet/st")
+    loop, records = run_two_workers(repo, tmp_path, CONFLICTING, slow_when="offset == 0.1", tag="st")
     # Both edit the same line of the same base: 0.3 is kept; 0.1 is better still but no longer applies.
     assert [r["extra"]["decision"] for r in records[1:]] == ["keep", "stale"]
     stale = next(r for r in records if r["extra"]["decision"] == "stale")

@@ -40,6 +40,7 @@ proposal already tried (same fingerprint) is never run again.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -58,6 +59,9 @@ from typing import Any
 from fp4lab.lab.agents import AgentError, Context, Proposal, ProposalError, apply_proposal, editable_files, make_proposer
 from fp4lab.lab.catalog import Catalog, utc_now
 from fp4lab.lab.program import Program, metric_from_output
+from fp4lab.lab.sbatch import config_toml
+from fp4lab.lab.spec import RunSpec
+from fp4lab.train.atomic import write_atomic
 
 PARAMS_FILE = "ratchet.toml"
 TSV_COLUMNS = ("iteration", "commit", "metric", "best", "status", "healthy", "source", "fingerprint", "description")
@@ -423,7 +427,8 @@ class Ratchet:
         out = Path(config["out_dir"])
         out.mkdir(parents=True, exist_ok=True)
         config_path = out / "run.toml"
-        config_path.write_text(_config_toml(config))
+        run = RunSpec(f"{self.tag}-{number:04d}-s{seed_index}", f"ratchet {self.tag} iteration {number} seed {seed_index}", config)
+        config_path.write_text(config_toml(run))
         summary_path = out / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
         if summary is None or summary.get("status") not in ("completed", "diverged"):
@@ -741,17 +746,6 @@ def _params_toml(params: dict[str, Any], tag: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _config_toml(config: dict[str, Any]) -> str:
-    from fp4lab.lab.sbatch import _toml_value
-
-    top = [f"{k} = {_toml_value(v)}" for k, v in config.items() if v is not None and not isinstance(v, dict)]
-    tables = []
-    for key, value in config.items():
-        if isinstance(value, dict):
-            tables += [f"\n[{key}]"] + [f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None]
-    return "\n".join(top + tables) + "\n"
-
-
 def _stdev(values: list[float]) -> float:
     if len(values) < 2:
         return 0.0
@@ -771,12 +765,8 @@ def _read_tsv(path: Path) -> list[dict[str, str]]:
 
 
 def _write_tsv(path: Path, rows: list[dict[str, str]]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=TSV_COLUMNS, delimiter="\t", lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=TSV_COLUMNS, delimiter="\t", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomic(path, text.getvalue())

@@ -45,11 +45,11 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from fp4lab.lab.spec import RunSpec, SpecError, SweepSpec
+from fp4lab.train.atomic import write_atomic
 
 DEFAULT_MAX_ARRAY_SIZE = 1001
 # Characters a path may have to appear bare in an #SBATCH line (and `%` is Slurm's pattern escape).
@@ -124,7 +124,7 @@ def write_scripts(
 
     (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
     for path, text in files.items():
-        _atomic_write(path, text, executable=path.suffix == ".sbatch")
+        write_atomic(path, text, mode=0o755 if path.suffix == ".sbatch" else 0o644)
     return scripts
 
 
@@ -140,11 +140,7 @@ def render_run_script(spec: SweepSpec, run: RunSpec, sweep_dir: Path, *, python,
         f"# Submit again by hand: sbatch {_comment(str(sweep_dir / (run.id + '.sbatch')))}",
         "# Written by `fp4lab sweep`; edit the spec and re-run it rather than editing this file.",
         *_sbatch_lines(spec, f"{spec.name}-{run.id}", sweep_dir / "logs" / f"{run.id}-%j"),
-        "",
-        "set -uo pipefail",
-        f"SWEEP_DIR={shlex.quote(str(sweep_dir))}",
-        f"WORKDIR={shlex.quote(str(workdir))}",
-        f"PYTHON={shlex.quote(str(python))}",
+        *_variables(sweep_dir, workdir, python),
         f"RUN_ID={shlex.quote(run.id)}",
     ]
     return "\n".join(head + _body(spec, catalog)) + "\n"
@@ -165,11 +161,7 @@ def render_array_script(spec: SweepSpec, chunk: list[RunSpec], k: int, sweep_dir
         *(f"# {i:<5} {r.id}  {_comment(r.name)}" for i, r in enumerate(chunk)),
         *_sbatch_lines(spec, f"{spec.name}-array{k}", sweep_dir / "logs" / f"array_{k}-%A_%a",
                        array=f"0-{n - 1}{parallel}"),
-        "",
-        "set -uo pipefail",
-        f"SWEEP_DIR={shlex.quote(str(sweep_dir))}",
-        f"WORKDIR={shlex.quote(str(workdir))}",
-        f"PYTHON={shlex.quote(str(python))}",
+        *_variables(sweep_dir, workdir, python),
         f"RUNS_FILE=\"$SWEEP_DIR\"/{shlex.quote(f'array_{k}.runs')}",
         'TASK="${SLURM_ARRAY_TASK_ID:?not a job array task: submit this file with sbatch}"',
         'RUN_ID="$(sed -n "$((TASK + 1))p" "$RUNS_FILE")"',
@@ -179,6 +171,12 @@ def render_array_script(spec: SweepSpec, chunk: list[RunSpec], k: int, sweep_dir
         "fi",
     ]
     return "\n".join(head + _body(spec, catalog)) + "\n"
+
+
+def _variables(sweep_dir: Path, workdir: Path, python) -> list[str]:
+    """The start of every script's body: strict mode and the shell-quoted paths it works with."""
+    return ["", "set -uo pipefail", f"SWEEP_DIR={shlex.quote(str(sweep_dir))}",
+            f"WORKDIR={shlex.quote(str(workdir))}", f"PYTHON={shlex.quote(str(python))}"]
 
 
 def _description(spec: SweepSpec) -> list[str]:
@@ -314,11 +312,7 @@ def write_trial_scripts(
             f"# Submit again by hand: sbatch {_comment(str(path))}",
             "# Written by `fp4lab sweep`; edit the spec and re-run it rather than editing this file.",
             *_sbatch_lines(spec, f"{spec.name}-trials{k}", sweep_dir / "logs" / f"trials_{k}-%A_%a", array=f"0-{tasks - 1}{parallel}"),
-            "",
-            "set -uo pipefail",
-            f"SWEEP_DIR={shlex.quote(str(sweep_dir))}",
-            f"WORKDIR={shlex.quote(str(workdir))}",
-            f"PYTHON={shlex.quote(str(python))}",
+            *_variables(sweep_dir, workdir, python),
             f"JOBS_DIR={shlex.quote(str(Path(os.path.abspath(jobs_dir))))}",
             'TASK="${SLURM_ARRAY_TASK_ID:?not a job array task: submit this file with sbatch}"',
             f"SLOT=$((TASK + {offset}))",
@@ -333,7 +327,7 @@ def write_trial_scripts(
     files[sweep_dir / "manifest.json"] = json.dumps(manifest, indent=1) + "\n"
     (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
     for file, text in files.items():
-        _atomic_write(file, text, executable=file.suffix == ".sbatch")
+        write_atomic(file, text, mode=0o755 if file.suffix == ".sbatch" else 0o644)
     return scripts
 
 
@@ -371,19 +365,6 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise SpecError(f"{value!r} ({type(value).__name__}) cannot be written to a run config")
-
-
-def _atomic_write(path: Path, text: str, executable: bool = False) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o755 if executable else 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 __all__ = ["config_toml", "render_array_script", "render_run_script", "slurm_max_array_size", "write_scripts", "write_trial_scripts"]

@@ -157,10 +157,10 @@ def run_trials_local(
 
     def one(command: list[str]) -> None:
         with open(log, "ab") as out:
-            done = subprocess.run(command + ["--json"], stdout=subprocess.PIPE, stderr=out, text=True, env=worker_env(workers))
-        if done.returncode == 0 and on_finish is not None:
+            trial = subprocess.run(command + ["--json"], stdout=subprocess.PIPE, stderr=out, text=True, env=worker_env(workers))
+        if trial.returncode == 0 and on_finish is not None:
             with lock:
-                on_finish(json.loads(done.stdout))
+                on_finish(json.loads(trial.stdout))
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         list(pool.map(one, launches))

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from fp4lab.lab.catalog import Catalog
-from fp4lab.lab.job import train_recorded
-from fp4lab.lab.sbatch import _atomic_write, config_toml
+from fp4lab.lab.job import slurm_identity, train_recorded
+from fp4lab.lab.sbatch import config_toml
 from fp4lab.lab.spec import SpecError, SweepSpec, load_spec, make_run
+from fp4lab.train.atomic import write_atomic
 
 
 def open_study(spec: SweepSpec, jobs_dir: str | Path, slot: int = 0):
@@ -59,10 +59,11 @@ def suggest(trial, spec: SweepSpec) -> dict[str, Any]:
 
 def slurm_task_key() -> str | None:
     """"<array job>_<task>" (or the job id) of this Slurm job: stays the same across requeues."""
-    env = os.environ
-    if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
-        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    return env.get("SLURM_JOB_ID")
+    job = slurm_identity()
+    if not job:
+        return None
+    index = job["slurm_array_index"]
+    return job["slurm_job_id"] if index is None else f"{job['slurm_job_id']}_{index}"
 
 
 def trial_counts(spec: SweepSpec, jobs_dir: str | Path) -> dict[str, int]:
@@ -110,7 +111,7 @@ def run_trial(spec_path: str | Path, *, jobs_dir: str | Path, catalog_path: str 
     catalog = Catalog(catalog_path)
     sweep_dir = spec.sweep_dir(jobs_dir)
     config_path = sweep_dir / f"{run.id}.toml"
-    _atomic_write(config_path, config_toml(run, spec))
+    write_atomic(config_path, config_toml(run, spec))
     _write_manifest(spec, sweep_dir)
     with catalog.transaction() as tx:
         if tx.get(run.id) is None:
@@ -155,7 +156,7 @@ def _write_manifest(spec: SweepSpec, sweep_dir: Path) -> None:
     """The [scan] thresholds the job-side scanner reads (grid sweeps get them from write_scripts)."""
     path = sweep_dir / "manifest.json"
     if not path.exists():
-        _atomic_write(path, json.dumps({"sweep": spec.name, "spec": str(spec.path), "method": spec.method,
+        write_atomic(path, json.dumps({"sweep": spec.name, "spec": str(spec.path), "method": spec.method,
                                         "scan": spec.scan}, indent=1) + "\n")
 
 
