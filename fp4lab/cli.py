@@ -146,6 +146,8 @@ def train(
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Checkpoint every N steps (default 50).")] = None,
     max_minutes: Annotated[Optional[float], typer.Option(help="Stop cleanly (resumable) after this much wall time.")] = None,
     device: Annotated[Optional[str], typer.Option(help="cpu | cuda | auto (default cpu).")] = None,
+    compute: Annotated[Optional[str], typer.Option(help="fast (bf16 activations, tensor-core GEMMs, fused kernels) | reference (fp32, exact emulation) | auto (default: fast on CUDA).")] = None,
+    compile: Annotated[Optional[str], typer.Option(help="torch.compile: on | off | auto (default: on CUDA).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<recipe>-<model>-s<seed>).")] = None,
     config: Annotated[Optional[Path], typer.Option(help="A TOML file of train settings; flags override it.")] = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Delete this run folder's checkpoint and logs first instead of resuming.")] = False,
@@ -162,6 +164,7 @@ def train(
         "lr_schedule": lr_schedule, "warmup_steps": warmup_steps, "ns_steps": ns_steps, "qk_clip": qk_clip,
         "qk_clip_tau": qk_clip_tau, "seed": seed, "eval_every": eval_every, "probe_every": probe_every,
         "checkpoint_every": checkpoint_every, "max_minutes": max_minutes, "device": device,
+        "compute": compute, "compile": compile,
     }
     data_flags = {"source": data, "val_source": val_data, "token_dtype": token_dtype, "vocab_size": vocab_size}
     try:
@@ -199,6 +202,148 @@ def train(
         value = summary[key]
         print(f"{key}: {value:.6g}" if isinstance(value, float) else f"{key}: {value}")
     print(f"out_dir: {train_config.out_dir}")
+
+
+BENCH_WHAT = ("all", "kernels", "steps")
+# (model, batch, seq, timed steps, warmup, kernel shape) when not given: a GPU-sized run on CUDA, a
+# smoke-sized one on the CPU.
+BENCH_DEFAULTS = {"cuda": ("125m", 16, 1024, 20, 5, "8192x8192"), "cpu": ("tiny", 8, 128, 10, 2, "1024x1024")}
+
+
+@app.command()
+def bench(
+    what: Annotated[str, typer.Argument(help="all | kernels (quantizers vs a copy) | steps (training steps vs the plain PyTorch loop).")] = "all",
+    recipes: Annotated[str, typer.Option(help="Comma-separated recipes to time beside the anchor.")] = "bf16,nvfp4,nvfp4-all,mxfp4-rowsr-h32",
+    model: Annotated[Optional[str], typer.Option(help="Model preset (default 125m on CUDA, tiny on the CPU).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per step (default 16 on CUDA, 8 on the CPU).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sequence (default 1024 on CUDA, 128 on the CPU).")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Timed steps per configuration (default 20 on CUDA, 10 on the CPU).")] = None,
+    warmup: Annotated[Optional[int], typer.Option(help="Untimed steps first, compilation included (default 5 on CUDA, 2 on the CPU).")] = None,
+    optimizer: Annotated[str, typer.Option(help="adamw (as the anchor) | muon.")] = "adamw",
+    compile: Annotated[str, typer.Option(help="torch.compile of fp4lab and the anchor: auto (on CUDA) | on | off.")] = "auto",
+    shape: Annotated[Optional[str], typer.Option(help="ROWSxCOLS of the quantized tensor (default 8192x8192 on CUDA, 1024x1024 on the CPU).")] = None,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")] = False,
+) -> None:
+    """Time fp4lab against its anchors: quantizers vs a copy, training steps vs a plain PyTorch loop."""
+    if what not in BENCH_WHAT:
+        fail(f"bench: {what!r} is not a benchmark; allowed: {', '.join(BENCH_WHAT)}")
+    import torch
+
+    from fp4lab.nn.recipe import RecipeError, load_recipe
+    from fp4lab.train.config import COMPILES, OPTIMIZERS, ConfigError, TrainConfig
+
+    if device not in ("auto", "cpu", "cuda"):
+        fail(f"bench: --device {device!r} is not supported; allowed: auto, cpu, cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        fail("bench: --device cuda but CUDA is not available here; use --device cpu")
+    target = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+    if compile not in COMPILES:
+        fail(f"bench: --compile {compile!r} is not supported; allowed: {', '.join(COMPILES)}")
+    if optimizer not in OPTIMIZERS:
+        fail(f"bench: --optimizer {optimizer!r} is not supported; allowed: {', '.join(OPTIMIZERS)}")
+    names = [r.strip() for r in recipes.split(",") if r.strip()]
+    try:
+        for name in names:
+            load_recipe(name)
+    except RecipeError as exc:
+        fail(f"bench: {exc}")
+    d_model, d_batch, d_seq, d_steps, d_warmup, d_shape = BENCH_DEFAULTS[target.type]
+    model, batch_size, seq_len = model or d_model, batch_size or d_batch, seq_len or d_seq
+    steps, warmup = steps or d_steps, d_warmup if warmup is None else warmup
+    try:
+        TrainConfig(model=model, batch_size=batch_size, seq_len=seq_len, steps=steps)
+    except ConfigError as exc:
+        fail(f"bench: {exc}")
+    rows, cols = _parse_shape(shape or d_shape, "bench: --shape")
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+    from rich.console import Console
+
+    console = Console(stderr=True, quiet=as_json)
+    report: dict = {"device": torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu", "torch": torch.__version__}
+    if what in ("all", "kernels"):
+        from fp4lab.bench.kernels import bench_kernels
+
+        console.print(f"quantizers on a {rows} x {cols} bf16 tensor ({report['device']})")
+        kernels = bench_kernels(rows, cols, target, on_result=lambda r: console.print(f"  {r.case}: {r.gb_per_s:,.3g} GB/s"))
+        report["kernels"] = [k.as_dict() for k in kernels]
+    if what in ("all", "steps"):
+        from fp4lab.bench.steps import bench_steps
+
+        console.print(f"training steps: {model}, {batch_size} x {seq_len}, {steps} timed after {warmup} warm-up")
+        results = bench_steps(
+            names, model=model, batch_size=batch_size, seq_len=seq_len, device=target, steps=steps, warmup=warmup,
+            compile=compile, optimizer=optimizer,
+            on_result=lambda r: console.print(f"  {r.name}: {r.tokens_per_s:,.0f} tokens/s"),
+        )
+        report["steps"] = [r.as_dict() for r in results]
+        report["ratios"] = _bench_ratios(results)
+    if as_json:
+        json.dump(report, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return
+    _print_bench(report)
+
+
+def _bench_ratios(results) -> dict:
+    """The issue's figures: bf16 tokens/s over the anchor's; each FP4 step time and peak memory over bf16's."""
+    by_name = {r.name: r for r in results}
+    anchor, bf16 = by_name.get("anchor"), by_name.get("bf16")
+    ratios: dict = {}
+    if anchor and bf16:
+        ratios["bf16_tokens_per_s_vs_anchor"] = bf16.tokens_per_s / anchor.tokens_per_s
+    if bf16:
+        for r in results:
+            if r.name not in ("anchor", "bf16"):
+                ratios[f"{r.name}_step_time_vs_bf16"] = r.step_ms / bf16.step_ms
+                if r.peak_memory_mb and bf16.peak_memory_mb:
+                    ratios[f"{r.name}_peak_memory_vs_bf16"] = r.peak_memory_mb / bf16.peak_memory_mb
+    return ratios
+
+
+def _print_bench(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if "kernels" in report:
+        table = Table(title=f"Quantizers vs a device-to-device copy ({report['device']})")
+        for column in ("case", "implementation", "shape", "ms", "GB/s", "copy GB/s", "fraction of copy"):
+            table.add_column(column, justify="left" if column in ("case", "implementation") else "right")
+        for k in report["kernels"]:
+            table.add_row(k["case"], k["implementation"], f"{k['rows']}x{k['cols']}", f"{k['ms']:.3f}", f"{k['gb_per_s']:,.3g}",
+                          f"{k['copy_gb_per_s']:,.3g}", f"{k['fraction_of_copy']:.2f}")
+        console.print(table)
+    if "steps" in report:
+        steps = report["steps"]
+        first = steps[0]
+        table = Table(title=f"Training steps, {first['model']} {first['batch_size']} x {first['seq_len']} ({report['device']})")
+        for column in ("run", "compute", "compiled", "step ms", "tokens/s", "vs anchor", "step vs bf16", "peak MB", "memory vs bf16"):
+            table.add_column(column, justify="left" if column in ("run", "compute") else "right")
+        by_name = {r["name"]: r for r in steps}
+        anchor, bf16 = by_name.get("anchor"), by_name.get("bf16")
+        for r in steps:
+            vs_anchor = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.2f}" if anchor else "-"
+            vs_bf16 = f"{r['step_ms'] / bf16['step_ms']:.2f}" if bf16 else "-"
+            memory = f"{r['peak_memory_mb']:,.0f}" if r["peak_memory_mb"] is not None else "-"
+            memory_ratio = (f"{r['peak_memory_mb'] / bf16['peak_memory_mb']:.2f}"
+                            if bf16 and r["peak_memory_mb"] and bf16["peak_memory_mb"] else "-")
+            table.add_row(r["name"], r["compute"], "yes" if r["compiled"] else "no", f"{r['step_ms']:.1f}",
+                          f"{r['tokens_per_s']:,.0f}", vs_anchor, vs_bf16, memory, memory_ratio)
+        console.print(table)
+
+
+def _parse_shape(text: str, where: str) -> tuple[int, int]:
+    """ROWSxCOLS of a tensor quantized along its rows: COLS must hold whole MXFP4 blocks."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        fail(f"{where} {text!r} is not ROWSxCOLS with positive sizes (e.g. 512x1024)")
+    if int(parts[1]) % 32:
+        fail(f"{where} {text!r} needs COLS a multiple of 32 (the MXFP4 block)")
+    return int(parts[0]), int(parts[1])
 
 
 def _toml_keys(path: Path) -> set[str]:
@@ -634,12 +779,7 @@ def _console():
 def _synthesize(dist: str, shape: str, seed: int):
     from fp4lab.numerics.survey import synthesize
 
-    try:
-        rows, cols = (int(n) for n in shape.lower().split("x"))
-    except ValueError:
-        fail(f"numerics: --shape {shape!r} is not ROWSxCOLS (e.g. 512x1024)")
-    if rows <= 0 or cols <= 0 or cols % 32:
-        fail(f"numerics: --shape {shape!r} needs positive sizes and COLS a multiple of 32 (the MXFP4 block)")
+    rows, cols = _parse_shape(shape, "numerics: --shape")
     return synthesize(dist, rows, cols, seed), f"--dist {dist}"
 
 

@@ -119,15 +119,17 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-        if self.record_max_logits:
-            self.last_max_logits = max_attention_logits(q, k)
-        if self.probe:
-            self.last_entropy = attention_entropy(q[: self.probe_batch], k[: self.probe_batch])
-
+        # Probes and FP4 attention compute their own precision (fp32 logits, bf16 PV); under autocast
+        # (bf16 activations) their products would otherwise be cast down to bf16.
+        with torch.autocast(x.device.type, enabled=False):
+            if self.record_max_logits:
+                self.last_max_logits = max_attention_logits(q, k)
+            if self.probe:
+                self.last_entropy = attention_entropy(q[: self.probe_batch], k[: self.probe_batch])
+            if self.quant is not None:
+                out = fp4_attention(q, k, v, self.quant)
         if self.quant is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            out = fp4_attention(q, k, v, self.quant)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
 
 

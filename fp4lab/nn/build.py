@@ -17,10 +17,13 @@ def derive_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}:{name}".encode())
 
 
-def build_model(config: ModelConfig, recipe: Recipe, *, seed: int, device: torch.device | str = "cpu") -> Llama:
+def build_model(
+    config: ModelConfig, recipe: Recipe, *, seed: int, device: torch.device | str = "cpu", tensor_cores: bool = False
+) -> Llama:
     """Every block linear gets the recipe's linear for its depth, the head gets the head recipe;
     each FP4Linear and each FP4 attention draws its random bits from its own seeded generator (on
-    `device`, where the model is moved)."""
+    `device`, where the model is moved). `tensor_cores` runs every linear's GEMMs on bf16 tensor
+    cores instead of the fp32 reference (fp4lab.nn.fp4_linear)."""
 
     def make_linear(block_index: int | None, name: str, in_features: int, out_features: int) -> FP4Linear:
         if block_index is None:
@@ -28,7 +31,9 @@ def build_model(config: ModelConfig, recipe: Recipe, *, seed: int, device: torch
         else:
             linear, path = recipe.linear_for_block(block_index, config.n_layers), f"layers.{block_index}.{name}"
         lora_rank = recipe.lora_svd_rank if block_index is not None and not linear.is_high_precision else 0
-        return FP4Linear(in_features, out_features, linear, seed=derive_seed(seed, path), lora_rank=lora_rank)
+        layer = FP4Linear(in_features, out_features, linear, seed=derive_seed(seed, path), lora_rank=lora_rank)
+        layer.tensor_cores = tensor_cores
+        return layer
 
     embedding_dtype = torch.bfloat16 if recipe.embedding == "bf16" else torch.float32
     model = Llama(config, make_linear, embedding_dtype=embedding_dtype).to(device)

@@ -15,22 +15,34 @@ The three GEMMs, their operands and the dim each operand is quantized along (its
 A transform (Hadamard) is applied to both operands of a GEMM along its contraction dim with one sign
 vector, so the unquantized product is unchanged. The token dim M is zero-padded to a multiple of the
 block and transform sizes for Wgrad (zeros add nothing to the product).
+
+Two ways to run the same GEMMs (`FP4Linear.tensor_cores`):
+
+- reference (default, the CPU path CI checks): decoded operands in fp32, fp32 GEMMs, output in the
+  input's dtype.
+- tensor cores (the CUDA fast path): each FP4 operand is decoded to its block values (E2M1 times the
+  block scale: exact in bf16), the GEMM runs on bf16 tensor cores with fp32 accumulation and an fp32
+  result, and NVFP4's outer scales, which vary only along the rows of an operand, multiply that result
+  (the epilogue, like the alpha of Blackwell's FP4 GEMMs). The products are the same exact numbers, so
+  the two ways agree up to fp32 summation order (and one rounding of each decoded NVFP4 value that
+  the reference makes when it folds the outer scale in). The output takes the autocast dtype (bf16
+  activations) and the weight gradient stays fp32. An all-bf16 recipe is a plain `F.linear` on bf16
+  casts, as in any bf16 PyTorch loop.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from fp4lab.numerics import fake_quantize, hadamard, hadamard_signs, quantize
+from fp4lab.numerics import BLOCK_SIZE, fake_quantize, fake_quantize_factored, hadamard, hadamard_signs, quantize
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.survey import error_stats
 from fp4lab.nn.recipe import GEMMS, LinearRecipe, OperandSpec
-
-_BLOCK = {"mxfp4": 32, "nvfp4": 16, "nvfp4_cta": 16}
-
 
 def encode_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator) -> QTensor | torch.Tensor:
     """The representation of a 2D operand (quantized along its last dim) that a GEMM consumes."""
@@ -73,9 +85,119 @@ def contraction_multiple(recipe: LinearRecipe, gemm: str) -> int:
     for name in GEMMS[gemm]:
         spec = recipe.operand(name)
         if spec.is_fp4:
-            multiple = math.lcm(multiple, _BLOCK[spec.format], *(spec.tile or ()))
+            multiple = math.lcm(multiple, BLOCK_SIZE[spec.format], *(spec.tile or ()))
         multiple = math.lcm(multiple, max(spec.transform_size, 1))
     return multiple
+
+
+@dataclass(frozen=True)
+class GemmOperand:
+    """One operand of a tensor-core GEMM: `values` [rows, K] (bf16 where exact, else fp32) and the
+    outer scale that multiplies the result: None, 0-dim, or one per row ([rows, 1])."""
+
+    values: torch.Tensor
+    outer: torch.Tensor | None = None
+
+    @property
+    def T(self) -> GemmOperand:  # noqa: N802 (reads like tensor.T)
+        """The transposed operand, for an encoding valid in both orientations (2D weight tiles)."""
+        if self.outer is not None and self.outer.dim():
+            raise ValueError("GemmOperand.T: a per-row outer scale does not transpose into a per-row scale")
+        return GemmOperand(self.values.T, self.outer)
+
+
+def gemm_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator, encoded=None) -> GemmOperand:
+    """What a tensor-core GEMM reads for a 2D operand quantized along its last dim. `encoded` (a QTensor
+    of the same operand, made for a probe) is used instead of quantizing again, so the random bits
+    drawn are the same either way."""
+    if signs is not None:
+        t = hadamard(t.to(torch.float32), spec.transform_size, signs)
+    if spec.format == "fp32":
+        return GemmOperand(t.to(torch.float32))
+    if spec.format == "bf16":
+        return GemmOperand(t.to(torch.bfloat16))
+    parts = encoded.factored() if encoded is not None else fake_quantize_factored(t, spec.format, **_quantize_options(spec, generator))
+    values = parts.values.to(torch.bfloat16) if parts.bf16_exact else parts.values
+    return GemmOperand(values, parts.outer)
+
+
+def tensor_core_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype) -> torch.Tensor:
+    """a.values @ b.values^T with fp32 accumulation and an fp32 result, times the outer scales.
+
+    bf16 x bf16 runs on bf16 tensor cores (`torch.mm(..., out_dtype=torch.float32)`: no rounding of
+    the accumulator to bf16 before the scales). Anything else, and every CPU GEMM, runs in fp32 on the
+    upcast values, which computes the same exact products."""
+    if a.values.dtype == b.values.dtype == torch.bfloat16 and a.values.is_cuda:
+        out = torch.mm(a.values, b.values.T, out_dtype=torch.float32)
+    else:
+        out = a.values.to(torch.float32) @ b.values.to(torch.float32).T
+    if a.outer is not None:
+        out = out * a.outer
+    if b.outer is not None:
+        out = out * (b.outer.reshape(1, -1) if b.outer.dim() else b.outer)
+    return out.to(out_dtype)
+
+
+def _activation_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear returns: the autocast dtype inside an autocast region (as nn.Linear), else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class _TensorCoreFP4LinearFunction(torch.autograd.Function):
+    """The recipe's three GEMMs on tensor cores (see the module docstring). Backward keeps what the
+    reference keeps: Wgrad's x^T operand, encoded from the exact activation at forward time."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: FP4Linear) -> torch.Tensor:
+        out_dtype = _activation_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):  # every GEMM here picks its own dtypes
+            return _TensorCoreFP4LinearFunction._forward(ctx, x, weight, layer, out_dtype)
+
+    @staticmethod
+    def _forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: FP4Linear, out_dtype: torch.dtype) -> torch.Tensor:
+        recipe, g = layer.recipe, layer.generator_for(x.device)
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        signs = {gemm: layer.draw_signs(recipe, gemm, g) for gemm in GEMMS}
+
+        x_op = layer.operand("fprop_x", x2, signs["fprop"], g)
+        w_op = layer.operand("fprop_w", weight, signs["fprop"], g)
+        out = tensor_core_mm(x_op, w_op, out_dtype)
+
+        xt = _pad_last(x2.T, contraction_multiple(recipe, "wgrad"))
+        xt_op = layer.operand("wgrad_x", xt, signs["wgrad"], g)
+
+        ctx.layer, ctx.signs, ctx.x_shape, ctx.x_dtype = layer, signs, x.shape, x.dtype
+        ctx.w_op = w_op if recipe.shares_weight_encoding else None
+        ctx.xt_op = xt_op
+        ctx.save_for_backward(weight)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _TensorCoreFP4LinearFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        layer, signs = ctx.layer, ctx.signs
+        recipe, g = layer.recipe, layer.generator_for(grad_out.device)
+        dy = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.float32)
+
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            dy_op = layer.operand("dgrad_dy", dy, signs["dgrad"], g)
+            if ctx.w_op is not None:  # 2D tiles: Q(W^T) = Q(W)^T, so Dgrad reads Fprop's weight
+                wt_op = ctx.w_op.T
+            else:
+                wt_op = layer.operand("dgrad_w", weight.T.contiguous(), signs["dgrad"], g)
+            grad_x = tensor_core_mm(dy_op, wt_op, ctx.x_dtype).reshape(ctx.x_shape)
+
+        dyt = _pad_last(dy.T, contraction_multiple(recipe, "wgrad"))
+        grad_w = tensor_core_mm(layer.operand("wgrad_dy", dyt, signs["wgrad"], g), ctx.xt_op, torch.float32)
+        return grad_x, grad_w, None
 
 
 class _FP4LinearFunction(torch.autograd.Function):
@@ -157,13 +279,32 @@ class FP4Linear(nn.Module):
         if lora_rank:
             self.register_buffer("lora_u", torch.zeros(out_features, lora_rank, dtype=torch.bfloat16))
             self.register_buffer("lora_v", torch.zeros(in_features, lora_rank, dtype=torch.bfloat16))
+        self.tensor_cores = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def tensor_cores(self) -> bool:
+        """Run the GEMMs on bf16 tensor cores (True) or as the fp32 reference (False); module docstring."""
+        return self._tensor_cores
+
+    @tensor_cores.setter
+    def tensor_cores(self, on: bool) -> None:
+        self._tensor_cores = on
+        # torch.compile traces a plain bf16 linear into the model's graph. An emulated one runs eagerly:
+        # its per-layer seed and generator would specialise one graph per layer, and its quantizers
+        # have kernels of their own. Disabling the bound forward makes the call itself the graph break.
+        plain = on and self.recipe.is_plain_bf16 and not self.lora_rank
+        self.forward = self._bf16_forward if plain else torch.compiler.disable(self._emulated_forward)
+
+    def _bf16_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16))
+
+    def _emulated_forward(self, x: torch.Tensor) -> torch.Tensor:
+        function = _TensorCoreFP4LinearFunction if self.tensor_cores else _FP4LinearFunction
         if not self.lora_rank:
-            return _FP4LinearFunction.apply(x, self.weight, self)
+            return function.apply(x, self.weight, self)
         u, v = self.lora_u.to(torch.float32), self.lora_v.to(torch.float32)
         low_rank = x.to(torch.bfloat16).to(torch.float32) @ v @ u.T
-        return low_rank + _FP4LinearFunction.apply(x, self.weight - u @ v.T, self)
+        return (low_rank + function.apply(x, self.weight - u @ v.T, self)).to(_activation_dtype(x))
 
     @torch.no_grad()
     def realign_low_rank(self) -> None:
@@ -194,6 +335,15 @@ class FP4Linear(nn.Module):
             self.record(operand, t, encoded, signs)
             return decode_operand(encoded)
         return operand_values(t, spec, signs, generator)
+
+    def operand(self, name: str, t: torch.Tensor, signs: torch.Tensor | None, generator) -> GemmOperand:
+        """The tensor-core operand for `name` (probed through the packed encoding, as `consume`)."""
+        spec = self.recipe.operand(name)
+        encoded = None
+        if self.probe and spec.is_fp4:
+            encoded = encode_operand(t, spec, signs, generator)
+            self.record(name, t, encoded, signs)
+        return gemm_operand(t, spec, signs, generator, encoded)
 
     def record(self, operand: str, exact: torch.Tensor, encoded, signs: torch.Tensor | None) -> None:
         if not self.probe or not isinstance(encoded, QTensor):

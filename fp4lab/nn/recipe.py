@@ -116,6 +116,11 @@ class LinearRecipe:
         return not any(self.operand(name).is_fp4 for name in OPERANDS)
 
     @property
+    def is_plain_bf16(self) -> bool:
+        """Every operand bf16 with no transform: an ordinary bf16 linear."""
+        return all(self.operand(name) == OperandSpec("bf16") for name in OPERANDS)
+
+    @property
     def shares_weight_encoding(self) -> bool:
         """Fprop and Dgrad decode the same weight: 2D tiles with one spec, so Q(W^T) = Q(W)^T."""
         return self.fprop_w.tile is not None and self.fprop_w == self.dgrad_w and self.fprop_w.transform == "none"

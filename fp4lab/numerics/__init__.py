@@ -5,7 +5,7 @@ The functions here are the exact CPU reference; docs/NUMERICS.md states every co
 
 from fp4lab.numerics.hadamard import HADAMARD_SIZES, TE_SIGNS, hadamard, hadamard_matrix, hadamard_signs
 from fp4lab.numerics.qtensor import QTensor
-from fp4lab.numerics.quantize import BLOCK_SIZE, FORMATS, ROUNDINGS, fake_quantize, quantize
+from fp4lab.numerics.quantize import BLOCK_SIZE, FORMATS, ROUNDINGS, FactoredValues, fake_quantize, fake_quantize_factored, quantize
 from fp4lab.numerics.scales import MX_SCALE_MODES
 
 __all__ = [
@@ -19,6 +19,8 @@ __all__ = [
     "hadamard",
     "hadamard_matrix",
     "hadamard_signs",
+    "FactoredValues",
     "fake_quantize",
+    "fake_quantize_factored",
     "quantize",
 ]

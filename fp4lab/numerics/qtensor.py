@@ -11,6 +11,25 @@ from fp4lab.numerics.scales import e4m3_decode, e8m0_decode
 
 
 @dataclass(frozen=True)
+class FactoredValues:
+    """What an FP4 GEMM on bf16 tensor cores consumes: `fake_quantize(x) == values * outer` bit for bit.
+
+    values: float32 E2M1 values times their block scale. For mxfp4 and nvfp4 each is exact in bf16
+            (E2M1 x 2^k: 2 significant bits; E2M1 x E4M3: at most 6), so a bf16 GEMM multiplies them
+            exactly and accumulates in fp32.
+    outer:  the nvfp4 decode scale 1 / S_enc (0-dim), or for 1D nvfp4_cta one scale per row
+            ([..., 1]); None for mxfp4. It varies only along the rows, never along the blocked
+            (contraction) dim, so it factors out of a GEMM into its epilogue (Blackwell's alpha).
+            2D nvfp4_cta tiles vary along both dims: their outer scale is folded into `values`
+            (which are then not exact in bf16: `bf16_exact` is False) and `outer` is None.
+    """
+
+    values: torch.Tensor
+    outer: torch.Tensor | None
+    bf16_exact: bool
+
+
+@dataclass(frozen=True)
 class QTensor:
     """A tensor quantized to MXFP4 or NVFP4.
 
@@ -43,6 +62,18 @@ class QTensor:
         # code * E4M3 scale is exact in float32, so decoding rounds once, at the outer scale.
         values = values * self._expand_blocks(e4m3_decode(self.scales))
         return (values * self._outer_scale()).to(dtype)
+
+    def factored(self) -> FactoredValues:
+        """The GEMM operand form of this encoding: `fake_quantize_factored` of the same input and bits."""
+        values = e2m1.decode(self.codes())
+        if self.fmt == "mxfp4":
+            return FactoredValues(values * self._expand_blocks(e8m0_decode(self.scales)), None, True)
+        values = values * self._expand_blocks(e4m3_decode(self.scales))
+        if self.fmt == "nvfp4":
+            return FactoredValues(values, self.tensor_scale, True)
+        if self.tile is not None:
+            return FactoredValues(values * self._outer_scale(), None, False)
+        return FactoredValues(values, self._outer_scale(), True)
 
     def _outer_scale(self) -> torch.Tensor:
         """The nvfp4 outer decode scale, broadcastable to the input's shape."""

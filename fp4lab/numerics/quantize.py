@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from fp4lab.numerics import e2m1
-from fp4lab.numerics.qtensor import QTensor
+from fp4lab.numerics.qtensor import FactoredValues, QTensor
 from fp4lab.numerics.scales import (
     E4M3_NAN_BITS,
     E8M0_NAN_BITS,
@@ -83,6 +83,21 @@ def fake_quantize(x: torch.Tensor, fmt: str, **options) -> torch.Tensor:
     return values.reshape(x.shape)
 
 
+def fake_quantize_factored(x: torch.Tensor, fmt: str, **options) -> FactoredValues:
+    """`fake_quantize` with the outer scale kept apart: the operand form of an emulated FP4 GEMM whose
+    products run on bf16 tensor cores and whose outer scales are applied to the fp32 result."""
+    enc = _encode(x, fmt, **({"rounding": "rtn"} | options))
+    if fmt == "mxfp4":
+        return FactoredValues((enc.elements * e8m0_decode(enc.scale_bits)).reshape(x.shape), None, True)
+    values = enc.elements * e4m3_decode(enc.scale_bits)
+    if fmt == "nvfp4_cta" and options.get("tile") is not None:
+        return FactoredValues((values * enc.outer_decode).reshape(x.shape), None, False)
+    outer = enc.outer_decode
+    if fmt == "nvfp4_cta":  # [..., 1, 1] per block row of the grouped view: one scale per row of x
+        outer = outer.reshape(*x.shape[:-1], 1)
+    return FactoredValues(values.reshape(x.shape), outer, True)
+
+
 @dataclass
 class _Encoding:
     elements: torch.Tensor  # E2M1 values (float32, signed) in the grouped view of `_group`
@@ -129,6 +144,9 @@ def _encode(
         scaled = torch.clamp(grouped * encode, -6.0, 6.0)
 
     elements = e2m1.round_to_nearest(scaled) if rounding == "rtn" else e2m1.round_stochastic(scaled, generator)
+    # A poisoned block's codes are +0: what its scaled values round to depends on the NaN sign bits of
+    # the platform (and for an Inf block, on the exponent read from Inf), not on the data.
+    elements = torch.where(nonfinite, 0.0, elements)
     return _Encoding(elements, scale_bits, tensor_scale, outer_decode, block, scale_mode, cta_tile)
 
 

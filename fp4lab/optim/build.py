@@ -47,6 +47,8 @@ class OptimizerConfig:
     adam_v_format:   "fp32" or "nvfp4" storage of AdamW's second moment (fp4lab.optim.adamw).
     update_cap:      None, or (alpha, alpha_qk) for OptiTrain-FP4's update cap (fp4lab.optim.qk_clip.UpdateCap),
                      e.g. (0.05, 0.02); it caps the block matrices, alpha_qk for attention.wq / wk.
+    fused:           AdamW with an fp32 second moment runs as torch.optim.AdamW(fused=True), one kernel
+                     for all tensors (CUDA; the same arithmetic as fp4lab's AdamW up to fusion).
     """
 
     name: str = "muon"
@@ -63,6 +65,7 @@ class OptimizerConfig:
     ns_format: str = "bf16"
     adam_v_format: str = "fp32"
     update_cap: tuple[float, float] | None = None
+    fused: bool = False
 
     def __post_init__(self) -> None:
         _choice("name", self.name, OPTIMIZER_NAMES)
@@ -192,7 +195,9 @@ def build_optimizer(named_parameters: Iterable[tuple[str, torch.Tensor]], cfg: O
         {"params": [p for n, p in named if route[n] == "adamw" and p.ndim < 2], "weight_decay": 0.0},
     ]
     adam_groups = [g for g in adam_groups if g["params"]]
-    if adam_groups:
+    if adam_groups and cfg.fused and cfg.adam_v_format == "fp32":
+        optimizers["adamw"] = torch.optim.AdamW(adam_groups, lr=cfg.adam_lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
+    elif adam_groups:
         optimizers["adamw"] = AdamW(
             adam_groups, lr=cfg.adam_lr, betas=tuple(cfg.betas), eps=cfg.eps, v_format=cfg.adam_v_format
         )

@@ -16,8 +16,14 @@ LR_SCHEDULES = ("cosine", "constant", "wsd")
 QK_CLIPS = ("none", "kimi", "update_cap")
 LR_SCALINGS = ("original", "moonlight")
 DEVICES = ("cpu", "cuda", "auto")
+# "reference": fp32 activations and fp32 GEMMs on decoded operands (the exact emulation CI checks).
+# "fast": bf16 activations (autocast), GEMMs on bf16 tensor cores with fp32 accumulation and the
+# outer scales in the epilogue, fused optimizers. "auto": fast on CUDA, reference on the CPU.
+COMPUTES = ("auto", "reference", "fast")
+# torch.compile of the forward and loss ("auto": on CUDA only); it changes only summation order.
+COMPILES = ("auto", "on", "off")
 # Fields that may change when a run resumes from its checkpoint without changing what it computes.
-RESUMABLE_CHANGES = ("max_minutes", "checkpoint_every", "out_dir", "device")
+RESUMABLE_CHANGES = ("max_minutes", "checkpoint_every", "out_dir", "device", "compile")
 
 
 class ConfigError(ValueError):
@@ -54,6 +60,8 @@ class TrainConfig:
     checkpoint_every: int = 50
     out_dir: str = "runs/default"
     device: str = "cpu"
+    compute: str = "auto"
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.data, dict):
@@ -64,6 +72,8 @@ class TrainConfig:
         _choice("qk_clip", self.qk_clip, QK_CLIPS, optional=True)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         _choice("device", self.device, DEVICES)
+        _choice("compute", self.compute, COMPUTES)
+        _choice("compile", self.compile, COMPILES)
         for name in ("seq_len", "batch_size", "steps", "ns_steps", "eval_every", "eval_batches", "probe_every", "checkpoint_every"):
             _integer(name, getattr(self, name), minimum=1)
         _integer("warmup_steps", self.warmup_steps, minimum=0)

@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from fp4lab.nn.build import attention_generators, build_model, fp4_linears
-from fp4lab.nn.model import Llama, count_parameters, preset
+from fp4lab.nn.model import Llama, ModelConfig, count_parameters, preset
 from fp4lab.nn.recipe import Recipe, load_recipe
 from fp4lab.optim.build import OptimizerConfig, build_optimizer
 from fp4lab.optim.qk_clip import qk_clip_
@@ -90,9 +90,7 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
         torch.cuda.reset_peak_memory_stats(device)
     data = load_dataset(config.data, progress=_interactive(progress))
     model_config = preset(config.model, data.vocab_size, config.seq_len)
-    torch.manual_seed(config.seed)
-    model = build_model(model_config, recipe, seed=config.seed, device=device)
-    optimizer = build_optimizer(model.named_parameters(), _optimizer_config(config, recipe))
+    model, optimizer, loss_fn = build_training(config, recipe, model_config, device)
     sampler = BatchSampler(data.train, config.batch_size, config.seq_len, config.seed)
     evaluation = val_batches(data.val, config.batch_size, config.seq_len, config.eval_batches)
     qk_clip, tau = _qk_clip(config, recipe)
@@ -127,21 +125,21 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
 
             tic = time.perf_counter()
             x, y = (t.to(device) for t in sampler.batch(step))
-            loss = model.loss(x, y)
-            record: dict[str, Any] = {"step": step, "loss": loss.item(), "lr": optimizer.param_groups[0]["lr"]}
+            lr = optimizer.param_groups[0]["lr"]
+            loss = loss_fn(x, y)
+            grad_norm = backward_and_step(model, optimizer, loss, config.grad_clip)
+            # Read back only now, so the GPU never waits for the host mid-step. A NaN/Inf step has
+            # updated the weights, but the run ends here without a checkpoint.
+            record: dict[str, Any] = {"step": step, "loss": loss.item(), "lr": lr}
             if not math.isfinite(record["loss"]):
                 status, diverged_step = "diverged", step
                 metrics.write(record)
                 break
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip).item()
-            record["grad_norm"] = grad_norm
-            if not math.isfinite(grad_norm):
+            record["grad_norm"] = grad_norm.item()
+            if not math.isfinite(record["grad_norm"]):
                 status, diverged_step = "diverged", step
                 metrics.write(record)
                 break
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
             if qk_clip == "kimi":
                 record["qk_clipped_heads"] = _apply_qk_clip(model, tau, bool(recipe.lora_svd_rank))
                 state.qk_clip_events += record["qk_clipped_heads"]
@@ -157,7 +155,7 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
             _set_probes(model, False, record_max_logits=False)
             state.step = step + 1
             if state.step % config.eval_every == 0 or state.step == config.steps:
-                record["val_loss"] = evaluate(model, evaluation, device)
+                record["val_loss"] = evaluate(model, loss_fn, evaluation, device)
                 state.last_val_loss = record["val_loss"]
                 state.best_val_loss = min(state.best_val_loss, record["val_loss"])
                 if not math.isfinite(record["val_loss"]):
@@ -182,13 +180,56 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
     return summary
 
 
+def backward_and_step(model: torch.nn.Module, optimizer, loss: torch.Tensor, grad_clip: float) -> torch.Tensor:
+    """Backward, clip the gradient norm, step; returns the norm (a tensor: nothing is read back)."""
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
 @torch.no_grad()
-def evaluate(model: Llama, batches: list, device: torch.device) -> float:
-    """Mean validation loss. The evaluation forward draws random bits (random Hadamard signs, SR), so
-    every generator is put back afterwards: evaluating never changes the training trajectory."""
+def evaluate(model: Llama, loss_fn: LossFn, batches: list, device: torch.device) -> float:
+    """Mean validation loss (`loss_fn`: the training forward, see `build_training`). The evaluation
+    forward draws random bits (random Hadamard signs, SR), so every generator is put back afterwards:
+    evaluating never changes the training trajectory."""
     with _generators_restored(model):
-        losses = [model.loss(x.to(device), y.to(device)).item() for x, y in batches]
+        losses = [loss_fn(x.to(device), y.to(device)).item() for x, y in batches]
     return sum(losses) / len(losses)
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def fast_compute(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the run takes the fast path (config.compute; "auto" means: on CUDA)."""
+    return config.compute == "fast" or (config.compute == "auto" and device.type == "cuda")
+
+
+def compiled(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the forward and loss run under torch.compile (config.compile; "auto" means: on CUDA)."""
+    return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+
+
+def build_training(
+    config: TrainConfig, recipe: Recipe, model_config: ModelConfig, device: torch.device
+) -> tuple[Llama, Any, LossFn]:
+    """The model, its optimizer and the loss function one training step calls, as `config` asks:
+    the fast path (bf16 autocast, tensor-core GEMMs, fused AdamW on CUDA) or the fp32 reference, and
+    torch.compile or not. The training loop and `fp4lab bench` both build a run through here."""
+    fast = fast_compute(config, device)
+    torch.manual_seed(config.seed)
+    model = build_model(model_config, recipe, seed=config.seed, device=device, tensor_cores=fast)
+    optimizer = build_optimizer(
+        model.named_parameters(), _optimizer_config(config, recipe, fused=fast and device.type == "cuda")
+    )
+
+    def loss_fn(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast):
+            return model.loss(tokens, targets)
+
+    return model, optimizer, (torch.compile(loss_fn) if compiled(config, device) else loss_fn)
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -206,7 +247,7 @@ def _interactive(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
 
 
-def _optimizer_config(config: TrainConfig, recipe: Recipe) -> OptimizerConfig:
+def _optimizer_config(config: TrainConfig, recipe: Recipe, fused: bool) -> OptimizerConfig:
     opt = recipe.optimizer
     cap = (opt.update_cap_alpha, opt.update_cap_alpha_qk) if _qk_clip(config, recipe)[0] == "update_cap" else None
     return OptimizerConfig(
@@ -219,6 +260,7 @@ def _optimizer_config(config: TrainConfig, recipe: Recipe) -> OptimizerConfig:
         ns_format=opt.ns_format,
         adam_v_format=opt.adam_v_format,
         update_cap=cap,
+        fused=fused,
     )
 
 
@@ -301,7 +343,8 @@ def _save(path: Path, config: TrainConfig, model: Llama, optimizer, state: RunSt
 def _restore(path: Path, config: TrainConfig, model: Llama, optimizer) -> RunState:
     checkpoint = load_checkpoint(path)
     saved, current = checkpoint["config"], config.to_dict()
-    changed = [k for k in current if k not in RESUMABLE_CHANGES and saved.get(k) != current[k]]
+    defaults = TrainConfig().to_dict()  # a checkpoint older than a field ran with its default
+    changed = [k for k in current if k not in RESUMABLE_CHANGES and saved.get(k, defaults[k]) != current[k]]
     if changed:
         raise ConfigError(
             f"{path} was written by a run with a different {', '.join(changed)}; resume with the same "

@@ -1,0 +1,130 @@
+"""Training-step benchmarks: fp4lab recipes and the plain PyTorch anchor, same shape, one process.
+
+Each configuration builds its model and optimizer the way a run does (`train.loop.build_training`
+for fp4lab, `bench.anchor` for the anchor), warms up (torch.compile compiles then), and times
+`steps` whole steps: forward and loss, backward, gradient clipping, optimizer step, with the loss and
+gradient norm read back every step as the training loop reads them. Batches are random tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from fp4lab.bench.anchor import anchor_step
+from fp4lab.nn.model import preset
+from fp4lab.nn.recipe import load_recipe
+from fp4lab.train.config import TrainConfig
+from fp4lab.train.loop import backward_and_step, build_training, compiled, fast_compute
+
+ANCHOR = "anchor"
+
+
+@dataclass(frozen=True)
+class StepBench:
+    """One timed configuration. `name` is a recipe or "anchor"."""
+
+    name: str
+    model: str
+    batch_size: int
+    seq_len: int
+    device: str
+    compute: str
+    compiled: bool
+    optimizer: str
+    step_ms: float  # median over the timed steps
+    step_ms_spread: float  # (max - min) / median of the timed steps
+    tokens_per_s: float
+    peak_memory_mb: float | None
+    first_loss: float
+    last_loss: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def bench_steps(
+    recipes: list[str],
+    *,
+    model: str,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    compile: str = "auto",
+    optimizer: str = "adamw",
+    vocab_size: int = 4096,
+    on_result: Callable[[StepBench], None] | None = None,
+) -> list[StepBench]:
+    """The anchor, then every recipe, each timed over `steps` steps after `warmup`."""
+    model_config = preset(model, vocab_size, seq_len)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(vocab_size, (batch_size, seq_len + 1), generator=g).to(device)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    shape = {"model": model, "batch_size": batch_size, "seq_len": seq_len, "device": str(device)}
+    results = []
+    for name in [ANCHOR, *recipes]:
+        config = TrainConfig(
+            recipe="bf16" if name == ANCHOR else name, model=model, batch_size=batch_size, seq_len=seq_len,
+            device=device.type, compile=compile, optimizer=optimizer, adam_lr=3e-4, lr=0.02,
+        )
+        use_compile = compiled(config, device)
+        if name == ANCHOR:
+            step, _ = anchor_step(model_config, device, compile=use_compile)
+            compute, optimizer_name = "bf16 autocast", "adamw (torch, fused on CUDA)"
+        else:
+            step = _fp4lab_step(config, model_config, device)
+            compute, optimizer_name = "fast" if fast_compute(config, device) else "reference", optimizer
+        times, losses, peak = _time(step, x, y, device, steps, warmup)
+        median = statistics.median(times)
+        result = StepBench(
+            name=name, **shape, compute=compute, compiled=use_compile, optimizer=optimizer_name,
+            step_ms=median * 1e3, step_ms_spread=(max(times) - min(times)) / median,
+            tokens_per_s=batch_size * seq_len / median, peak_memory_mb=peak,
+            first_loss=losses[0], last_loss=losses[-1],
+        )
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+        del step
+        torch._dynamo.reset()  # compiled graphs hold the last model; free it before the next one
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def _fp4lab_step(config: TrainConfig, model_config, device: torch.device):
+    model, optimizer, loss_fn = build_training(config, load_recipe(config.recipe), model_config, device)
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+        loss = loss_fn(tokens, targets)
+        grad_norm = backward_and_step(model, optimizer, loss, config.grad_clip)
+        return loss.item(), grad_norm.item()
+
+    return step
+
+
+def _time(step, x, y, device: torch.device, steps: int, warmup: int) -> tuple[list[float], list[float], float | None]:
+    """Per-step wall times (the step reads values back, so each ends synchronised), losses, peak MB."""
+    losses = []
+    for _ in range(warmup):
+        losses.append(step(x, y)[0])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        tic = time.perf_counter()
+        losses.append(step(x, y)[0])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - tic)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    return times, losses, peak
