@@ -7,6 +7,16 @@ import pytest
 import torch
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` need an NVIDIA GPU: without one they are reported as skipped."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (an NVIDIA GPU)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def run_cli(capsys, monkeypatch):
     """Run the real console entry point in-process; return (exit code, stdout, stderr)."""
