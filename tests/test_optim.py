@@ -368,3 +368,41 @@ def test_optim_imports_only_numerics_from_fp4lab():
             for m in modules:
                 if m.startswith("fp4lab"):
                     assert m.startswith(("fp4lab.numerics", "fp4lab.optim")), f"{path.name} imports {m}"
+
+
+def test_batched_newton_schulz_equals_one_matrix_at_a_time():
+    gen = torch.Generator().manual_seed(4)
+    for shape in ((48, 96), (96, 48), (64, 64)):
+        stack = torch.randn(3, *shape, generator=gen)
+        batched = newton_schulz(stack)
+        for i in range(3):
+            torch.testing.assert_close(batched[i].float(), newton_schulz(stack[i]).float(), rtol=0, atol=2e-3)
+
+
+def test_batched_muon_steps_like_unbatched_muon():
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(32, 64), (32, 64), (64, 32), (48, 48), (32, 64)]
+    runs = []
+    for batched in (False, True):
+        params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i))) for i, s in enumerate(shapes)]
+        opt = Muon(params, lr=0.02, weight_decay=0.01, batched=batched)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        runs.append([p.detach().clone() for p in params])
+        gen.manual_seed(5)
+    for unbatched, batched in zip(*runs):
+        torch.testing.assert_close(batched, unbatched, rtol=0, atol=1e-3)
+
+
+def test_fused_config_batches_muon_and_fuses_adamw():
+    params = llama_params()
+    opt = build_optimizer(params.items(), OptimizerConfig(fused=True))
+    assert opt.optimizers["muon"].batched
+    adamw = opt.optimizers["adamw"]
+    assert type(adamw) is torch.optim.AdamW and all(g["fused"] for g in adamw.param_groups)
+    plain = build_optimizer(params.items(), OptimizerConfig())
+    assert not plain.optimizers["muon"].batched and type(plain.optimizers["adamw"]) is not torch.optim.AdamW
+    nvfp4_v = build_optimizer(params.items(), OptimizerConfig(fused=True, adam_v_format="nvfp4"))
+    assert type(nvfp4_v.optimizers["adamw"]) is not torch.optim.AdamW  # torch has no NVFP4 state

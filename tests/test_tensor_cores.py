@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fp4lab.nn.fp4_linear import FP4Linear, GemmOperand, gemm_operand, tensor_core_mm
-from fp4lab.nn.recipe import OperandSpec, load_recipe
+from fp4lab.nn.recipe import LinearRecipe, OperandSpec, load_recipe
 from fp4lab.numerics import fake_quantize
 
 FP4_RECIPES = ("nvfp4-all", "nvfp4", "mxfp4", "mxfp4-rowsr-h32", "nvfp4-cta", "hybrid-operand", "optitrain", "nvfp4-global")
@@ -84,15 +84,29 @@ def test_mxfp4_subnormal_scale_blocks_survive_the_tensor_cores(device):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4-all", "mxfp4-rowsr-h32", "nvfp4-cta", "optitrain"])
-def test_fp4_linear_tensor_cores_match_reference(recipe, device):
+RTN_H16 = LinearRecipe(*(OperandSpec("nvfp4"),) * 4, OperandSpec("nvfp4", transform="h16"), OperandSpec("nvfp4", transform="h16"))
+RTN_MX_H32 = LinearRecipe(
+    *(OperandSpec("mxfp4", scale_mode="rceil"),) * 4, *(OperandSpec("mxfp4", scale_mode="floor", transform="h32"),) * 2
+)
+
+
+@pytest.mark.parametrize(
+    "recipe, fused",
+    [(load_recipe(name).linear, False) for name in ("nvfp4-all", "mxfp4-rowsr-h32", "nvfp4-cta", "optitrain")]
+    + [(RTN_H16, True), (RTN_MX_H32, True), (load_recipe("mxfp4").linear, True)],
+    ids=["nvfp4-all", "mxfp4-rowsr-h32", "nvfp4-cta", "optitrain", "fused-nvfp4-h16", "fused-mxfp4-h32", "fused-mxfp4"],
+)
+def test_fp4_linear_tensor_cores_match_reference(recipe, fused, device):
     """Forward and both gradients of one layer: the tensor-core Function against the reference one,
-    same seed (same SR bits and Hadamard signs), fp32 activations."""
+    same seed, fp32 activations. With the torch quantizers (fused=False) the SR bits and Hadamard
+    signs are the same; the fused kernels (CUDA) draw other SR bits, so they are checked on
+    round-to-nearest recipes, where the operands must then be identical."""
     results = []
     for tensor_cores in (False, True):
         torch.manual_seed(0)
-        layer = FP4Linear(512, 256, load_recipe(recipe).linear, seed=3).to(device)
+        layer = FP4Linear(512, 256, recipe, seed=3).to(device)
         layer.tensor_cores = tensor_cores
+        layer.fused_quantizers = fused
         g = torch.Generator().manual_seed(1)
         x = training_like(128, 512, g, device).reshape(2, 64, 512).requires_grad_(True)
         y = layer(x)

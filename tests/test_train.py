@@ -167,3 +167,40 @@ def test_config_validation_names_the_field(tmp_path):
     path.write_text('recipe = "nvfp4"\nsteps = 3\n[data]\nsource = "synthetic"\n')
     loaded = TrainConfig.from_toml(path)
     assert loaded.recipe == "nvfp4" and loaded.data.source == "synthetic"
+
+
+def test_compute_and_compile_resolve_per_device_and_validate():
+    from fp4lab.train.loop import compiled, fast_compute
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = TrainConfig()
+    assert not fast_compute(auto, cpu) and fast_compute(auto, cuda)
+    assert not compiled(auto, cpu) and compiled(auto, cuda)
+    assert fast_compute(TrainConfig(compute="fast"), cpu) and not fast_compute(TrainConfig(compute="reference"), cuda)
+    assert compiled(TrainConfig(compile="on"), cpu) and not compiled(TrainConfig(compile="off"), cuda)
+    with pytest.raises(ConfigError, match="compute='turbo' is not supported"):
+        TrainConfig(compute="turbo")
+    with pytest.raises(ConfigError, match="compile='yes' is not supported"):
+        TrainConfig(compile="yes")
+
+
+def test_fast_compute_on_the_cpu_trains_with_bf16_activations_and_tensor_core_linears(tmp_path):
+    """compute='fast' is the CUDA default; on the CPU it runs the same code (bf16 autocast, the
+    tensor-core Function with fp32 GEMMs): it trains, and it is not the reference computation."""
+    fast = small(tmp_path, "fast", recipe="nvfp4", compute="fast")
+    reference = small(tmp_path, "reference", recipe="nvfp4", compute="reference")
+    fast_summary, reference_summary = run(fast, progress=False), run(reference, progress=False)
+    assert fast_summary["status"] == reference_summary["status"] == "completed"
+    fast_losses, reference_losses = [r["loss"] for r in metrics(fast)], [r["loss"] for r in metrics(reference)]
+    assert fast_losses[0] != reference_losses[0]  # bf16 activations change the very first forward
+    assert abs(fast_losses[0] - reference_losses[0]) < 0.02 * reference_losses[0]
+    assert sum(fast_losses[-4:]) / 4 < fast_losses[0] - 0.4
+
+
+def test_compiled_training_matches_eager_training(tmp_path):
+    """torch.compile changes only summation order: the same run compiled and eager ends within
+    rounding of each other (CPU, reference compute, the bf16 recipe whose linears compile)."""
+    eager = run(small(tmp_path, "eager", steps=6, eval_every=6, compile="off"), progress=False)
+    compiled_run = run(small(tmp_path, "compiled", steps=6, eval_every=6, compile="on"), progress=False)
+    assert compiled_run["status"] == "completed"
+    assert abs(compiled_run["final_loss"] - eager["final_loss"]) < 1e-3 * eager["final_loss"]

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4lab.numerics import BLOCK_SIZE, fake_quantize, fake_quantize_factored, hadamard, hadamard_signs, quantize
+from fp4lab.numerics.fast import triton_available
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.survey import error_stats
 from fp4lab.nn.recipe import GEMMS, LinearRecipe, OperandSpec
@@ -77,6 +78,19 @@ def _quantize_options(spec: OperandSpec, generator) -> dict:
         "adaptive": spec.adaptive,
         "cta_tile": spec.cta_tile,
     }
+
+
+def _kernel_options(spec: OperandSpec, signs: torch.Tensor | None, generator, t: torch.Tensor) -> dict | None:
+    """The fused quantizer's arguments for `spec`, or None where it does not cover the spec (2D tiles,
+    CTA-local scales, adaptive scales, non-FP4 formats) or cannot run (no CUDA tensor, no Triton).
+    Stochastic rounding draws its Philox seed from the layer's generator on the device: resumes stay
+    exact, and the random bits differ from the reference's torch.rand stream (same distribution)."""
+    if not (t.is_cuda and spec.format in ("mxfp4", "nvfp4") and spec.tile is None and not spec.adaptive):
+        return None
+    if spec.transform_size not in (0, 16, 32) or not triton_available():
+        return None
+    seed = torch.randint(2**62, (1,), generator=generator, device=t.device) if spec.rounding == "sr" else None
+    return {"fmt": spec.format, "scale_mode": spec.scale_mode, "rounding": spec.rounding, "signs": signs, "seed": seed}
 
 
 def contraction_multiple(recipe: LinearRecipe, gemm: str) -> int:
@@ -158,20 +172,21 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: FP4Linear, out_dtype: torch.dtype) -> torch.Tensor:
         recipe, g = layer.recipe, layer.generator_for(x.device)
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        x2 = x.reshape(-1, x.shape[-1])
         signs = {gemm: layer.draw_signs(recipe, gemm, g) for gemm in GEMMS}
 
-        x_op = layer.operand("fprop_x", x2, signs["fprop"], g)
-        w_op = layer.operand("fprop_w", weight, signs["fprop"], g)
+        # x and x^T (Fprop, Wgrad) from one read of x; W and W^T (Fprop, Dgrad) from one read of W,
+        # unless 2D tiles make W^T's encoding the transpose of W's.
+        x_op, xt_op = layer.operand_pair(("fprop_x", "wgrad_x"), x2, (signs["fprop"], signs["wgrad"]), g)
+        if recipe.shares_weight_encoding:
+            w_op = layer.operand("fprop_w", weight, signs["fprop"], g)
+            wt_op = w_op.T
+        else:
+            w_op, wt_op = layer.operand_pair(("fprop_w", "dgrad_w"), weight, (signs["fprop"], signs["dgrad"]), g)
         out = tensor_core_mm(x_op, w_op, out_dtype)
 
-        xt = _pad_last(x2.T, contraction_multiple(recipe, "wgrad"))
-        xt_op = layer.operand("wgrad_x", xt, signs["wgrad"], g)
-
-        ctx.layer, ctx.signs, ctx.x_shape, ctx.x_dtype = layer, signs, x.shape, x.dtype
-        ctx.w_op = w_op if recipe.shares_weight_encoding else None
-        ctx.xt_op = xt_op
-        ctx.save_for_backward(weight)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.layer, ctx.signs, ctx.wt_op, ctx.xt_op = layer, signs, wt_op, xt_op
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -181,22 +196,12 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_out: torch.Tensor):
-        (weight,) = ctx.saved_tensors
         layer, signs = ctx.layer, ctx.signs
-        recipe, g = layer.recipe, layer.generator_for(grad_out.device)
-        dy = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.float32)
-
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            dy_op = layer.operand("dgrad_dy", dy, signs["dgrad"], g)
-            if ctx.w_op is not None:  # 2D tiles: Q(W^T) = Q(W)^T, so Dgrad reads Fprop's weight
-                wt_op = ctx.w_op.T
-            else:
-                wt_op = layer.operand("dgrad_w", weight.T.contiguous(), signs["dgrad"], g)
-            grad_x = tensor_core_mm(dy_op, wt_op, ctx.x_dtype).reshape(ctx.x_shape)
-
-        dyt = _pad_last(dy.T, contraction_multiple(recipe, "wgrad"))
-        grad_w = tensor_core_mm(layer.operand("wgrad_dy", dyt, signs["wgrad"], g), ctx.xt_op, torch.float32)
+        g = layer.generator_for(grad_out.device)
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        dy_op, dyt_op = layer.operand_pair(("dgrad_dy", "wgrad_dy"), dy, (signs["dgrad"], signs["wgrad"]), g)
+        grad_x = tensor_core_mm(dy_op, ctx.wt_op, ctx.x_dtype).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        grad_w = tensor_core_mm(dyt_op, ctx.xt_op, torch.float32)
         return grad_x, grad_w, None
 
 
@@ -273,6 +278,10 @@ class FP4Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         nn.init.normal_(self.weight, std=in_features**-0.5)
         self._generator: torch.Generator | None = None
+        self._fixed_signs: dict[tuple[str, torch.device], torch.Tensor] = {}
+        # The tensor-core path quantizes with the fused Triton kernels where they cover a spec; False
+        # keeps the torch reference quantizers (same random bits as the reference path, for checks).
+        self.fused_quantizers = True
         self.probe = False
         self.quant_stats: dict[str, tuple[float, float]] = {}
         self.lora_rank = lora_rank
@@ -323,8 +332,12 @@ class FP4Linear(nn.Module):
         spec = recipe.operand(GEMMS[gemm][0])
         if spec.transform == "none":
             return None
-        signs = hadamard_signs(spec.transform_size, spec.transform_signs, generator)
-        return signs.to(generator.device)
+        if spec.transform_signs == "random":
+            return hadamard_signs(spec.transform_size, "random", generator).to(generator.device)
+        key = (spec.transform, generator.device)
+        if key not in self._fixed_signs:  # built once per device: no host-to-device copy every call
+            self._fixed_signs[key] = hadamard_signs(spec.transform_size, spec.transform_signs).to(generator.device)
+        return self._fixed_signs[key]
 
     def consume(self, operand: str, t: torch.Tensor, signs: torch.Tensor | None, generator) -> torch.Tensor:
         """The float32 values a GEMM reads for `operand` (probed through the packed encoding, which
@@ -337,13 +350,52 @@ class FP4Linear(nn.Module):
         return operand_values(t, spec, signs, generator)
 
     def operand(self, name: str, t: torch.Tensor, signs: torch.Tensor | None, generator) -> GemmOperand:
-        """The tensor-core operand for `name` (probed through the packed encoding, as `consume`)."""
+        """The tensor-core operand `name` of t, quantized along its last dim: by the fused kernel where
+        it covers the spec (CUDA), else by the torch reference (probed through the packed encoding,
+        as `consume`)."""
         spec = self.recipe.operand(name)
+        options = _kernel_options(spec, signs, generator, t) if self.fused_quantizers else None
+        if options is not None:
+            return self._fused(t, [(name, options, False)])[0]
         encoded = None
         if self.probe and spec.is_fp4:
             encoded = encode_operand(t, spec, signs, generator)
             self.record(name, t, encoded, signs)
         return gemm_operand(t, spec, signs, generator, encoded)
+
+    def operand_pair(
+        self, names: tuple[str, str], t: torch.Tensor, signs: tuple[torch.Tensor | None, torch.Tensor | None], generator
+    ) -> tuple[GemmOperand, GemmOperand]:
+        """Operand names[0] of t (blocked along its last dim) and names[1] of t^T (blocked along t's
+        rows, which are zero-padded to the GEMM's contraction multiple): one read of t when the fused
+        kernel covers both specs."""
+        row_name, col_name = names
+        gemm = next(g for g, pair in GEMMS.items() if col_name in pair)
+        multiple = contraction_multiple(self.recipe, gemm)
+        covered = self.fused_quantizers and t.shape[0] % multiple == 0
+        row = _kernel_options(self.recipe.operand(row_name), signs[0], generator, t) if covered else None
+        col = _kernel_options(self.recipe.operand(col_name), signs[1], generator, t) if row is not None else None
+        if row is not None and col is not None:
+            return tuple(self._fused(t, [(row_name, row, False), (col_name, col, True)]))
+        return self.operand(row_name, t, signs[0], generator), self.operand(col_name, _pad_last(t.T, multiple), signs[1], generator)
+
+    def _fused(self, t: torch.Tensor, requests: list[tuple[str, dict, bool]]) -> list[GemmOperand]:
+        """Run the fused quantizer for (name, options, transposed) requests on one read of t; probes
+        record from the codes it emits, so probing never changes the bits a step draws."""
+        from fp4lab.numerics import triton_quantize
+
+        t = t.contiguous()
+        emit = {"emit_codes": self.probe}
+        if len(requests) == 2:
+            outputs = triton_quantize.quantize_fused_both(t, row=requests[0][1] | emit, col=requests[1][1] | emit)
+        else:
+            outputs = [triton_quantize.quantize_fused(t, **requests[0][1], **emit)]
+        for (name, options, transposed), q in zip(requests, outputs):
+            if self.probe:
+                exact = t.T if transposed else t
+                encoded = QTensor(q.codes, q.scales, q.outer, options["fmt"], exact.shape, BLOCK_SIZE[options["fmt"]], scale_mode=options["scale_mode"])
+                self.record(name, exact, encoded, options["signs"])
+        return [GemmOperand(q.values, q.outer) for q in outputs]
 
     def record(self, operand: str, exact: torch.Tensor, encoded, signs: torch.Tensor | None) -> None:
         if not self.probe or not isinstance(encoded, QTensor):

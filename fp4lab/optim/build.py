@@ -48,7 +48,8 @@ class OptimizerConfig:
     update_cap:      None, or (alpha, alpha_qk) for OptiTrain-FP4's update cap (fp4lab.optim.qk_clip.UpdateCap),
                      e.g. (0.05, 0.02); it caps the block matrices, alpha_qk for attention.wq / wk.
     fused:           AdamW with an fp32 second moment runs as torch.optim.AdamW(fused=True), one kernel
-                     for all tensors (CUDA; the same arithmetic as fp4lab's AdamW up to fusion).
+                     for all tensors (CUDA; the same arithmetic as fp4lab's AdamW up to fusion), and
+                     Muon's bf16 Newton-Schulz runs batched, one stack of matrices per shape.
     """
 
     name: str = "muon"
@@ -189,6 +190,7 @@ def build_optimizer(named_parameters: Iterable[tuple[str, torch.Tensor]], cfg: O
             ns_coefficients=tuple(cfg.ns_coefficients),
             lr_scaling=cfg.lr_scaling,
             ns_format=cfg.ns_format,
+            batched=cfg.fused,
         )
     adam_groups = [
         {"params": [p for n, p in named if route[n] == "adamw" and p.ndim >= 2], "weight_decay": cfg.weight_decay},

@@ -70,8 +70,10 @@ def newton_schulz(
     this reference does not model. Quantizing the bf16 iterate and dequantizing back to bf16 rounds
     twice, the second time at 2^-9, far below the FP4 error.
     """
+    if g.ndim == 3 and fmt == "bf16":
+        return _newton_schulz_batched(g, coefficients, steps, eps)
     if g.ndim != 2:
-        raise ValueError(f"newton_schulz: g must be a 2D matrix, got shape {list(g.shape)}")
+        raise ValueError(f"newton_schulz: g must be a 2D matrix (or a 3D stack with fmt='bf16'), got shape {list(g.shape)}")
     if fmt not in NS_FORMATS:
         raise ValueError(f"newton_schulz: fmt={fmt!r} is not supported; allowed: {', '.join(map(repr, NS_FORMATS))}")
     a, b, c = coefficients
@@ -92,6 +94,23 @@ def newton_schulz(
         gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, gram_update, x, beta=a)
     return x.T if tall else x
+
+
+def _newton_schulz_batched(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
+    """The bf16 iteration on a stack of same-shape matrices [n, rows, cols] at once: a handful of
+    batched GEMMs instead of a handful per matrix (the per-matrix launches dominate a small model's
+    optimizer step on a GPU). Equal to the 2D loop up to the summation order of the batched GEMMs."""
+    a, b, c = coefficients
+    tall = g.size(1) > g.size(2)
+    x = g.bfloat16()
+    if tall:
+        x = x.mT
+    x = x / torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, gram_update, x, beta=a)
+    return x.mT if tall else x
 
 
 def lr_scale(shape: torch.Size | tuple[int, int], lr_scaling: str) -> float:
@@ -127,6 +146,7 @@ class Muon(torch.optim.Optimizer):
         ns_coefficients: tuple[float, float, float] = KELLER_COEFFICIENTS,
         lr_scaling: str = "original",
         ns_format: str = "bf16",
+        batched: bool = False,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"Muon: lr={lr!r} must be >= 0")
@@ -148,6 +168,7 @@ class Muon(torch.optim.Optimizer):
             "lr_scaling": lr_scaling,
             "ns_format": ns_format,
         }
+        self.batched = batched
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -167,6 +188,7 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+            params, updates = [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -178,11 +200,27 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
                 buf = state["momentum_buffer"]
                 buf.lerp_(grad, 1 - mu)
-                update = grad.lerp(buf, mu) if group["nesterov"] else buf
-                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["ns_format"])
+                params.append(p)
+                updates.append(grad.lerp(buf, mu) if group["nesterov"] else buf)
+            for p, update in zip(params, self._orthogonalize(updates, group)):
                 p.mul_(1 - lr * wd)
                 p.add_(update, alpha=-lr * lr_scale(p.shape, group["lr_scaling"]))
         return loss
+
+    def _orthogonalize(self, updates: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+        """Newton-Schulz of every update: one matrix at a time, or (batched, bf16) one stack per shape."""
+        ns = (group["ns_coefficients"], group["ns_steps"], group["ns_format"])
+        if not (self.batched and group["ns_format"] == "bf16"):
+            return [newton_schulz(u, *ns) for u in updates]
+        by_shape: dict[tuple, list[int]] = {}
+        for i, u in enumerate(updates):
+            by_shape.setdefault((u.shape, u.dtype, u.device), []).append(i)
+        result: list[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
+        for indices in by_shape.values():
+            stacked = newton_schulz(torch.stack([updates[i] for i in indices]), *ns)
+            for i, orthogonal in zip(indices, stacked.unbind(0)):
+                result[i] = orthogonal
+        return result
 
 
 def _check_group(group: dict) -> None:
