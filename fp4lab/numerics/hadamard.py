@@ -3,6 +3,10 @@
 Each block of `size` elements along the last dim is multiplied by R = diag(signs) @ H / sqrt(size),
 H the Sylvester-ordered Hadamard matrix. R is orthonormal, so applying it to both operands of a
 GEMM along their shared contraction dim leaves the product unchanged: (A R)(B R)^T = A B^T.
+
+`hadamard` computes the product as a fast Walsh-Hadamard butterfly in a fixed order of float32
+operations (not as a matrix product, whose summation order depends on the BLAS), so a GPU kernel
+that performs the same operations (fp4lab.numerics.triton_quantize) reproduces it bit for bit.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ def hadamard_signs(size: int, kind: str = "fixed", generator: torch.Generator | 
 def hadamard_matrix(size: int, signs: torch.Tensor | str = "fixed") -> torch.Tensor:
     """R = diag(signs) @ H_size / sqrt(size) as float32 (rows are scaled by the signs)."""
     _check_size(size)
+    return (_sign_vector(size, signs).to(torch.float32).cpu()[:, None] * _sylvester(size)) / math.sqrt(size)
+
+
+def _sign_vector(size: int, signs: torch.Tensor | str) -> torch.Tensor:
     if isinstance(signs, str):
         if signs == "random":
             raise ValueError(
@@ -57,16 +65,18 @@ def hadamard_matrix(size: int, signs: torch.Tensor | str = "fixed") -> torch.Ten
                 f"hadamard: signs={signs!r} is not supported; allowed: 'fixed', 'none' or a tensor of {size} "
                 "values in {-1, +1} (see hadamard_signs)"
             )
-        s = hadamard_signs(size, signs)
-    else:
-        s = _check_signs(signs, size)
-    return (s.to(torch.float32).cpu()[:, None] * _sylvester(size)) / math.sqrt(size)
+        return hadamard_signs(size, signs)
+    return _check_signs(signs, size)
 
 
 def hadamard(x: torch.Tensor, size: int, signs: torch.Tensor | str = "fixed", *, inverse: bool = False) -> torch.Tensor:
     """Apply R (or R^T with inverse=True) to every block of `size` along the last dim of x.
 
-    Computed in float32 and returned in x's dtype (a bf16 input is rounded once, as TE's RHT is).
+    Computed in float32 and returned in x's dtype (a bf16 input is rounded once, as TE's RHT is). The
+    exact sequence, which fused kernels replicate: multiply by the signs (exact), log2(size) butterfly
+    stages h = 1, 2, 4, ... that replace each pair (a, b) at distance h inside a group of 2h by
+    (a + b, a - b), then one multiply by float32(1 / sqrt(size)). inverse=True: the butterfly first,
+    then the signs, then the scale (R^T = H diag(signs) / sqrt(size), H being symmetric).
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError("hadamard: x must be a floating-point torch.Tensor")
@@ -75,10 +85,20 @@ def hadamard(x: torch.Tensor, size: int, signs: torch.Tensor | str = "fixed", *,
         raise ValueError(
             f"hadamard: the last dim of x (shape {list(x.shape)}) must be a multiple of size={size}"
         )
-    r = hadamard_matrix(size, signs).to(x.device)
-    blocks = x.to(torch.float32).reshape(-1, size)
-    out = blocks @ (r.T if inverse else r)
-    return out.reshape(x.shape).to(x.dtype)
+    s = _sign_vector(size, signs).to(device=x.device, dtype=torch.float32)
+    y = x.to(torch.float32).reshape(-1, size)
+    if not inverse:
+        y = y * s
+    h = 1
+    while h < size:
+        pairs = y.reshape(-1, size // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2).reshape(-1, size)
+        h *= 2
+    if inverse:
+        y = y * s
+    y = y * (1.0 / math.sqrt(size))  # one float32 rounding of the scale, one of each product
+    return y.reshape(x.shape).to(x.dtype)
 
 
 def _check_size(size: int) -> None:
@@ -87,7 +107,12 @@ def _check_size(size: int) -> None:
 
 
 def _check_signs(signs: torch.Tensor, size: int) -> torch.Tensor:
-    if not isinstance(signs, torch.Tensor) or signs.shape != (size,) or not bool(((signs == 1) | (signs == -1)).all()):
+    """Check the shape always and the values on the CPU only: reading a GPU tensor's values would make
+    the host wait for the GPU (device vectors come from hadamard_signs, which draws only +-1)."""
+    valid = isinstance(signs, torch.Tensor) and signs.shape == (size,)
+    if valid and signs.device.type == "cpu":
+        valid = bool(((signs == 1) | (signs == -1)).all())
+    if not valid:
         raise ValueError(
             f"hadamard: signs must be 'fixed', 'none' or a tensor of {size} values in {{-1, +1}} "
             "(see hadamard_signs)"

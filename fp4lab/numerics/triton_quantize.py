@@ -1,0 +1,564 @@
+"""Fused Triton quantizers: MXFP4 / NVFP4 fake quantization of a 2D CUDA tensor in one pass.
+
+Each kernel reproduces the torch reference bit for bit:
+
+    quantize_fused(x, fmt=f, signs=s, transpose=t, ...).values
+        == fake_quantize_factored(hadamard(y, len(s), s), f, ...).values.bfloat16()
+    with y = x.float() (or x.float().T for transpose=True)
+
+and `.outer`, `.codes`, `.scales` equal the reference's outer scale, `quantize(...).data` and
+`.scales`. The order of every float32 operation follows `quantize._encode`, `scales.mx_exponent`,
+`e2m1.round_to_nearest` / `round_stochastic` and `hadamard.hadamard` (docs/NUMERICS.md). Three rules
+keep the kernels exact where Triton's defaults would not be:
+
+- every scale is built from integer exponent bits: Triton flushes the subnormal results of
+  `exp2`, and E8M0 scales reach 2^-127;
+- divisions use `tl.math.div_rn` (plain `/` is the approximate `div.full.f32`);
+- kernels are compiled with `enable_fp_fusion=False`, so no multiply-add is contracted into an FMA
+  with a different rounding.
+
+Not supported (ValueError naming the argument; callers fall back to the reference): 2D tiles,
+nvfp4_cta, adaptive scales, a given tensor_amax, transforms other than 16 and 32, a blocked dim that
+is not a multiple of the block and transform, dtypes other than bf16/fp32, non-CUDA or
+non-contiguous tensors. This module imports Triton: import it lazily, after
+`fp4lab.numerics.fast.triton_available()`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4lab.numerics.fast import triton_available
+
+FORMATS = ("mxfp4", "nvfp4")
+BLOCK = {"mxfp4": 32, "nvfp4": 16}
+_MX_MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}
+_TRANSFORM_SIZES = (16, 32)
+_OPTION_NAMES = ("fmt", "scale_mode", "rounding", "signs", "seed", "uniforms", "emit_codes")
+
+# Tile shapes (rows, cols of x, warps), chosen by a sweep on an H200 (8192 x 8192 bf16; fraction of
+# copy bandwidth): row-wise mxfp4 0.935 with (32, 128, 4), no better with 16-64 rows, 128-256 cols,
+# 4-8 warps; x^T 0.934 and both orientations 0.844 with (32, 64, 2), against 0.35-0.62 and 0.50-0.78
+# with 64-128 rows or 4-8 warps (the in-register transpose goes through shared memory).
+_TILE_ROW = (32, 128, 4)  # quantized along the last dim
+_TILE_COL = (32, 64, 2)  # quantized along the rows (output x^T), and both orientations
+_TILE_AMAX = (64, 128, 8)  # the NVFP4 amax pass: 0.95 of copy (read only)
+_AMAX_TILES = 4  # tiles per program of the amax pass: one atomic per program
+# Triton's CPU interpreter (TRITON_INTERPRET=1) runs these kernels on CPU tensors: the tests use it.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+SIGN_BIT = tl.constexpr(-0x80000000)  # 0x80000000 as an int32
+INV_SQRT32 = tl.constexpr(1.0 / math.sqrt(32))  # hadamard's scale, rounded to float32 where used
+PHILOX_ROUNDS = tl.constexpr(10)  # Triton's and cuRAND's default
+
+
+def available() -> bool:
+    """Triton imports and CUDA is available: what callers check before taking this path."""
+    return triton_available()
+
+
+@dataclass(frozen=True)
+class FusedQuant:
+    """One quantized operand in the output layout ([R, C], or [C, R] for transpose=True).
+
+    values: bf16 E2M1 values times their block scale (the reference's `values`, exact in bf16).
+    outer:  nvfp4: the decode scale 1 / S_enc as a 0-dim fp32 tensor; mxfp4: None.
+    codes:  with emit_codes: packed E2M1 codes (uint8, element 2i in the low nibble), else None.
+    scales: with emit_codes: the E8M0 / E4M3 scale bytes, one per block, else None.
+    """
+
+    values: torch.Tensor
+    outer: torch.Tensor | None
+    codes: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel building blocks. A tile t is [M, N] float32 and is quantized along N (its last axis); the
+# column-wise orientation passes tl.trans of the loaded tile.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _butterfly(t, M: tl.constexpr, N: tl.constexpr, h: tl.constexpr):
+    """One Walsh-Hadamard stage along N: each pair (a, b) at distance h inside a group of 2h becomes
+    (a + b, a - b)."""
+    a, b = tl.split(tl.permute(tl.reshape(t, [M, N // (2 * h), 2, h]), [0, 1, 3, 2]))
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [M, N])
+
+
+@triton.jit
+def _hadamard(t, signs_ptr, M: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
+    """hadamard.hadamard along N in blocks of H (16 or 32): signs, the stages in order, one scale."""
+    t = t * tl.load(signs_ptr + tl.arange(0, N) % H)[None, :]
+    t = _butterfly(t, M, N, 1)
+    t = _butterfly(t, M, N, 2)
+    t = _butterfly(t, M, N, 4)
+    t = _butterfly(t, M, N, 8)
+    if H == 32:
+        t = _butterfly(t, M, N, 16)
+    return t * (0.25 if H == 16 else INV_SQRT32)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _block_amax(t, M: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
+    """Per-block max |x| as [M, N // BLOCK], NaN or Inf for a block holding NaN or Inf (it poisons
+    only itself), so `bmax <= FLT_MAX` says the block is finite."""
+    return tl.reduce(tl.abs(tl.reshape(t, [M, N // BLOCK, BLOCK])), 2, _max_nan)
+
+
+@triton.jit
+def _mx_scale(bmax, MODE: tl.constexpr):
+    """scales.mx_exponent from the bits of a finite block amax: (E8M0 byte, encode multiplier)."""
+    if MODE == 3:  # rceil: ceil(log2(amax / 6)), the quotient rounded once in float32
+        qbits = tl.math.div_rn(bmax, 6.0).to(tl.int32, bitcast=True)
+        biased = qbits >> 23
+        mantissa = qbits & 0x7FFFFF
+        # A subnormal quotient m * 2^-149 has ceil(log2) -126 when m > 2^22, else -127 or less.
+        subnormal = tl.where(mantissa > 0x400000, -126, -127)
+        exponent = tl.where(biased > 0, biased - 127 + (mantissa != 0).to(tl.int32), subnormal)
+        exponent = tl.minimum(exponent, 127)
+        # Byte 0 encodes with multiplier 1 (TE and torchao flush such blocks to zero); 2^-e is normal.
+        multiplier = tl.where(exponent == -127, 1.0, ((127 - exponent) << 23).to(tl.float32, bitcast=True))
+    else:
+        bits = bmax.to(tl.int32, bitcast=True)
+        if MODE == 2:  # even: half an E2M1 mantissa step carries into the exponent iff >= 1.75
+            bits = (bits + (1 << 21)) & ~0x7FFFFF
+        exponent = ((bits >> 23) & 0xFF) - 127
+        if MODE == 1:  # ceil
+            exponent += ((bits & 0x7FFFFF) > 0).to(tl.int32)
+        exponent = tl.minimum(tl.maximum(exponent - 2, -127), 128)
+        # torchao's encode scale floor of 2^-126: byte 0 encodes at 2^126 and decodes at 2^-127.
+        multiplier = ((127 - tl.maximum(exponent, -126)) << 23).to(tl.float32, bitcast=True)
+    return exponent + 127, multiplier
+
+
+@triton.jit
+def _e8m0_decode(byte):
+    """2^(byte - 127) from bits; byte 0 is the subnormal 2^-127 (0x00400000), 0xFF is NaN."""
+    bits = tl.where(byte == 0, 0x400000, byte << 23)
+    return tl.where(byte == 0xFF, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_encode(s):
+    """float32 in [0, 448] to E4M3 bits, round to nearest even, with integer arithmetic (the
+    interpreter's float8 cast does not round to nearest even)."""
+    bits = s.to(tl.int32, bitcast=True)
+    # Normal E4M3 (s >= 2^-6): keep 3 mantissa bits, ties to even; a carry moves into the exponent.
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormal E4M3: multiples of 2^-9. Adding 2^23 rounds s * 2^9 (< 8, exact) to an integer, ties
+    # to even; 8 is byte 0x08, the smallest normal, as it should be.
+    subnormal = (s * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    return tl.where(s >= 0.015625, normal, subnormal)
+
+
+@triton.jit
+def _e4m3_decode(byte):
+    normal = ((byte << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    return tl.where(byte >= 8, normal, byte.to(tl.float32) * 0.001953125)
+
+
+@triton.jit
+def _nvfp4_tensor_scales(amax_ptr):
+    """scales.nvfp4_encode_scale of the tensor amax (int32 bits of a float >= 0): (S_enc, 1 / S_enc)."""
+    amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
+    s_enc = tl.minimum(tl.math.div_rn(2688.0, amax), FLT_MAX)
+    s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
+    return s_enc, tl.math.div_rn(1.0, s_enc)
+
+
+@triton.jit
+def _uniforms(seed_ptr, rows, col0, n_cols, M: tl.constexpr, N: tl.constexpr):
+    """[M, N] float32 uniforms in [0, 1) on a 2^-23 grid. One Philox call (tl.randint4x) yields four
+    32-bit words; they serve four neighbouring output elements, the call's offset being the linear
+    output index of the first of them divided by 4. The seed is read on the device."""
+    seed = tl.load(seed_ptr)
+    groups = rows.to(tl.int64)[:, None] * (n_cols // 4) + (col0 // 4 + tl.arange(0, N // 4))[None, :]
+    r0, r1, r2, r3 = tl.randint4x(seed, groups, PHILOX_ROUNDS)
+    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [M, N])  # r0 r1 r2 r3 in order
+    # 1.m with 23 random mantissa bits, minus 1: exact, and cheaper than an int-to-float conversion.
+    return ((words >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+
+
+@triton.jit
+def _quantize_store(
+    t, row0, col0, n_rows, n_cols,
+    val_ptr, codes_ptr, scales_ptr, signs_ptr, seed_ptr, u_ptr, amax_ptr, outer_ptr,
+    M: tl.constexpr, N: tl.constexpr, NV: tl.constexpr, MODE: tl.constexpr, H: tl.constexpr,
+    SR: tl.constexpr, GIVEN_U: tl.constexpr, CODES: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """Quantize tile t (rows row0.., blocked cols col0..) of an [n_rows, n_cols] output and store it."""
+    BLOCK: tl.constexpr = 16 if NV else 32
+    NB: tl.constexpr = N // BLOCK
+    rows = row0 + tl.arange(0, M)
+    cols = col0 + tl.arange(0, N)
+    if H > 0:
+        t = _hadamard(t, signs_ptr, M, N, H)
+    bmax = _block_amax(t, M, N, BLOCK)
+    finite = bmax <= FLT_MAX
+    if NV:
+        s_enc, outer = _nvfp4_tensor_scales(amax_ptr)
+        if (row0 == 0) & (col0 == 0):
+            tl.store(outer_ptr, outer)
+        # One float32 rounding of amax * (S_enc * (1/6)), as TE and quantize._encode compute it.
+        byte = _e4m3_encode(tl.minimum(bmax * (s_enc * (1.0 / 6.0)), 448.0))
+        byte = tl.where(finite, byte, 0x7F)
+        decode = tl.where(finite, _e4m3_decode(byte), float("nan"))
+        multiplier = tl.minimum(tl.math.div_rn(1.0, decode * outer), FLT_MAX)
+    else:
+        byte, multiplier = _mx_scale(bmax, MODE)
+        byte = tl.where(finite, byte, 0xFF)
+        decode = _e8m0_decode(byte)
+
+    v = tl.reshape(t, [M, NB, BLOCK]) * multiplier[:, :, None]
+    a = tl.abs(v)
+    if NV or SR:  # nvfp4 clamps to +-6 before rounding; SR saturates first (e2m1.round_stochastic)
+        a = tl.minimum(a, 6.0)
+    # E2M1 has 1 mantissa bit: its grid step in the binade [2^e, 2^(e+1)) is 2^(e-1), and 0.5 below 1
+    # (e2m1._grid_step). Adding magic = 2^22 * max(2^e, 1), whose ulp is that step, rounds a onto the
+    # grid, ties to even; subtracting it again is exact. Cheaper than selecting the step per element.
+    magic_bits = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000) + (22 << 23)
+    magic = magic_bits.to(tl.float32, bitcast=True)
+    q = (a + magic) - magic
+    if SR:
+        if GIVEN_U:
+            u = _load(u_ptr, rows, cols, n_rows, n_cols, EVEN)
+        else:
+            u = _uniforms(seed_ptr, rows, col0, n_cols, M, N)
+        step = (magic_bits - (23 << 23)).to(tl.float32, bitcast=True)
+        low = tl.where(q > a, q - step, q)
+        # e2m1.round_stochastic's `u < steps - low`, scaled by the step (a power of two): exact.
+        q = tl.where(tl.reshape(u, [M, NB, BLOCK]) * step < a - low, low + step, low)
+    else:
+        q = tl.minimum(q, 6.0)  # a is unclamped for mxfp4 RTN (up to 8 with floor scales)
+    sign = v.to(tl.int32, bitcast=True) & SIGN_BIT
+    # A poisoned block decodes to NaN through its NaN `decode`, whatever q is.
+    values = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * decode[:, :, None]
+    _store(val_ptr, rows, cols, n_rows, n_cols, tl.reshape(values, [M, N]).to(tl.bfloat16), EVEN)
+
+    if CODES:
+        # q in grid steps (exact: q < 2 * magic), plus 2 codes per binade above [1, 2), saturating at 7
+        steps = (q + magic).to(tl.int32, bitcast=True) - magic_bits
+        codes = tl.minimum(steps + 2 * ((magic_bits >> 23) - 149), 7) | ((sign >> 28) & 8)
+        codes = tl.where(finite[:, :, None], codes, 0)  # a poisoned block's codes are 0
+        lo, hi = tl.split(tl.reshape(codes, [M, N // 2, 2]))
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        _store(codes_ptr, rows, col0 // 2 + tl.arange(0, N // 2), n_rows, n_cols // 2, packed, EVEN)
+        _store(scales_ptr, rows, col0 // BLOCK + tl.arange(0, NB), n_rows, n_cols // BLOCK, byte.to(tl.uint8), EVEN)
+
+
+@triton.jit
+def _load(ptr, rows, cols, n_rows, n_cols, EVEN: tl.constexpr):
+    """Elements [rows, cols] of a row-major [n_rows, n_cols] array as float32 (0 outside it)."""
+    ptrs = ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    if EVEN:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :], other=0.0)
+    return tile.to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, rows, cols, n_rows, n_cols, value, EVEN: tl.constexpr):
+    """Store value into elements [rows, cols] of a row-major [n_rows, n_cols] array."""
+    ptrs = ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    if EVEN:
+        tl.store(ptrs, value)
+    else:
+        tl.store(ptrs, value, mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :])
+
+
+@triton.jit
+def _load_tile(x_ptr, R, C, r0, c0, BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr):
+    return _load(x_ptr, r0 + tl.arange(0, BR), c0 + tl.arange(0, BC), R, C, EVEN)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, R, C,
+    r_val, r_codes, r_scales, r_signs, r_seed, r_u, r_amax, r_outer,
+    c_val, c_codes, c_scales, c_signs, c_seed, c_u, c_amax, c_outer,
+    BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr,
+    ROW: tl.constexpr, R_NV: tl.constexpr, R_MODE: tl.constexpr, R_H: tl.constexpr,
+    R_SR: tl.constexpr, R_GIVEN_U: tl.constexpr, R_CODES: tl.constexpr,
+    COL: tl.constexpr, C_NV: tl.constexpr, C_MODE: tl.constexpr, C_H: tl.constexpr,
+    C_SR: tl.constexpr, C_GIVEN_U: tl.constexpr, C_CODES: tl.constexpr,
+):  # fmt: skip
+    """One [BR, BC] tile of x, read once: quantized along its rows into the [R, C] outputs (ROW)
+    and, transposed in registers, along its columns into the [C, R] outputs (COL)."""
+    r0 = tl.program_id(0) * BR
+    c0 = tl.program_id(1) * BC
+    x = _load_tile(x_ptr, R, C, r0, c0, BR, BC, EVEN)
+    if ROW:
+        _quantize_store(
+            x, r0, c0, R, C, r_val, r_codes, r_scales, r_signs, r_seed, r_u, r_amax, r_outer,
+            BR, BC, R_NV, R_MODE, R_H, R_SR, R_GIVEN_U, R_CODES, EVEN,
+        )  # fmt: skip
+    if COL:
+        _quantize_store(
+            tl.trans(x), c0, r0, C, R, c_val, c_codes, c_scales, c_signs, c_seed, c_u, c_amax, c_outer,
+            BC, BR, C_NV, C_MODE, C_H, C_SR, C_GIVEN_U, C_CODES, EVEN,
+        )  # fmt: skip
+
+
+@triton.jit
+def _finite_amax(t, signs_ptr, M: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
+    """Max of |t| over the finite NVFP4 blocks (1x16 along N) of the transformed tile."""
+    if H > 0:
+        t = _hadamard(t, signs_ptr, M, N, H)
+    bmax = _block_amax(t, M, N, 16)
+    return tl.max(tl.max(tl.where(bmax <= FLT_MAX, bmax, 0.0), axis=1), axis=0)
+
+
+@triton.jit
+def _amax_kernel(
+    x_ptr, R, C, r_amax, r_signs, c_amax, c_signs,
+    BR: tl.constexpr, BC: tl.constexpr, TILES: tl.constexpr, EVEN: tl.constexpr,
+    ROW: tl.constexpr, R_H: tl.constexpr, COL: tl.constexpr, C_H: tl.constexpr,
+):  # fmt: skip
+    """NVFP4 tensor amaxes (row-wise and/or of x^T) from one read of x: each program reduces TILES
+    tiles stacked along the rows, then folds its maximum into the int32 bits at *_amax with one
+    atomic (non-negative floats order as their bits do)."""
+    row_max = tl.zeros([], tl.float32)
+    col_max = tl.zeros([], tl.float32)
+    c0 = tl.program_id(1) * BC
+    for i in tl.static_range(TILES):
+        r0 = (tl.program_id(0) * TILES + i) * BR
+        x = _load_tile(x_ptr, R, C, r0, c0, BR, BC, EVEN)  # rows past R load as 0: no effect
+        if ROW:
+            row_max = tl.maximum(row_max, _finite_amax(x, r_signs, BR, BC, R_H))
+        if COL:
+            col_max = tl.maximum(col_max, _finite_amax(tl.trans(x), c_signs, BC, BR, C_H))
+    if ROW:
+        tl.atomic_max(r_amax, row_max.to(tl.int32, bitcast=True))
+    if COL:
+        tl.atomic_max(c_amax, col_max.to(tl.int32, bitcast=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Orientation:
+    """Validated options of one output orientation."""
+
+    nv: bool
+    mode: int
+    transform: int
+    signs: torch.Tensor | None
+    sr: bool
+    seed: torch.Tensor | None
+    uniforms: torch.Tensor | None
+    codes: bool
+
+
+def quantize_fused(
+    x: torch.Tensor,
+    *,
+    fmt: str,
+    scale_mode: str | None = None,
+    rounding: str = "rtn",
+    signs: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
+    transpose: bool = False,
+    emit_codes: bool = False,
+    **unsupported,
+) -> FusedQuant:
+    """Quantize a 2D CUDA tensor along its last dim (or x^T's, with transpose=True) in one kernel.
+
+    fmt "mxfp4" (scale_mode floor, ceil, even or rceil) or "nvfp4" (an extra read for the tensor
+    amax, on the device: no host sync). rounding "rtn" or "sr"; SR takes its float32 uniforms from
+    `uniforms` (the output's shape: tests pass the reference's draws) or draws them with Philox from
+    `seed` (an int64 CUDA tensor of one element, read in the kernel). signs: a float32 +-1 vector of
+    16 or 32 for a Hadamard transform along the blocked dim before quantizing. Any other reference
+    option (tile, adaptive, cta_tile, tensor_amax) raises ValueError.
+    """
+    _check_x(x)
+    _reject_unsupported(unsupported)
+    if not isinstance(transpose, bool):
+        raise ValueError(f"quantize_fused: transpose must be a bool, got {transpose!r}")
+    options = {"fmt": fmt, "scale_mode": scale_mode, "rounding": rounding, "signs": signs, "seed": seed, "uniforms": uniforms, "emit_codes": emit_codes}
+    spec = _orientation(x, options, transpose)
+    row, col = (None, spec) if transpose else (spec, None)
+    out_row, out_col = _launch(x, row, col, _TILE_COL if transpose else _TILE_ROW)
+    return out_col if transpose else out_row
+
+
+def quantize_fused_both(x: torch.Tensor, row: dict, col: dict) -> tuple[FusedQuant, FusedQuant]:
+    """Both orientations from one read of x: (quantized along the last dim, quantized x^T).
+
+    `row` and `col` hold quantize_fused's options for each (fmt, scale_mode, rounding, signs, seed,
+    uniforms, emit_codes). NVFP4 orientations first take their tensor amaxes in one more read.
+    """
+    _check_x(x)
+    for name, options in (("row", row), ("col", col)):
+        if not isinstance(options, dict):
+            raise ValueError(f"quantize_fused_both: {name} must be a dict of quantize_fused options")
+        unknown = sorted(set(options) - set(_OPTION_NAMES))
+        if unknown:
+            raise ValueError(f"quantize_fused_both: {name} option {unknown[0]!r} is not supported; allowed: {', '.join(_OPTION_NAMES)}")
+    row_spec = _orientation(x, {"rounding": "rtn", **row}, transpose=False)
+    col_spec = _orientation(x, {"rounding": "rtn", **col}, transpose=True)
+    return _launch(x, row_spec, col_spec, _TILE_COL)
+
+
+def _launch(x, row: _Orientation | None, col: _Orientation | None, tile) -> tuple[FusedQuant | None, FusedQuant | None]:
+    rows, cols = x.shape
+    br, bc, warps = tile
+    amax = _tensor_amaxes(x, row, col)
+    outs, args = [], []
+    for spec, shape, slot in ((row, (rows, cols), 0), (col, (cols, rows), 1)):
+        if spec is None:
+            outs.append(None)
+            args += [None] * 8
+            continue
+        out = _allocate(x.device, shape, spec)
+        outs.append(out)
+        args += [out.values, out.codes, out.scales, spec.signs, spec.seed, spec.uniforms, amax[slot:] if spec.nv else None, out.outer]
+    grid = (triton.cdiv(rows, br), triton.cdiv(cols, bc))
+    _quantize_kernel[grid](
+        x, rows, cols, *args,
+        BR=br, BC=bc, EVEN=rows % br == 0 and cols % bc == 0,
+        **_constexprs("R_", row), **_constexprs("C_", col), ROW=row is not None, COL=col is not None,
+        num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return outs[0], outs[1]
+
+
+def _tensor_amaxes(x, row: _Orientation | None, col: _Orientation | None) -> torch.Tensor | None:
+    """int32 bits of the NVFP4 tensor amax of each orientation ([row, col]), computed on the device."""
+    need_row, need_col = row is not None and row.nv, col is not None and col.nv
+    if not (need_row or need_col):
+        return None
+    amax = torch.zeros(2, dtype=torch.int32, device=x.device)
+    rows, cols = x.shape
+    br, bc, warps = _TILE_AMAX if not need_col else _TILE_COL
+    _amax_kernel[(triton.cdiv(rows, br * _AMAX_TILES), triton.cdiv(cols, bc))](
+        x, rows, cols, amax[0:], row.signs if need_row else None, amax[1:], col.signs if need_col else None,
+        BR=br, BC=bc, TILES=_AMAX_TILES, EVEN=rows % (br * _AMAX_TILES) == 0 and cols % bc == 0,
+        ROW=need_row, R_H=row.transform if need_row else 0, COL=need_col, C_H=col.transform if need_col else 0,
+        num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return amax
+
+
+def _constexprs(prefix: str, spec: _Orientation | None) -> dict:
+    if spec is None:
+        return {f"{prefix}{k}": 0 for k in ("NV", "MODE", "H", "SR", "GIVEN_U", "CODES")}
+    return {
+        f"{prefix}NV": spec.nv,
+        f"{prefix}MODE": spec.mode,
+        f"{prefix}H": spec.transform,
+        f"{prefix}SR": spec.sr,
+        f"{prefix}GIVEN_U": spec.uniforms is not None,
+        f"{prefix}CODES": spec.codes,
+    }
+
+
+def _allocate(device, shape, spec: _Orientation) -> FusedQuant:
+    rows, cols = shape
+    block = 16 if spec.nv else 32
+    return FusedQuant(
+        values=torch.empty(shape, dtype=torch.bfloat16, device=device),
+        outer=torch.empty((), dtype=torch.float32, device=device) if spec.nv else None,
+        codes=torch.empty((rows, cols // 2), dtype=torch.uint8, device=device) if spec.codes else None,
+        scales=torch.empty((rows, cols // block), dtype=torch.uint8, device=device) if spec.codes else None,
+    )
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: one-line ValueErrors that name the argument
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_x(x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"quantize_fused: x must be a torch.Tensor, got {type(x).__name__}")
+    if not (x.is_cuda or _INTERPRETED and x.device.type == "cpu"):
+        raise ValueError(f"quantize_fused: x is on {x.device}; the fused kernels need a CUDA tensor")
+    if x.dim() != 2 or x.numel() == 0:
+        raise ValueError(f"quantize_fused: x must be a non-empty 2D tensor, got shape {list(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"quantize_fused: x has dtype {x.dtype}; allowed: torch.bfloat16, torch.float32")
+    if not x.is_contiguous():
+        raise ValueError("quantize_fused: x must be contiguous (call .contiguous() first)")
+
+
+_REFERENCE_DEFAULTS = {"tile": None, "cta_tile": None, "tensor_amax": None, "generator": None, "adaptive": False}
+
+
+def _reject_unsupported(options: dict) -> None:
+    """The reference's other options are accepted at their defaults only, so callers can pass their
+    `quantize` options through; anything else means: use the reference."""
+    for name, value in options.items():
+        if name not in _REFERENCE_DEFAULTS or value is not _REFERENCE_DEFAULTS[name]:
+            raise ValueError(f"quantize_fused: {name}={value!r} is not supported by the fused kernels; use the torch reference")
+
+
+def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientation:
+    fmt = options.get("fmt")
+    if fmt not in FORMATS:
+        raise ValueError(f"quantize_fused: fmt={fmt!r} is not supported; allowed: 'mxfp4', 'nvfp4'")
+    scale_mode = options.get("scale_mode")
+    if fmt == "mxfp4" and scale_mode is not None and scale_mode not in _MX_MODES:
+        raise ValueError(f"quantize_fused: scale_mode={scale_mode!r} is not supported; allowed: {', '.join(map(repr, _MX_MODES))}")
+    if fmt == "nvfp4" and scale_mode is not None:
+        raise ValueError("quantize_fused: scale_mode applies to fmt='mxfp4' only; pass scale_mode=None for nvfp4")
+    rounding = options.get("rounding", "rtn")
+    if rounding not in ("rtn", "sr"):
+        raise ValueError(f"quantize_fused: rounding={rounding!r} is not supported; allowed: 'rtn', 'sr'")
+    out_shape = (x.shape[1], x.shape[0]) if transpose else tuple(x.shape)
+    seed, uniforms = options.get("seed"), options.get("uniforms")
+    if rounding == "rtn" and (seed is not None or uniforms is not None):
+        raise ValueError("quantize_fused: seed and uniforms apply to rounding='sr' only")
+    if rounding == "sr" and (seed is None) == (uniforms is None):
+        raise ValueError("quantize_fused: rounding='sr' needs exactly one of seed (int64 CUDA tensor) or uniforms")
+    if seed is not None and not _on_device(seed, x, torch.int64, (1,), ()):
+        raise ValueError("quantize_fused: seed must be an int64 tensor of one element on x's device")
+    if uniforms is not None and not (_on_device(uniforms, x, torch.float32, out_shape) and uniforms.is_contiguous()):
+        raise ValueError(f"quantize_fused: uniforms must be a contiguous float32 tensor of shape {list(out_shape)} on x's device")
+    signs = options.get("signs")
+    transform = 0
+    if signs is not None:
+        if not (isinstance(signs, torch.Tensor) and signs.dim() == 1 and signs.numel() in _TRANSFORM_SIZES and _on_device(signs, x, torch.float32, tuple(signs.shape))):
+            raise ValueError("quantize_fused: signs must be a float32 vector of 16 or 32 values +-1 on x's device (hadamard_signs(...).to(x.device))")
+        transform = signs.numel()
+    emit_codes = options.get("emit_codes", False)
+    if not isinstance(emit_codes, bool):
+        raise ValueError(f"quantize_fused: emit_codes must be a bool, got {emit_codes!r}")
+    blocked = out_shape[1]
+    multiple = max(BLOCK[fmt], transform)
+    if blocked % multiple:
+        what = "rows" if transpose else "last dim"
+        raise ValueError(f"quantize_fused: the {what} of x (shape {list(x.shape)}) must be a multiple of {multiple} ({fmt} block, transform)")
+    return _Orientation(
+        nv=fmt == "nvfp4",
+        mode=_MX_MODES[scale_mode or "floor"] if fmt == "mxfp4" else 0,
+        transform=transform,
+        signs=signs.contiguous() if signs is not None else None,
+        sr=rounding == "sr",
+        seed=seed,
+        uniforms=uniforms,
+        codes=emit_codes,
+    )
+
+
+def _on_device(t, x: torch.Tensor, dtype: torch.dtype, *shapes: tuple) -> bool:
+    return isinstance(t, torch.Tensor) and t.device == x.device and t.dtype == dtype and tuple(t.shape) in shapes

@@ -1,0 +1,419 @@
+"""Fused Triton quantizers (fp4lab.numerics.triton_quantize) against the torch reference, bit for bit.
+
+The reference of `quantize_fused(x, fmt=f, signs=s, transpose=t, ...)` is
+`fake_quantize_factored(hadamard(y, len(s), s), f, ...)` (and `quantize(...)` for codes and scale
+bytes) with y = x.float(), or x.float().T for t. SR is compared with the reference's own uniforms
+passed in; the kernel's in-kernel Philox draws are checked statistically.
+
+CUDA tests carry @pytest.mark.cuda (skipped without a GPU, see conftest.py). Two CPU tests run
+everywhere: fp4lab imports no Triton, and the kernels under Triton's interpreter when Triton is
+installed. Only torch, numpy, pytest and triton are needed here, so the module runs on a bare GPU box.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from fp4lab.numerics import fake_quantize_factored, hadamard, hadamard_signs, quantize
+
+MX_MODES = ("floor", "ceil", "even", "rceil")
+FORMAT_MODES = [("mxfp4", m) for m in MX_MODES] + [("nvfp4", None)]
+BLOCK = {"mxfp4": 32, "nvfp4": 16}
+SIGNS = {  # name -> (size, kind)
+    "none": None,
+    "fixed16": (16, "fixed"),
+    "random16": (16, "random"),
+    "fixed32": (32, "fixed"),
+    "random32": (32, "random"),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs: 2D tensors whose blocks run along either dim, so each serves both orientations
+# ----------------------------------------------------------------------------------------------
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _tile_scale(shape, low: int, high: int, seed: int, tile: int = 16) -> torch.Tensor:
+    """2^U(low, high) per tile x tile square: every 1D block, along rows or columns, gets one scale."""
+    rows, cols = (math.ceil(n / tile) for n in shape)
+    exps = torch.randint(low, high, (rows, cols), generator=_gen(seed)).float()
+    grid = torch.exp2(exps).repeat_interleave(tile, 0).repeat_interleave(tile, 1)
+    return grid[: shape[0], : shape[1]]
+
+
+def _ties(shape, seed: int) -> torch.Tensor:
+    """E2M1 midpoints that stay exact after scaling. 16x16 tiles with +-4 on the diagonal (MXFP4: every
+    scale mode then gives multiplier 1) or +-6 (NVFP4: with the tensor amax 2688 below, S_enc = 1 and
+    the block scale is 1), so every block along either dim holds midpoints and its maximum."""
+    g = _gen(seed)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    x = mids[torch.randint(0, 7, shape, generator=g)] * (1 - 2 * torch.randint(0, 2, shape, generator=g))
+    rows, cols = torch.meshgrid(torch.arange(shape[0]), torch.arange(shape[1]), indexing="ij")
+    diag = (rows % 16) == (cols % 16)
+    block_max = torch.where((rows // 16 + cols // 16) % 2 == 0, 4.0, 6.0)
+    x = torch.where(diag, block_max, x.clamp(-3.5, 3.5))  # below every block max
+    x[0, 0] = 2688.0
+    return x
+
+
+def inputs(shape, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = _gen(seed)
+    normal = torch.randn(shape, generator=g)
+    chi2 = sum(torch.randn(shape, generator=g) ** 2 for _ in range(3)) / 3
+    zero_blocks = torch.randn(shape, generator=g) * (_tile_scale(shape, 0, 2, seed + 1, 32) - 1)  # 2^0 - 1 = 0
+    nonfinite = torch.randn(shape, generator=g)
+    flat = nonfinite.view(-1)
+    for i, value in enumerate((float("nan"), float("inf"), float("-inf"), float("nan"))):
+        flat[(i * 7919 + 13) % flat.numel()] = value
+    nonfinite[1] = float("nan")  # a whole row: every row-block of it, one element of each column block
+    return {
+        "normal": normal,
+        "student_t": torch.randn(shape, generator=g) / chi2.sqrt(),
+        # E8M0 scales down to 2^-127 and fp32-subnormal inputs; E4M3 scales flushed to 0
+        "wide": torch.randn(shape, generator=g) * _tile_scale(shape, -140, 10, seed + 2),
+        "zero_blocks": zero_blocks,
+        "all_zero": torch.zeros(shape),
+        "ties": _ties(shape, seed + 3),
+        "nonfinite": nonfinite,
+        "tiny_tensor": torch.randn(shape, generator=g) * 2.0**-130,  # NVFP4 S_enc = FLT_MAX
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference and comparison
+# ----------------------------------------------------------------------------------------------
+
+
+def reference(x, fmt, scale_mode=None, rounding="rtn", signs=None, transpose=False, seed=1234):
+    """(FactoredValues, QTensor, uniforms): the reference's encoding of the operand and, for SR, the
+    uniforms it drew (the same draws the kernel is given)."""
+    y = x.float().T.contiguous() if transpose else x.float()
+    if signs is not None:
+        y = hadamard(y, signs.numel(), signs)
+    options = {"rounding": rounding, "scale_mode": scale_mode}
+    uniforms = None
+    if rounding == "sr":
+        # e2m1.round_stochastic draws torch.rand over the grouped view [rows, blocks, block]
+        block = BLOCK[fmt]
+        shape = (y.shape[0], y.shape[1] // block, block)
+        uniforms = torch.rand(shape, generator=_cuda_gen(seed), device=y.device).reshape(y.shape)
+    factored = fake_quantize_factored(y, fmt, generator=_cuda_gen(seed) if rounding == "sr" else None, **options)
+    q = quantize(y, fmt, generator=_cuda_gen(seed) if rounding == "sr" else None, **options)
+    return factored, q, uniforms
+
+
+def _cuda_gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def assert_matches(out, factored, q, label: str) -> None:
+    expected = factored.values.to(torch.bfloat16)
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(out.values), nan), f"{label}: NaN positions differ"
+    # bits, not values: -0.0 must stay -0.0
+    got_bits, want_bits = out.values.view(torch.int16)[~nan], expected.view(torch.int16)[~nan]
+    bad = (got_bits != want_bits).nonzero()
+    assert bad.numel() == 0, f"{label}: {bad.shape[0]} values differ, e.g. {out.values[~nan][bad[:3, 0]].tolist()} vs {expected[~nan][bad[:3, 0]].tolist()}"
+    assert torch.equal(out.scales, q.scales), f"{label}: scale bytes differ"
+    assert torch.equal(out.codes, q.data), f"{label}: codes differ"
+    if factored.outer is None:
+        assert out.outer is None
+    else:
+        assert out.outer.shape == () and torch.equal(out.outer.view(torch.int32), factored.outer.reshape(()).view(torch.int32)), f"{label}: outer"
+
+
+@pytest.fixture(scope="module")
+def tq():
+    pytest.importorskip("triton")
+    from fp4lab.numerics import triton_quantize
+
+    return triton_quantize
+
+
+def _signs(name: str, device="cuda"):
+    if SIGNS[name] is None:
+        return None
+    size, kind = SIGNS[name]
+    return hadamard_signs(size, kind, _gen(size) if kind == "random" else None).to(device)
+
+
+# Even shapes are multiples of every tile (the unmasked kernels); odd ones exercise the masks: 33 rows
+# for the row-wise orientation, 96 x 80 for x^T (its blocks run along the 96 rows).
+EVEN_SHAPE = (128, 256)
+ODD_SHAPE = {False: (33, 96), True: (96, 80)}
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: bit-exact against the reference
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("transform", [0, 16, 32], ids=["plain", "h16", "h32"])
+@pytest.mark.parametrize("rounding", ["rtn", "sr"])
+@pytest.mark.parametrize("fmt,mode", FORMAT_MODES, ids=[m or f for f, m in FORMAT_MODES])
+def test_exact_bf16(tq, fmt, mode, rounding, transform, transpose):
+    """Every input kind, fixed and random signs, even and odd shapes: values, codes, scales, outer."""
+    sign_names = ["none"] if not transform else [f"fixed{transform}", f"random{transform}"]
+    for shape in (EVEN_SHAPE, ODD_SHAPE[transpose]):
+        for kind, x in inputs(shape).items():
+            x = x.to("cuda", torch.bfloat16)
+            for sign_name in sign_names:
+                signs = _signs(sign_name)
+                factored, q, uniforms = reference(x, fmt, mode, rounding, signs, transpose)
+                out = tq.quantize_fused(
+                    x, fmt=fmt, scale_mode=mode, rounding=rounding, signs=signs, uniforms=uniforms,
+                    transpose=transpose, emit_codes=True,
+                )  # fmt: skip
+                assert_matches(out, factored, q, f"{kind} {shape} {sign_name}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("fmt,mode", FORMAT_MODES, ids=[m or f for f, m in FORMAT_MODES])
+def test_exact_fp32(tq, fmt, mode, transpose):
+    """fp32 inputs (fp32-subnormal elements included), RTN and SR, with and without H32."""
+    for kind, x in inputs(EVEN_SHAPE, seed=5).items():
+        x = x.to("cuda")
+        for rounding in ("rtn", "sr"):
+            for sign_name in ("none", "random32"):
+                signs = _signs(sign_name)
+                factored, q, uniforms = reference(x, fmt, mode, rounding, signs, transpose)
+                out = tq.quantize_fused(
+                    x, fmt=fmt, scale_mode=mode, rounding=rounding, signs=signs, uniforms=uniforms,
+                    transpose=transpose, emit_codes=True,
+                )  # fmt: skip
+                assert_matches(out, factored, q, f"{kind} {rounding} {sign_name}")
+
+
+BOTH_CASES = {
+    "mx-rtn/nv-sr-h16": (dict(fmt="mxfp4", scale_mode="floor"), dict(fmt="nvfp4", rounding="sr", signs="random16")),
+    "nv/nv": (dict(fmt="nvfp4"), dict(fmt="nvfp4")),  # two amaxes from one pass, NaNs differ per orientation
+    "nv-h32/nv": (dict(fmt="nvfp4", signs="fixed32"), dict(fmt="nvfp4", rounding="sr")),
+    "rceil-sr-h32/even": (dict(fmt="mxfp4", scale_mode="rceil", rounding="sr", signs="random32"), dict(fmt="mxfp4", scale_mode="even")),
+    "ceil-sr-h16/nv-h16": (dict(fmt="mxfp4", scale_mode="ceil", rounding="sr", signs="fixed16"), dict(fmt="nvfp4", signs="random16")),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(BOTH_CASES))
+def test_exact_both_orientations(tq, case):
+    """quantize_fused_both equals the reference of x (row options) and of x^T (col options)."""
+    row_opts, col_opts = BOTH_CASES[case]
+    for shape in (EVEN_SHAPE, (96, 160)):
+        for kind, x in inputs(shape, seed=9).items():
+            x = x.to("cuda", torch.bfloat16)
+            outs, refs = [], []
+            for opts, transpose in ((row_opts, False), (col_opts, True)):
+                opts = dict(opts, signs=_signs(opts.get("signs", "none")), emit_codes=True)
+                factored, q, uniforms = reference(
+                    x, opts["fmt"], opts.get("scale_mode"), opts.get("rounding", "rtn"), opts["signs"], transpose, seed=7 + transpose
+                )  # fmt: skip
+                refs.append((factored, q))
+                outs.append(dict(opts, uniforms=uniforms) if uniforms is not None else opts)
+            row_out, col_out = tq.quantize_fused_both(x, outs[0], outs[1])
+            assert row_out.values.shape == shape and col_out.values.shape == shape[::-1]
+            assert_matches(row_out, *refs[0], f"{kind} {shape} row")
+            assert_matches(col_out, *refs[1], f"{kind} {shape} col")
+
+
+@pytest.mark.cuda
+def test_values_without_codes_and_outer(tq):
+    """emit_codes=False (the training path) gives the same values; codes and scales are None."""
+    x = inputs(EVEN_SHAPE)["student_t"].to("cuda", torch.bfloat16)
+    for fmt in ("mxfp4", "nvfp4"):
+        full = tq.quantize_fused(x, fmt=fmt, emit_codes=True)
+        lean = tq.quantize_fused(x, fmt=fmt)
+        assert lean.codes is None and lean.scales is None
+        assert torch.equal(lean.values, full.values)
+        assert (lean.outer is None) == (fmt == "mxfp4")
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: stochastic rounding with in-kernel Philox draws
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transposed"])
+def test_sr_philox_unbiased_and_between_neighbours(tq, transpose):
+    """Columns j = 0 mod 16 hold 4.0 (every 32-block has amax 4: MXFP4 multiplier 1, values in E2M1
+    units), the others one of 15 off-grid values v between grid neighbours lo < hi. Every result is lo
+    or hi, and over n draws the mean for each v lies within 6 standard errors sqrt((v-lo)(hi-v)/n) of v,
+    plus the bias that the 2^-23 granularity of the uniforms allows (2^-23 of a step)."""
+    rows, cols, draws = 256, 512, 16
+    v = torch.tensor([0.1, 0.3, 0.6, 0.9, 1.1, 1.4, 1.6, 1.9, 2.2, 2.7, 3.3, 3.9, 4.5, 5.1, 5.9])
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    hi = grid[torch.searchsorted(grid, v)]
+    lo = grid[torch.searchsorted(grid, v) - 1]
+    x = torch.cat((torch.tensor([4.0]), v)).repeat(rows, cols // 16)
+    # transpose=True quantizes the transpose of its input: hand it x^T to quantize x itself
+    operand = (x.T.contiguous() if transpose else x).to("cuda")
+    total = torch.zeros(v.numel(), dtype=torch.float64)
+    for draw in range(draws):
+        seed = torch.tensor([draw * 7919 + 1], dtype=torch.int64, device="cuda")
+        out = tq.quantize_fused(operand, fmt="mxfp4", rounding="sr", seed=seed, transpose=transpose).values
+        body = out.float().cpu().reshape(rows, cols // 16, 16)[..., 1:]
+        assert ((body == lo) | (body == hi)).all()
+        total += body.double().sum(dim=(0, 1))
+    n = rows * cols // 16 * draws
+    v, lo, hi = v.double(), lo.double(), hi.double()
+    bound = 6 * torch.sqrt((v - lo) * (hi - v) / n) + (hi - lo) * 2.0**-23
+    assert ((total / n - v).abs() <= bound).all(), (total / n - v, bound)
+
+
+@pytest.mark.cuda
+def test_sr_philox_seed_reproducible_and_independent(tq):
+    """Same seed, same bits; another seed, other bits; neighbouring elements (one Philox call serves
+    four) round independently: P(both up) = P(up)^2 within sampling error."""
+    x = torch.full((512, 1024), 1.25, device="cuda")  # between 1 and 1.5: up with p = 1/2
+    x[:, ::32] = 4.0
+    seed = torch.tensor([3], dtype=torch.int64, device="cuda")
+    a = tq.quantize_fused(x, fmt="mxfp4", rounding="sr", seed=seed).values
+    b = tq.quantize_fused(x, fmt="mxfp4", rounding="sr", seed=seed.clone()).values
+    c = tq.quantize_fused(x, fmt="mxfp4", rounding="sr", seed=seed + 1).values
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    body = torch.ones(1024, dtype=torch.bool)
+    body[::32] = False
+    up = (a[:, body] == 1.5).float()
+    assert set(a[:, body].unique().tolist()) == {1.0, 1.5}
+    p = up.mean().item()
+    assert abs(p - 0.5) < 6 * math.sqrt(0.25 / up.numel())
+    pairs = up[:, 0:-1:2] * up[:, 1::2]  # elements 2i, 2i+1 of one row
+    assert abs(pairs.mean().item() - p * p) < 6 * math.sqrt(p * p * (1 - p * p) / pairs.numel())
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: errors
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(fmt="nvfp4_cta"), "fmt"),
+        (dict(fmt="mxfp4", tile=(32, 32)), "tile"),
+        (dict(fmt="mxfp4", scale_mode="rceil", adaptive=True), "adaptive"),
+        (dict(fmt="nvfp4", tensor_amax=1.0), "tensor_amax"),
+        (dict(fmt="nvfp4", scale_mode="floor"), "scale_mode"),
+        (dict(fmt="mxfp4", rounding="sr"), "seed"),
+        (dict(fmt="mxfp4", seed="seed"), "seed"),
+        (dict(fmt="mxfp4", signs="signs64"), "signs"),
+        (dict(fmt="mxfp4", rounding="down"), "rounding"),
+    ],
+)
+def test_unsupported_options_raise_value_error(tq, kwargs, name):
+    x = torch.zeros(64, 64, device="cuda")
+    if kwargs.get("seed") == "seed":
+        kwargs = dict(kwargs, seed=torch.tensor([1], device="cuda"))  # rounding is rtn
+    if kwargs.get("signs") == "signs64":
+        kwargs = dict(kwargs, signs=torch.ones(64, device="cuda"))
+    with pytest.raises(ValueError, match=name):
+        tq.quantize_fused(x, **kwargs)
+
+
+@pytest.mark.cuda
+def test_bad_tensors_raise_value_error(tq):
+    with pytest.raises(ValueError, match="CUDA"):
+        tq.quantize_fused(torch.zeros(64, 64), fmt="mxfp4")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        tq.quantize_fused(torch.zeros(64, 48, device="cuda"), fmt="mxfp4")
+    with pytest.raises(ValueError, match="rows"):
+        tq.quantize_fused(torch.zeros(40, 64, device="cuda"), fmt="mxfp4", transpose=True)
+    with pytest.raises(ValueError, match="contiguous"):
+        tq.quantize_fused(torch.zeros(64, 64, device="cuda").T, fmt="mxfp4")
+    with pytest.raises(ValueError, match="dtype"):
+        tq.quantize_fused(torch.zeros(64, 64, device="cuda", dtype=torch.float16), fmt="mxfp4")
+    with pytest.raises(ValueError, match="2D"):
+        tq.quantize_fused(torch.zeros(2, 64, 64, device="cuda"), fmt="mxfp4")
+    with pytest.raises(ValueError, match="option 'transpose'"):
+        tq.quantize_fused_both(torch.zeros(64, 64, device="cuda"), {"fmt": "mxfp4", "transpose": True}, {"fmt": "mxfp4"})
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU
+# ----------------------------------------------------------------------------------------------
+
+
+def test_fp4lab_imports_no_triton():
+    """fp4lab.numerics and fp4lab.nn (every submodule but the kernels) import and work without Triton,
+    and do not load it when it is installed; triton_available() then says False."""
+    code = textwrap.dedent(
+        """
+        import importlib, pkgutil, sys
+        sys.modules["triton"] = None  # any `import triton` now raises ImportError
+        import fp4lab.numerics, fp4lab.nn
+        from fp4lab.numerics.fast import triton_available
+        for package in (fp4lab.numerics, fp4lab.nn):
+            for info in pkgutil.iter_modules(package.__path__):
+                if info.name != "triton_quantize":
+                    importlib.import_module(f"{package.__name__}.{info.name}")
+        assert not triton_available()
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    code = "import sys, torch; t = 'triton' in sys.modules; import fp4lab.numerics, fp4lab.nn; print(t or 'triton' not in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True)
+    assert done.stdout.strip() == "True"
+
+
+INTERPRETED_CHECK = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_triton_quantize import inputs, assert_matches, BLOCK
+from fp4lab.numerics import fake_quantize_factored, hadamard, hadamard_signs, quantize
+from fp4lab.numerics.triton_quantize import quantize_fused, quantize_fused_both
+
+def ref(y, fmt, mode, rounding, signs):
+    if signs is not None:
+        y = hadamard(y, signs.numel(), signs)
+    u = None
+    if rounding == "sr":
+        u = torch.rand(y.shape[0], y.shape[1] // BLOCK[fmt], BLOCK[fmt], generator=torch.Generator().manual_seed(1)).reshape(y.shape)
+    opts = dict(scale_mode=mode, rounding=rounding)
+    g = lambda: torch.Generator().manual_seed(1) if rounding == "sr" else None
+    return fake_quantize_factored(y, fmt, generator=g(), **opts), quantize(y, fmt, generator=g(), **opts), u
+
+# The interpreter emulates float conversions without subnormals: keep to normal magnitudes. It runs
+# a custom reduction element by element in Python: few, small cases (two inputs each).
+cases = [("mxfp4", "floor", "rtn", None), ("mxfp4", "rceil", "sr", 32), ("mxfp4", "even", "rtn", 16),
+         ("mxfp4", "ceil", "sr", None), ("nvfp4", None, "rtn", 16), ("nvfp4", None, "sr", 32)]
+kinds = [(name, x) for name, x in inputs((32, 64), seed=2).items() if name not in ("wide", "tiny_tensor")]
+for i, (fmt, mode, rounding, size) in enumerate(cases):
+    for name, x in (kinds[i % len(kinds)], kinds[(i + 3) % len(kinds)]):
+        signs = hadamard_signs(size, "random", torch.Generator().manual_seed(size)) if size else None
+        row, row_q, row_u = ref(x.float(), fmt, mode, rounding, signs)
+        col, col_q, col_u = ref(x.float().T.contiguous(), fmt, mode, rounding, signs)
+        opts = dict(fmt=fmt, scale_mode=mode, rounding=rounding, signs=signs, emit_codes=True)
+        label = f"{{name}} {{fmt}} {{mode}} {{rounding}} {{size}}"
+        assert_matches(quantize_fused(x, uniforms=row_u, **opts), row, row_q, label)
+        both = quantize_fused_both(x, dict(opts, uniforms=row_u), dict(opts, uniforms=col_u))
+        assert_matches(both[0], row, row_q, label + " both/row")
+        assert_matches(both[1], col, col_q, label + " both/col")
+"""
+
+
+def test_kernels_under_triton_interpreter():
+    """The kernels' integer and float arithmetic, run by Triton's CPU interpreter, equals the reference
+    (normal magnitudes: the interpreter's float casts mishandle subnormals, the GPU's do not)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    started = time.monotonic()
+    code = INTERPRETED_CHECK.format(tests=os.path.dirname(__file__))
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert time.monotonic() - started < 60
