@@ -230,6 +230,54 @@ def test_exact_both_orientations(tq, case):
             assert_matches(col_out, *refs[1], f"{kind} {shape} col")
 
 
+TILE_CASES = [  # (fmt, scale_mode, adaptive, tile): the recipes' weight tiles and larger ones
+    ("nvfp4", None, False, (16, 16)),
+    ("nvfp4", None, False, (32, 16)),
+    ("nvfp4", None, False, (64, 64)),
+    ("mxfp4", "rceil", True, (32, 32)),
+    ("mxfp4", "rceil", False, (32, 32)),
+    ("mxfp4", "floor", False, (32, 64)),
+    ("mxfp4", "even", False, (64, 32)),
+    ("mxfp4", "rceil", True, (128, 128)),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt,mode,adaptive,tile", TILE_CASES, ids=[f"{f}-{m}-{'ad' if a else ''}{t[0]}x{t[1]}" for f, m, a, t in TILE_CASES])
+def test_exact_2d_tiles(tq, fmt, mode, adaptive, tile, dtype):
+    """2D weight tiles from fp32 (master weights) or bf16: values, codes, tile scale bytes, outer, on
+    every input kind, for shapes that fill whole regions and shapes that do not (the masked kernels)."""
+    options = dict(tile=tile) | (dict(scale_mode=mode, adaptive=adaptive) if fmt == "mxfp4" else {})
+    th, tw = tile
+    for shape in ((256, 512), (3 * th, 5 * tw), (th, tw)):
+        for kind, x in inputs(shape, seed=11).items():
+            x = x.to("cuda", dtype)
+            factored = fake_quantize_factored(x.float(), fmt, **options)
+            q = quantize(x.float(), fmt, **options)
+            out = tq.quantize_fused(x, fmt=fmt, emit_codes=True, **options)
+            assert out.scales.shape == (shape[0] // th, shape[1] // tw)
+            assert_matches(out, factored, q, f"{kind} {shape}")
+            lean = tq.quantize_fused(x, fmt=fmt, **options)
+            assert torch.equal(lean.values.view(torch.int16), out.values.view(torch.int16))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transposed"])
+def test_exact_adaptive_1d(tq, transpose):
+    """adaptive=True on 1D blocks (both orientations, and from one read with another spec)."""
+    for kind, x in inputs((96, 160), seed=13).items():
+        x = x.to("cuda")
+        y = x.T.contiguous() if transpose else x
+        factored = fake_quantize_factored(y, "mxfp4", scale_mode="rceil", adaptive=True)
+        q = quantize(y, "mxfp4", scale_mode="rceil", adaptive=True)
+        out = tq.quantize_fused(x, fmt="mxfp4", scale_mode="rceil", adaptive=True, transpose=transpose, emit_codes=True)
+        assert_matches(out, factored, q, kind)
+        opts = dict(fmt="mxfp4", scale_mode="rceil", adaptive=True, emit_codes=True)
+        both = tq.quantize_fused_both(x, opts if not transpose else dict(fmt="nvfp4", emit_codes=True), opts if transpose else dict(fmt="nvfp4", emit_codes=True))
+        assert_matches(both[1 if transpose else 0], factored, q, kind + " both")
+
+
 @pytest.mark.cuda
 def test_values_without_codes_and_outer(tq):
     """emit_codes=False (the training path) gives the same values; codes and scales are None."""
@@ -253,7 +301,7 @@ def test_sr_philox_unbiased_and_between_neighbours(tq, transpose):
     """Columns j = 0 mod 16 hold 4.0 (every 32-block has amax 4: MXFP4 multiplier 1, values in E2M1
     units), the others one of 15 off-grid values v between grid neighbours lo < hi. Every result is lo
     or hi, and over n draws the mean for each v lies within 6 standard errors sqrt((v-lo)(hi-v)/n) of v,
-    plus the bias that the 2^-23 granularity of the uniforms allows (2^-23 of a step)."""
+    plus the bias that the 2^-16 granularity of the uniforms allows (2^-16 of a step)."""
     rows, cols, draws = 256, 512, 16
     v = torch.tensor([0.1, 0.3, 0.6, 0.9, 1.1, 1.4, 1.6, 1.9, 2.2, 2.7, 3.3, 3.9, 4.5, 5.1, 5.9])
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -271,14 +319,15 @@ def test_sr_philox_unbiased_and_between_neighbours(tq, transpose):
         total += body.double().sum(dim=(0, 1))
     n = rows * cols // 16 * draws
     v, lo, hi = v.double(), lo.double(), hi.double()
-    bound = 6 * torch.sqrt((v - lo) * (hi - v) / n) + (hi - lo) * 2.0**-23
+    bound = 6 * torch.sqrt((v - lo) * (hi - v) / n) + (hi - lo) * 2.0**-16
     assert ((total / n - v).abs() <= bound).all(), (total / n - v, bound)
 
 
 @pytest.mark.cuda
 def test_sr_philox_seed_reproducible_and_independent(tq):
     """Same seed, same bits; another seed, other bits; neighbouring elements (one Philox call serves
-    four) round independently: P(both up) = P(up)^2 within sampling error."""
+    eight, two halves of one word serve elements 2i and 2i + 1) round independently: P(both up) =
+    P(up)^2 within sampling error, for pairs in one word and pairs of words."""
     x = torch.full((512, 1024), 1.25, device="cuda")  # between 1 and 1.5: up with p = 1/2
     x[:, ::32] = 4.0
     seed = torch.tensor([3], dtype=torch.int64, device="cuda")
@@ -292,8 +341,10 @@ def test_sr_philox_seed_reproducible_and_independent(tq):
     assert set(a[:, body].unique().tolist()) == {1.0, 1.5}
     p = up.mean().item()
     assert abs(p - 0.5) < 6 * math.sqrt(0.25 / up.numel())
-    pairs = up[:, 0:-1:2] * up[:, 1::2]  # elements 2i, 2i+1 of one row
-    assert abs(pairs.mean().item() - p * p) < 6 * math.sqrt(p * p * (1 - p * p) / pairs.numel())
+    up = (a == 1.5).float()  # columns 8g + k: word k // 2 of call g, its high half for odd k
+    for i, j in ((2, 3), (3, 4), (2, 6)):  # halves of one word, neighbouring words, words 1 and 3
+        pairs = up[:, i::8] * up[:, j::8]
+        assert abs(pairs.mean().item() - p * p) < 6 * math.sqrt(p * p * (1 - p * p) / pairs.numel())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,8 +357,14 @@ def test_sr_philox_seed_reproducible_and_independent(tq):
     "kwargs,name",
     [
         (dict(fmt="nvfp4_cta"), "fmt"),
-        (dict(fmt="mxfp4", tile=(32, 32)), "tile"),
-        (dict(fmt="mxfp4", scale_mode="rceil", adaptive=True), "adaptive"),
+        (dict(fmt="mxfp4", tile=(16, 16)), "tile"),
+        (dict(fmt="nvfp4", tile=(16, 16), rounding="sr", seed="seed"), "tile"),
+        (dict(fmt="nvfp4", tile=(16, 16), signs="signs16"), "tile"),
+        (dict(fmt="nvfp4", tile=(16, 16), transpose=True), "tile"),
+        (dict(fmt="nvfp4", tile=(48, 16)), "tile"),
+        (dict(fmt="mxfp4", adaptive=True), "adaptive"),
+        (dict(fmt="nvfp4", adaptive=True), "adaptive"),
+        (dict(fmt="nvfp4", cta_tile=128), "cta_tile"),
         (dict(fmt="nvfp4", tensor_amax=1.0), "tensor_amax"),
         (dict(fmt="nvfp4", scale_mode="floor"), "scale_mode"),
         (dict(fmt="mxfp4", rounding="sr"), "seed"),
@@ -318,10 +375,10 @@ def test_sr_philox_seed_reproducible_and_independent(tq):
 )
 def test_unsupported_options_raise_value_error(tq, kwargs, name):
     x = torch.zeros(64, 64, device="cuda")
-    if kwargs.get("seed") == "seed":
-        kwargs = dict(kwargs, seed=torch.tensor([1], device="cuda"))  # rounding is rtn
-    if kwargs.get("signs") == "signs64":
-        kwargs = dict(kwargs, signs=torch.ones(64, device="cuda"))
+    if kwargs.get("seed") == "seed":  # rtn: a seed is an error; sr: the tile is
+        kwargs = dict(kwargs, seed=torch.tensor([1], device="cuda"))
+    if kwargs.get("signs") in ("signs64", "signs16"):
+        kwargs = dict(kwargs, signs=torch.ones(int(kwargs["signs"][5:]), device="cuda"))
     with pytest.raises(ValueError, match=name):
         tq.quantize_fused(x, **kwargs)
 
@@ -404,6 +461,11 @@ for i, (fmt, mode, rounding, size) in enumerate(cases):
         both = quantize_fused_both(x, dict(opts, uniforms=row_u), dict(opts, uniforms=col_u))
         assert_matches(both[0], row, row_q, label + " both/row")
         assert_matches(both[1], col, col_q, label + " both/col")
+
+for fmt, opts in (("nvfp4", dict(tile=(16, 16))), ("mxfp4", dict(tile=(32, 32), scale_mode="rceil", adaptive=True))):
+    for name, x in kinds[:2]:
+        out = quantize_fused(x, fmt=fmt, emit_codes=True, **opts)
+        assert_matches(out, fake_quantize_factored(x.float(), fmt, **opts), quantize(x.float(), fmt, **opts), f"{{name}} {{fmt}} tiles")
 """
 
 

@@ -1,11 +1,17 @@
 """Quantizer benchmarks: bytes moved per second, against a device-to-device copy of the same tensor.
 
-Each case quantizes one [rows, cols] bf16 tensor along its last dim into what a tensor-core GEMM
-reads (bf16 block values and the outer scale) with the fused Triton kernel where it exists (CUDA),
-else with the torch reference (`fake_quantize_factored`, and `hadamard` first for H16). Bytes are
-those the kernel must move: the bf16 input read once, the bf16 values written (the reference moves
-more, through its intermediates; it is timed on the same count). The copy reads and writes the same
-tensor once each; the ratio of the two rates is the figure of merit (1.0: as fast as a copy).
+Each case quantizes one [rows, cols] tensor (bf16, or fp32 for the 2D weight tiles of master weights)
+into what a tensor-core GEMM reads: bf16 block values and the outer scale, for rows (along the last
+dim), for x^T, or for both orientations from one read, optionally with packed codes and scale bytes.
+On CUDA the fused Triton kernels run where they cover the case, else (and on the CPU) the torch
+reference (`fake_quantize_factored`, after `hadamard` for H16). Bytes are those the fused kernel must
+move: x read once per pass (NVFP4 reads x once more for its tensor amax), bf16 values written per
+orientation, codes (half a byte per element) and scale bytes when emitted. The reference moves more
+through its intermediates; it is timed on the same count. The copy reads and writes the bf16 tensor
+once each; the ratio of the two rates is the figure of merit (1.0: as fast as a copy).
+
+On CUDA every time is the median over `repeats` replays of a CUDA graph of several calls, so Python's
+launch cost, which is of the order of a kernel's time at 8192 x 8192, is not counted.
 """
 
 from __future__ import annotations
@@ -17,19 +23,45 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fp4lab.numerics import fake_quantize_factored, hadamard, hadamard_signs
+from fp4lab.numerics import BLOCK_SIZE, fake_quantize_factored, hadamard, hadamard_signs
 
-# (label, format, options, Hadamard size or 0)
-CASES = (
-    ("mxfp4", "mxfp4", {"scale_mode": "floor"}, 0),
-    ("mxfp4 rceil", "mxfp4", {"scale_mode": "rceil"}, 0),
-    ("mxfp4 H16", "mxfp4", {"scale_mode": "floor"}, 16),
-    ("mxfp4 SR", "mxfp4", {"scale_mode": "floor", "rounding": "sr"}, 0),
-    ("nvfp4", "nvfp4", {}, 0),
-    ("nvfp4 H16", "nvfp4", {}, 16),
-    ("nvfp4 SR", "nvfp4", {"rounding": "sr"}, 0),
-    ("nvfp4 H16 SR", "nvfp4", {"rounding": "sr"}, 16),
-)
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case: options per orientation (quantize_fused's: fmt, scale_mode, adaptive,
+    rounding, and `signs` as the Hadamard size)."""
+
+    label: str
+    row: dict | None = None  # quantized along the last dim
+    col: dict | None = None  # quantized along the rows (the output is x^T)
+    codes: bool = False
+    tile: tuple[int, int] | None = None  # 2D weight tiles (row only)
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def orientations(self) -> list[tuple[dict, bool]]:
+        """(options, transpose) of each orientation quantized."""
+        return [(o, t) for o, t in ((self.row, False), (self.col, True)) if o is not None]
+
+
+def _cases() -> tuple[Case, ...]:
+    variants = (("", {}), (" H16", {"signs": 16}), (" SR", {"rounding": "sr"}), (" H16 SR", {"signs": 16, "rounding": "sr"}))
+    cases = []
+    for fmt, base in (("mxfp4", {"fmt": "mxfp4", "scale_mode": "floor"}), ("nvfp4", {"fmt": "nvfp4"})):
+        cases += [Case(f"{fmt}{suffix}", row=base | extra) for suffix, extra in variants]
+        if fmt == "mxfp4":  # the CPU smoke test expects "mxfp4", "mxfp4 rceil" first
+            cases.insert(1, Case("mxfp4 rceil", row=base | {"scale_mode": "rceil"}))
+        cases.append(Case(f"{fmt} codes", row=base, codes=True))
+        for suffix, extra in (variants[0], variants[3]):
+            cases.append(Case(f"{fmt}{suffix} x^T", col=base | extra))
+            cases.append(Case(f"{fmt}{suffix} both", row=base | extra, col=base | extra))
+    cases.append(Case("nvfp4 16x16 tiles fp32", row={"fmt": "nvfp4"}, tile=(16, 16), dtype=torch.float32))
+    cases.append(Case("mxfp4 rceil adaptive 32x32 tiles fp32", row={"fmt": "mxfp4", "scale_mode": "rceil", "adaptive": True},
+                      tile=(32, 32), dtype=torch.float32))  # fmt: skip
+    return tuple(cases)
+
+
+CASES = _cases()
 
 
 @dataclass(frozen=True)
@@ -54,54 +86,140 @@ class KernelBench:
 def bench_kernels(
     rows: int, cols: int, device: torch.device, repeats: int = 20, on_result: Callable[[KernelBench], None] | None = None
 ) -> list[KernelBench]:
-    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=torch.bfloat16)
-    moved = 2 * x.numel() * x.element_size()  # read the input, write bf16 values of the same size
+    x32 = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0)).to(device=device)
+    inputs = {torch.float32: x32, torch.bfloat16: x32.to(torch.bfloat16)}
+    x = inputs[torch.bfloat16]
+    copy_moved = 2 * x.numel() * x.element_size()
     copy_ms = _median_ms(lambda out=torch.empty_like(x): out.copy_(x), device, repeats)
-    copy_rate = moved / copy_ms / 1e6
+    copy_rate = copy_moved / copy_ms / 1e6
     results = []
-    for label, fmt, options, size in CASES:
-        quantizer, implementation = _quantizer(fmt, options, size, device)
+    for case in CASES:
+        x = inputs[case.dtype]
+        quantizer, implementation = _quantizer(case, x)
         ms = _median_ms(lambda: quantizer(x), device, repeats)
-        result = KernelBench(label, implementation, rows, cols, str(device), ms, moved / ms / 1e6, copy_rate)
+        result = KernelBench(case.label, implementation, rows, cols, str(device), ms, _bytes(case, x) / ms / 1e6, copy_rate)
         results.append(result)
         if on_result is not None:
             on_result(result)
     return results
 
 
-def _quantizer(fmt: str, options: dict, size: int, device: torch.device):
-    generator = torch.Generator(device=device).manual_seed(0)
-    signs = hadamard_signs(size, "fixed").to(device) if size else None
-    if device.type == "cuda":
+def _bytes(case: Case, x: torch.Tensor) -> int:
+    n = x.numel()
+    passes = 1 + any(o["fmt"] == "nvfp4" for o, _ in case.orientations)
+    written = 0
+    for options, _ in case.orientations:
+        written += 2 * n
+        if case.codes:
+            per_scale = case.tile[0] * case.tile[1] if case.tile else BLOCK_SIZE[options["fmt"]]
+            written += n // 2 + n // per_scale
+    return passes * n * x.element_size() + written
+
+
+def _materialize(options: dict, case: Case, device: torch.device) -> dict:
+    options = dict(options, emit_codes=case.codes)
+    if "signs" in options:
+        options["signs"] = hadamard_signs(options["signs"], "fixed").to(device)
+    if options.get("rounding") == "sr":
+        options["seed"] = torch.zeros(1, dtype=torch.int64, device=device)
+    if case.tile is not None:
+        options["tile"] = case.tile
+    return options
+
+
+def _quantizer(case: Case, x: torch.Tensor) -> tuple[Callable, str]:
+    """The fused kernel where it covers the case (checked by one call: unsupported options raise
+    ValueError), else the torch reference."""
+    if x.device.type == "cuda":
         from fp4lab.numerics.fast import triton_available
 
         if triton_available():
-            from fp4lab.numerics.triton_quantize import quantize_fused
+            from fp4lab.numerics.triton_quantize import quantize_fused, quantize_fused_both
 
-            seed = torch.zeros(1, dtype=torch.int64, device=device)
-            return (lambda x: quantize_fused(x, fmt=fmt, signs=signs, seed=seed, **options)), "triton"
+            opts = [_materialize(o, case, x.device) for o, _ in case.orientations]
+            if len(opts) == 2:
+                fused = lambda x: quantize_fused_both(x, opts[0], opts[1])  # noqa: E731
+            else:
+                fused = lambda x: quantize_fused(x, transpose=case.row is None, **opts[0])  # noqa: E731
+            try:
+                fused(x)
+                return fused, "triton"
+            except ValueError:
+                pass
+    return _reference(case, x.device), "torch reference"
+
+
+def _reference(case: Case, device: torch.device) -> Callable:
+    generator = torch.Generator(device=device).manual_seed(0)
+    specs = []
+    for options, transpose in case.orientations:
+        options = dict(options)
+        size = options.pop("signs", 0)
+        signs = hadamard_signs(size, "fixed").to(device) if size else None
+        if options.get("rounding") == "sr":
+            options["generator"] = generator
+        if case.tile is not None:
+            options["tile"] = case.tile
+        specs.append((options.pop("fmt"), options, size, signs, transpose))
 
     def reference(x: torch.Tensor):
-        t = hadamard(x.to(torch.float32), size, signs) if size else x
-        sr = {"generator": generator} if options.get("rounding") == "sr" else {}
-        return fake_quantize_factored(t, fmt, **options, **sr).values.to(torch.bfloat16)
+        outs = []
+        for fmt, options, size, signs, transpose in specs:
+            y = x.to(torch.float32)
+            y = y.T.contiguous() if transpose else y
+            y = hadamard(y, size, signs) if size else y
+            outs.append(fake_quantize_factored(y, fmt, **options).values.to(torch.bfloat16))
+        return outs
 
-    return reference, "torch reference"
+    return reference
+
+
+_CALLS_PER_GRAPH = 10
 
 
 def _median_ms(fn, device: torch.device, repeats: int) -> float:
     fn()
+    if device.type == "cuda":
+        graph = _capture(fn)
+        if graph is not None:
+            return _cuda_median_ms(graph.replay, repeats) / _CALLS_PER_GRAPH
+        return _cuda_median_ms(fn, repeats)
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            tic = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - tic) * 1e3)
+        tic = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - tic) * 1e3)
+    return statistics.median(times)
+
+
+def _capture(fn) -> torch.cuda.CUDAGraph | None:
+    """A CUDA graph of _CALLS_PER_GRAPH calls of fn, or None where fn cannot be captured (some
+    reference paths)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            fn()  # warm-up on a side stream, as capture requires
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(_CALLS_PER_GRAPH):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        return graph
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None
+
+
+def _cuda_median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
     return statistics.median(times)

@@ -5,6 +5,8 @@ Each kernel reproduces the torch reference bit for bit:
     quantize_fused(x, fmt=f, signs=s, transpose=t, ...).values
         == fake_quantize_factored(hadamard(y, len(s), s), f, ...).values.bfloat16()
     with y = x.float() (or x.float().T for transpose=True)
+    quantize_fused(w, fmt=f, tile=(th, tw), ...).values
+        == fake_quantize_factored(w.float(), f, tile=(th, tw), ...).values.bfloat16()
 
 and `.outer`, `.codes`, `.scales` equal the reference's outer scale, `quantize(...).data` and
 `.scales`. The order of every float32 operation follows `quantize._encode`, `scales.mx_exponent`,
@@ -17,10 +19,10 @@ keep the kernels exact where Triton's defaults would not be:
 - kernels are compiled with `enable_fp_fusion=False`, so no multiply-add is contracted into an FMA
   with a different rounding.
 
-Not supported (ValueError naming the argument; callers fall back to the reference): 2D tiles,
-nvfp4_cta, adaptive scales, a given tensor_amax, transforms other than 16 and 32, a blocked dim that
-is not a multiple of the block and transform, dtypes other than bf16/fp32, non-CUDA or
-non-contiguous tensors. This module imports Triton: import it lazily, after
+Not supported (ValueError naming the argument; callers fall back to the reference): nvfp4_cta, a
+given tensor_amax, transforms other than 16 and 32, 2D tiles with SR, a transform or transpose=True,
+a blocked dim that is not a multiple of the block and transform, dtypes other than bf16/fp32,
+non-CUDA or non-contiguous tensors. This module imports Triton: import it lazily, after
 `fp4lab.numerics.fast.triton_available()`.
 """
 
@@ -39,8 +41,9 @@ from fp4lab.numerics.fast import triton_available
 FORMATS = ("mxfp4", "nvfp4")
 BLOCK = {"mxfp4": 32, "nvfp4": 16}
 _MX_MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}
+_MX_ADAPTIVE = 4  # rceil with the adaptive finer scale (scales.mx_exponent)
 _TRANSFORM_SIZES = (16, 32)
-_OPTION_NAMES = ("fmt", "scale_mode", "rounding", "signs", "seed", "uniforms", "emit_codes")
+_OPTION_NAMES = ("fmt", "scale_mode", "adaptive", "rounding", "signs", "seed", "uniforms", "emit_codes")
 
 # Tile shapes (rows, cols of x, warps), chosen by a sweep on an H200 (8192 x 8192 bf16; fraction of
 # copy bandwidth): row-wise mxfp4 0.935 with (32, 128, 4), no better with 16-64 rows, 128-256 cols,
@@ -50,6 +53,9 @@ _TILE_ROW = (32, 128, 4)  # quantized along the last dim
 _TILE_COL = (32, 64, 2)  # quantized along the rows (output x^T), and both orientations
 _TILE_AMAX = (64, 128, 8)  # the NVFP4 amax pass: 0.95 of copy (read only)
 _AMAX_TILES = 4  # tiles per program of the amax pass: one atomic per program
+# 2D weight tiles: regions of whole tiles (a larger tile is its own region, with more warps); 0.96-0.98
+# of copy on an H200 for 16x16 nvfp4 and 32x32 mxfp4 from fp32 (8192 x 8192, amax pass included).
+_REGION_2D = (32, 128, 4)
 # Triton's CPU interpreter (TRITON_INTERPRET=1) runs these kernels on CPU tensors: the tests use it.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -57,6 +63,7 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 SIGN_BIT = tl.constexpr(-0x80000000)  # 0x80000000 as an int32
 INV_SQRT32 = tl.constexpr(1.0 / math.sqrt(32))  # hadamard's scale, rounded to float32 where used
 PHILOX_ROUNDS = tl.constexpr(10)  # Triton's and cuRAND's default
+ADAPTIVE_RATIO = tl.constexpr(0.87)  # scales.ADAPTIVE_RATIO
 
 
 def available() -> bool:
@@ -122,7 +129,7 @@ def _block_amax(t, M: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
 @triton.jit
 def _mx_scale(bmax, MODE: tl.constexpr):
     """scales.mx_exponent from the bits of a finite block amax: (E8M0 byte, encode multiplier)."""
-    if MODE == 3:  # rceil: ceil(log2(amax / 6)), the quotient rounded once in float32
+    if MODE >= 3:  # rceil: ceil(log2(amax / 6)), the quotient rounded once in float32
         qbits = tl.math.div_rn(bmax, 6.0).to(tl.int32, bitcast=True)
         biased = qbits >> 23
         mantissa = qbits & 0x7FFFFF
@@ -130,6 +137,11 @@ def _mx_scale(bmax, MODE: tl.constexpr):
         subnormal = tl.where(mantissa > 0x400000, -126, -127)
         exponent = tl.where(biased > 0, biased - 127 + (mantissa != 0).to(tl.int32), subnormal)
         exponent = tl.minimum(exponent, 127)
+        if MODE == 4:  # adaptive: halve the scale when amax / (6 * 2^e) < 0.87, unless e is -126 or less
+            # 6 * 2^126 overflows to Inf (ratio 0: finer) in the reference too
+            grant = 6.0 * ((tl.maximum(exponent, -126) + 127) << 23).to(tl.float32, bitcast=True)
+            finer = (tl.math.div_rn(bmax, grant) < ADAPTIVE_RATIO) & (exponent > -126)
+            exponent = tl.where(finer, exponent - 1, exponent)
         # Byte 0 encodes with multiplier 1 (TE and torchao flush such blocks to zero); 2^-e is normal.
         multiplier = tl.where(exponent == -127, 1.0, ((127 - exponent) << 23).to(tl.float32, bitcast=True))
     else:
@@ -182,15 +194,65 @@ def _nvfp4_tensor_scales(amax_ptr):
 
 @triton.jit
 def _uniforms(seed_ptr, rows, col0, n_cols, M: tl.constexpr, N: tl.constexpr):
-    """[M, N] float32 uniforms in [0, 1) on a 2^-23 grid. One Philox call (tl.randint4x) yields four
-    32-bit words; they serve four neighbouring output elements, the call's offset being the linear
-    output index of the first of them divided by 4. The seed is read on the device."""
+    """[M, N] float32 uniforms in [0, 1) on a 2^-16 grid. One Philox call (tl.randint4x) yields four
+    32-bit words, i.e. eight 16-bit uniforms for eight neighbouring output elements (the low half of
+    word k serves element 2k, the high half element 2k + 1); the call's offset is the linear output
+    index of the first of them divided by 8. Philox costs about 20 instructions per call and element
+    of four: eight elements per call halve that. 16 bits bound the bias of SR to 2^-16 of a grid step
+    (TE's hardware-less path uses 8 bits). The seed is read on the device."""
     seed = tl.load(seed_ptr)
-    groups = rows.to(tl.int64)[:, None] * (n_cols // 4) + (col0 // 4 + tl.arange(0, N // 4))[None, :]
+    groups = rows.to(tl.int64)[:, None] * (n_cols // 8) + (col0 // 8 + tl.arange(0, N // 8))[None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, groups, PHILOX_ROUNDS)
-    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [M, N])  # r0 r1 r2 r3 in order
-    # 1.m with 23 random mantissa bits, minus 1: exact, and cheaper than an int-to-float conversion.
-    return ((words >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+    words = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # [M, N // 8, 2, 2]: r0 r1 r2 r3 in order
+    halves = tl.reshape(tl.join(words << 16, words), [M, N])  # each word's low half first
+    # 1.m with the 16 random bits on top of the mantissa, minus 1: exact.
+    return (((halves >> 9) & 0x7FFF80) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+
+
+@triton.jit
+def _block_scale(bmax, s_enc, outer, NV: tl.constexpr, MODE: tl.constexpr):
+    """From a block's (or 2D tile's) amax: (scale byte, decode scale, encode multiplier); a poisoned
+    block gets the NaN byte and a NaN decode scale."""
+    finite = bmax <= FLT_MAX
+    if NV:
+        # One float32 rounding of amax * (S_enc * (1/6)), as TE and quantize._encode compute it.
+        byte = _e4m3_encode(tl.minimum(bmax * (s_enc * (1.0 / 6.0)), 448.0))
+        byte = tl.where(finite, byte, 0x7F)
+        decode = tl.where(finite, _e4m3_decode(byte), float("nan"))
+        multiplier = tl.minimum(tl.math.div_rn(1.0, decode * outer), FLT_MAX)
+    else:
+        byte, multiplier = _mx_scale(bmax, MODE)
+        byte = tl.where(finite, byte, 0xFF)
+        decode = _e8m0_decode(byte)
+    return byte, decode, multiplier
+
+
+@triton.jit
+def _grid_round(a):
+    """E2M1 round to nearest, ties to even, of a >= 0 (unsaturated): (q, magic, magic_bits).
+
+    E2M1 has 1 mantissa bit: its grid step in the binade [2^e, 2^(e+1)) is 2^(e-1), and 0.5 below 1
+    (e2m1._grid_step). Adding magic = 2^22 * max(2^e, 1), whose ulp is that step, rounds a onto the
+    grid, ties to even; subtracting it again is exact. Cheaper than selecting the step per element."""
+    magic_bits = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000) + (22 << 23)
+    magic = magic_bits.to(tl.float32, bitcast=True)
+    return (a + magic) - magic, magic, magic_bits
+
+
+@triton.jit
+def _codes(q, magic, magic_bits, sign, finite):
+    """E2M1 codes of the rounded magnitudes q (int32, one per element); a poisoned block's are 0."""
+    # q in grid steps (exact: q < 2 * magic), plus 2 codes per binade above [1, 2), saturating at 7
+    steps = (q + magic).to(tl.int32, bitcast=True) - magic_bits
+    codes = tl.minimum(steps + 2 * ((magic_bits >> 23) - 149), 7) | ((sign >> 28) & 8)
+    return tl.where(finite, codes, 0)
+
+
+@triton.jit
+def _pack(codes, M: tl.constexpr, N: tl.constexpr):
+    """[M, N] codes to [M, N // 2] bytes, element 2i in the low nibble."""
+    lo, hi = tl.split(tl.reshape(codes, [M, N // 2, 2]))
+    return (lo | (hi << 4)).to(tl.uint8)
 
 
 @triton.jit
@@ -208,31 +270,18 @@ def _quantize_store(
     if H > 0:
         t = _hadamard(t, signs_ptr, M, N, H)
     bmax = _block_amax(t, M, N, BLOCK)
-    finite = bmax <= FLT_MAX
+    s_enc, outer = 1.0, 1.0
     if NV:
         s_enc, outer = _nvfp4_tensor_scales(amax_ptr)
         if (row0 == 0) & (col0 == 0):
             tl.store(outer_ptr, outer)
-        # One float32 rounding of amax * (S_enc * (1/6)), as TE and quantize._encode compute it.
-        byte = _e4m3_encode(tl.minimum(bmax * (s_enc * (1.0 / 6.0)), 448.0))
-        byte = tl.where(finite, byte, 0x7F)
-        decode = tl.where(finite, _e4m3_decode(byte), float("nan"))
-        multiplier = tl.minimum(tl.math.div_rn(1.0, decode * outer), FLT_MAX)
-    else:
-        byte, multiplier = _mx_scale(bmax, MODE)
-        byte = tl.where(finite, byte, 0xFF)
-        decode = _e8m0_decode(byte)
+    byte, decode, multiplier = _block_scale(bmax, s_enc, outer, NV, MODE)
 
     v = tl.reshape(t, [M, NB, BLOCK]) * multiplier[:, :, None]
     a = tl.abs(v)
     if NV or SR:  # nvfp4 clamps to +-6 before rounding; SR saturates first (e2m1.round_stochastic)
         a = tl.minimum(a, 6.0)
-    # E2M1 has 1 mantissa bit: its grid step in the binade [2^e, 2^(e+1)) is 2^(e-1), and 0.5 below 1
-    # (e2m1._grid_step). Adding magic = 2^22 * max(2^e, 1), whose ulp is that step, rounds a onto the
-    # grid, ties to even; subtracting it again is exact. Cheaper than selecting the step per element.
-    magic_bits = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000) + (22 << 23)
-    magic = magic_bits.to(tl.float32, bitcast=True)
-    q = (a + magic) - magic
+    q, magic, magic_bits = _grid_round(a)
     if SR:
         if GIVEN_U:
             u = _load(u_ptr, rows, cols, n_rows, n_cols, EVEN)
@@ -250,12 +299,8 @@ def _quantize_store(
     _store(val_ptr, rows, cols, n_rows, n_cols, tl.reshape(values, [M, N]).to(tl.bfloat16), EVEN)
 
     if CODES:
-        # q in grid steps (exact: q < 2 * magic), plus 2 codes per binade above [1, 2), saturating at 7
-        steps = (q + magic).to(tl.int32, bitcast=True) - magic_bits
-        codes = tl.minimum(steps + 2 * ((magic_bits >> 23) - 149), 7) | ((sign >> 28) & 8)
-        codes = tl.where(finite[:, :, None], codes, 0)  # a poisoned block's codes are 0
-        lo, hi = tl.split(tl.reshape(codes, [M, N // 2, 2]))
-        packed = (lo | (hi << 4)).to(tl.uint8)
+        codes = _codes(q, magic, magic_bits, sign, (bmax <= FLT_MAX)[:, :, None])
+        packed = _pack(tl.reshape(codes, [M, N]), M, N)
         _store(codes_ptr, rows, col0 // 2 + tl.arange(0, N // 2), n_rows, n_cols // 2, packed, EVEN)
         _store(scales_ptr, rows, col0 // BLOCK + tl.arange(0, NB), n_rows, n_cols // BLOCK, byte.to(tl.uint8), EVEN)
 
@@ -315,11 +360,53 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _finite_amax(t, signs_ptr, M: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
-    """Max of |t| over the finite NVFP4 blocks (1x16 along N) of the transformed tile."""
+def _tile_kernel(
+    x_ptr, R, C, val_ptr, codes_ptr, scales_ptr, amax_ptr, outer_ptr,
+    BR: tl.constexpr, BC: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, EVEN: tl.constexpr,
+    NV: tl.constexpr, MODE: tl.constexpr, CODES: tl.constexpr,
+):  # fmt: skip
+    """2D weight tiles, round to nearest: one [BR, BC] region of x holding whole TH x TW tiles, each
+    with one scale from its amax (quantize._group's [R/th, th, C/tw, tw] view)."""
+    r0 = tl.program_id(0) * BR
+    c0 = tl.program_id(1) * BC
+    rows = r0 + tl.arange(0, BR)
+    cols = c0 + tl.arange(0, BC)
+    t = tl.reshape(_load(x_ptr, rows, cols, R, C, EVEN), [BR // TH, TH, BC // TW, TW])
+    tmax = tl.reduce(tl.reduce(tl.abs(t), 3, _max_nan), 1, _max_nan)  # NaN or Inf: poisoned tile
+    s_enc, outer = 1.0, 1.0
+    if NV:
+        s_enc, outer = _nvfp4_tensor_scales(amax_ptr)
+        if (r0 == 0) & (c0 == 0):
+            tl.store(outer_ptr, outer)
+    byte, decode, multiplier = _block_scale(tmax, s_enc, outer, NV, MODE)
+    v = t * multiplier[:, None, :, None]
+    a = tl.abs(v)
+    if NV:
+        a = tl.minimum(a, 6.0)
+    q, magic, magic_bits = _grid_round(a)
+    q = tl.minimum(q, 6.0)
+    sign = v.to(tl.int32, bitcast=True) & SIGN_BIT
+    values = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * decode[:, None, :, None]
+    _store(val_ptr, rows, cols, R, C, tl.reshape(values, [BR, BC]).to(tl.bfloat16), EVEN)
+    if CODES:
+        codes = _codes(q, magic, magic_bits, sign, (tmax <= FLT_MAX)[:, None, :, None])
+        packed = _pack(tl.reshape(codes, [BR, BC]), BR, BC)
+        _store(codes_ptr, rows, c0 // 2 + tl.arange(0, BC // 2), R, C // 2, packed, EVEN)
+        tile_rows = r0 // TH + tl.arange(0, BR // TH)
+        tile_cols = c0 // TW + tl.arange(0, BC // TW)
+        _store(scales_ptr, tile_rows, tile_cols, R // TH, C // TW, byte.to(tl.uint8), EVEN)
+
+
+@triton.jit
+def _finite_amax(t, signs_ptr, M: tl.constexpr, N: tl.constexpr, H: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
+    """Max of |t| over the finite NVFP4 blocks (1x16 along N) or 2D tiles (TH x TW) of the
+    transformed tile."""
     if H > 0:
         t = _hadamard(t, signs_ptr, M, N, H)
-    bmax = _block_amax(t, M, N, 16)
+    if TH == 1:
+        bmax = _block_amax(t, M, N, TW)
+    else:
+        bmax = tl.reduce(tl.reduce(tl.abs(tl.reshape(t, [M // TH, TH, N // TW, TW])), 3, _max_nan), 1, _max_nan)
     return tl.max(tl.max(tl.where(bmax <= FLT_MAX, bmax, 0.0), axis=1), axis=0)
 
 
@@ -328,10 +415,11 @@ def _amax_kernel(
     x_ptr, R, C, r_amax, r_signs, c_amax, c_signs,
     BR: tl.constexpr, BC: tl.constexpr, TILES: tl.constexpr, EVEN: tl.constexpr,
     ROW: tl.constexpr, R_H: tl.constexpr, COL: tl.constexpr, C_H: tl.constexpr,
+    TH: tl.constexpr, TW: tl.constexpr,
 ):  # fmt: skip
-    """NVFP4 tensor amaxes (row-wise and/or of x^T) from one read of x: each program reduces TILES
-    tiles stacked along the rows, then folds its maximum into the int32 bits at *_amax with one
-    atomic (non-negative floats order as their bits do)."""
+    """NVFP4 tensor amaxes (row-wise and/or of x^T; or over TH x TW tiles) from one read of x: each
+    program reduces TILES tiles stacked along the rows, then folds its maximum into the int32 bits
+    at *_amax with one atomic (non-negative floats order as their bits do)."""
     row_max = tl.zeros([], tl.float32)
     col_max = tl.zeros([], tl.float32)
     c0 = tl.program_id(1) * BC
@@ -339,9 +427,9 @@ def _amax_kernel(
         r0 = (tl.program_id(0) * TILES + i) * BR
         x = _load_tile(x_ptr, R, C, r0, c0, BR, BC, EVEN)  # rows past R load as 0: no effect
         if ROW:
-            row_max = tl.maximum(row_max, _finite_amax(x, r_signs, BR, BC, R_H))
+            row_max = tl.maximum(row_max, _finite_amax(x, r_signs, BR, BC, R_H, TH, TW))
         if COL:
-            col_max = tl.maximum(col_max, _finite_amax(tl.trans(x), c_signs, BC, BR, C_H))
+            col_max = tl.maximum(col_max, _finite_amax(tl.trans(x), c_signs, BC, BR, C_H, 1, 16))
     if ROW:
         tl.atomic_max(r_amax, row_max.to(tl.int32, bitcast=True))
     if COL:
@@ -378,6 +466,8 @@ def quantize_fused(
     uniforms: torch.Tensor | None = None,
     transpose: bool = False,
     emit_codes: bool = False,
+    tile: tuple[int, int] | None = None,
+    adaptive: bool = False,
     **unsupported,
 ) -> FusedQuant:
     """Quantize a 2D CUDA tensor along its last dim (or x^T's, with transpose=True) in one kernel.
@@ -386,15 +476,23 @@ def quantize_fused(
     amax, on the device: no host sync). rounding "rtn" or "sr"; SR takes its float32 uniforms from
     `uniforms` (the output's shape: tests pass the reference's draws) or draws them with Philox from
     `seed` (an int64 CUDA tensor of one element, read in the kernel). signs: a float32 +-1 vector of
-    16 or 32 for a Hadamard transform along the blocked dim before quantizing. Any other reference
-    option (tile, adaptive, cta_tile, tensor_amax) raises ValueError.
+    16 or 32 for a Hadamard transform along the blocked dim before quantizing. adaptive=True (mxfp4
+    with scale_mode "rceil"): the adaptive finer scale of scales.mx_exponent.
+
+    tile=(th, tw): 2D weight tiles, one scale per th x tw tile (multiples of the block; x's shape a
+    multiple of the tile), round to nearest, no transform, transpose=False (the tiled encoding of x^T
+    is the transpose of x's: transpose the values); `scales` then has shape [R // th, C // tw]. For
+    nvfp4 the tensor amax is taken over the finite tiles. Any other reference option (cta_tile,
+    tensor_amax) raises ValueError.
     """
     _check_x(x)
     _reject_unsupported(unsupported)
     if not isinstance(transpose, bool):
         raise ValueError(f"quantize_fused: transpose must be a bool, got {transpose!r}")
-    options = {"fmt": fmt, "scale_mode": scale_mode, "rounding": rounding, "signs": signs, "seed": seed, "uniforms": uniforms, "emit_codes": emit_codes}
+    options = {"fmt": fmt, "scale_mode": scale_mode, "adaptive": adaptive, "rounding": rounding, "signs": signs, "seed": seed, "uniforms": uniforms, "emit_codes": emit_codes}
     spec = _orientation(x, options, transpose)
+    if tile is not None:
+        return _launch_tiles(x, spec, _check_tile(x, tile, spec, transpose))
     row, col = (None, spec) if transpose else (spec, None)
     out_row, out_col = _launch(x, row, col, _TILE_COL if transpose else _TILE_ROW)
     return out_col if transpose else out_row
@@ -453,9 +551,32 @@ def _tensor_amaxes(x, row: _Orientation | None, col: _Orientation | None) -> tor
         x, rows, cols, amax[0:], row.signs if need_row else None, amax[1:], col.signs if need_col else None,
         BR=br, BC=bc, TILES=_AMAX_TILES, EVEN=rows % (br * _AMAX_TILES) == 0 and cols % bc == 0,
         ROW=need_row, R_H=row.transform if need_row else 0, COL=need_col, C_H=col.transform if need_col else 0,
-        num_warps=warps, enable_fp_fusion=False,
+        TH=1, TW=16, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     return amax
+
+
+def _launch_tiles(x, spec: _Orientation, tile: tuple[int, int]) -> FusedQuant:
+    rows, cols = x.shape
+    th, tw = tile
+    out = _allocate(x.device, x.shape, spec, tile)
+    amax = None
+    if spec.nv:
+        amax = torch.zeros(1, dtype=torch.int32, device=x.device)
+        br, bc, warps = max(_TILE_AMAX[0], th), max(_TILE_AMAX[1], tw), _TILE_AMAX[2]
+        _amax_kernel[(triton.cdiv(rows, br * _AMAX_TILES), triton.cdiv(cols, bc))](
+            x, rows, cols, amax, None, None, None,
+            BR=br, BC=bc, TILES=_AMAX_TILES, EVEN=rows % (br * _AMAX_TILES) == 0 and cols % bc == 0,
+            ROW=True, R_H=0, COL=False, C_H=0, TH=th, TW=tw, num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
+    br, bc = max(_REGION_2D[0], th), max(_REGION_2D[1], tw)
+    warps = _REGION_2D[2] * max(1, br * bc // (_REGION_2D[0] * _REGION_2D[1]))
+    _tile_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](
+        x, rows, cols, out.values, out.codes, out.scales, amax, out.outer,
+        BR=br, BC=bc, TH=th, TW=tw, EVEN=rows % br == 0 and cols % bc == 0,
+        NV=spec.nv, MODE=spec.mode, CODES=spec.codes, num_warps=min(warps, 8), enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
 
 
 def _constexprs(prefix: str, spec: _Orientation | None) -> dict:
@@ -471,14 +592,15 @@ def _constexprs(prefix: str, spec: _Orientation | None) -> dict:
     }
 
 
-def _allocate(device, shape, spec: _Orientation) -> FusedQuant:
+def _allocate(device, shape, spec: _Orientation, tile: tuple[int, int] | None = None) -> FusedQuant:
     rows, cols = shape
     block = 16 if spec.nv else 32
+    scales_shape = (rows // tile[0], cols // tile[1]) if tile else (rows, cols // block)
     return FusedQuant(
         values=torch.empty(shape, dtype=torch.bfloat16, device=device),
         outer=torch.empty((), dtype=torch.float32, device=device) if spec.nv else None,
         codes=torch.empty((rows, cols // 2), dtype=torch.uint8, device=device) if spec.codes else None,
-        scales=torch.empty((rows, cols // block), dtype=torch.uint8, device=device) if spec.codes else None,
+        scales=torch.empty(scales_shape, dtype=torch.uint8, device=device) if spec.codes else None,
     )
 
 
@@ -501,7 +623,7 @@ def _check_x(x) -> None:
         raise ValueError("quantize_fused: x must be contiguous (call .contiguous() first)")
 
 
-_REFERENCE_DEFAULTS = {"tile": None, "cta_tile": None, "tensor_amax": None, "generator": None, "adaptive": False}
+_REFERENCE_DEFAULTS = {"cta_tile": None, "tensor_amax": None, "generator": None}
 
 
 def _reject_unsupported(options: dict) -> None:
@@ -521,6 +643,11 @@ def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientatio
         raise ValueError(f"quantize_fused: scale_mode={scale_mode!r} is not supported; allowed: {', '.join(map(repr, _MX_MODES))}")
     if fmt == "nvfp4" and scale_mode is not None:
         raise ValueError("quantize_fused: scale_mode applies to fmt='mxfp4' only; pass scale_mode=None for nvfp4")
+    adaptive = options.get("adaptive", False)
+    if adaptive not in (False, True):
+        raise ValueError(f"quantize_fused: adaptive must be a bool, got {adaptive!r}")
+    if adaptive and (fmt != "mxfp4" or scale_mode != "rceil"):
+        raise ValueError("quantize_fused: adaptive=True applies to fmt='mxfp4' with scale_mode='rceil' only")
     rounding = options.get("rounding", "rtn")
     if rounding not in ("rtn", "sr"):
         raise ValueError(f"quantize_fused: rounding={rounding!r} is not supported; allowed: 'rtn', 'sr'")
@@ -550,7 +677,7 @@ def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientatio
         raise ValueError(f"quantize_fused: the {what} of x (shape {list(x.shape)}) must be a multiple of {multiple} ({fmt} block, transform)")
     return _Orientation(
         nv=fmt == "nvfp4",
-        mode=_MX_MODES[scale_mode or "floor"] if fmt == "mxfp4" else 0,
+        mode=(_MX_ADAPTIVE if adaptive else _MX_MODES[scale_mode or "floor"]) if fmt == "mxfp4" else 0,
         transform=transform,
         signs=signs.contiguous() if signs is not None else None,
         sr=rounding == "sr",
@@ -558,6 +685,17 @@ def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientatio
         uniforms=uniforms,
         codes=emit_codes,
     )
+
+
+def _check_tile(x: torch.Tensor, tile, spec: _Orientation, transpose: bool) -> tuple[int, int]:
+    block = 16 if spec.nv else 32
+    if not (isinstance(tile, (tuple, list)) and len(tile) == 2 and all(isinstance(t, int) and t > 0 and t % block == 0 for t in tile)):
+        raise ValueError(f"quantize_fused: tile={tile!r} must be (th, tw) with positive multiples of {block}")
+    if spec.sr or spec.transform or transpose:
+        raise ValueError("quantize_fused: tile supports rounding='rtn' without signs and transpose=False only (transpose the values for x^T)")
+    if x.shape[0] % tile[0] or x.shape[1] % tile[1]:
+        raise ValueError(f"quantize_fused: x shape {list(x.shape)} is not divisible into {tuple(tile)} tiles")
+    return tuple(tile)
 
 
 def _on_device(t, x: torch.Tensor, dtype: torch.dtype, *shapes: tuple) -> bool:
