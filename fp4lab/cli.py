@@ -224,6 +224,7 @@ def bench(
     shape: Annotated[Optional[str], typer.Option(help="ROWSxCOLS of the quantized tensor (default 8192x8192 on CUDA, 1024x1024 on the CPU).")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's).")] = None,
+    profile: Annotated[Optional[Path], typer.Option(help="Also profile 3 steps of each run; kernel tables into this folder.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")] = False,
 ) -> None:
     """Time fp4lab against its anchors: quantizers vs a copy, training steps vs a plain PyTorch loop."""
@@ -276,7 +277,7 @@ def bench(
         console.print(f"training steps: {model}, {batch_size} x {seq_len}, {steps} timed after {warmup} warm-up")
         results = bench_steps(
             names, model=model, batch_size=batch_size, seq_len=seq_len, device=target, steps=steps, warmup=warmup,
-            compile=compile, optimizer=optimizer,
+            compile=compile, optimizer=optimizer, profile_dir=profile,
             on_result=lambda r: console.print(f"  {r.name}: {r.tokens_per_s:,.0f} tokens/s"),
         )
         report["steps"] = [r.as_dict() for r in results]

@@ -142,16 +142,19 @@ def test_fp4_linear_returns_the_autocast_dtype(device):
 @pytest.mark.cuda
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "mxfp4-rowsr-h32"])
 def test_fast_training_tracks_the_reference_on_cuda(recipe, tmp_path):
-    """Ten steps of the 125m shape on CUDA: fast path (bf16 autocast, tensor cores, compile, fused
-    AdamW) against the fp32 reference from the same init and data. bf16 activations move the loss by
-    well under a percent over ten steps; a broken GEMM or scale moves it by far more."""
+    """Ten steps of the 125m shape on CUDA (synthetic Markov data): fast path (bf16 autocast, tensor
+    cores, fused quantizers, compile, fused AdamW) against the fp32 reference from the same init and
+    data. bf16 activations move the loss by well under a percent over ten steps; a broken GEMM or
+    scale moves it by far more."""
     from fp4lab.train.config import TrainConfig
+    from fp4lab.train.data import DataConfig
     from fp4lab.train.loop import run
 
     losses = {}
     for compute, compile in (("reference", "off"), ("fast", "on")):
         config = TrainConfig(
-            recipe=recipe, model="125m", steps=10, batch_size=8, seq_len=256, device="cuda", compute=compute,
+            recipe=recipe, model="125m", data=DataConfig(source="synthetic"), steps=10, batch_size=8,
+            seq_len=256, device="cuda", compute=compute,
             compile=compile, optimizer="adamw", adam_lr=1e-3, warmup_steps=2, eval_every=10, probe_every=5,
             checkpoint_every=10, out_dir=str(tmp_path / compute),
         )
@@ -164,3 +167,19 @@ def test_fast_training_tracks_the_reference_on_cuda(recipe, tmp_path):
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def device(request):
     return torch.device(request.param)
+
+
+@pytest.mark.cuda
+def test_unscaled_bf16_output_is_the_fp32_accumulator_rounded_once():
+    """MXFP4 has no outer scale, so its Fprop and Dgrad GEMMs write bf16 directly: the same numbers
+    as the fp32 result rounded once (up to the GEMM's summation order: one bf16 ulp at most)."""
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    g = torch.Generator().manual_seed(9)
+    spec = OperandSpec("mxfp4", scale_mode="floor")
+    a = gemm_operand(training_like(512, 1024, g, "cuda"), spec, None, None)
+    b = gemm_operand(training_like(256, 1024, g, "cuda"), spec, None, None)
+    direct = tensor_core_mm(a, b, torch.bfloat16).float()
+    rounded = tensor_core_mm(a, b, torch.float32).to(torch.bfloat16).float()
+    ulp = torch.finfo(torch.bfloat16).eps * rounded.abs()
+    assert ((direct - rounded).abs() <= ulp).all()
+    assert (direct == rounded).float().mean() > 0.99

@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -61,8 +62,11 @@ def bench_steps(
     optimizer: str = "adamw",
     vocab_size: int = 4096,
     on_result: Callable[[StepBench], None] | None = None,
+    profile_dir: Path | None = None,
 ) -> list[StepBench]:
-    """The anchor, then every recipe, each timed over `steps` steps after `warmup`."""
+    """The anchor, then every recipe, each timed over `steps` steps after `warmup`. With
+    `profile_dir`, three more steps of each run under torch.profiler and their table of kernels,
+    by device time, goes to `profile_dir/<name>.txt`."""
     model_config = preset(model, vocab_size, seq_len)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(vocab_size, (batch_size, seq_len + 1), generator=g).to(device)
@@ -82,6 +86,8 @@ def bench_steps(
             step = _fp4lab_step(config, model_config, device)
             compute, optimizer_name = "fast" if fast_compute(config, device) else "reference", optimizer
         times, losses, peak = _time(step, x, y, device, steps, warmup)
+        if profile_dir is not None:
+            _profile(step, x, y, device, Path(profile_dir) / f"{name}.txt")
         median = statistics.median(times)
         result = StepBench(
             name=name, **shape, compute=compute, compiled=use_compile, optimizer=optimizer_name,
@@ -128,3 +134,15 @@ def _time(step, x, y, device: torch.device, steps: int, warmup: int) -> tuple[li
         times.append(time.perf_counter() - tic)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return times, losses, peak
+
+
+def _profile(step, x, y, device: torch.device, path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            step(x, y)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70))

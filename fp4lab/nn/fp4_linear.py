@@ -81,16 +81,23 @@ def _quantize_options(spec: OperandSpec, generator) -> dict:
 
 
 def _kernel_options(spec: OperandSpec, signs: torch.Tensor | None, generator, t: torch.Tensor) -> dict | None:
-    """The fused quantizer's arguments for `spec`, or None where it does not cover the spec (2D tiles,
-    CTA-local scales, adaptive scales, non-FP4 formats) or cannot run (no CUDA tensor, no Triton).
+    """The fused quantizer's arguments for `spec`, or None where it does not cover the spec (CTA-local
+    scales, non-FP4 formats, 2D tiles with SR or a transform) or cannot run (no CUDA tensor, no Triton).
     Stochastic rounding draws its Philox seed from the layer's generator on the device: resumes stay
     exact, and the random bits differ from the reference's torch.rand stream (same distribution)."""
-    if not (t.is_cuda and spec.format in ("mxfp4", "nvfp4") and spec.tile is None and not spec.adaptive):
+    if not (t.is_cuda and spec.format in ("mxfp4", "nvfp4") and spec.transform_size in (0, 16, 32)):
         return None
-    if spec.transform_size not in (0, 16, 32) or not triton_available():
+    if spec.tile is not None and (spec.rounding == "sr" or signs is not None):
+        return None
+    if not triton_available():
         return None
     seed = torch.randint(2**62, (1,), generator=generator, device=t.device) if spec.rounding == "sr" else None
-    return {"fmt": spec.format, "scale_mode": spec.scale_mode, "rounding": spec.rounding, "signs": signs, "seed": seed}
+    options = {"fmt": spec.format, "scale_mode": spec.scale_mode, "rounding": spec.rounding, "signs": signs, "seed": seed}
+    if spec.adaptive:
+        options["adaptive"] = True
+    if spec.tile is not None:
+        options["tile"] = spec.tile
+    return options
 
 
 def contraction_multiple(recipe: LinearRecipe, gemm: str) -> int:
@@ -136,20 +143,30 @@ def gemm_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None,
 
 
 def tensor_core_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype) -> torch.Tensor:
-    """a.values @ b.values^T with fp32 accumulation and an fp32 result, times the outer scales.
+    """a.values @ b.values^T with fp32 accumulation, times the outer scales, in `out_dtype`.
 
-    bf16 x bf16 runs on bf16 tensor cores (`torch.mm(..., out_dtype=torch.float32)`: no rounding of
-    the accumulator to bf16 before the scales). Anything else, and every CPU GEMM, runs in fp32 on the
-    upcast values, which computes the same exact products."""
+    bf16 x bf16 runs on bf16 tensor cores. Without outer scales the GEMM writes `out_dtype` itself
+    (one rounding of the fp32 accumulator, as a bf16 linear does); with them it writes fp32
+    (`torch.mm(..., out_dtype=torch.float32)`) and the result is multiplied by alpha = the product of
+    the outer scales before its one rounding, as Blackwell's FP4 GEMMs apply alpha. Anything else,
+    and every CPU GEMM, runs in fp32 on the upcast values, which computes the same exact products."""
     if a.values.dtype == b.values.dtype == torch.bfloat16 and a.values.is_cuda:
+        if a.outer is None and b.outer is None and out_dtype == torch.bfloat16:
+            return torch.mm(a.values, b.values.T)
         out = torch.mm(a.values, b.values.T, out_dtype=torch.float32)
     else:
         out = a.values.to(torch.float32) @ b.values.to(torch.float32).T
-    if a.outer is not None:
-        out = out * a.outer
-    if b.outer is not None:
-        out = out * (b.outer.reshape(1, -1) if b.outer.dim() else b.outer)
-    return out.to(out_dtype)
+    alpha = _alpha(a.outer, b.outer)
+    return (out if alpha is None else out * alpha).to(out_dtype)
+
+
+def _alpha(a_outer: torch.Tensor | None, b_outer: torch.Tensor | None) -> torch.Tensor | None:
+    """The epilogue scale: a 0-dim product of two tensor scales, or per-row a [M, 1] by per-row b [1, N]."""
+    if b_outer is not None and b_outer.dim():
+        b_outer = b_outer.reshape(1, -1)
+    if a_outer is None or b_outer is None:
+        return b_outer if a_outer is None else a_outer
+    return a_outer * b_outer
 
 
 def _activation_dtype(x: torch.Tensor) -> torch.dtype:
@@ -275,6 +292,7 @@ class FP4Linear(nn.Module):
         _check_shape(in_features, out_features, recipe, lora_rank)
         self.in_features, self.out_features = in_features, out_features
         self.recipe, self.seed = recipe, seed
+        self._contraction_multiples = {gemm: contraction_multiple(recipe, gemm) for gemm in GEMMS}
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         nn.init.normal_(self.weight, std=in_features**-0.5)
         self._generator: torch.Generator | None = None
@@ -370,11 +388,11 @@ class FP4Linear(nn.Module):
         rows, which are zero-padded to the GEMM's contraction multiple): one read of t when the fused
         kernel covers both specs."""
         row_name, col_name = names
-        gemm = next(g for g, pair in GEMMS.items() if col_name in pair)
-        multiple = contraction_multiple(self.recipe, gemm)
-        covered = self.fused_quantizers and t.shape[0] % multiple == 0
-        row = _kernel_options(self.recipe.operand(row_name), signs[0], generator, t) if covered else None
-        col = _kernel_options(self.recipe.operand(col_name), signs[1], generator, t) if row is not None else None
+        multiple = self._contraction_multiples[next(g for g, pair in GEMMS.items() if col_name in pair)]
+        row_spec, col_spec = self.recipe.operand(row_name), self.recipe.operand(col_name)
+        covered = self.fused_quantizers and t.shape[0] % multiple == 0 and row_spec.tile is None and col_spec.tile is None
+        row = _kernel_options(row_spec, signs[0], generator, t) if covered else None
+        col = _kernel_options(col_spec, signs[1], generator, t) if row is not None else None
         if row is not None and col is not None:
             return tuple(self._fused(t, [(row_name, row, False), (col_name, col, True)]))
         return self.operand(row_name, t, signs[0], generator), self.operand(col_name, _pad_last(t.T, multiple), signs[1], generator)
@@ -393,7 +411,10 @@ class FP4Linear(nn.Module):
         for (name, options, transposed), q in zip(requests, outputs):
             if self.probe:
                 exact = t.T if transposed else t
-                encoded = QTensor(q.codes, q.scales, q.outer, options["fmt"], exact.shape, BLOCK_SIZE[options["fmt"]], scale_mode=options["scale_mode"])
+                encoded = QTensor(
+                    q.codes, q.scales, q.outer, options["fmt"], exact.shape, BLOCK_SIZE[options["fmt"]],
+                    tile=options.get("tile"), scale_mode=options["scale_mode"],
+                )
                 self.record(name, exact, encoded, options["signs"])
         return [GemmOperand(q.values, q.outer) for q in outputs]
 

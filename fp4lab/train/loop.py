@@ -219,6 +219,10 @@ def build_training(
     the fast path (bf16 autocast, tensor-core GEMMs, fused AdamW on CUDA) or the fp32 reference, and
     torch.compile or not. The training loop and `fp4lab bench` both build a run through here."""
     fast = fast_compute(config, device)
+    if fast and device.type == "cuda":
+        # bf16-output GEMMs must reduce in fp32 (no bf16 split-K partial sums): the fast path claims
+        # fp32 accumulation, exactly what an FP4 tensor core does.
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.manual_seed(config.seed)
     model = build_model(model_config, recipe, seed=config.seed, device=device, tensor_cores=fast)
     optimizer = build_optimizer(
