@@ -148,6 +148,7 @@ def train(
     device: Annotated[Optional[str], typer.Option(help="cpu | cuda | auto (default cpu).")] = None,
     compute: Annotated[Optional[str], typer.Option(help="fast (bf16 activations, tensor-core GEMMs, fused kernels) | reference (fp32, exact emulation) | auto (default: fast on CUDA).")] = None,
     compile: Annotated[Optional[str], typer.Option(help="torch.compile: on | off | auto (default: on CUDA).")] = None,
+    cuda_graphs: Annotated[Optional[str], typer.Option(help="Replay steps from a CUDA graph: on | off | auto (default: on CUDA where nothing draws from a torch.Generator).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<recipe>-<model>-s<seed>).")] = None,
     config: Annotated[Optional[Path], typer.Option(help="A TOML file of train settings; flags override it.")] = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Delete this run folder's checkpoint and logs first instead of resuming.")] = False,
@@ -164,7 +165,7 @@ def train(
         "lr_schedule": lr_schedule, "warmup_steps": warmup_steps, "ns_steps": ns_steps, "qk_clip": qk_clip,
         "qk_clip_tau": qk_clip_tau, "seed": seed, "eval_every": eval_every, "probe_every": probe_every,
         "checkpoint_every": checkpoint_every, "max_minutes": max_minutes, "device": device,
-        "compute": compute, "compile": compile,
+        "compute": compute, "compile": compile, "cuda_graphs": cuda_graphs,
     }
     data_flags = {"source": data, "val_source": val_data, "token_dtype": token_dtype, "vocab_size": vocab_size}
     try:
@@ -221,6 +222,7 @@ def bench(
     warmup: Annotated[Optional[int], typer.Option(help="Untimed steps first, compilation included (default 5 on CUDA, 2 on the CPU).")] = None,
     optimizer: Annotated[str, typer.Option(help="adamw (as the anchor) | muon.")] = "adamw",
     compile: Annotated[str, typer.Option(help="torch.compile of fp4lab and the anchor: auto (on CUDA) | on | off.")] = "auto",
+    cuda_graphs: Annotated[str, typer.Option(help="Replay fp4lab's steps from a CUDA graph: auto (where possible on CUDA) | on | off.")] = "auto",
     shape: Annotated[Optional[str], typer.Option(help="ROWSxCOLS of the quantized tensor (default 8192x8192 on CUDA, 1024x1024 on the CPU).")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's).")] = None,
@@ -233,7 +235,7 @@ def bench(
     import torch
 
     from fp4lab.nn.recipe import RecipeError, load_recipe
-    from fp4lab.train.config import COMPILES, OPTIMIZERS, ConfigError, TrainConfig
+    from fp4lab.train.config import COMPILES, CUDA_GRAPHS, OPTIMIZERS, ConfigError, TrainConfig
 
     if device not in ("auto", "cpu", "cuda"):
         fail(f"bench: --device {device!r} is not supported; allowed: auto, cpu, cuda")
@@ -242,6 +244,8 @@ def bench(
     target = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
     if compile not in COMPILES:
         fail(f"bench: --compile {compile!r} is not supported; allowed: {', '.join(COMPILES)}")
+    if cuda_graphs not in CUDA_GRAPHS:
+        fail(f"bench: --cuda-graphs {cuda_graphs!r} is not supported; allowed: {', '.join(CUDA_GRAPHS)}")
     if optimizer not in OPTIMIZERS:
         fail(f"bench: --optimizer {optimizer!r} is not supported; allowed: {', '.join(OPTIMIZERS)}")
     names = [r.strip() for r in recipes.split(",") if r.strip()]
@@ -277,7 +281,7 @@ def bench(
         console.print(f"training steps: {model}, {batch_size} x {seq_len}, {steps} timed after {warmup} warm-up")
         results = bench_steps(
             names, model=model, batch_size=batch_size, seq_len=seq_len, device=target, steps=steps, warmup=warmup,
-            compile=compile, optimizer=optimizer, profile_dir=profile,
+            compile=compile, cuda_graphs=cuda_graphs, optimizer=optimizer, profile_dir=profile,
             on_result=lambda r: console.print(f"  {r.name}: {r.tokens_per_s:,.0f} tokens/s"),
         )
         report["steps"] = [r.as_dict() for r in results]
@@ -322,7 +326,7 @@ def _print_bench(report: dict) -> None:
         steps = report["steps"]
         first = steps[0]
         table = Table(title=f"Training steps, {first['model']} {first['batch_size']} x {first['seq_len']} ({report['device']})")
-        for column in ("run", "compute", "compiled", "step ms", "tokens/s", "vs anchor", "step vs bf16", "peak MB", "memory vs bf16"):
+        for column in ("run", "compute", "compiled", "graph", "step ms", "tokens/s", "vs anchor", "step vs bf16", "peak MB", "memory vs bf16"):
             table.add_column(column, justify="left" if column in ("run", "compute") else "right")
         by_name = {r["name"]: r for r in steps}
         anchor, bf16 = by_name.get("anchor"), by_name.get("bf16")
@@ -332,7 +336,7 @@ def _print_bench(report: dict) -> None:
             memory = f"{r['peak_memory_mb']:,.0f}" if r["peak_memory_mb"] is not None else "-"
             memory_ratio = (f"{r['peak_memory_mb'] / bf16['peak_memory_mb']:.2f}"
                             if bf16 and r["peak_memory_mb"] and bf16["peak_memory_mb"] else "-")
-            table.add_row(r["name"], r["compute"], "yes" if r["compiled"] else "no", f"{r['step_ms']:.1f}",
+            table.add_row(r["name"], r["compute"], "yes" if r["compiled"] else "no", "yes" if r["cuda_graph"] else "no", f"{r['step_ms']:.1f}",
                           f"{r['tokens_per_s']:,.0f}", vs_anchor, vs_bf16, memory, memory_ratio)
         console.print(table)
 

@@ -183,3 +183,86 @@ def test_unscaled_bf16_output_is_the_fp32_accumulator_rounded_once():
     ulp = torch.finfo(torch.bfloat16).eps * rounded.abs()
     assert ((direct - rounded).abs() <= ulp).all()
     assert (direct == rounded).float().mean() > 0.99
+
+
+def test_philox_seeds_count_up_on_the_device_and_travel_with_the_extra_state(device):
+    layer = FP4Linear(64, 32, load_recipe("nvfp4-all").linear, seed=11).to(device)
+    first, second = layer.philox_seed(device), layer.philox_seed(device)
+    assert first.device.type == device.type and second.item() == first.item() + 1
+    saved = layer.get_extra_state()
+    base = layer._philox_base
+    layer.philox_seed(device)
+    layer.set_extra_state(saved)
+    assert layer._philox_base is base  # restored in place: a captured graph keeps counting this tensor
+    assert layer.philox_seed(device).item() == first.item() + 2
+    fresh = FP4Linear(64, 32, load_recipe("nvfp4-all").linear, seed=11).to(device)
+    fresh.set_extra_state(saved)
+    assert fresh.philox_seed(device).item() == first.item() + 2
+
+
+def test_graph_blockers_name_what_draws_from_a_generator():
+    from fp4lab.nn.build import build_model, cuda_graph_blocker
+    from fp4lab.nn.model import preset
+
+    config = preset("tiny", 256, 64)
+    for recipe, fragment in (("optitrain", "random Hadamard signs"), ("fullstack", "random Hadamard signs|FP4 attention|stochastically")):
+        model = build_model(config, load_recipe(recipe), seed=0, tensor_cores=True)
+        reason = cuda_graph_blocker(model, 256)
+        assert reason is not None and any(f in reason for f in fragment.split("|")), reason
+    assert cuda_graph_blocker(build_model(config, load_recipe("bf16"), seed=0, tensor_cores=True), 256) is None
+    reference = build_model(config, load_recipe("bf16"), seed=0)
+    assert "fp32 reference path" in cuda_graph_blocker(reference, 256)
+    nvfp4 = build_model(config, load_recipe("nvfp4-all"), seed=0, tensor_cores=True)
+    if not torch.cuda.is_available():  # without the fused kernels SR falls back to a generator
+        assert "stochastically rounded by the torch quantizer" in cuda_graph_blocker(nvfp4, 256)
+    else:
+        assert cuda_graph_blocker(nvfp4, 256) is None
+        assert "not a multiple" in cuda_graph_blocker(nvfp4, 250)
+
+
+def test_cuda_graphs_resolve_per_device_and_refuse_what_cannot_be_graphed(tmp_path):
+    from fp4lab.nn.build import build_model
+    from fp4lab.nn.model import preset
+    from fp4lab.train.config import ConfigError, TrainConfig
+    from fp4lab.train.loop import cuda_graph
+
+    model = build_model(preset("tiny", 256, 64), load_recipe("bf16"), seed=0)
+    cpu = torch.device("cpu")
+    assert not cuda_graph(TrainConfig(), model, cpu)
+    with pytest.raises(ConfigError, match="cuda_graphs='on' needs the fast path on CUDA"):
+        cuda_graph(TrainConfig(cuda_graphs="on"), model, cpu)
+    with pytest.raises(ConfigError, match="cuda_graphs='maybe' is not supported"):
+        TrainConfig(cuda_graphs="maybe")
+
+
+def _tiny_cuda_steps(recipe: str, graphs: str, steps: int, out_dir, stop_after=None):
+    from fp4lab.train.config import TrainConfig
+    from fp4lab.train.data import DataConfig
+    from fp4lab.train.loop import run
+
+    config = TrainConfig(
+        recipe=recipe, data=DataConfig(source="synthetic"), steps=steps, batch_size=4, seq_len=64, device="cuda",
+        compute="fast", compile="on", cuda_graphs=graphs, warmup_steps=2, eval_every=4, eval_batches=2,
+        probe_every=5, checkpoint_every=2, out_dir=str(out_dir), qk_clip="kimi", qk_clip_tau=5.0,
+    )
+    run(config, progress=False, stop_after=stop_after)
+    import json
+    from pathlib import Path
+
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4-all", "mxfp4-rowsr-h32"])
+def test_cuda_graph_steps_equal_eager_steps_and_resume_exactly(recipe, tmp_path):
+    """A CUDA graph replays the eager step's kernels on the same data: the losses, gradient norms and
+    QK-Clip decisions of a graphed run equal an eager run's (probe and eval steps interleaved), and a
+    graphed run stopped and resumed continues exactly (the Philox seed counters are checkpointed)."""
+    eager = _tiny_cuda_steps(recipe, "off", 12, tmp_path / "eager")
+    graphed = _tiny_cuda_steps(recipe, "on", 12, tmp_path / "graphed")
+    for a, b in zip(eager, graphed):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["qk_clipped_heads"] == b["qk_clipped_heads"]
+    _tiny_cuda_steps(recipe, "on", 12, tmp_path / "resumed", stop_after=7)
+    resumed = _tiny_cuda_steps(recipe, "on", 12, tmp_path / "resumed")
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in graphed], rel=1e-6)

@@ -1,7 +1,8 @@
 """Training-step benchmarks: fp4lab recipes and the plain PyTorch anchor, same shape, one process.
 
-Each configuration builds its model and optimizer the way a run does (`train.loop.build_training`
-for fp4lab, `bench.anchor` for the anchor), warms up (torch.compile compiles then), and times
+Each configuration builds its model, optimizer and step the way a run does (`train.loop.build_training`
+and `TrainStep` for fp4lab, `bench.anchor` for the anchor), warms up (torch.compile compiles and the
+CUDA graph is captured then: give more warm-up steps than GRAPH_WARMUP_STEPS), and times
 `steps` whole steps: forward and loss, backward, gradient clipping, optimizer step, with the loss and
 gradient norm read back every step as the training loop reads them. Batches are random tokens.
 """
@@ -21,7 +22,7 @@ from fp4lab.bench.anchor import anchor_step
 from fp4lab.nn.model import preset
 from fp4lab.nn.recipe import load_recipe
 from fp4lab.train.config import TrainConfig
-from fp4lab.train.loop import backward_and_step, build_training, compiled, fast_compute
+from fp4lab.train.loop import TrainStep, build_training, clip_and_step, compiled, cuda_graph, fast_compute
 
 ANCHOR = "anchor"
 
@@ -37,6 +38,7 @@ class StepBench:
     device: str
     compute: str
     compiled: bool
+    cuda_graph: bool
     optimizer: str
     step_ms: float  # median over the timed steps
     step_ms_spread: float  # (max - min) / median of the timed steps
@@ -59,6 +61,7 @@ def bench_steps(
     steps: int,
     warmup: int,
     compile: str = "auto",
+    cuda_graphs: str = "auto",
     optimizer: str = "adamw",
     vocab_size: int = 4096,
     on_result: Callable[[StepBench], None] | None = None,
@@ -76,21 +79,21 @@ def bench_steps(
     for name in [ANCHOR, *recipes]:
         config = TrainConfig(
             recipe="bf16" if name == ANCHOR else name, model=model, batch_size=batch_size, seq_len=seq_len,
-            device=device.type, compile=compile, optimizer=optimizer, adam_lr=3e-4, lr=0.02,
+            device=device.type, compile=compile, cuda_graphs=cuda_graphs, optimizer=optimizer, adam_lr=3e-4, lr=0.02,
         )
         use_compile = compiled(config, device)
         if name == ANCHOR:
             step, _ = anchor_step(model_config, device, compile=use_compile)
-            compute, optimizer_name = "bf16 autocast", "adamw (torch, fused on CUDA)"
+            compute, optimizer_name, graphed = "bf16 autocast", "adamw (torch, fused on CUDA)", False
         else:
-            step = _fp4lab_step(config, model_config, device)
+            step, graphed = _fp4lab_step(config, model_config, device)
             compute, optimizer_name = "fast" if fast_compute(config, device) else "reference", optimizer
         times, losses, peak = _time(step, x, y, device, steps, warmup)
         if profile_dir is not None:
             _profile(step, x, y, device, Path(profile_dir) / f"{name}.txt")
         median = statistics.median(times)
         result = StepBench(
-            name=name, **shape, compute=compute, compiled=use_compile, optimizer=optimizer_name,
+            name=name, **shape, compute=compute, compiled=use_compile, cuda_graph=graphed, optimizer=optimizer_name,
             step_ms=median * 1e3, step_ms_spread=(max(times) - min(times)) / median,
             tokens_per_s=batch_size * seq_len / median, peak_memory_mb=peak,
             first_loss=losses[0], last_loss=losses[-1],
@@ -107,14 +110,16 @@ def bench_steps(
 
 
 def _fp4lab_step(config: TrainConfig, model_config, device: torch.device):
+    """The training loop's step, as `run` builds it (CUDA graph included where it applies)."""
     model, optimizer, loss_fn = build_training(config, load_recipe(config.recipe), model_config, device)
+    train_step = TrainStep(model, loss_fn, cuda_graph(config, model, device))
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
-        loss = loss_fn(tokens, targets)
-        grad_norm = backward_and_step(model, optimizer, loss, config.grad_clip)
+        loss = train_step(tokens, targets)
+        grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed)
         return loss.item(), grad_norm.item()
 
-    return step
+    return step, train_step.graphed
 
 
 def _time(step, x, y, device: torch.device, steps: int, warmup: int) -> tuple[list[float], list[float], float | None]:

@@ -8,8 +8,8 @@ The format is documented in docs/SWEEPS.md. Every error is one line naming the f
 
 Run ids: `run_id(config)` is the first 12 hex digits of sha256 over the canonical JSON of the
 resolved TrainConfig (every field, defaults filled in, ints in float fields written as floats, keys
-sorted), leaving out `out_dir`, `device`, `max_minutes` and `compile` (ID_EXCLUDED), which don't change
-what a run computes. The same config gets the same id in any process on any machine; a run's folder is
+sorted), leaving out `out_dir`, `device`, `max_minutes`, `compile` and `cuda_graphs` (ID_EXCLUDED), which
+don't change what a run computes. The same config gets the same id in any process on any machine; a run's folder is
 `runs/<sweep>/<id>`.
 
 This module does not import torch at import time; `load_spec` imports `fp4lab.train.config` (and so
@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 METHODS = ("grid", "random", "optuna")
 # Fields that don't change what a run computes: left out of the run id.
-ID_EXCLUDED = ("out_dir", "device", "max_minutes", "compile")
+ID_EXCLUDED = ("out_dir", "device", "max_minutes", "compile", "cuda_graphs")
 # Summary keys (train.loop's summary.json) an optuna objective may name.
 OBJECTIVES = ("final_val_loss", "best_val_loss", "final_loss", "best_loss", "tokens_per_s", "train_seconds")
 DIRECTIONS = ("minimize", "maximize")

@@ -51,3 +51,16 @@ def fp4_linears(model: torch.nn.Module) -> dict[str, FP4Linear]:
 def attention_generators(model: Llama) -> list[torch.Generator]:
     """The random streams of FP4 attention, which checkpoints must carry (they are not parameters)."""
     return [a.quant.generator for a in model.attentions() if a.quant is not None and a.quant.generator is not None]
+
+
+def cuda_graph_blocker(model: Llama, tokens: int) -> str | None:
+    """Why one training step of `model` cannot be replayed from a CUDA graph, or None: every random
+    bit on the path must come from device-side counters (the fused kernels' Philox seeds), not from
+    a torch.Generator called step after step."""
+    for name, linear in fp4_linears(model).items():
+        reason = linear.graph_blocker(tokens)
+        if reason is not None:
+            return f"{name}: {reason}"
+    if any(a.quant is not None for a in model.attentions()):
+        return "FP4 attention rounds dS stochastically with a torch.Generator"
+    return None

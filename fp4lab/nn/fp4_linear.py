@@ -43,7 +43,7 @@ from fp4lab.numerics import BLOCK_SIZE, fake_quantize, fake_quantize_factored, h
 from fp4lab.numerics.fast import triton_available
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.survey import error_stats
-from fp4lab.nn.recipe import GEMMS, LinearRecipe, OperandSpec
+from fp4lab.nn.recipe import GEMMS, OPERANDS, LinearRecipe, OperandSpec
 
 def encode_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator) -> QTensor | torch.Tensor:
     """The representation of a 2D operand (quantized along its last dim) that a GEMM consumes."""
@@ -80,19 +80,21 @@ def _quantize_options(spec: OperandSpec, generator) -> dict:
     }
 
 
-def _kernel_options(spec: OperandSpec, signs: torch.Tensor | None, generator, t: torch.Tensor) -> dict | None:
-    """The fused quantizer's arguments for `spec`, or None where it does not cover the spec (CTA-local
-    scales, non-FP4 formats, 2D tiles with SR or a transform) or cannot run (no CUDA tensor, no Triton).
-    Stochastic rounding draws its Philox seed from the layer's generator on the device: resumes stay
-    exact, and the random bits differ from the reference's torch.rand stream (same distribution)."""
-    if not (t.is_cuda and spec.format in ("mxfp4", "nvfp4") and spec.transform_size in (0, 16, 32)):
+def kernel_covers(spec: OperandSpec) -> bool:
+    """Whether the fused quantizer covers `spec` (not CTA-local scales, non-FP4 formats, transforms
+    other than 16 and 32, or 2D tiles with SR or a transform)."""
+    if spec.format not in ("mxfp4", "nvfp4") or spec.transform_size not in (0, 16, 32):
+        return False
+    return spec.tile is None or (spec.rounding == "rtn" and spec.transform == "none")
+
+
+def _kernel_options(spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor, seed) -> dict | None:
+    """The fused quantizer's arguments for `spec`, or None where it does not cover the spec or cannot
+    run (no CUDA tensor, no Triton). `seed()` gives the Philox seed of a stochastically rounded one."""
+    if not (t.is_cuda and kernel_covers(spec) and triton_available()):
         return None
-    if spec.tile is not None and (spec.rounding == "sr" or signs is not None):
-        return None
-    if not triton_available():
-        return None
-    seed = torch.randint(2**62, (1,), generator=generator, device=t.device) if spec.rounding == "sr" else None
-    options = {"fmt": spec.format, "scale_mode": spec.scale_mode, "rounding": spec.rounding, "signs": signs, "seed": seed}
+    options = {"fmt": spec.format, "scale_mode": spec.scale_mode, "rounding": spec.rounding, "signs": signs}
+    options["seed"] = seed(t.device) if spec.rounding == "sr" else None
     if spec.adaptive:
         options["adaptive"] = True
     if spec.tile is not None:
@@ -297,6 +299,7 @@ class FP4Linear(nn.Module):
         nn.init.normal_(self.weight, std=in_features**-0.5)
         self._generator: torch.Generator | None = None
         self._fixed_signs: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._philox_base: torch.Tensor | None = None
         # The tensor-core path quantizes with the fused Triton kernels where they cover a spec; False
         # keeps the torch reference quantizers (same random bits as the reference path, for checks).
         self.fused_quantizers = True
@@ -372,7 +375,7 @@ class FP4Linear(nn.Module):
         it covers the spec (CUDA), else by the torch reference (probed through the packed encoding,
         as `consume`)."""
         spec = self.recipe.operand(name)
-        options = _kernel_options(spec, signs, generator, t) if self.fused_quantizers else None
+        options = _kernel_options(spec, signs, t, self.philox_seed) if self.fused_quantizers else None
         if options is not None:
             return self._fused(t, [(name, options, False)])[0]
         encoded = None
@@ -391,8 +394,8 @@ class FP4Linear(nn.Module):
         multiple = self._contraction_multiples[next(g for g, pair in GEMMS.items() if col_name in pair)]
         row_spec, col_spec = self.recipe.operand(row_name), self.recipe.operand(col_name)
         covered = self.fused_quantizers and t.shape[0] % multiple == 0 and row_spec.tile is None and col_spec.tile is None
-        row = _kernel_options(row_spec, signs[0], generator, t) if covered else None
-        col = _kernel_options(col_spec, signs[1], generator, t) if row is not None else None
+        row = _kernel_options(row_spec, signs[0], t, self.philox_seed) if covered else None
+        col = _kernel_options(col_spec, signs[1], t, self.philox_seed) if row is not None else None
         if row is not None and col is not None:
             return tuple(self._fused(t, [(row_name, row, False), (col_name, col, True)]))
         return self.operand(row_name, t, signs[0], generator), self.operand(col_name, _pad_last(t.T, multiple), signs[1], generator)
@@ -425,9 +428,38 @@ class FP4Linear(nn.Module):
         stats = error_stats(transformed, encoded)
         self.quant_stats[operand] = (stats.saturated, stats.flushed)
 
+    def philox_seed(self, device: torch.device) -> torch.Tensor:
+        """A fresh int64 seed on the device for one stochastically rounded operand of the fused
+        kernels: a per-layer base drawn once from the layer's generator, then counted up on the device.
+        No generator is called step after step, so a CUDA graph can replay the step; the base is part
+        of the extra state, so a resumed run draws the same bits."""
+        if self._philox_base is None or self._philox_base.device != torch.device(device):
+            self._philox_base = torch.randint(2**62, (1,), generator=self.generator_for(device), device=device)
+        seed = self._philox_base.clone()
+        self._philox_base.add_(1)
+        return seed
+
+    def graph_blocker(self, tokens: int) -> str | None:
+        """Why a step of this layer cannot be replayed from a CUDA graph (something on its path draws
+        from a torch.Generator, or it is not on the tensor-core path), or None."""
+        if not self.tensor_cores:
+            return "the fp32 reference path draws its SR bits and random signs from a torch.Generator"
+        specs = [(name, self.recipe.operand(name)) for name in OPERANDS]
+        for name, spec in specs:
+            if spec.transform != "none" and spec.transform_signs == "random":
+                return f"{name} draws random Hadamard signs from a torch.Generator every call"
+        for name, spec in specs:
+            if spec.rounding == "sr" and spec.is_fp4:
+                if not (self.fused_quantizers and kernel_covers(spec) and triton_available()):
+                    return f"{name} ({spec.describe()}) is stochastically rounded by the torch quantizer"
+                if tokens % self._contraction_multiples["wgrad"]:
+                    return f"{tokens} tokens per step are not a multiple of {self._contraction_multiples['wgrad']}"
+        return None
+
     def get_extra_state(self) -> dict:
         state = None if self._generator is None else self._generator.get_state()
-        return {"seed": self.seed, "generator": state}
+        philox = None if self._philox_base is None else self._philox_base.clone()
+        return {"seed": self.seed, "generator": state, "philox_base": philox}
 
     def set_extra_state(self, state: dict) -> None:
         self.seed = state["seed"]
@@ -435,6 +467,13 @@ class FP4Linear(nn.Module):
         if state["generator"] is not None:
             self._generator = torch.Generator(device=self.weight.device)
             self._generator.set_state(state["generator"])
+        saved = state.get("philox_base")  # absent in checkpoints from before the fused kernels
+        if saved is None:
+            self._philox_base = None
+        elif self._philox_base is not None:
+            self._philox_base.copy_(saved)  # in place: a captured CUDA graph counts up this tensor
+        else:
+            self._philox_base = saved.to(self.weight.device).clone()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, lora_rank={self.lora_rank}"

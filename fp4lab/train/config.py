@@ -22,8 +22,11 @@ DEVICES = ("cpu", "cuda", "auto")
 COMPUTES = ("auto", "reference", "fast")
 # torch.compile of the forward and loss ("auto": on CUDA only); it changes only summation order.
 COMPILES = ("auto", "on", "off")
+# Replay each step's forward and backward from a CUDA graph ("auto": on the fast path on CUDA when
+# nothing on the path draws from a torch.Generator); it changes nothing but the launch cost.
+CUDA_GRAPHS = ("auto", "on", "off")
 # Fields that may change when a run resumes from its checkpoint without changing what it computes.
-RESUMABLE_CHANGES = ("max_minutes", "checkpoint_every", "out_dir", "device", "compile")
+RESUMABLE_CHANGES = ("max_minutes", "checkpoint_every", "out_dir", "device", "compile", "cuda_graphs")
 
 
 class ConfigError(ValueError):
@@ -62,6 +65,7 @@ class TrainConfig:
     device: str = "cpu"
     compute: str = "auto"
     compile: str = "auto"
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.data, dict):
@@ -74,6 +78,7 @@ class TrainConfig:
         _choice("device", self.device, DEVICES)
         _choice("compute", self.compute, COMPUTES)
         _choice("compile", self.compile, COMPILES)
+        _choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         for name in ("seq_len", "batch_size", "steps", "ns_steps", "eval_every", "eval_batches", "probe_every", "checkpoint_every"):
             _integer(name, getattr(self, name), minimum=1)
         _integer("warmup_steps", self.warmup_steps, minimum=0)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from fp4lab.nn.build import attention_generators, build_model, fp4_linears
+from fp4lab.nn.build import attention_generators, build_model, cuda_graph_blocker, fp4_linears
 from fp4lab.nn.model import Llama, ModelConfig, count_parameters, preset
 from fp4lab.nn.recipe import Recipe, load_recipe
 from fp4lab.optim.build import OptimizerConfig, build_optimizer
@@ -91,6 +91,7 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
     data = load_dataset(config.data, progress=_interactive(progress))
     model_config = preset(config.model, data.vocab_size, config.seq_len)
     model, optimizer, loss_fn = build_training(config, recipe, model_config, device)
+    train_step = TrainStep(model, loss_fn, cuda_graph(config, model, device))
     sampler = BatchSampler(data.train, config.batch_size, config.seq_len, config.seed)
     evaluation = val_batches(data.val, config.batch_size, config.seq_len, config.eval_batches)
     qk_clip, tau = _qk_clip(config, recipe)
@@ -126,8 +127,8 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
             tic = time.perf_counter()
             x, y = (t.to(device) for t in sampler.batch(step))
             lr = optimizer.param_groups[0]["lr"]
-            loss = loss_fn(x, y)
-            grad_norm = backward_and_step(model, optimizer, loss, config.grad_clip)
+            loss = train_step(x, y, eager=probing)
+            grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed)
             # Read back only now, so the GPU never waits for the host mid-step. A NaN/Inf step has
             # updated the weights, but the run ends here without a checkpoint.
             record: dict[str, Any] = {"step": step, "loss": loss.item(), "lr": lr}
@@ -180,13 +181,89 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
     return summary
 
 
-def backward_and_step(model: torch.nn.Module, optimizer, loss: torch.Tensor, grad_clip: float) -> torch.Tensor:
-    """Backward, clip the gradient norm, step; returns the norm (a tensor: nothing is read back)."""
-    loss.backward()
+def clip_and_step(model: torch.nn.Module, optimizer, grad_clip: float, keep_grads: bool = False) -> torch.Tensor:
+    """Clip the gradient norm, step, drop the gradients (or keep their memory for a CUDA graph that
+    zeroes and refills them); returns the norm as a tensor: nothing is read back."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if not keep_grads:
+        optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+# Eager steps before the capture: the compiler, cuBLAS and the Triton kernels initialise on them.
+GRAPH_WARMUP_STEPS = 2
+
+
+class TrainStep:
+    """One step's forward and backward: `step(x, y)` returns the loss with the gradients in `.grad`.
+
+    With `graphed`, the first GRAPH_WARMUP_STEPS calls run eagerly on a side stream, the next one
+    captures zeroing the gradients, the forward and the backward into a CUDA graph, and every later
+    call copies the batch into the captured input tensors and replays it: the same kernels on the
+    same data, without the host launching each one (the FP4 path launches several per linear).
+    `eager=True` runs a step eagerly (probe steps, which read values back on the host); it
+    accumulates into the same gradient tensors, so both kinds of step interleave freely.
+    """
+
+    def __init__(self, model: Llama, loss_fn: LossFn, graphed: bool):
+        self.model, self.loss_fn, self.graphed = model, loss_fn, graphed
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.warmed = 0
+
+    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor, eager: bool = False) -> torch.Tensor:
+        if not self.graphed or eager:
+            self._zero_grads()
+            return self._forward_backward(tokens, targets)
+        if self.graph is None and self.warmed < GRAPH_WARMUP_STEPS:
+            self.warmed += 1
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._zero_grads()
+                loss = self._forward_backward(tokens, targets)
+            torch.cuda.current_stream().wait_stream(side)
+            return loss
+        if self.graph is None:
+            self._capture(tokens, targets)
+        self.static_tokens.copy_(tokens)
+        self.static_targets.copy_(targets)
+        self.graph.replay()
+        for attention, logits in self.captured_logits:  # an eager step may have replaced them
+            attention.last_max_logits = logits
+        return self.static_loss
+
+    def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(tokens, targets)
+        loss.backward()
+        return loss.detach()
+
+    def _zero_grads(self) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+
+    def _capture(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        self.static_tokens, self.static_targets = tokens.clone(), targets.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._zero_grads()
+            self.static_loss = self._forward_backward(self.static_tokens, self.static_targets)
+        self.captured_logits = [(a, a.last_max_logits) for a in self.model.attentions() if a.record_max_logits]
+
+
+def cuda_graph(config: TrainConfig, model: Llama, device: torch.device) -> bool:
+    """Whether steps replay from a CUDA graph (config.cuda_graphs; "auto": on the fast path on CUDA
+    when nothing on the step's path draws from a torch.Generator)."""
+    if config.cuda_graphs == "off" or device.type != "cuda" or not fast_compute(config, device):
+        if config.cuda_graphs == "on":
+            raise ConfigError("cuda_graphs='on' needs the fast path on CUDA (device='cuda', compute='fast' or 'auto')")
+        return False
+    blocker = cuda_graph_blocker(model, config.batch_size * config.seq_len)
+    if blocker is not None and config.cuda_graphs == "on":
+        raise ConfigError(f"cuda_graphs='on' but {blocker}; use cuda_graphs='auto' or 'off'")
+    return blocker is None
 
 
 @torch.no_grad()
