@@ -161,3 +161,14 @@ def test_decode_matches_torchao_and_inverts_encode_on_the_grid():
     codes = torch.arange(16, dtype=torch.uint8)
     assert torch.equal(e2m1.decode(codes), f4_unpacked_to_f32(codes))
     assert torch.equal(e2m1.encode_rne(e2m1.decode(codes)), codes)
+
+
+def test_encode_grid_equals_encode_rne_on_every_grid_value():
+    from fp4lab.numerics.e2m1 import E2M1_GRID, encode_grid, encode_rne
+
+    grid = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32)
+    assert torch.equal(encode_grid(grid), encode_rne(grid))  # -0.0 keeps its sign bit: code 0x8
+    assert encode_grid(torch.tensor([-0.0])).item() == 0x8
+    g = torch.Generator().manual_seed(3)
+    on_grid = grid[torch.randint(len(grid), (4096,), generator=g)]
+    assert torch.equal(encode_grid(on_grid), encode_rne(on_grid))

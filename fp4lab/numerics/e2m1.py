@@ -69,9 +69,19 @@ def _grid_step(a: torch.Tensor) -> torch.Tensor:
     return torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
 
 
+def encode_grid(values: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of float32 values already on the grid (what round_to_nearest / round_stochastic
+    return): from the float bits, no search. From 1 up, |v| = 2^e (1 + m/2) has code 2 + 2e + m,
+    which is the top 9 bits of the float (biased exponent and first mantissa bit) minus 252; 0 and
+    0.5 have codes 0 and 1, i.e. 2|v|. Equal to encode_rne on grid values, several times faster."""
+    a = values.abs()
+    code = torch.where(a >= 1.0, (a.view(torch.int32) >> 22) - 252, (a * 2.0).to(torch.int32))
+    return _with_sign(code, values)
+
+
 def encode_stochastic(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """E2M1 codes of `round_stochastic(x, generator)`."""
-    return encode_rne(round_stochastic(x, generator))
+    return encode_grid(round_stochastic(x, generator))
 
 
 def decode(codes: torch.Tensor) -> torch.Tensor:

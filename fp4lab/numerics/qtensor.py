@@ -56,19 +56,17 @@ class QTensor:
         return e2m1.unpack(self.data).reshape(self.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        values = e2m1.decode(self.codes())
         if self.fmt == "mxfp4":
-            return (values * self._expand_blocks(e8m0_decode(self.scales))).to(dtype)
+            return self._block_values(e8m0_decode(self.scales)).to(dtype)
         # code * E4M3 scale is exact in float32, so decoding rounds once, at the outer scale.
-        values = values * self._expand_blocks(e4m3_decode(self.scales))
+        values = self._block_values(e4m3_decode(self.scales))
         return (values * self._outer_scale()).to(dtype)
 
     def factored(self) -> FactoredValues:
         """The GEMM operand form of this encoding: `fake_quantize_factored` of the same input and bits."""
-        values = e2m1.decode(self.codes())
         if self.fmt == "mxfp4":
-            return FactoredValues(values * self._expand_blocks(e8m0_decode(self.scales)), None, True)
-        values = values * self._expand_blocks(e4m3_decode(self.scales))
+            return FactoredValues(self._block_values(e8m0_decode(self.scales)), None, True)
+        values = self._block_values(e4m3_decode(self.scales))
         if self.fmt == "nvfp4":
             return FactoredValues(values, self.tensor_scale, True)
         if self.tile is not None:
@@ -87,6 +85,16 @@ class QTensor:
         th, tw = self.tile
         per_tile = self.tensor_scale.repeat_interleave(t // th, dim=0).repeat_interleave(t // tw, dim=1)
         return self._expand_blocks(per_tile[: self.scales.shape[0], : self.scales.shape[1]])
+
+    def _block_values(self, per_block: torch.Tensor) -> torch.Tensor:
+        """E2M1 values times their block's (or tile's) scale, broadcast over a grouped view rather
+        than through a per-element copy of the scales."""
+        values = e2m1.decode(self.codes())
+        if self.tile is None:
+            grouped = values.reshape(*self.shape[:-1], self.shape[-1] // self.block_size, self.block_size)
+            return (grouped * per_block[..., None]).reshape(self.shape)
+        (th, tw), (rows, cols) = self.tile, self.shape
+        return (values.reshape(rows // th, th, cols // tw, tw) * per_block[:, None, :, None]).reshape(self.shape)
 
     def _expand_blocks(self, per_block: torch.Tensor) -> torch.Tensor:
         """Broadcast one value per block (or tile) to one value per element."""

@@ -60,7 +60,7 @@ def quantize(
     """
     enc = _encode(x, fmt, rounding, tile, scale_mode, generator, tensor_amax, adaptive, cta_tile)
     return QTensor(
-        data=e2m1.pack(e2m1.encode_rne(enc.elements).reshape(x.shape)),
+        data=e2m1.pack(e2m1.encode_grid(enc.elements).reshape(x.shape)),
         scales=_scale_grid(enc.scale_bits, x, enc.block, tile),
         tensor_scale=enc.tensor_scale,
         fmt=fmt,
