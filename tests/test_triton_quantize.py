@@ -22,7 +22,8 @@ import time
 import pytest
 import torch
 
-from fp4lab.numerics import fake_quantize_factored, hadamard, hadamard_signs, quantize
+from fp4lab.numerics import e2m1, fake_quantize_factored, hadamard, hadamard_signs, quantize
+from fp4lab.numerics.qtensor import QTensor
 
 MX_MODES = ("floor", "ceil", "even", "rceil")
 FORMAT_MODES = [("mxfp4", m) for m in MX_MODES] + [("nvfp4", None)]
@@ -132,6 +133,45 @@ def assert_matches(out, factored, q, label: str) -> None:
         assert out.outer is None
     else:
         assert out.outer.shape == () and torch.equal(out.outer.view(torch.int32), factored.outer.reshape(()).view(torch.int32)), f"{label}: outer"
+
+
+def assert_same_bits(got, want, label: str) -> None:
+    """Equal bit for bit (-0.0 stays -0.0), NaN at the same places."""
+    nan = torch.isnan(want)
+    assert got.dtype == want.dtype and torch.equal(torch.isnan(got), nan), f"{label}: dtype or NaN positions differ"
+    view = torch.int16 if want.dtype == torch.bfloat16 else torch.int32
+    bad = (got.view(view) != want.view(view)) & ~nan
+    assert not bad.any(), f"{label}: {int(bad.sum())} values differ, e.g. {got[bad][:3].tolist()} vs {want[bad][:3].tolist()}"
+
+
+def assert_codes_only(decode_fused, lean, full, fmt: str, tile, label: str) -> None:
+    """`lean` (emit_values=False) holds the codes, scales and outer of `full` (the same call with values)
+    and no values; decode_fused of its codes gives full's values (bf16) and QTensor.factored's (fp32)."""
+    assert lean.values is None, label
+    assert torch.equal(lean.codes, full.codes) and torch.equal(lean.scales, full.scales), f"{label}: codes or scales differ"
+    assert (lean.outer is None) == (full.outer is None), label
+    if full.outer is not None:
+        assert torch.equal(lean.outer.view(torch.int32), full.outer.view(torch.int32)), f"{label}: outer"
+    shape = tuple(full.values.shape)
+    assert_same_bits(decode_fused(lean.codes, lean.scales, fmt=fmt, shape=shape, tile=tile), full.values, f"{label} decode")
+    factored = QTensor(lean.codes, lean.scales, lean.outer, fmt, torch.Size(shape), BLOCK[fmt], tile=tile).factored()
+    fp32 = decode_fused(lean.codes, lean.scales, fmt=fmt, shape=shape, tile=tile, out_dtype=torch.float32)
+    assert_same_bits(fp32, factored.values, f"{label} decode fp32")
+
+
+def every_scale_byte(fmt: str, tile=None, device="cpu"):
+    """(codes, scales, shape): each of the 256 scale bytes (E8M0 0 = 2^-127 and 0xFF = NaN; E4M3
+    subnormals, -0.0, negatives, NaN 0x7F / 0xFF) over blocks holding all 16 codes in both nibbles.
+    1D: row r has bytes r and 255 - r (a wrong scale column shows); tiles: a 16 x 16 grid of them."""
+    th, tw = tile or (1, BLOCK[fmt])
+    if tile is None:
+        scales = torch.stack((torch.arange(256), 255 - torch.arange(256)), dim=1).to(torch.uint8)
+    else:
+        scales = torch.arange(256).reshape(16, 16).T.contiguous().to(torch.uint8)
+    rows, cols = scales.shape[0] * th, scales.shape[1] * tw
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    codes = ((c + r + c // 16 * 3) % 16).to(torch.uint8)  # 16 consecutive elements hold all 16 codes
+    return e2m1.pack(codes).to(device), scales.to(device), (rows, cols)
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +331,146 @@ def test_values_without_codes_and_outer(tq):
 
 
 # ----------------------------------------------------------------------------------------------
+# CUDA: codes only (emit_values=False) and the fused decode
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("fmt,mode", FORMAT_MODES, ids=[m or f for f, m in FORMAT_MODES])
+def test_codes_only_and_decode(tq, fmt, mode, transpose):
+    """Every input kind (NaN/Inf blocks; `wide`: E8M0 2^-127 and E4M3 subnormal scales), even and odd
+    shapes, RTN and Philox SR (one seed for both calls), with and without H16: codes only equals the
+    codes of the call with values, and decode_fused of them equals its values bit for bit."""
+    seed = torch.tensor([5], dtype=torch.int64, device="cuda")
+    for shape in (EVEN_SHAPE, ODD_SHAPE[transpose]):
+        for kind, x in inputs(shape, seed=17).items():
+            x = x.to("cuda", torch.bfloat16)
+            for rounding, sign_name in (("rtn", "none"), ("sr", "none"), ("rtn", "random16"), ("sr", "random16")):
+                opts = dict(fmt=fmt, scale_mode=mode, rounding=rounding, signs=_signs(sign_name), transpose=transpose, emit_codes=True)
+                opts |= dict(seed=seed) if rounding == "sr" else {}
+                full = tq.quantize_fused(x, **opts)
+                lean = tq.quantize_fused(x, emit_values=False, **opts)
+                assert_codes_only(tq.decode_fused, lean, full, fmt, None, f"{kind} {shape} {rounding} {sign_name}")
+                if kind == "wide" and shape == EVEN_SHAPE and sign_name == "none":  # the edge scales occur
+                    edge = full.scales == 0 if fmt == "mxfp4" else (full.scales > 0) & (full.scales < 8)
+                    assert edge.any(), f"{kind} {rounding}: no E8M0 2^-127 / E4M3 subnormal scale"
+
+
+BOTH_CODES_ONLY = {  # (row emit_values, col emit_values)
+    "values/codes": (True, False),  # the training path: values for the forward GEMM, x^T packed
+    "codes/values": (False, True),
+    "codes/codes": (False, False),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("emit", list(BOTH_CODES_ONLY))
+@pytest.mark.parametrize("case", ["mx-rtn/nv-sr-h16", "nv/nv", "rceil-sr-h32/even"])
+def test_codes_only_both_orientations(tq, case, emit):
+    """quantize_fused_both with either orientation or both codes only: the same codes, scales and
+    outer as with values, the same values where they are kept, and decoded codes equal to them."""
+    seeds = [torch.tensor([3 + i], dtype=torch.int64, device="cuda") for i in range(2)]
+    for shape in (EVEN_SHAPE, (96, 160)):
+        for kind, x in inputs(shape, seed=19).items():
+            x = x.to("cuda", torch.bfloat16)
+            opts = []
+            for base, seed in zip(BOTH_CASES[case], seeds):
+                o = dict(base, signs=_signs(base.get("signs", "none")), emit_codes=True)
+                opts.append(o | (dict(seed=seed) if o.get("rounding") == "sr" else {}))
+            full = tq.quantize_fused_both(x, opts[0], opts[1])
+            lean = tq.quantize_fused_both(x, *(dict(o, emit_values=e) for o, e in zip(opts, BOTH_CODES_ONLY[emit])))
+            for name, want, got, o, kept in zip(("row", "col"), full, lean, opts, BOTH_CODES_ONLY[emit]):
+                label = f"{kind} {shape} {name}"
+                if kept:
+                    assert_same_bits(got.values, want.values, label)
+                    assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales), label
+                else:
+                    assert_codes_only(tq.decode_fused, got, want, o["fmt"], None, label)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt,mode,adaptive,tile", TILE_CASES, ids=[f"{f}-{m}-{'ad' if a else ''}{t[0]}x{t[1]}" for f, m, a, t in TILE_CASES])
+def test_codes_only_and_decode_2d_tiles(tq, fmt, mode, adaptive, tile):
+    """2D weight tiles from fp32 and bf16, codes only, decoded through their tile scale grid; whole
+    regions and masked ones."""
+    options = dict(tile=tile) | (dict(scale_mode=mode, adaptive=adaptive) if fmt == "mxfp4" else {})
+    th, tw = tile
+    for shape in ((256, 512), (3 * th, 5 * tw), (th, tw)):
+        for kind, x in inputs(shape, seed=23).items():
+            for dtype in (torch.float32, torch.bfloat16):
+                xd = x.to("cuda", dtype)
+                full = tq.quantize_fused(xd, fmt=fmt, emit_codes=True, **options)
+                lean = tq.quantize_fused(xd, fmt=fmt, emit_codes=True, emit_values=False, **options)
+                assert_codes_only(tq.decode_fused, lean, full, fmt, tile, f"{kind} {shape} {dtype}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tiled", [False, True], ids=["1d", "tiles"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_decode_every_scale_byte(tq, fmt, tiled):
+    """decode_fused of all 16 codes under each of the 256 scale bytes equals QTensor.factored, in bf16
+    (the subnormal products of E8M0 2^-127 and 2^-126 included) and fp32."""
+    tile = (BLOCK[fmt], BLOCK[fmt]) if tiled else None
+    codes, scales, shape = every_scale_byte(fmt, tile, "cuda")
+    want = QTensor(codes, scales, None, fmt, torch.Size(shape), BLOCK[fmt], tile=tile).factored().values
+    for dtype in (torch.bfloat16, torch.float32):
+        got = tq.decode_fused(codes, scales, fmt=fmt, shape=shape, tile=tile, out_dtype=dtype)
+        assert_same_bits(got, want.to(dtype), f"{fmt} {dtype}")
+
+
+@pytest.mark.cuda
+def test_decode_odd_shapes(tq):
+    """Random codes and scale bytes in shapes that fill no whole program (masked loads and stores), 1D
+    and tiled, and one that fills several, in bf16 and fp32."""
+    g = torch.Generator().manual_seed(29)
+    cases = [("mxfp4", (33, 96), None), ("nvfp4", (1, 16), None), ("nvfp4", (257, 272), None), ("mxfp4", (128, 1024), None),
+             ("mxfp4", (96, 288), (32, 32)), ("nvfp4", (48, 80), (16, 16)), ("mxfp4", (64, 96), (64, 32))]  # fmt: skip
+    for fmt, shape, tile in cases:
+        rows, cols = shape
+        th, tw = tile or (1, BLOCK[fmt])
+        codes = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8).cuda()
+        scales = torch.randint(0, 256, (rows // th, cols // tw), generator=g, dtype=torch.uint8).cuda()
+        want = QTensor(codes, scales, None, fmt, torch.Size(shape), BLOCK[fmt], tile=tile).factored().values
+        for dtype in (torch.bfloat16, torch.float32):
+            got = tq.decode_fused(codes, scales, fmt=fmt, shape=shape, tile=tile, out_dtype=dtype)
+            assert_same_bits(got, want.to(dtype), f"{fmt} {shape} {tile} {dtype}")
+
+
+@pytest.mark.cuda
+def test_codes_only_and_decode_errors(tq):
+    x = torch.zeros(64, 64, device="cuda")
+    with pytest.raises(ValueError, match="emit_codes=True"):
+        tq.quantize_fused(x, fmt="mxfp4", emit_values=False)
+    with pytest.raises(ValueError, match="emit_codes=True"):
+        tq.quantize_fused_both(x, {"fmt": "mxfp4"}, {"fmt": "nvfp4", "emit_values": False})
+    with pytest.raises(ValueError, match="emit_values must be a bool"):
+        tq.quantize_fused(x, fmt="mxfp4", emit_codes=True, emit_values=0)
+    codes = torch.zeros(64, 32, dtype=torch.uint8, device="cuda")
+    scales = torch.zeros(64, 2, dtype=torch.uint8, device="cuda")
+    ok = dict(fmt="mxfp4", shape=(64, 64))
+    for kwargs, match in (
+        (dict(ok, fmt="nvfp4_cta"), "fmt"),
+        (dict(ok, shape=(64, 48)), "shape"),
+        (dict(ok, shape=(64,)), "shape"),
+        (dict(ok, shape=(32, 64)), r"codes must be a uint8 tensor of shape \[32, 32\]"),
+        (dict(ok, fmt="nvfp4"), r"scales must be a uint8 tensor of shape \[64, 4\]"),
+        (dict(ok, tile=(32, 32)), r"scales must be a uint8 tensor of shape \[2, 2\]"),
+        (dict(ok, tile=(16, 16)), "tile"),
+        (dict(fmt="mxfp4", shape=(96, 96), tile=(96, 32)), "powers of two"),
+        (dict(ok, out_dtype=torch.float16), "out_dtype"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            tq.decode_fused(codes, scales, **kwargs)
+    not_contiguous = torch.zeros(32, 64, dtype=torch.uint8, device="cuda").T
+    for bad, match in ((codes.int(), "uint8"), (codes.cpu(), "CUDA"), (not_contiguous, "contiguous")):
+        with pytest.raises(ValueError, match=match):
+            tq.decode_fused(bad, scales, **ok)
+    with pytest.raises(ValueError, match="one CUDA device"):
+        tq.decode_fused(codes, scales.cpu(), **ok)
+
+
+# ----------------------------------------------------------------------------------------------
 # CUDA: stochastic rounding with in-kernel Philox draws
 # ----------------------------------------------------------------------------------------------
 
@@ -431,9 +611,10 @@ def test_fp4lab_imports_no_triton():
 INTERPRETED_CHECK = """
 import sys, torch
 sys.path.insert(0, {tests!r})
-from test_triton_quantize import inputs, assert_matches, BLOCK
+from test_triton_quantize import inputs, assert_matches, assert_codes_only, assert_same_bits, every_scale_byte, BLOCK
 from fp4lab.numerics import fake_quantize_factored, hadamard, hadamard_signs, quantize
-from fp4lab.numerics.triton_quantize import quantize_fused, quantize_fused_both
+from fp4lab.numerics.qtensor import QTensor
+from fp4lab.numerics.triton_quantize import decode_fused, quantize_fused, quantize_fused_both
 
 def ref(y, fmt, mode, rounding, signs):
     if signs is not None:
@@ -466,6 +647,33 @@ for fmt, opts in (("nvfp4", dict(tile=(16, 16))), ("mxfp4", dict(tile=(32, 32), 
     for name, x in kinds[:2]:
         out = quantize_fused(x, fmt=fmt, emit_codes=True, **opts)
         assert_matches(out, fake_quantize_factored(x.float(), fmt, **opts), quantize(x.float(), fmt, **opts), f"{{name}} {{fmt}} tiles")
+
+# Codes only and its fused decode: rows, x^T, either orientation of both, tiles (nvfp4 once: its amax
+# pass is slow here). Every scale byte decoded to fp32: the interpreter's bf16 cast flushes the
+# subnormal products of E8M0 bytes 0 and 1.
+x = kinds[0][1]
+signs = hadamard_signs(16, "random", torch.Generator().manual_seed(16))
+mx = dict(fmt="mxfp4", scale_mode="rceil", rounding="sr", signs=signs, emit_codes=True)
+row, col = (dict(mx, uniforms=torch.rand(s, generator=torch.Generator().manual_seed(3))) for s in (x.shape, x.shape[::-1]))
+full = quantize_fused_both(x, row, col)
+assert_codes_only(decode_fused, quantize_fused(x, emit_values=False, **row), full[0], "mxfp4", None, "mxfp4 rows")
+assert_codes_only(decode_fused, quantize_fused(x, transpose=True, emit_values=False, **col), full[1], "mxfp4", None, "mxfp4 x^T")
+lean = quantize_fused_both(x, row, dict(col, emit_values=False))
+assert torch.equal(lean[0].values, full[0].values) and torch.equal(lean[0].codes, full[0].codes)
+assert_codes_only(decode_fused, lean[1], full[1], "mxfp4", None, "mxfp4 both/col")
+nv = dict(fmt="nvfp4", emit_codes=True)
+full = quantize_fused_both(x, nv, nv)
+lean = quantize_fused_both(x, dict(nv, emit_values=False), nv)
+assert_codes_only(decode_fused, lean[0], full[0], "nvfp4", None, "nvfp4 both/row")
+assert torch.equal(lean[1].values, full[1].values) and torch.equal(lean[1].codes, full[1].codes)
+lean = quantize_fused(x, fmt="mxfp4", tile=(32, 32), emit_codes=True, emit_values=False)
+assert_codes_only(decode_fused, lean, quantize_fused(x, fmt="mxfp4", tile=(32, 32), emit_codes=True), "mxfp4", (32, 32), "mxfp4 tiles")
+for fmt in ("mxfp4", "nvfp4"):
+    for tile in (None, (BLOCK[fmt], BLOCK[fmt])):
+        codes, scales, shape = every_scale_byte(fmt, tile)
+        want = QTensor(codes, scales, None, fmt, torch.Size(shape), BLOCK[fmt], tile=tile).factored().values
+        got = decode_fused(codes, scales, fmt=fmt, shape=shape, tile=tile, out_dtype=torch.float32)
+        assert_same_bits(got, want, f"{{fmt}} {{tile}} every scale byte")
 """
 
 

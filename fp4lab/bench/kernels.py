@@ -2,13 +2,16 @@
 
 Each case quantizes one [rows, cols] tensor (bf16, or fp32 for the 2D weight tiles of master weights)
 into what a tensor-core GEMM reads: bf16 block values and the outer scale, for rows (along the last
-dim), for x^T, or for both orientations from one read, optionally with packed codes and scale bytes.
-On CUDA the fused Triton kernels run where they cover the case, else (and on the CPU) the torch
-reference (`fake_quantize_factored`, after `hadamard` for H16). Bytes are those the fused kernel must
-move: x read once per pass (NVFP4 reads x once more for its tensor amax), bf16 values written per
-orientation, codes (half a byte per element) and scale bytes when emitted. The reference moves more
-through its intermediates; it is timed on the same count. The copy reads and writes the bf16 tensor
-once each; the ratio of the two rates is the figure of merit (1.0: as fast as a copy).
+dim), for x^T, or for both orientations from one read, optionally with packed codes and scale bytes,
+or codes and scale bytes only (what the backward pass keeps). A decode case turns such codes and
+scale bytes back into bf16 block values. On CUDA the fused Triton kernels run where they cover the
+case, else (and on the CPU) the torch reference (`fake_quantize_factored`, after `hadamard` for H16;
+`quantize` for codes only, `QTensor.factored` to decode). Bytes are those the fused kernel must move:
+x read once per pass (NVFP4 reads x once more for its tensor amax), bf16 values written per
+orientation unless codes only, codes (half a byte per element) and scale bytes when emitted; a
+decode reads codes and scale bytes and writes bf16 values. The reference moves more through its
+intermediates; it is timed on the same count. The copy reads and writes the bf16 tensor once each;
+the ratio of the two rates is the figure of merit (1.0: as fast as a copy).
 
 On CUDA every time is the median over `repeats` replays of a CUDA graph of several calls, so Python's
 launch cost, which is of the order of a kernel's time at 8192 x 8192, is not counted.
@@ -23,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fp4lab.numerics import BLOCK_SIZE, fake_quantize_factored, hadamard, hadamard_signs
+from fp4lab.numerics import BLOCK_SIZE, fake_quantize_factored, hadamard, hadamard_signs, quantize
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class Case:
     row: dict | None = None  # quantized along the last dim
     col: dict | None = None  # quantized along the rows (the output is x^T)
     codes: bool = False
+    values: bool = True  # False: codes and scale bytes only (with codes=True)
+    decode: bool = False  # decode the row orientation's codes and scale bytes back to bf16 values
     tile: tuple[int, int] | None = None  # 2D weight tiles (row only)
     dtype: torch.dtype = torch.bfloat16
 
@@ -55,6 +60,9 @@ def _cases() -> tuple[Case, ...]:
         for suffix, extra in (variants[0], variants[3]):
             cases.append(Case(f"{fmt}{suffix} x^T", col=base | extra))
             cases.append(Case(f"{fmt}{suffix} both", row=base | extra, col=base | extra))
+        if fmt == "mxfp4":  # the backward pass's packed x^T, and its decode for the GEMM
+            cases.append(Case("mxfp4 x^T codes only", col=base, codes=True, values=False))
+            cases.append(Case("mxfp4 decode", row=base, decode=True))
     cases.append(Case("nvfp4 16x16 tiles fp32", row={"fmt": "nvfp4"}, tile=(16, 16), dtype=torch.float32))
     cases.append(Case("mxfp4 rceil adaptive 32x32 tiles fp32", row={"fmt": "mxfp4", "scale_mode": "rceil", "adaptive": True},
                       tile=(32, 32), dtype=torch.float32))  # fmt: skip
@@ -106,18 +114,21 @@ def bench_kernels(
 
 def _bytes(case: Case, x: torch.Tensor) -> int:
     n = x.numel()
+    packed = {}  # codes and scale bytes per orientation
+    for options, transpose in case.orientations:
+        per_scale = case.tile[0] * case.tile[1] if case.tile else BLOCK_SIZE[options["fmt"]]
+        packed[transpose] = n // 2 + n // per_scale
+    if case.decode:
+        return packed[False] + 2 * n
     passes = 1 + any(o["fmt"] == "nvfp4" for o, _ in case.orientations)
     written = 0
-    for options, _ in case.orientations:
-        written += 2 * n
-        if case.codes:
-            per_scale = case.tile[0] * case.tile[1] if case.tile else BLOCK_SIZE[options["fmt"]]
-            written += n // 2 + n // per_scale
+    for _, transpose in case.orientations:
+        written += (2 * n if case.values else 0) + (packed[transpose] if case.codes else 0)
     return passes * n * x.element_size() + written
 
 
 def _materialize(options: dict, case: Case, device: torch.device) -> dict:
-    options = dict(options, emit_codes=case.codes)
+    options = dict(options, emit_codes=case.codes or case.decode, emit_values=case.values and not case.decode)
     if "signs" in options:
         options["signs"] = hadamard_signs(options["signs"], "fixed").to(device)
     if options.get("rounding") == "sr":
@@ -134,7 +145,7 @@ def _quantizer(case: Case, x: torch.Tensor) -> tuple[Callable, str]:
         from fp4lab.numerics.fast import triton_available
 
         if triton_available():
-            from fp4lab.numerics.triton_quantize import quantize_fused, quantize_fused_both
+            from fp4lab.numerics.triton_quantize import decode_fused, quantize_fused, quantize_fused_both
 
             opts = [_materialize(o, case, x.device) for o, _ in case.orientations]
             if len(opts) == 2:
@@ -142,14 +153,18 @@ def _quantizer(case: Case, x: torch.Tensor) -> tuple[Callable, str]:
             else:
                 fused = lambda x: quantize_fused(x, transpose=case.row is None, **opts[0])  # noqa: E731
             try:
+                if case.decode:  # the codes are made once, outside the timing
+                    q = fused(x)
+                    fused = lambda x: decode_fused(q.codes, q.scales, fmt=opts[0]["fmt"], shape=tuple(x.shape), tile=case.tile)  # noqa: E731
                 fused(x)
                 return fused, "triton"
             except ValueError:
                 pass
-    return _reference(case, x.device), "torch reference"
+    return _reference(case, x), "torch reference"
 
 
-def _reference(case: Case, device: torch.device) -> Callable:
+def _reference(case: Case, x: torch.Tensor) -> Callable:
+    device = x.device
     generator = torch.Generator(device=device).manual_seed(0)
     specs = []
     for options, transpose in case.orientations:
@@ -168,9 +183,18 @@ def _reference(case: Case, device: torch.device) -> Callable:
             y = x.to(torch.float32)
             y = y.T.contiguous() if transpose else y
             y = hadamard(y, size, signs) if size else y
-            outs.append(fake_quantize_factored(y, fmt, **options).values.to(torch.bfloat16))
+            if case.values:
+                outs.append(fake_quantize_factored(y, fmt, **options).values.to(torch.bfloat16))
+            else:
+                q = quantize(y, fmt, **options)
+                outs.append((q.data, q.scales))
         return outs
 
+    if case.decode:
+        fmt, options, size, signs, _ = specs[0]
+        y = x.to(torch.float32)
+        q = quantize(hadamard(y, size, signs) if size else y, fmt, **options)
+        return lambda x: q.factored().values.to(torch.bfloat16)
     return reference
 
 

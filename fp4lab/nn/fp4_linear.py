@@ -129,6 +129,24 @@ class GemmOperand:
         return GemmOperand(self.values.T, self.outer)
 
 
+@dataclass(frozen=True)
+class PackedOperand:
+    """A tensor-core operand kept for the backward pass as the fused kernel's packed codes and block
+    scales (0.5 byte per element plus a byte per block, against 2 for bf16 values), as FP4 training
+    keeps its saved operands; `unpack()` decodes the bf16 values when the GEMM needs them."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    outer: torch.Tensor | None
+    fmt: str
+    shape: tuple[int, int]
+
+    def unpack(self) -> GemmOperand:
+        from fp4lab.numerics.triton_quantize import decode_fused
+
+        return GemmOperand(decode_fused(self.codes, self.scales, fmt=self.fmt, shape=self.shape), self.outer)
+
+
 def gemm_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator, encoded=None) -> GemmOperand:
     """What a tensor-core GEMM reads for a 2D operand quantized along its last dim. `encoded` (a QTensor
     of the same operand, made for a probe) is used instead of quantizing again, so the random bits
@@ -196,7 +214,7 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
 
         # x and x^T (Fprop, Wgrad) from one read of x; W and W^T (Fprop, Dgrad) from one read of W,
         # unless 2D tiles make W^T's encoding the transpose of W's.
-        x_op, xt_op = layer.operand_pair(("fprop_x", "wgrad_x"), x2, (signs["fprop"], signs["wgrad"]), g)
+        x_op, xt_op = layer.operand_pair(("fprop_x", "wgrad_x"), x2, (signs["fprop"], signs["wgrad"]), g, keep_packed=True)
         if recipe.shares_weight_encoding:
             w_op = layer.operand("fprop_w", weight, signs["fprop"], g)
             wt_op = w_op.T
@@ -220,7 +238,8 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         dy_op, dyt_op = layer.operand_pair(("dgrad_dy", "wgrad_dy"), dy, (signs["dgrad"], signs["wgrad"]), g)
         grad_x = tensor_core_mm(dy_op, ctx.wt_op, ctx.x_dtype).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        grad_w = tensor_core_mm(dyt_op, ctx.xt_op, torch.float32)
+        xt_op = ctx.xt_op.unpack() if isinstance(ctx.xt_op, PackedOperand) else ctx.xt_op
+        grad_w = tensor_core_mm(dyt_op, xt_op, torch.float32)
         return grad_x, grad_w, None
 
 
@@ -303,6 +322,8 @@ class FP4Linear(nn.Module):
         # The tensor-core path quantizes with the fused Triton kernels where they cover a spec; False
         # keeps the torch reference quantizers (same random bits as the reference path, for checks).
         self.fused_quantizers = True
+        # The tensor-core path keeps Wgrad's x^T operand packed between forward and backward.
+        self.pack_saved = True
         self.probe = False
         self.quant_stats: dict[str, tuple[float, float]] = {}
         self.lora_rank = lora_rank
@@ -385,11 +406,17 @@ class FP4Linear(nn.Module):
         return gemm_operand(t, spec, signs, generator, encoded)
 
     def operand_pair(
-        self, names: tuple[str, str], t: torch.Tensor, signs: tuple[torch.Tensor | None, torch.Tensor | None], generator
-    ) -> tuple[GemmOperand, GemmOperand]:
+        self,
+        names: tuple[str, str],
+        t: torch.Tensor,
+        signs: tuple[torch.Tensor | None, torch.Tensor | None],
+        generator,
+        keep_packed: bool = False,
+    ) -> tuple[GemmOperand, GemmOperand | PackedOperand]:
         """Operand names[0] of t (blocked along its last dim) and names[1] of t^T (blocked along t's
         rows, which are zero-padded to the GEMM's contraction multiple): one read of t when the fused
-        kernel covers both specs."""
+        kernel covers both specs. `keep_packed`: names[1] is saved for the backward pass, so the
+        kernel writes it as packed codes and scales only (`PackedOperand`)."""
         row_name, col_name = names
         multiple = self._contraction_multiples[next(g for g, pair in GEMMS.items() if col_name in pair)]
         row_spec, col_spec = self.recipe.operand(row_name), self.recipe.operand(col_name)
@@ -397,6 +424,8 @@ class FP4Linear(nn.Module):
         row = _kernel_options(row_spec, signs[0], t, self.philox_seed) if covered else None
         col = _kernel_options(col_spec, signs[1], t, self.philox_seed) if row is not None else None
         if row is not None and col is not None:
+            if keep_packed and self.pack_saved:
+                col = col | {"emit_codes": True, "emit_values": False}
             return tuple(self._fused(t, [(row_name, row, False), (col_name, col, True)]))
         return self.operand(row_name, t, signs[0], generator), self.operand(col_name, _pad_last(t.T, multiple), signs[1], generator)
 
@@ -406,20 +435,26 @@ class FP4Linear(nn.Module):
         from fp4lab.numerics import triton_quantize
 
         t = t.contiguous()
-        emit = {"emit_codes": self.probe}
+        requests = [(name, options | {"emit_codes": self.probe or options.get("emit_codes", False)}, transposed)
+                    for name, options, transposed in requests]
         if len(requests) == 2:
-            outputs = triton_quantize.quantize_fused_both(t, row=requests[0][1] | emit, col=requests[1][1] | emit)
+            outputs = triton_quantize.quantize_fused_both(t, row=requests[0][1], col=requests[1][1])
         else:
-            outputs = [triton_quantize.quantize_fused(t, **requests[0][1], **emit)]
+            outputs = [triton_quantize.quantize_fused(t, **requests[0][1])]
+        operands = []
         for (name, options, transposed), q in zip(requests, outputs):
+            shape = tuple(t.T.shape if transposed else t.shape)
             if self.probe:
-                exact = t.T if transposed else t
                 encoded = QTensor(
-                    q.codes, q.scales, q.outer, options["fmt"], exact.shape, BLOCK_SIZE[options["fmt"]],
+                    q.codes, q.scales, q.outer, options["fmt"], torch.Size(shape), BLOCK_SIZE[options["fmt"]],
                     tile=options.get("tile"), scale_mode=options["scale_mode"],
                 )
-                self.record(name, exact, encoded, options["signs"])
-        return [GemmOperand(q.values, q.outer) for q in outputs]
+                self.record(name, t.T if transposed else t, encoded, options["signs"])
+            if q.values is None:
+                operands.append(PackedOperand(q.codes, q.scales, q.outer, options["fmt"], shape))
+            else:
+                operands.append(GemmOperand(q.values, q.outer))
+        return operands
 
     def record(self, operand: str, exact: torch.Tensor, encoded, signs: torch.Tensor | None) -> None:
         if not self.probe or not isinstance(encoded, QTensor):

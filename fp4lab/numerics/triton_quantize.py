@@ -1,4 +1,5 @@
-"""Fused Triton quantizers: MXFP4 / NVFP4 fake quantization of a 2D CUDA tensor in one pass.
+"""Fused Triton quantizers: MXFP4 / NVFP4 fake quantization of a 2D CUDA tensor in one pass, and
+the fused decode of packed codes back to the GEMM's bf16 values.
 
 Each kernel reproduces the torch reference bit for bit:
 
@@ -9,7 +10,14 @@ Each kernel reproduces the torch reference bit for bit:
         == fake_quantize_factored(w.float(), f, tile=(th, tw), ...).values.bfloat16()
 
 and `.outer`, `.codes`, `.scales` equal the reference's outer scale, `quantize(...).data` and
-`.scales`. The order of every float32 operation follows `quantize._encode`, `scales.mx_exponent`,
+`.scales` (with emit_values=False only the last three are written: codes only). The decode closes
+the loop:
+
+    decode_fused(q.codes, q.scales, fmt=f, shape=s, tile=t)
+        == QTensor(q.codes, q.scales, q.outer, f, s, block, tile=t).factored().values.bfloat16()
+        == q.values    for q = quantize_fused(..., emit_codes=True)
+
+The order of every float32 operation follows `quantize._encode`, `scales.mx_exponent`,
 `e2m1.round_to_nearest` / `round_stochastic` and `hadamard.hadamard` (docs/NUMERICS.md). Three rules
 keep the kernels exact where Triton's defaults would not be:
 
@@ -21,8 +29,8 @@ keep the kernels exact where Triton's defaults would not be:
 
 Not supported (ValueError naming the argument; callers fall back to the reference): nvfp4_cta, a
 given tensor_amax, transforms other than 16 and 32, 2D tiles with SR, a transform or transpose=True,
-a blocked dim that is not a multiple of the block and transform, dtypes other than bf16/fp32,
-non-CUDA or non-contiguous tensors. This module imports Triton: import it lazily, after
+a blocked dim that is not a multiple of the block and transform, tile dims that are not powers of
+two, dtypes other than bf16/fp32, non-CUDA or non-contiguous tensors. This module imports Triton: import it lazily, after
 `fp4lab.numerics.fast.triton_available()`.
 """
 
@@ -43,7 +51,7 @@ BLOCK = {"mxfp4": 32, "nvfp4": 16}
 _MX_MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}
 _MX_ADAPTIVE = 4  # rceil with the adaptive finer scale (scales.mx_exponent)
 _TRANSFORM_SIZES = (16, 32)
-_OPTION_NAMES = ("fmt", "scale_mode", "adaptive", "rounding", "signs", "seed", "uniforms", "emit_codes")
+_OPTION_NAMES = ("fmt", "scale_mode", "adaptive", "rounding", "signs", "seed", "uniforms", "emit_codes", "emit_values")
 
 # Tile shapes (rows, cols of x, warps), chosen by a sweep on an H200 (8192 x 8192 bf16; fraction of
 # copy bandwidth): row-wise mxfp4 0.935 with (32, 128, 4), no better with 16-64 rows, 128-256 cols,
@@ -56,6 +64,9 @@ _AMAX_TILES = 4  # tiles per program of the amax pass: one atomic per program
 # 2D weight tiles: regions of whole tiles (a larger tile is its own region, with more warps); 0.96-0.98
 # of copy on an H200 for 16x16 nvfp4 and 32x32 mxfp4 from fp32 (8192 x 8192, amax pass included).
 _REGION_2D = (32, 128, 4)
+# decode_fused: [rows, cols] of output per program (more for larger 2D tiles), warps. A copy-like shape,
+# 16-byte bf16 stores per thread; not yet swept on a GPU.
+_TILE_DECODE = (32, 256, 4)
 # Triton's CPU interpreter (TRITON_INTERPRET=1) runs these kernels on CPU tensors: the tests use it.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -75,13 +86,14 @@ def available() -> bool:
 class FusedQuant:
     """One quantized operand in the output layout ([R, C], or [C, R] for transpose=True).
 
-    values: bf16 E2M1 values times their block scale (the reference's `values`, exact in bf16).
+    values: bf16 E2M1 values times their block scale (the reference's `values`, exact in bf16);
+            None with emit_values=False (codes only: `decode_fused` recovers them bit for bit).
     outer:  nvfp4: the decode scale 1 / S_enc as a 0-dim fp32 tensor; mxfp4: None.
     codes:  with emit_codes: packed E2M1 codes (uint8, element 2i in the low nibble), else None.
     scales: with emit_codes: the E8M0 / E4M3 scale bytes, one per block, else None.
     """
 
-    values: torch.Tensor
+    values: torch.Tensor | None
     outer: torch.Tensor | None
     codes: torch.Tensor | None = None
     scales: torch.Tensor | None = None
@@ -184,6 +196,25 @@ def _e4m3_decode(byte):
 
 
 @triton.jit
+def _e4m3_decode_byte(byte):
+    """Any E4M3 byte to float32, as float8_e4m3fn decodes it: sign bit, subnormals, NaN 0x7F / 0xFF."""
+    magnitude = byte & 0x7F
+    value = tl.where(magnitude == 0x7F, float("nan"), _e4m3_decode(magnitude))
+    # The sign as a bit: Triton negates as 0 - x, which turns byte 0x80 (-0.0) into +0.0.
+    return (value.to(tl.int32, bitcast=True) | ((byte & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_decode(code):
+    """E2M1 codes (int32, 0..15) to float32 from bits. For magnitude codes 2..7 (exponent field >= 1)
+    the 3 code bits e e m, plus 252, are a float's exponent (e - 1 + 127) and top mantissa bit: code
+    + 252 shifted by 22; code 1 is 0.5 and code 0 is 0. Bit 3 is the sign (code 8 is -0.0)."""
+    magnitude = code & 7
+    bits = tl.where(magnitude >= 2, (magnitude + 252) << 22, tl.where(magnitude == 1, 126 << 23, 0))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _nvfp4_tensor_scales(amax_ptr):
     """scales.nvfp4_encode_scale of the tensor amax (int32 bits of a float >= 0): (S_enc, 1 / S_enc)."""
     amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
@@ -260,7 +291,7 @@ def _quantize_store(
     t, row0, col0, n_rows, n_cols,
     val_ptr, codes_ptr, scales_ptr, signs_ptr, seed_ptr, u_ptr, amax_ptr, outer_ptr,
     M: tl.constexpr, N: tl.constexpr, NV: tl.constexpr, MODE: tl.constexpr, H: tl.constexpr,
-    SR: tl.constexpr, GIVEN_U: tl.constexpr, CODES: tl.constexpr, EVEN: tl.constexpr,
+    SR: tl.constexpr, GIVEN_U: tl.constexpr, CODES: tl.constexpr, VALUES: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     """Quantize tile t (rows row0.., blocked cols col0..) of an [n_rows, n_cols] output and store it."""
     BLOCK: tl.constexpr = 16 if NV else 32
@@ -294,9 +325,10 @@ def _quantize_store(
     else:
         q = tl.minimum(q, 6.0)  # a is unclamped for mxfp4 RTN (up to 8 with floor scales)
     sign = v.to(tl.int32, bitcast=True) & SIGN_BIT
-    # A poisoned block decodes to NaN through its NaN `decode`, whatever q is.
-    values = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * decode[:, :, None]
-    _store(val_ptr, rows, cols, n_rows, n_cols, tl.reshape(values, [M, N]).to(tl.bfloat16), EVEN)
+    if VALUES:
+        # A poisoned block decodes to NaN through its NaN `decode`, whatever q is.
+        values = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * decode[:, :, None]
+        _store(val_ptr, rows, cols, n_rows, n_cols, tl.reshape(values, [M, N]).to(tl.bfloat16), EVEN)
 
     if CODES:
         codes = _codes(q, magic, magic_bits, sign, (bmax <= FLT_MAX)[:, :, None])
@@ -306,14 +338,18 @@ def _quantize_store(
 
 
 @triton.jit
-def _load(ptr, rows, cols, n_rows, n_cols, EVEN: tl.constexpr):
-    """Elements [rows, cols] of a row-major [n_rows, n_cols] array as float32 (0 outside it)."""
+def _gather(ptr, rows, cols, n_rows, n_cols, EVEN: tl.constexpr):
+    """Elements [rows, cols] of a row-major [n_rows, n_cols] array in its dtype (0 outside it)."""
     ptrs = ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
     if EVEN:
-        tile = tl.load(ptrs)
-    else:
-        tile = tl.load(ptrs, mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :], other=0.0)
-    return tile.to(tl.float32)
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :], other=0)
+
+
+@triton.jit
+def _load(ptr, rows, cols, n_rows, n_cols, EVEN: tl.constexpr):
+    """Elements [rows, cols] of a row-major [n_rows, n_cols] array as float32 (0 outside it)."""
+    return _gather(ptr, rows, cols, n_rows, n_cols, EVEN).to(tl.float32)
 
 
 @triton.jit
@@ -338,9 +374,9 @@ def _quantize_kernel(
     c_val, c_codes, c_scales, c_signs, c_seed, c_u, c_amax, c_outer,
     BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr,
     ROW: tl.constexpr, R_NV: tl.constexpr, R_MODE: tl.constexpr, R_H: tl.constexpr,
-    R_SR: tl.constexpr, R_GIVEN_U: tl.constexpr, R_CODES: tl.constexpr,
+    R_SR: tl.constexpr, R_GIVEN_U: tl.constexpr, R_CODES: tl.constexpr, R_VALUES: tl.constexpr,
     COL: tl.constexpr, C_NV: tl.constexpr, C_MODE: tl.constexpr, C_H: tl.constexpr,
-    C_SR: tl.constexpr, C_GIVEN_U: tl.constexpr, C_CODES: tl.constexpr,
+    C_SR: tl.constexpr, C_GIVEN_U: tl.constexpr, C_CODES: tl.constexpr, C_VALUES: tl.constexpr,
 ):  # fmt: skip
     """One [BR, BC] tile of x, read once: quantized along its rows into the [R, C] outputs (ROW)
     and, transposed in registers, along its columns into the [C, R] outputs (COL)."""
@@ -350,12 +386,12 @@ def _quantize_kernel(
     if ROW:
         _quantize_store(
             x, r0, c0, R, C, r_val, r_codes, r_scales, r_signs, r_seed, r_u, r_amax, r_outer,
-            BR, BC, R_NV, R_MODE, R_H, R_SR, R_GIVEN_U, R_CODES, EVEN,
+            BR, BC, R_NV, R_MODE, R_H, R_SR, R_GIVEN_U, R_CODES, R_VALUES, EVEN,
         )  # fmt: skip
     if COL:
         _quantize_store(
             tl.trans(x), c0, r0, C, R, c_val, c_codes, c_scales, c_signs, c_seed, c_u, c_amax, c_outer,
-            BC, BR, C_NV, C_MODE, C_H, C_SR, C_GIVEN_U, C_CODES, EVEN,
+            BC, BR, C_NV, C_MODE, C_H, C_SR, C_GIVEN_U, C_CODES, C_VALUES, EVEN,
         )  # fmt: skip
 
 
@@ -363,7 +399,7 @@ def _quantize_kernel(
 def _tile_kernel(
     x_ptr, R, C, val_ptr, codes_ptr, scales_ptr, amax_ptr, outer_ptr,
     BR: tl.constexpr, BC: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, EVEN: tl.constexpr,
-    NV: tl.constexpr, MODE: tl.constexpr, CODES: tl.constexpr,
+    NV: tl.constexpr, MODE: tl.constexpr, CODES: tl.constexpr, VALUES: tl.constexpr,
 ):  # fmt: skip
     """2D weight tiles, round to nearest: one [BR, BC] region of x holding whole TH x TW tiles, each
     with one scale from its amax (quantize._group's [R/th, th, C/tw, tw] view)."""
@@ -386,8 +422,9 @@ def _tile_kernel(
     q, magic, magic_bits = _grid_round(a)
     q = tl.minimum(q, 6.0)
     sign = v.to(tl.int32, bitcast=True) & SIGN_BIT
-    values = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * decode[:, None, :, None]
-    _store(val_ptr, rows, cols, R, C, tl.reshape(values, [BR, BC]).to(tl.bfloat16), EVEN)
+    if VALUES:
+        values = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * decode[:, None, :, None]
+        _store(val_ptr, rows, cols, R, C, tl.reshape(values, [BR, BC]).to(tl.bfloat16), EVEN)
     if CODES:
         codes = _codes(q, magic, magic_bits, sign, (tmax <= FLT_MAX)[:, None, :, None])
         packed = _pack(tl.reshape(codes, [BR, BC]), BR, BC)
@@ -436,6 +473,34 @@ def _amax_kernel(
         tl.atomic_max(c_amax, col_max.to(tl.int32, bitcast=True))
 
 
+@triton.jit
+def _decode_kernel(
+    codes_ptr, scales_ptr, out_ptr, R, C,
+    BR: tl.constexpr, BC: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, NV: tl.constexpr,
+    EVEN: tl.constexpr,
+):  # fmt: skip
+    """One [BR, BC] region of the [R, C] output: E2M1(code) x the decoded scale of its TH x TW tile
+    (TH = 1, TW = the block for 1D blocks, whose scale grid is then [R, C // TW])."""
+    r0 = tl.program_id(0) * BR
+    c0 = tl.program_id(1) * BC
+    rows = r0 + tl.arange(0, BR)
+    # uint8 widened before the shifts: zero-extended, so the high nibble is a plain >> 4
+    packed = _gather(codes_ptr, rows, c0 // 2 + tl.arange(0, BC // 2), R, C // 2, EVEN).to(tl.int32)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BR, BC])  # element 2i: the low nibble
+    scale_rows = r0 // TH + tl.arange(0, BR // TH)
+    scale_cols = c0 // TW + tl.arange(0, BC // TW)
+    byte = _gather(scales_ptr, scale_rows, scale_cols, R // TH, C // TW, EVEN).to(tl.int32)
+    scale = _e4m3_decode_byte(byte) if NV else _e8m0_decode(byte)
+    # QTensor.factored's float32 product. Its at most 6 significant bits fit in bf16, whose exponent
+    # range is float32's: the bf16 output rounds nothing (subnormals included).
+    if TH == 1:  # the quantize kernel's [M, blocks, block] view
+        values = tl.reshape(_e2m1_decode(codes), [BR, BC // TW, TW]) * scale[:, :, None]
+    else:
+        values = tl.reshape(_e2m1_decode(codes), [BR // TH, TH, BC // TW, TW]) * scale[:, None, :, None]
+    out = tl.reshape(values, [BR, BC]).to(out_ptr.dtype.element_ty)
+    _store(out_ptr, rows, c0 + tl.arange(0, BC), R, C, out, EVEN)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
@@ -453,6 +518,7 @@ class _Orientation:
     seed: torch.Tensor | None
     uniforms: torch.Tensor | None
     codes: bool
+    values: bool
 
 
 def quantize_fused(
@@ -466,6 +532,7 @@ def quantize_fused(
     uniforms: torch.Tensor | None = None,
     transpose: bool = False,
     emit_codes: bool = False,
+    emit_values: bool = True,
     tile: tuple[int, int] | None = None,
     adaptive: bool = False,
     **unsupported,
@@ -479,6 +546,10 @@ def quantize_fused(
     16 or 32 for a Hadamard transform along the blocked dim before quantizing. adaptive=True (mxfp4
     with scale_mode "rceil"): the adaptive finer scale of scales.mx_exponent.
 
+    emit_codes=True also writes the packed codes and scale bytes; emit_values=False (with
+    emit_codes=True) writes only those (and `outer`): the operand a backward GEMM reads later, kept at
+    0.5 + 1 / block bytes per element instead of 2, and decoded by `decode_fused` when needed.
+
     tile=(th, tw): 2D weight tiles, one scale per th x tw tile (multiples of the block; x's shape a
     multiple of the tile), round to nearest, no transform, transpose=False (the tiled encoding of x^T
     is the transpose of x's: transpose the values); `scales` then has shape [R // th, C // tw]. For
@@ -489,7 +560,7 @@ def quantize_fused(
     _reject_unsupported(unsupported)
     if not isinstance(transpose, bool):
         raise ValueError(f"quantize_fused: transpose must be a bool, got {transpose!r}")
-    options = {"fmt": fmt, "scale_mode": scale_mode, "adaptive": adaptive, "rounding": rounding, "signs": signs, "seed": seed, "uniforms": uniforms, "emit_codes": emit_codes}
+    options = {"fmt": fmt, "scale_mode": scale_mode, "adaptive": adaptive, "rounding": rounding, "signs": signs, "seed": seed, "uniforms": uniforms, "emit_codes": emit_codes, "emit_values": emit_values}
     spec = _orientation(x, options, transpose)
     if tile is not None:
         return _launch_tiles(x, spec, _check_tile(x, tile, spec, transpose))
@@ -501,8 +572,9 @@ def quantize_fused(
 def quantize_fused_both(x: torch.Tensor, row: dict, col: dict) -> tuple[FusedQuant, FusedQuant]:
     """Both orientations from one read of x: (quantized along the last dim, quantized x^T).
 
-    `row` and `col` hold quantize_fused's options for each (fmt, scale_mode, rounding, signs, seed,
-    uniforms, emit_codes). NVFP4 orientations first take their tensor amaxes in one more read.
+    `row` and `col` hold quantize_fused's options for each (fmt, scale_mode, adaptive, rounding, signs,
+    seed, uniforms, emit_codes, emit_values), e.g. values for the forward GEMM and codes only for the
+    backward's x^T. NVFP4 orientations first take their tensor amaxes in one more read.
     """
     _check_x(x)
     for name, options in (("row", row), ("col", col)):
@@ -514,6 +586,39 @@ def quantize_fused_both(x: torch.Tensor, row: dict, col: dict) -> tuple[FusedQua
     row_spec = _orientation(x, {"rounding": "rtn", **row}, transpose=False)
     col_spec = _orientation(x, {"rounding": "rtn", **col}, transpose=True)
     return _launch(x, row_spec, col_spec, _TILE_COL)
+
+
+def decode_fused(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    fmt: str,
+    shape: tuple[int, int],
+    tile: tuple[int, int] | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The block values of packed FP4 codes, E2M1(code) x block scale, in one kernel:
+    `QTensor(codes, scales, outer, fmt, shape, block, tile=tile).factored().values.to(out_dtype)` bit
+    for bit. The outer scale is not applied (the GEMM's epilogue applies it), so
+    `decode_fused(q.codes, q.scales, fmt=f, shape=q.values.shape)` equals q.values for
+    q = quantize_fused(x, fmt=f, emit_codes=True), whichever orientation q holds.
+
+    codes:  uint8 [rows, cols // 2], two per byte along the last dim (element 2i in the low nibble).
+    scales: uint8 E8M0 (mxfp4, blocks of 32) or E4M3 (nvfp4, blocks of 16) bytes, [rows, cols // block],
+            or [rows // th, cols // tw] with tile=(th, tw) (powers of two, multiples of the block).
+    out_dtype: torch.bfloat16 (a GEMM operand: exact) or torch.float32. Both inputs contiguous, on CUDA.
+    """
+    rows, cols, tile = _check_decode(codes, scales, fmt, shape, tile, out_dtype)
+    out = torch.empty((rows, cols), dtype=out_dtype, device=codes.device)
+    th, tw = tile or (1, BLOCK[fmt])
+    br, bc = max(_TILE_DECODE[0], th), max(_TILE_DECODE[1], tw)
+    warps = min(8, _TILE_DECODE[2] * max(1, br * bc // (_TILE_DECODE[0] * _TILE_DECODE[1])))
+    _decode_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](
+        codes, scales, out, rows, cols,
+        BR=br, BC=bc, TH=th, TW=tw, NV=fmt == "nvfp4", EVEN=rows % br == 0 and cols % bc == 0,
+        num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
 
 
 def _launch(x, row: _Orientation | None, col: _Orientation | None, tile) -> tuple[FusedQuant | None, FusedQuant | None]:
@@ -574,14 +679,14 @@ def _launch_tiles(x, spec: _Orientation, tile: tuple[int, int]) -> FusedQuant:
     _tile_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](
         x, rows, cols, out.values, out.codes, out.scales, amax, out.outer,
         BR=br, BC=bc, TH=th, TW=tw, EVEN=rows % br == 0 and cols % bc == 0,
-        NV=spec.nv, MODE=spec.mode, CODES=spec.codes, num_warps=min(warps, 8), enable_fp_fusion=False,
+        NV=spec.nv, MODE=spec.mode, CODES=spec.codes, VALUES=spec.values, num_warps=min(warps, 8), enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
 
 def _constexprs(prefix: str, spec: _Orientation | None) -> dict:
     if spec is None:
-        return {f"{prefix}{k}": 0 for k in ("NV", "MODE", "H", "SR", "GIVEN_U", "CODES")}
+        return {f"{prefix}{k}": 0 for k in ("NV", "MODE", "H", "SR", "GIVEN_U", "CODES", "VALUES")}
     return {
         f"{prefix}NV": spec.nv,
         f"{prefix}MODE": spec.mode,
@@ -589,6 +694,7 @@ def _constexprs(prefix: str, spec: _Orientation | None) -> dict:
         f"{prefix}SR": spec.sr,
         f"{prefix}GIVEN_U": spec.uniforms is not None,
         f"{prefix}CODES": spec.codes,
+        f"{prefix}VALUES": spec.values,
     }
 
 
@@ -597,7 +703,7 @@ def _allocate(device, shape, spec: _Orientation, tile: tuple[int, int] | None = 
     block = 16 if spec.nv else 32
     scales_shape = (rows // tile[0], cols // tile[1]) if tile else (rows, cols // block)
     return FusedQuant(
-        values=torch.empty(shape, dtype=torch.bfloat16, device=device),
+        values=torch.empty(shape, dtype=torch.bfloat16, device=device) if spec.values else None,
         outer=torch.empty((), dtype=torch.float32, device=device) if spec.nv else None,
         codes=torch.empty((rows, cols // 2), dtype=torch.uint8, device=device) if spec.codes else None,
         scales=torch.empty(scales_shape, dtype=torch.uint8, device=device) if spec.codes else None,
@@ -670,6 +776,11 @@ def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientatio
     emit_codes = options.get("emit_codes", False)
     if not isinstance(emit_codes, bool):
         raise ValueError(f"quantize_fused: emit_codes must be a bool, got {emit_codes!r}")
+    emit_values = options.get("emit_values", True)
+    if not isinstance(emit_values, bool):
+        raise ValueError(f"quantize_fused: emit_values must be a bool, got {emit_values!r}")
+    if not (emit_values or emit_codes):
+        raise ValueError("quantize_fused: emit_values=False writes codes only; pass emit_codes=True with it")
     blocked = out_shape[1]
     multiple = max(BLOCK[fmt], transform)
     if blocked % multiple:
@@ -684,18 +795,52 @@ def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientatio
         seed=seed,
         uniforms=uniforms,
         codes=emit_codes,
+        values=emit_values,
     )
 
 
 def _check_tile(x: torch.Tensor, tile, spec: _Orientation, transpose: bool) -> tuple[int, int]:
     block = 16 if spec.nv else 32
-    if not (isinstance(tile, (tuple, list)) and len(tile) == 2 and all(isinstance(t, int) and t > 0 and t % block == 0 for t in tile)):
-        raise ValueError(f"quantize_fused: tile={tile!r} must be (th, tw) with positive multiples of {block}")
+    if not (isinstance(tile, (tuple, list)) and len(tile) == 2 and all(_is_tile_dim(t, block) for t in tile)):
+        raise ValueError(f"quantize_fused: tile={tile!r} must be (th, tw) with powers of two that are multiples of {block}")
     if spec.sr or spec.transform or transpose:
         raise ValueError("quantize_fused: tile supports rounding='rtn' without signs and transpose=False only (transpose the values for x^T)")
     if x.shape[0] % tile[0] or x.shape[1] % tile[1]:
         raise ValueError(f"quantize_fused: x shape {list(x.shape)} is not divisible into {tuple(tile)} tiles")
     return tuple(tile)
+
+
+def _check_decode(codes, scales, fmt, shape, tile, out_dtype) -> tuple[int, int, tuple[int, int] | None]:
+    if fmt not in FORMATS:
+        raise ValueError(f"decode_fused: fmt={fmt!r} is not supported; allowed: 'mxfp4', 'nvfp4'")
+    block = BLOCK[fmt]
+    if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 2 and all(isinstance(n, int) and n > 0 for n in shape)):
+        raise ValueError(f"decode_fused: shape={shape!r} must be (rows, cols) of positive ints")
+    rows, cols = shape
+    if tile is not None:
+        if not (isinstance(tile, (tuple, list)) and len(tile) == 2 and all(_is_tile_dim(t, block) for t in tile)):
+            raise ValueError(f"decode_fused: tile={tile!r} must be (th, tw) with powers of two that are multiples of {block}")
+        tile = tuple(tile)
+    grid = tile or (1, block)
+    if rows % grid[0] or cols % grid[1]:
+        what = f"{tile} tiles" if tile else f"1x{block} blocks"
+        raise ValueError(f"decode_fused: shape {[rows, cols]} is not divisible into {what}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"decode_fused: out_dtype={out_dtype} is not supported; allowed: torch.bfloat16, torch.float32")
+    for name, t, want in (("codes", codes, (rows, cols // 2)), ("scales", scales, (rows // grid[0], cols // grid[1]))):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or tuple(t.shape) != want:
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"decode_fused: {name} must be a uint8 tensor of shape {list(want)}, got {got}")
+        if not (t.is_cuda or _INTERPRETED and t.device.type == "cpu") or t.device != codes.device:
+            raise ValueError(f"decode_fused: {name} is on {t.device}; codes and scales must be on one CUDA device")
+        if not t.is_contiguous():
+            raise ValueError(f"decode_fused: {name} must be contiguous (call .contiguous() first)")
+    return rows, cols, tile
+
+
+def _is_tile_dim(t, block: int) -> bool:
+    """A tile dim the kernels take: Triton's block shapes are powers of two."""
+    return isinstance(t, int) and t > 0 and t % block == 0 and t & (t - 1) == 0
 
 
 def _on_device(t, x: torch.Tensor, dtype: torch.dtype, *shapes: tuple) -> bool:
