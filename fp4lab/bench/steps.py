@@ -123,13 +123,16 @@ def _fp4lab_step(config: TrainConfig, model_config, device: torch.device):
 
 
 def _time(step, x, y, device: torch.device, steps: int, warmup: int) -> tuple[list[float], list[float], float | None]:
-    """Per-step wall times (the step reads values back, so each ends synchronised), losses, peak MB."""
-    losses = []
-    for _ in range(warmup):
-        losses.append(step(x, y)[0])
+    """Per-step wall times (the step reads values back, so each ends synchronised), losses, peak MB.
+
+    The peak covers the warm-up too: its eager steps hold every activation the ordinary way, while
+    replays of a CUDA graph reuse the graph's memory without the allocator counting it again."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    losses = []
+    for _ in range(warmup):
+        losses.append(step(x, y)[0])
     times = []
     for _ in range(steps):
         tic = time.perf_counter()

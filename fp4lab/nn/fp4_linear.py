@@ -366,7 +366,7 @@ class FP4Linear(nn.Module):
         self.lora_v.copy_(vh[:r].T.to(torch.bfloat16))
 
     def generator_for(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != torch.device(device):
+        if self._generator is None or not _same_device(self._generator.device, device):
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
         return self._generator
 
@@ -468,7 +468,7 @@ class FP4Linear(nn.Module):
         kernels: a per-layer base drawn once from the layer's generator, then counted up on the device.
         No generator is called step after step, so a CUDA graph can replay the step; the base is part
         of the extra state, so a resumed run draws the same bits."""
-        if self._philox_base is None or self._philox_base.device != torch.device(device):
+        if self._philox_base is None or not _same_device(self._philox_base.device, device):
             self._philox_base = torch.randint(2**62, (1,), generator=self.generator_for(device), device=device)
         seed = self._philox_base.clone()
         self._philox_base.add_(1)
@@ -512,6 +512,12 @@ class FP4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, lora_rank={self.lora_rank}"
+
+
+def _same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """"cuda" and "cuda:0" name one device (an index left out means the current one)."""
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def _check_shape(in_features: int, out_features: int, recipe: LinearRecipe, lora_rank: int) -> None:
