@@ -72,7 +72,7 @@ class PlainLlama(nn.Module):
 
 
 def anchor_step(config: ModelConfig, device: torch.device, *, compile: bool, lr: float = 3e-4):
-    """A step function `step(tokens, targets) -> (loss, grad_norm)` of the plain loop, and its model."""
+    """A step function `step(tokens, targets) -> (loss, grad_norm)` of the plain loop."""
     model = PlainLlama(config).to(device)
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=fused)
@@ -91,4 +91,4 @@ def anchor_step(config: ModelConfig, device: torch.device, *, compile: bool, lr:
         optimizer.zero_grad(set_to_none=True)
         return loss.item(), grad_norm.item()
 
-    return step, model
+    return step

@@ -83,7 +83,7 @@ def bench_steps(
         )
         use_compile = compiled(config, device)
         if name == ANCHOR:
-            step, _ = anchor_step(model_config, device, compile=use_compile)
+            step = anchor_step(model_config, device, compile=use_compile)
             compute, optimizer_name, graphed = "bf16 autocast", "adamw (torch, fused on CUDA)", False
         else:
             step, graphed = _fp4lab_step(config, model_config, device)
