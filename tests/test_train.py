@@ -182,6 +182,14 @@ def test_compute_and_compile_resolve_per_device_and_validate():
         TrainConfig(compute="turbo")
     with pytest.raises(ConfigError, match="compile='yes' is not supported"):
         TrainConfig(compile="yes")
+    from fp4lab.nn.model import preset
+    from fp4lab.nn.recipe import load_recipe
+    from fp4lab.train.loop import build_training
+
+    model_config, recipe = preset("tiny", 256, 64), load_recipe("bf16")
+    _, _, eager_loss = build_training(TrainConfig(compile="off"), recipe, model_config, cpu)
+    _, _, compiled_loss = build_training(TrainConfig(compile="on"), recipe, model_config, cpu)
+    assert not hasattr(eager_loss, "_torchdynamo_orig_callable") and hasattr(compiled_loss, "_torchdynamo_orig_callable")
 
 
 def test_fast_compute_on_the_cpu_trains_with_bf16_activations_and_tensor_core_linears(tmp_path):
