@@ -284,3 +284,15 @@ def test_packed_saved_operands_give_the_same_gradients(recipe):
         y.backward(torch.randn(y.shape, generator=g).cuda())
         grads.append((x.grad, layer.weight.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_kernel_coverage_follows_what_the_fused_quantizer_supports():
+    from fp4lab.nn.fp4_linear import kernel_covers
+
+    assert kernel_covers(OperandSpec("nvfp4", rounding="sr", transform="h16"))
+    assert kernel_covers(OperandSpec("mxfp4", scale_mode="rceil", tile=(32, 32), adaptive=True))
+    assert not kernel_covers(OperandSpec("nvfp4", tile=(48, 48)))  # the kernel's tiles are powers of two
+    assert not kernel_covers(OperandSpec("nvfp4", tile=(16, 16), rounding="sr"))
+    assert not kernel_covers(OperandSpec("nvfp4_cta"))
+    assert not kernel_covers(OperandSpec("mxfp4", transform="h64"))
+    assert not kernel_covers(OperandSpec("bf16"))

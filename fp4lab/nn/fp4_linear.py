@@ -82,10 +82,12 @@ def _quantize_options(spec: OperandSpec, generator) -> dict:
 
 def kernel_covers(spec: OperandSpec) -> bool:
     """Whether the fused quantizer covers `spec` (not CTA-local scales, non-FP4 formats, transforms
-    other than 16 and 32, or 2D tiles with SR or a transform)."""
+    other than 16 and 32, or 2D tiles with SR, a transform or a side that is not a power of two)."""
     if spec.format not in ("mxfp4", "nvfp4") or spec.transform_size not in (0, 16, 32):
         return False
-    return spec.tile is None or (spec.rounding == "rtn" and spec.transform == "none")
+    if spec.tile is None:
+        return True
+    return spec.rounding == "rtn" and spec.transform == "none" and all(side & (side - 1) == 0 for side in spec.tile)
 
 
 def _kernel_options(spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor, seed) -> dict | None:
