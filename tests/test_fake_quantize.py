@@ -34,3 +34,21 @@ def test_fake_quantize_matches_quantize_dequantize(fmt, options):
 def test_fake_quantize_validates_like_quantize():
     with pytest.raises(ValueError, match="fmt='fp3' is not supported"):
         fake_quantize(torch.randn(4, 32), "fp3")
+
+
+@pytest.mark.parametrize("fmt, options", CASES)
+def test_factored_values_times_outer_is_fake_quantize_and_qtensor_factored_agrees(fmt, options):
+    from fp4lab.numerics import fake_quantize_factored
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(192, 256, generator=g) * torch.exp2(torch.randint(-24, 6, (192, 1), generator=g).float())
+    seeded = lambda: {"generator": torch.Generator().manual_seed(11)} if options.get("rounding") == "sr" else {}
+    parts = fake_quantize_factored(x, fmt, **options, **seeded())
+    whole = parts.values if parts.outer is None else parts.values * parts.outer
+    assert torch.equal(whole, fake_quantize(x, fmt, **options, **seeded()))
+    if parts.bf16_exact:
+        assert torch.equal(parts.values.bfloat16().float(), parts.values)
+    from_codes = quantize(x, fmt, **options, **seeded()).factored()
+    assert torch.equal(from_codes.values, parts.values) and from_codes.bf16_exact == parts.bf16_exact
+    if parts.outer is not None:
+        assert torch.equal(from_codes.outer.expand_as(x), parts.outer.expand_as(x))
