@@ -42,12 +42,13 @@ def encode_rne(x: torch.Tensor) -> torch.Tensor:
 def round_to_nearest(x: torch.Tensor) -> torch.Tensor:
     """The E2M1 value nearest each float32 value, ties to even, saturating at +-6 (NaN -> +-0).
 
-    The grid is uniform within [0, 2), [2, 4) and [4, 6] (steps 0.5, 1, 2), so rounding a / step to an
-    integer, half to even, is RNE on the grid; the result equals decode(encode_rne(x)) bit for bit.
+    The grid is uniform within [0, 2), [2, 4) and [4, 6] (steps 0.5, 1, 2), so rounding a to a multiple
+    of its step, half to even, is RNE on the grid. Adding and subtracting step * 2^23 does exactly
+    that in float32 (the sum's ulp is the step); the result equals decode(encode_rne(x)) bit for bit.
     """
-    a = torch.nan_to_num(x.abs(), nan=0.0)
-    step = _grid_step(a)
-    return torch.copysign(torch.round(a / step).mul_(step).clamp_(max=E2M1_MAX), x)
+    a = _magnitude(x)
+    magic = _grid_exponent(a).add_(23).bitwise_left_shift_(23).view(torch.float32)
+    return torch.copysign(a.add(magic).sub_(magic).clamp_(max=E2M1_MAX), x)
 
 
 def round_stochastic(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -57,16 +58,24 @@ def round_stochastic(x: torch.Tensor, generator: torch.Generator | None) -> torc
     one float32 uniform draw per element (every element draws, so the stream position depends only on
     the shape). Values beyond 6 saturate to 6; NaN becomes +-0.
     """
-    a = torch.nan_to_num(x.abs(), nan=0.0).clamp_(max=E2M1_MAX)
-    step = _grid_step(a)
+    a = _magnitude(x).clamp_(max=E2M1_MAX)
+    step = _grid_exponent(a).bitwise_left_shift_(23).view(torch.float32)
     steps = a / step  # exact: step is a power of two
     low = steps.floor()
     u = torch.rand(x.shape, generator=generator, dtype=torch.float32, device=x.device)
     return torch.copysign((low + (u < steps - low)).mul_(step), x)
 
 
-def _grid_step(a: torch.Tensor) -> torch.Tensor:
-    return torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+def _magnitude(x: torch.Tensor) -> torch.Tensor:
+    """|x| with NaN as 0 (fmax drops a NaN operand)."""
+    return torch.fmax(x.abs(), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _grid_exponent(a: torch.Tensor) -> torch.Tensor:
+    """The biased float32 exponent of the E2M1 grid step around a >= 0, from a's own exponent bits:
+    126 (step 0.5) below 2, 127 (step 1) below 4, 128 (step 2) from 4 up (int32; comparisons and
+    selects would cost several passes more over the tensor)."""
+    return (a.view(torch.int32) >> 23).clamp_(127, 129).sub_(1)
 
 
 def encode_grid(values: torch.Tensor) -> torch.Tensor:

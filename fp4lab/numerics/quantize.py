@@ -59,8 +59,12 @@ def quantize(
     cta_tile:    nvfp4_cta only: rows per outer-scale tile (T x T squares for 2D tiles); default 128.
     """
     enc = _encode(x, fmt, rounding, tile, scale_mode, generator, tensor_amax, adaptive, cta_tile)
+    # A poisoned block's codes are +0: what its scaled values round to depends on the NaN sign bits of
+    # the platform (and for an Inf block, on the exponent read from Inf), not on the data. Decoded
+    # values need no such care: the block's NaN scale makes every one of them NaN.
+    elements = torch.where(enc.nonfinite, 0.0, enc.elements)
     return QTensor(
-        data=e2m1.pack(e2m1.encode_grid(enc.elements).reshape(x.shape)),
+        data=e2m1.pack(e2m1.encode_grid(elements).reshape(x.shape)),
         scales=_scale_grid(enc.scale_bits, x, enc.block, tile),
         tensor_scale=enc.tensor_scale,
         fmt=fmt,
@@ -107,6 +111,7 @@ class _Encoding:
     block: int
     scale_mode: str | None
     cta_tile: int | None
+    nonfinite: torch.Tensor  # per block: a NaN or Inf inside, so its scale is NaN
 
 
 def _encode(
@@ -141,13 +146,10 @@ def _encode(
         scale_bits = e4m3_encode(torch.clamp(block_amax * (s_enc_per_block * (1.0 / 6.0)), max=448.0))
         scale_bits = torch.where(nonfinite, E4M3_NAN_BITS, scale_bits).to(torch.uint8)
         encode = torch.clamp(1.0 / (e4m3_decode(scale_bits) * outer_decode), max=FLT_MAX)
-        scaled = torch.clamp(grouped * encode, -6.0, 6.0)
+        scaled = grouped * encode  # both roundings saturate at 6, as TE's clamp to [-6, 6] does
 
     elements = e2m1.round_to_nearest(scaled) if rounding == "rtn" else e2m1.round_stochastic(scaled, generator)
-    # A poisoned block's codes are +0: what its scaled values round to depends on the NaN sign bits of
-    # the platform (and for an Inf block, on the exponent read from Inf), not on the data.
-    elements = torch.where(nonfinite, 0.0, elements)
-    return _Encoding(elements, scale_bits, tensor_scale, outer_decode, block, scale_mode, cta_tile)
+    return _Encoding(elements, scale_bits, tensor_scale, outer_decode, block, scale_mode, cta_tile, nonfinite)
 
 
 def _group(x: torch.Tensor, block: int, tile: tuple[int, int] | None) -> tuple[torch.Tensor, tuple[int, ...]]:

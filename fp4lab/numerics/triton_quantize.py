@@ -263,7 +263,7 @@ def _grid_round(a):
     """E2M1 round to nearest, ties to even, of a >= 0 (unsaturated): (q, magic, magic_bits).
 
     E2M1 has 1 mantissa bit: its grid step in the binade [2^e, 2^(e+1)) is 2^(e-1), and 0.5 below 1
-    (e2m1._grid_step). Adding magic = 2^22 * max(2^e, 1), whose ulp is that step, rounds a onto the
+    (e2m1._grid_exponent). Adding magic = 2^22 * max(2^e, 1), whose ulp is that step, rounds a onto the
     grid, ties to even; subtracting it again is exact. Cheaper than selecting the step per element."""
     magic_bits = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000) + (22 << 23)
     magic = magic_bits.to(tl.float32, bitcast=True)
