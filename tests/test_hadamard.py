@@ -191,3 +191,11 @@ def test_non_float_input_raises():
         hadamard(torch.zeros(2, 16, dtype=torch.int32), 16)
     with pytest.raises(ValueError, match="x must be a floating-point"):
         hadamard(np.zeros((2, 16), dtype=np.float32), 16)
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_hadamard_never_writes_into_its_input(inverse):
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    before = x.clone()
+    hadamard(x, 32, "fixed", inverse=inverse)
+    assert torch.equal(x, before)

@@ -89,11 +89,18 @@ def hadamard(x: torch.Tensor, size: int, signs: torch.Tensor | str = "fixed", *,
     y = x.to(torch.float32).reshape(-1, size)
     if not inverse:
         y = y * s
+    y = y.contiguous()
+    # Stages alternate between two buffers (no stacked copies); the caller's x is only ever read.
+    aliases_x = y.data_ptr() == x.data_ptr()
+    out = torch.empty_like(y)
     h = 1
     while h < size:
-        pairs = y.reshape(-1, size // (2 * h), 2, h)
+        pairs, result = y.view(-1, size // (2 * h), 2, h), out.view(-1, size // (2 * h), 2, h)
         a, b = pairs[:, :, 0], pairs[:, :, 1]
-        y = torch.stack((a + b, a - b), dim=2).reshape(-1, size)
+        torch.add(a, b, out=result[:, :, 0])
+        torch.sub(a, b, out=result[:, :, 1])
+        y, out = out, (torch.empty_like(y) if aliases_x else y)
+        aliases_x = False
         h *= 2
     if inverse:
         y = y * s
