@@ -67,8 +67,8 @@ def round_stochastic(x: torch.Tensor, generator: torch.Generator | None) -> torc
 
 
 def _magnitude(x: torch.Tensor) -> torch.Tensor:
-    """|x| with NaN as 0 (fmax drops a NaN operand)."""
-    return torch.fmax(x.abs(), torch.zeros((), dtype=x.dtype, device=x.device))
+    """|x| with NaN as 0 (and Inf as the largest float, which rounds to 6 all the same)."""
+    return x.abs().nan_to_num_(nan=0.0)
 
 
 def _grid_exponent(a: torch.Tensor) -> torch.Tensor:
