@@ -422,7 +422,10 @@ class FP4Linear(nn.Module):
         row_name, col_name = names
         multiple = self._contraction_multiples[next(g for g, pair in GEMMS.items() if col_name in pair)]
         row_spec, col_spec = self.recipe.operand(row_name), self.recipe.operand(col_name)
-        covered = self.fused_quantizers and t.shape[0] % multiple == 0 and row_spec.tile is None and col_spec.tile is None
+        # Both covered, or neither from here: no Philox seed is drawn for a request that is not made.
+        covered = self.fused_quantizers and t.shape[0] % multiple == 0 and all(
+            spec.tile is None and kernel_covers(spec) for spec in (row_spec, col_spec)
+        )
         row = _kernel_options(row_spec, signs[0], t, self.philox_seed) if covered else None
         col = _kernel_options(col_spec, signs[1], t, self.philox_seed) if row is not None else None
         if row is not None and col is not None:
