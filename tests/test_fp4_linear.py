@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp4lab.nn.fp4_linear import FP4Linear
+from fp4lab.nn.fp4_linear import SIBLING_OPERANDS, FP4Linear
 from fp4lab.nn.recipe import LinearRecipe, OperandSpec, load_recipe
 from fp4lab.numerics import hadamard, hadamard_signs, quantize
 from fp4lab.numerics.qtensor import QTensor
@@ -177,3 +177,65 @@ def test_probing_never_changes_training():
     assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad)
     assert torch.equal(quiet.weight.grad, probed.weight.grad)
     assert probed.quant_stats and not quiet.quant_stats
+
+
+def _siblings(recipe: LinearRecipe, tensor_cores: bool, n: int = 3) -> list[FP4Linear]:
+    layers = [make(recipe, out_features=96 if i else 256, seed=10 + i) for i in range(n)]
+    for layer in layers:
+        layer.tensor_cores = tensor_cores
+    return layers
+
+
+def _count_quantizations(monkeypatch) -> list[tuple]:
+    import fp4lab.nn.fp4_linear as fp4_linear
+
+    calls = []
+    for name in ("quantize", "fake_quantize", "fake_quantize_factored"):
+        original = getattr(fp4_linear, name)
+        monkeypatch.setattr(fp4_linear, name, lambda t, *a, _f=original, **k: calls.append(tuple(t.shape)) or _f(t, *a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_sibling_layers_quantize_a_shared_activation_once(tensor_cores, monkeypatch):
+    """wq, wk and wv (or w1 and w3) read one x: with deterministic x operands (nvfp4: RTN, fixed-sign
+    H16 on Wgrad) the first layer's x and x^T serve the others, bit for bit what each would make."""
+    recipe = load_recipe("nvfp4-all").linear
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 64, 128, generator=g)
+    dys = [torch.randn(2, 64, out, generator=g) for out in (256, 96, 96)]
+
+    def step(share: bool):
+        layers = _siblings(recipe, tensor_cores)
+        inputs = [x.clone().requires_grad_(True)] if share else [x.clone().requires_grad_(True) for _ in layers]
+        calls = _count_quantizations(monkeypatch)
+        outs = [layer(inputs[0 if share else i]) for i, layer in enumerate(layers)]
+        x_quantizations = sum(shape == (128, 128) for shape in calls)
+        sum((o * dy).sum() for o, dy in zip(outs, dys)).backward()
+        assert SIBLING_OPERANDS._slot is None  # a backward pass lets go of the shared operands
+        monkeypatch.undo()
+        return outs, [layer.weight.grad for layer in layers], x_quantizations
+
+    shared, separate = step(True), step(False)
+    for a, b in zip(shared[0] + shared[1], separate[0] + separate[1]):
+        assert torch.equal(a, b)
+    assert (shared[2], separate[2]) == (2, 6)  # x [128 tokens, 128] and x^T [128, 128 tokens] per layer
+
+
+@pytest.mark.parametrize("case", ["stochastic", "random signs", "probe", "changed in place"])
+def test_siblings_do_not_share_what_draws_random_bits_probes_or_a_changed_activation(case, monkeypatch):
+    recipe = load_recipe("nvfp4-all").linear
+    if case == "stochastic":
+        recipe = LinearRecipe(**{**recipe.__dict__, "wgrad_x": OperandSpec("nvfp4", rounding="sr", transform="h16")})
+    if case == "random signs":
+        recipe = LinearRecipe(**{**recipe.__dict__, "wgrad_x": OperandSpec("nvfp4", transform="rht16"),
+                                 "wgrad_dy": OperandSpec("nvfp4", transform="rht16")})
+    layers = _siblings(recipe, tensor_cores=False, n=2)
+    layers[0].probe = layers[1].probe = case == "probe"
+    x = torch.randn(2, 64, 128, generator=torch.Generator().manual_seed(1))
+    calls = _count_quantizations(monkeypatch)
+    layers[0](x)
+    if case == "changed in place":
+        x.mul_(2)
+    layers[1](x)
+    assert sum(shape == (128, 128) for shape in calls) == 4

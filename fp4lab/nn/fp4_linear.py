@@ -33,7 +33,8 @@ Two ways to run the same GEMMs (`FP4Linear.tensor_cores`):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -122,13 +123,18 @@ class GemmOperand:
 
     values: torch.Tensor
     outer: torch.Tensor | None = None
+    packed: PackedOperand | None = None  # the same operand as codes and scales, where the kernel wrote them
 
     @property
     def T(self) -> GemmOperand:  # noqa: N802 (reads like tensor.T)
         """The transposed operand, for an encoding valid in both orientations (2D weight tiles)."""
-        if self.outer is not None and self.outer.dim():
-            raise ValueError("GemmOperand.T: a per-row outer scale does not transpose into a per-row scale")
+        _check_transposable(self.outer, "GemmOperand")
         return GemmOperand(self.values.T, self.outer)
+
+
+def _check_transposable(outer: torch.Tensor | None, what: str) -> None:
+    if outer is not None and outer.dim():
+        raise ValueError(f"{what}.T: a per-row outer scale does not transpose into a per-row scale")
 
 
 @dataclass(frozen=True)
@@ -142,11 +148,49 @@ class PackedOperand:
     outer: torch.Tensor | None
     fmt: str
     shape: tuple[int, int]
+    tile: tuple[int, int] | None = None
+    transposed: bool = False
+
+    @property
+    def T(self) -> PackedOperand:  # noqa: N802 (reads like tensor.T)
+        """The transposed operand, for an encoding valid in both orientations (2D weight tiles)."""
+        _check_transposable(self.outer, "PackedOperand")
+        return replace(self, transposed=not self.transposed)
 
     def unpack(self) -> GemmOperand:
         from fp4lab.numerics.triton_quantize import decode_fused
 
-        return GemmOperand(decode_fused(self.codes, self.scales, fmt=self.fmt, shape=self.shape), self.outer)
+        values = decode_fused(self.codes, self.scales, fmt=self.fmt, shape=self.shape, tile=self.tile)
+        return GemmOperand(values.T if self.transposed else values, self.outer)
+
+
+def unpacked(operand: GemmOperand | PackedOperand) -> GemmOperand:
+    return operand.unpack() if isinstance(operand, PackedOperand) else operand
+
+
+class _SiblingOperands:
+    """Sibling layers read one activation (wq, wk and wv read one normed x; w1 and w3 another). Where
+    their x operands are deterministic (round to nearest, no random signs) the first layer's quantized
+    x and x^T serve the others: the same bits, quantized once and saved once for backward. One slot,
+    identified by the activation (by identity and version) and the operands' specs; emptied when a
+    backward pass starts, so nothing is kept past the forward that made it."""
+
+    def __init__(self):
+        self._slot = None
+
+    def get(self, x: torch.Tensor, key: tuple, make):
+        slot = self._slot
+        if slot is not None and slot[0]() is x and slot[1] == x._version and slot[2] == key:
+            return slot[3]
+        value = make()
+        self._slot = (weakref.ref(x), x._version, key, value)
+        return value
+
+    def clear(self) -> None:
+        self._slot = None
+
+
+SIBLING_OPERANDS = _SiblingOperands()
 
 
 def gemm_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator, encoded=None) -> GemmOperand:
@@ -216,12 +260,13 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
 
         # x and x^T (Fprop, Wgrad) from one read of x; W and W^T (Fprop, Dgrad) from one read of W,
         # unless 2D tiles make W^T's encoding the transpose of W's.
-        x_op, xt_op = layer.operand_pair(("fprop_x", "wgrad_x"), x2, (signs["fprop"], signs["wgrad"]), g, keep_packed=True)
-        if recipe.shares_weight_encoding:
-            w_op = layer.operand("fprop_w", weight, signs["fprop"], g)
-            wt_op = w_op.T
+        x_op, xt_op = layer.x_operands(x, lambda: layer.operand_pair(
+            ("fprop_x", "wgrad_x"), x2, (signs["fprop"], signs["wgrad"]), g, keep_packed=True))
+        if recipe.shares_weight_encoding:  # Dgrad decodes Fprop's encoding, kept packed where possible
+            w_op = layer.operand("fprop_w", weight, signs["fprop"], g, keep_packed=True)
+            wt_op = w_op.packed.T if w_op.packed is not None else w_op.T
         else:
-            w_op, wt_op = layer.operand_pair(("fprop_w", "dgrad_w"), weight, (signs["fprop"], signs["dgrad"]), g)
+            w_op, wt_op = layer.operand_pair(("fprop_w", "dgrad_w"), weight, (signs["fprop"], signs["dgrad"]), g, keep_packed=True)
         out = tensor_core_mm(x_op, w_op, out_dtype)
 
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -235,13 +280,13 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_out: torch.Tensor):
+        SIBLING_OPERANDS.clear()
         layer, signs = ctx.layer, ctx.signs
         g = layer.generator_for(grad_out.device)
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         dy_op, dyt_op = layer.operand_pair(("dgrad_dy", "wgrad_dy"), dy, (signs["dgrad"], signs["wgrad"]), g)
-        grad_x = tensor_core_mm(dy_op, ctx.wt_op, ctx.x_dtype).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        xt_op = ctx.xt_op.unpack() if isinstance(ctx.xt_op, PackedOperand) else ctx.xt_op
-        grad_w = tensor_core_mm(dyt_op, xt_op, torch.float32)
+        grad_x = tensor_core_mm(dy_op, unpacked(ctx.wt_op), ctx.x_dtype).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        grad_w = tensor_core_mm(dyt_op, unpacked(ctx.xt_op), torch.float32)
         return grad_x, grad_w, None
 
 
@@ -249,10 +294,18 @@ class _FP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: FP4Linear) -> torch.Tensor:
         recipe, g = layer.recipe, layer.generator_for(x.device)
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         signs = {gemm: layer.draw_signs(recipe, gemm, g) for gemm in GEMMS}
 
-        x_hat = layer.consume("fprop_x", x2, signs["fprop"], g)
+        def x_operands():
+            # Wgrad's x^T is encoded now, from the exact activation, and saved in that (packed) form.
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+            x_hat = layer.consume("fprop_x", x2, signs["fprop"], g)
+            xt = _pad_last(x2.T, contraction_multiple(recipe, "wgrad"))
+            xt_enc = encode_operand(xt, recipe.wgrad_x, signs["wgrad"], g)
+            layer.record("wgrad_x", xt, xt_enc, signs["wgrad"])
+            return x_hat, xt_enc
+
+        x_hat, xt_enc = layer.x_operands(x, x_operands)
         if recipe.shares_weight_encoding:  # Dgrad will decode this same encoding: keep it packed
             w_enc = encode_operand(weight, recipe.fprop_w, signs["fprop"], g)
             layer.record("fprop_w", weight, w_enc, signs["fprop"])
@@ -261,11 +314,6 @@ class _FP4LinearFunction(torch.autograd.Function):
             w_enc, w_hat = None, layer.consume("fprop_w", weight, signs["fprop"], g)
         out = x_hat @ w_hat.T
 
-        # Wgrad's x^T is encoded now, from the exact activation, and saved in that (packed) form.
-        xt = _pad_last(x2.T, contraction_multiple(recipe, "wgrad"))
-        xt_enc = encode_operand(xt, recipe.wgrad_x, signs["wgrad"], g)
-        layer.record("wgrad_x", xt, xt_enc, signs["wgrad"])
-
         ctx.layer, ctx.signs = layer, signs
         ctx.x_shape, ctx.xt_enc, ctx.w_enc = x.shape, xt_enc, w_enc
         ctx.save_for_backward(weight)
@@ -273,6 +321,7 @@ class _FP4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        SIBLING_OPERANDS.clear()
         (weight,) = ctx.saved_tensors
         layer, signs = ctx.layer, ctx.signs
         recipe, g = layer.recipe, layer.generator_for(grad_out.device)
@@ -290,6 +339,11 @@ class _FP4LinearFunction(torch.autograd.Function):
         dyt = _pad_last(dy.T, contraction_multiple(recipe, "wgrad"))
         grad_w = layer.consume("wgrad_dy", dyt, signs["wgrad"], g) @ decode_operand(ctx.xt_enc).T
         return grad_x, grad_w, None
+
+
+def _deterministic(spec: OperandSpec) -> bool:
+    """Whether quantizing with `spec` draws no random bits (round to nearest, no random signs)."""
+    return (not spec.is_fp4 or spec.rounding == "rtn") and (spec.transform == "none" or spec.transform_signs != "random")
 
 
 def _pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -393,13 +447,16 @@ class FP4Linear(nn.Module):
             return decode_operand(encoded)
         return operand_values(t, spec, signs, generator)
 
-    def operand(self, name: str, t: torch.Tensor, signs: torch.Tensor | None, generator) -> GemmOperand:
+    def operand(self, name: str, t: torch.Tensor, signs: torch.Tensor | None, generator, keep_packed: bool = False) -> GemmOperand:
         """The tensor-core operand `name` of t, quantized along its last dim: by the fused kernel where
         it covers the spec (CUDA), else by the torch reference (probed through the packed encoding,
-        as `consume`)."""
+        as `consume`). `keep_packed`: the operand is also saved for the backward pass, so the kernel
+        writes its packed codes and scales too (`GemmOperand.packed`)."""
         spec = self.recipe.operand(name)
         options = _kernel_options(spec, signs, t, self.philox_seed) if self.fused_quantizers else None
         if options is not None:
+            if keep_packed and self.pack_saved:
+                options["emit_codes"] = True
             return self._fused(t, [(name, options, False)])[0]
         encoded = None
         if self.probe and spec.is_fp4:
@@ -455,11 +512,21 @@ class FP4Linear(nn.Module):
                     tile=options.get("tile"), scale_mode=options["scale_mode"],
                 )
                 self.record(name, t.T if transposed else t, encoded, options["signs"])
-            if q.values is None:
-                operands.append(PackedOperand(q.codes, q.scales, q.outer, options["fmt"], shape))
-            else:
-                operands.append(GemmOperand(q.values, q.outer))
+            packed = None
+            if q.codes is not None:
+                packed = PackedOperand(q.codes, q.scales, q.outer, options["fmt"], shape, tile=options.get("tile"))
+            operands.append(packed if q.values is None else GemmOperand(q.values, q.outer, packed))
         return operands
+
+    def x_operands(self, x: torch.Tensor, make):
+        """`make()`: this layer's x operands (Fprop's x and Wgrad's x^T), shared with sibling layers
+        that read the same x with the same deterministic specs (`_SiblingOperands`)."""
+        names = ("fprop_x", "wgrad_x")
+        if self.probe or not all(_deterministic(self.recipe.operand(name)) for name in names):
+            return make()
+        key = (self.tensor_cores, *(self.recipe.operand(name) for name in names),
+               self._contraction_multiples["wgrad"], self.fused_quantizers, self.pack_saved)
+        return SIBLING_OPERANDS.get(x, key, make)
 
     def record(self, operand: str, exact: torch.Tensor, encoded, signs: torch.Tensor | None) -> None:
         if not self.probe or not isinstance(encoded, QTensor):
