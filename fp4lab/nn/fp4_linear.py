@@ -214,12 +214,17 @@ def tensor_core_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype) -> to
     bf16 x bf16 runs on bf16 tensor cores. Without outer scales the GEMM writes `out_dtype` itself
     (one rounding of the fp32 accumulator, as a bf16 linear does); with them it writes fp32
     (`torch.mm(..., out_dtype=torch.float32)`) and the result is multiplied by alpha = the product of
-    the outer scales before its one rounding, as Blackwell's FP4 GEMMs apply alpha. Anything else,
-    and every CPU GEMM, runs in fp32 on the upcast values, which computes the same exact products."""
+    the outer scales before its one rounding, as Blackwell's FP4 GEMMs apply alpha (on CUDA one fused
+    pass, `numerics.triton_epilogue`). Anything else, and every CPU GEMM, runs in fp32 on the upcast
+    values, which computes the same exact products."""
     if a.values.dtype == b.values.dtype == torch.bfloat16 and a.values.is_cuda:
         if a.outer is None and b.outer is None and out_dtype == torch.bfloat16:
             return torch.mm(a.values, b.values.T)
         out = torch.mm(a.values, b.values.T, out_dtype=torch.float32)
+        if (a.outer is not None or b.outer is not None) and triton_available():
+            from fp4lab.numerics.triton_epilogue import scale_result
+
+            return scale_result(out, a.outer, b.outer, out_dtype)
     else:
         out = a.values.to(torch.float32) @ b.values.to(torch.float32).T
     alpha = _alpha(a.outer, b.outer)
