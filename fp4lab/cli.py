@@ -365,27 +365,39 @@ def _clear_run_folder(folder: Path) -> None:
 
 @app.command()
 def scan(
-    logs: Annotated[list[Path], typer.Argument(help="Run folders, metrics.jsonl files, or text logs of other trainers.")],
-    preset: Annotated[Optional[str], typer.Option(help="Text log format: nanogpt | megatron (default: detect).")] = None,
+    logs: Annotated[list[Path], typer.Argument(help="Run folders, metrics.jsonl files, fp4lab's jobs/<sweep>/logs/*.local.log, or text logs of other trainers.")],
+    preset: Annotated[Optional[str], typer.Option(help="Text log format: nanogpt | megatron | torchtitan | fp4lab (default: detect).")] = None,
     regex: Annotated[Optional[str], typer.Option(help="Regex with named groups step and loss (optional grad_norm, val_loss).")] = None,
     threshold: Annotated[Optional[list[str]], typer.Option(help="NAME=VALUE threshold override, repeatable (e.g. spike_k=5).")] = None,
     running: Annotated[Optional[bool], typer.Option("--running/--not-running", help="Whether the job is alive (default: judge by the log's age).")] = None,
     events: Annotated[bool, typer.Option("--events", help="Print every event under its run's line.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of one line per log.")] = False,
 ) -> None:
-    """Scan logs for NaNs, loss spikes, entropy collapse and large attention logits; print a verdict per log.
+    """Scan logs for NaNs, loss spikes, a vanished loss, entropy collapse and large attention logits; print a verdict per log.
 
-    Exit code 0 when every verdict is converged or running, 1 when any run is diverged, collapsed,
-    unstable, crashed or timed out, 2 on bad input.
+    Exit code 0 when every verdict is converged or running (nothing wrong); 1 when any log raises an
+    alarm (diverged, entropy_collapse, loss_vanished, no_loss, unstable, crashed, timeout, stalled),
+    live jobs included; 2 on bad options or when a path cannot be scanned (each such path gets an
+    error line on stderr; the other paths are still scanned and printed).
     """
-    from fp4lab.lab.logscan import ScanThresholds, format_result
+    from fp4lab.lab.logscan import HEALTHY_VERDICTS, PRESETS, LogFormat, ScanThresholds, format_result
     from fp4lab.lab.logscan import scan as scan_log
 
     try:
         thresholds = ScanThresholds().with_overrides(threshold or [])
-        results = [scan_log(path, thresholds, regex=regex, preset=preset, running=running) for path in logs]
-    except (FileNotFoundError, ValueError) as exc:
+        if regex is not None:
+            LogFormat.from_regex(regex)
+    except ValueError as exc:
         fail(f"scan: {str(exc).splitlines()[0]}")
+    if preset is not None and preset not in PRESETS:
+        fail(f"scan: --preset {preset!r} is not a known log format; choose from {', '.join(PRESETS)} or pass --regex")
+    results, unreadable = [], 0
+    for path in logs:
+        try:
+            results.append(scan_log(path, thresholds, regex=regex, preset=preset, running=running))
+        except (OSError, ValueError) as exc:
+            unreadable += 1
+            print(f"fp4lab: error: scan: {str(exc).splitlines()[0]}", file=sys.stderr)
     if as_json:
         json.dump([r.to_dict() for r in results], sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -394,8 +406,9 @@ def scan(
             print(format_result(result))
             for event in result.events if events else ():
                 print(f"    {event.kind}@{event.step}: {event.detail}")
-    healthy = all(r.status in ("converged", "running") for r in results)
-    raise typer.Exit(0 if healthy else 1)
+    if unreadable:
+        raise typer.Exit(2)
+    raise typer.Exit(0 if all(r.status in HEALTHY_VERDICTS for r in results) else 1)
 
 
 @app.command()

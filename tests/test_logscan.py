@@ -98,16 +98,32 @@ def test_loss_spike_first_step_and_unstable(tmp_path):
     assert "loss_spike@300" in format_result(result)
 
 
-def test_ratio_rule_and_min_count(tmp_path):
+def test_ratio_rule_needs_only_a_handful_of_points(tmp_path):
     # a flat, noiseless loss: std is 0 so only the ratio rule can fire
     losses = [2.0] * 100
     losses[60] = 4.5
     result = scan(write_run(tmp_path / "a", losses), now=OLD)
     assert result.first_step["loss_spike"] == 60 and "median" in result.events[0].detail
-    # before spike_min_count values, nothing is tested
+    # long before the mean + k x std rule's 32 values: the 5th point is tested against the first 4
     losses = [2.0] * 100
-    losses[10] = 50.0
-    assert "loss_spike" not in scan(write_run(tmp_path / "b", losses), now=OLD).first_step
+    losses[4] = 4.5
+    result = scan(write_run(tmp_path / "b", losses), now=OLD)
+    assert result.first_step["loss_spike"] == 4 and result.events[0].threshold == pytest.approx(4.0)
+    # with 3 earlier points it is not tested (spike_ratio_min_count = 4)
+    losses = [2.0] * 100
+    losses[3] = 50.0
+    assert "loss_spike" not in scan(write_run(tmp_path / "c", losses), now=OLD).first_step
+    assert scan(tmp_path / "c", ScanThresholds(spike_ratio_min_count=3), now=OLD).first_step["loss_spike"] == 3
+    with pytest.raises(ValueError, match="spike_ratio_min_count"):
+        ScanThresholds(spike_ratio_min_count=6, spike_ratio_baseline=5)
+
+
+def test_ratio_baseline_follows_a_falling_curve(tmp_path):
+    # the median of the last 5 losses, not of the whole window: 3.0 -> 6.5 is a spike even though the
+    # run's early losses (10 -> 7) put the median of everything logged so far above 6.5 / 2
+    losses = [10.0, 9.0, 8.0, 7.5, 7.0, 6.8, 6.6, 4.0, 3.5, 3.2, 3.1, 3.0, 3.0, 6.5, 3.0]
+    result = scan(write_run(tmp_path / "r", losses), now=OLD)
+    assert result.first_step["loss_spike"] == 13 and result.verdict == "unstable"
 
 
 def test_grad_spike_is_a_warning(tmp_path):
@@ -203,7 +219,7 @@ def test_running_crashed_and_stalled(tmp_path):
     assert stale.verdict == "crashed" and stale.first_step["stalled"] == 49
     assert stale.events[-1].value == pytest.approx(3600)
     hung = scan(run, running=True, now=mtime + 3600)
-    assert hung.verdict == "running" and "stalled" in hung.first_step
+    assert hung.verdict == "stalled" and "stalled" in hung.first_step and "hung" in hung.reasons[0]
     assert scan(run, running=False, now=mtime + 5).verdict == "crashed"
     assert scan(run, ScanThresholds(stall_seconds=10_000), now=mtime + 3600).verdict == "running"
 
@@ -273,7 +289,10 @@ def test_megatron_log(tmp_path):
     )
     log.write_text(MEGATRON + nan_line)
     result = scan(log, now=OLD)
-    assert result.verdict == "diverged@40" and result.final_loss == pytest.approx(5.9)
+    assert result.verdict == "diverged@40" and result.final_loss is None
+    assert result.last_finite_loss == pytest.approx(5.9) and result.last_finite_step == 30
+    line = format_result(result)
+    assert "last finite loss 5.9000 at step 30, diverged step 40" in line and "| loss " not in line
 
 
 def test_text_log_markers(tmp_path):
@@ -300,7 +319,7 @@ def test_custom_regex(tmp_path):
         scan(log, regex=r"step=(?P<step>\d+")
     with pytest.raises(ValueError, match="unknown log preset"):
         scan(log, preset="fairseq")
-    assert set(PRESETS) == {"nanogpt", "megatron"}
+    assert set(PRESETS) == {"nanogpt", "megatron", "torchtitan", "fp4lab"}
 
 
 def test_threshold_overrides(tmp_path):
@@ -328,9 +347,32 @@ def test_missing_paths_are_clear_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="without metrics.jsonl"):
         scan(tmp_path / "empty")
-    (tmp_path / "other.log").write_text("hello\nworld\n")
-    with pytest.raises(ValueError, match="no line matches"):
-        scan(tmp_path / "other.log")
+
+
+
+def test_no_loss_is_an_alarm_not_converged(tmp_path):
+    other = tmp_path / "other.log"
+    other.write_text("hello\nworld\n")
+    result = scan(other, now=OLD)
+    assert result.verdict == "no_loss" and result.source == "unknown"
+    assert "no line of 2 matches a known log format" in result.reasons[0] and "--preset" in result.reasons[0]
+    assert "no line of 2 matches" in format_result(result)
+    empty = tmp_path / "empty.log"
+    empty.write_text("")
+    for preset in (None, "megatron", "nanogpt"):
+        result = scan(empty, preset=preset, now=OLD)
+        assert result.verdict == "no_loss" and result.reasons[0] == "the log is empty", preset
+    # live and empty: the job may just have started, and the message says so
+    assert "scan again" in scan(empty, now=empty.stat().st_mtime + 1).reasons[0]
+    # Megatron lines that never carry "lm loss" (e.g. a model whose loss has another name)
+    no_lm_loss = tmp_path / "megatron.log"
+    no_lm_loss.write_text(MEGATRON.replace("lm loss:", "mtp loss:"))
+    result = scan(no_lm_loss, now=OLD)
+    assert result.verdict == "no_loss" and result.source == "megatron" and result.counts["steps"] == 3
+    assert "no loss value parsed from" in result.reasons[0]
+    # an fp4lab run folder whose metrics.jsonl is empty
+    run = write_run(tmp_path / "r", [], status="completed")
+    assert scan(run, now=OLD).verdict == "no_loss"
 
 
 def test_real_fp4lab_run_is_converged(tmp_path):

@@ -89,8 +89,12 @@ __all__ = [
     "scan",
 ]
 
-VERDICTS = ("converged", "diverged", "entropy_collapse", "unstable", "crashed", "timeout", "running")
-EVENT_KINDS = ("nan", "loss_spike", "grad_spike", "entropy_collapse", "max_logit", "stalled")
+VERDICTS = (
+    "converged", "diverged", "entropy_collapse", "loss_vanished", "no_loss", "unstable", "crashed", "timeout",
+    "stalled", "running",
+)
+HEALTHY_VERDICTS = ("converged", "running")  # every other verdict is an alarm (`fp4lab scan` exits 1)
+EVENT_KINDS = ("nan", "loss_missing", "loss_spike", "grad_spike", "entropy_collapse", "max_logit", "stalled")
 
 # A number as training code prints it, NaN and Inf included (Python "nan", "inf"; C/C++ "-nan", "NaN").
 NUM = r"[-+]?(?:nan|inf(?:inity)?|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
@@ -99,6 +103,8 @@ CRASH_MARKERS = re.compile(
     r"Traceback \(most recent call last\)|CUDA error|out of memory|OutOfMemoryError|Segmentation fault|NCCL error",
 )
 TIMEOUT_MARKERS = re.compile(r"DUE TO TIME LIMIT|DUE TO PREEMPTION")
+# Colour codes (torchtitan colours every field) are removed before a line is matched.
+ANSI_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 TERMINAL_STATUSES = ("completed", "diverged", "time_limit", "preempted", "stopped")
 
 
@@ -110,7 +116,9 @@ class ScanThresholds:
     spike_window: int = 128  # trailing window of previous finite losses (OLMo-core: 128)
     spike_k: float = 6.0  # loss > mean + k * std of the window (OLMo-core: 6)
     spike_min_count: int = 32  # no spike test until the window holds this many values
-    spike_ratio: float | None = 2.0  # loss > ratio * median(window); None turns the rule off
+    spike_ratio: float | None = 2.0  # loss > ratio * median of the recent losses; None turns the rule off
+    spike_ratio_baseline: int = 5  # the ratio rule's baseline: median of this many previous finite losses
+    spike_ratio_min_count: int = 4  # ... tested once this many are logged (sparse logs: Megatron logs every 100)
     grad_spike_k: float | None = 6.0  # same mean + k * std rule on grad_norm; None: off
     entropy_floor: float = 0.05  # nats; a layer's mean attention entropy below this collapses
     entropy_drop_factor: float | None = 0.2  # ... or below factor * median of its earlier probes
@@ -124,6 +132,8 @@ class ScanThresholds:
     def __post_init__(self) -> None:
         if self.spike_window < 1 or self.spike_min_count < 2 or self.spike_min_count > self.spike_window:
             raise ValueError("need spike_window >= 1 and 2 <= spike_min_count <= spike_window")
+        if not 1 <= self.spike_ratio_min_count <= self.spike_ratio_baseline:
+            raise ValueError("need 1 <= spike_ratio_min_count <= spike_ratio_baseline")
         unknown = set(self.unstable_kinds) - set(EVENT_KINDS)
         if unknown:
             raise ValueError(f"unstable_kinds: unknown kind(s) {sorted(unknown)}; choose from {', '.join(EVENT_KINDS)}")
@@ -159,7 +169,7 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
     if text.lower() in ("none", "off", "null", ""):
         return None
     try:
-        if name in ("spike_window", "spike_min_count", "entropy_min_probes", "stall_steps"):
+        if name in ("spike_window", "spike_min_count", "spike_ratio_baseline", "spike_ratio_min_count", "entropy_min_probes", "stall_steps"):
             return int(text)
         return float(text)
     except ValueError:
@@ -195,18 +205,21 @@ class ScanEvent:
 @dataclass
 class ScanResult:
     path: str
-    verdict: str  # "converged", "diverged@STEP", "entropy_collapse@STEP", "unstable", "crashed", "timeout", "running"
+    verdict: str  # a VERDICTS entry; diverged, entropy_collapse and loss_vanished carry "@STEP"
     status: str  # the verdict without "@STEP"
     verdict_step: int | None
     events: list[ScanEvent] = field(default_factory=list)
     first_step: dict[str, int] = field(default_factory=dict)  # kind -> first step of that kind
     counts: dict[str, int] = field(default_factory=dict)  # lines, skipped_lines, steps, and flagged steps per kind
     last_step: int | None = None
-    final_loss: float | None = None
+    final_loss: float | None = None  # the loss of the last training step (None when NaN/Inf or missing there)
     best_loss: float | None = None
     final_val_loss: float | None = None
-    source: str = ""  # "fp4lab" or the preset / "regex" used for a text log
+    last_finite_loss: float | None = None  # the last finite loss and its step: where a diverged run stood
+    last_finite_step: int | None = None
+    source: str = ""  # "fp4lab", the preset or "regex" used for a text log, "unknown" when none matched
     summary_status: str | None = None
+    live: bool = False  # the job is alive (running=True, or an unfinished log written within stall_seconds)
     reasons: list[str] = field(default_factory=list)  # why this verdict, in words
 
     def to_dict(self) -> dict[str, Any]:
@@ -223,21 +236,27 @@ class ScanResult:
             "final_loss": _finite(self.final_loss),
             "best_loss": _finite(self.best_loss),
             "final_val_loss": _finite(self.final_val_loss),
+            "last_finite_loss": _finite(self.last_finite_loss),
+            "last_finite_step": self.last_finite_step,
             "source": self.source,
             "summary_status": self.summary_status,
+            "live": self.live,
             "reasons": list(self.reasons),
         }
 
 
 @dataclass(frozen=True)
 class LogFormat:
-    """How to read a text log: `pattern` (named groups step and loss; optional grad_norm, val_loss,
-    nan_iters) and optional extra patterns for other line kinds (e.g. evaluation lines with step and
-    val_loss). A line is tried against each pattern in order; the first that matches wins."""
+    """How to read a text log: `pattern` matches a training line (named groups step and loss; optional
+    grad_norm, val_loss, nan_iters, skipped_iters) and optional extra patterns match other line kinds
+    (e.g. evaluation lines with step and val_loss). A line is tried against each pattern in order; the
+    first that matches wins. A training line whose loss group did not match has lost its loss.
+    `summary` (groups key and value) reads a final status block such as `fp4lab train` prints."""
 
     name: str
     pattern: re.Pattern
     extra: tuple[re.Pattern, ...] = ()
+    summary: re.Pattern | None = None
 
     @classmethod
     def from_regex(cls, regex: str | re.Pattern, name: str = "regex") -> LogFormat:
@@ -270,10 +289,28 @@ PRESETS: dict[str, LogFormat] = {
             rf"\biteration\s+(?P<step>\d+)\s*/\s*\d+\s*\|"
             rf"(?:.*?\blm loss:\s*(?P<loss>{NUM}))?"
             rf"(?:.*?\bgrad norm:\s*(?P<grad_norm>{NUM}))?"
+            rf"(?:.*?\bnumber of skipped iterations:\s*(?P<skipped_iters>\d+))?"
             rf"(?:.*?\bnumber of nan iterations:\s*(?P<nan_iters>\d+))?",
             re.IGNORECASE,
         ),
         (re.compile(rf"\bvalidation loss at iteration (?P<step>\d+)\b.*?\blm loss value:\s*(?P<val_loss>{NUM})", re.IGNORECASE),),
+    ),
+    # pytorch/torchtitan MetricsProcessor.log, every field behind an ANSI colour code:
+    # f"{color.red}step: {step:2}  {color.green}loss: {loss:7.4f}  {color.orange}grad_norm: {grad_norm:7.4f}  ..."
+    # and log_validation: f"{color.yellow}validate step: {step:2}  {color.green}loss: {loss:7.4f}  ..."
+    "torchtitan": LogFormat(
+        "torchtitan",
+        re.compile(rf"(?<!validate )\bstep:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>{NUM})(?:\s+grad_norm:\s*(?P<grad_norm>{NUM}))?"),
+        (re.compile(rf"\bvalidate step:\s*(?P<step>\d+)\s+loss:\s*(?P<val_loss>{NUM})"),),
+    ),
+    # fp4lab's own `fp4lab train` output (the local worker log jobs/<sweep>/logs/<id>.local.log): progress
+    # lines f"step {step}/{steps} loss {loss:.4f}[ val_loss {val:.4f}] lr ... tok/s ..." (step counted from
+    # 1; a NaN step is not printed), then after "---" the summary block "status: diverged",
+    # "diverged_step: 57", ... A resumed run appends to the same log, so the last block counts.
+    "fp4lab": LogFormat(
+        "fp4lab",
+        re.compile(rf"\bstep (?P<step>\d+)/\d+ loss (?P<loss>{NUM})(?: val_loss (?P<val_loss>{NUM}))?"),
+        summary=re.compile(r"^(?P<key>status|diverged_step|steps_completed): (?P<value>\S+)\s*$"),
     ),
 }
 
@@ -316,14 +353,15 @@ def scan(
             kind = "text"
 
     counts = {"lines": 0, "skipped_lines": 0, "steps": 0}
-    markers: dict[str, str] = {}
+    text = _TextState()
     if kind == "fp4lab":
         records = _read_jsonl(log, counts)
         source = "fp4lab"
     else:
         fmt = _text_format(log, regex, preset)
-        records = _read_text(log, fmt, counts, markers)
-        source = fmt.name
+        records = _read_text(log, fmt, counts, text) if fmt is not None else _markers_only(log, counts, text)
+        source = fmt.name if fmt is not None else "unknown"
+        summary = text.summary or None
 
     detector = _Detector(th)
     for record in records:
@@ -334,11 +372,13 @@ def scan(
     now = time.time() if now is None else now
     age = now - log.stat().st_mtime
     status = summary.get("status") if summary else None
-    if summary and status in ("time_limit", "preempted", "stopped"):
+    if kind == "fp4lab" and summary and status in ("time_limit", "preempted", "stopped"):
         completed = summary.get("steps_completed")
         if isinstance(completed, int) and detector.last_step is not None and detector.last_step + 1 > completed:
             summary, status = None, None  # stale: written by an earlier segment of a resumed run
     finished = status in TERMINAL_STATUSES
+    live = running is True or (running is None and not finished and age <= th.stall_seconds)
+    hung = running is True and not finished and age > th.stall_seconds
 
     events = detector.events
     reasons: list[str] = []
@@ -350,33 +390,46 @@ def scan(
     first_step: dict[str, int] = {}
     for event in events:
         first_step[event.kind] = min(first_step.get(event.kind, event.step), event.step)
+    still = " (the job is still running)" if live else ""
 
-    # --- the verdict, by precedence ---
+    # --- the verdict, by precedence: alarms first, so a live job with a problem is never "running" ---
     verdict_step = None
     if "nan" in first_step or status == "diverged":
         verdict = "diverged"
         verdict_step = summary.get("diverged_step") if status == "diverged" and isinstance(summary.get("diverged_step"), int) else None
         if verdict_step is None:
             verdict_step = first_step.get("nan", detector.last_step)
-        reasons.append("summary status diverged" if status == "diverged" else f"non-finite value at step {first_step['nan']}")
+        reasons.append(("summary status diverged" if status == "diverged" else f"non-finite value at step {first_step['nan']}") + still)
     elif "entropy_collapse" in first_step:
         verdict, verdict_step = "entropy_collapse", first_step["entropy_collapse"]
-        reasons.append(f"attention entropy collapsed at step {verdict_step}")
-    elif "crash" in markers and "timeout" not in markers:
+        reasons.append(f"attention entropy collapsed at step {verdict_step}{still}")
+    elif "loss_missing" in first_step:
+        verdict, verdict_step = "loss_vanished", first_step["loss_missing"]
+        reasons.append(
+            f"training lines from step {verdict_step} carry no loss and no nan/skipped iteration count (Megatron "
+            f"leaves a NaN 'lm loss' out of its line); last finite loss at step {detector.last_finite_step}{still}"
+        )
+    elif text.crash is not None and text.timeout is None:
         verdict = "crashed"
-        reasons.append(f"crash marker in log: {markers['crash']!r}")
-    elif running is not True and (status in ("time_limit", "preempted", "stopped") or "timeout" in markers):
+        reasons.append(f"crash marker in log: {text.crash!r}")
+    elif running is not True and (status in ("time_limit", "preempted", "stopped") or text.timeout is not None):
         verdict = "timeout"
-        reasons.append(f"summary status {status}" if status else f"marker in log: {markers['timeout']!r}")
-    elif running is True or (running is None and not finished and age <= th.stall_seconds):
-        verdict = "running"
-        reasons.append("running=True" if running is True else f"no final summary and log written {age:.0f} s ago")
-    elif kind == "fp4lab" and not finished:
+        reasons.append(f"summary status {status}" if status else f"marker in log: {text.timeout!r}")
+    elif kind == "fp4lab" and not finished and not live:
         verdict = "crashed"
         reasons.append("no summary.json" + (" and running=False" if running is False else f" and log idle {age:.0f} s"))
+    elif not detector.losses_seen:
+        verdict = "no_loss"
+        reasons.append(_no_loss_reason(counts, source, live))
     elif any(k in first_step for k in th.unstable_kinds):
         verdict = "unstable"
-        reasons.append("events: " + ", ".join(k for k in th.unstable_kinds if k in first_step))
+        reasons.append("events: " + ", ".join(k for k in th.unstable_kinds if k in first_step) + still)
+    elif hung:
+        verdict = "stalled"
+        reasons.append(f"running=True but the log was last written {age:.0f} s ago (> stall_seconds {th.stall_seconds:g}): hung?")
+    elif live:
+        verdict = "running"
+        reasons.append("running=True" if running is True else f"not finished and log written {age:.0f} s ago")
     else:
         verdict = "converged"
         reasons.append(f"summary status {status}" if status else "finished without anomalies")
@@ -384,7 +437,7 @@ def scan(
     for kind_name in EVENT_KINDS:
         counts[kind_name] = detector.flagged.get(kind_name, 0)
     final_loss, best_loss, final_val = detector.final_loss, detector.best_loss, detector.final_val_loss
-    if summary:  # a folder whose metrics were lost still has its summary
+    if kind == "fp4lab" and summary:  # a folder whose metrics were lost still has its summary
         final_loss = final_loss if detector.steps else summary.get("final_loss")
         best_loss = best_loss if best_loss is not None else _finite(summary.get("best_loss"))
         final_val = final_val if final_val is not None else _finite(summary.get("final_val_loss"))
@@ -393,7 +446,7 @@ def scan(
         last_step = summary["steps_completed"] - 1
     return ScanResult(
         path=str(target),
-        verdict=f"{verdict}@{verdict_step}" if verdict in ("diverged", "entropy_collapse") else verdict,
+        verdict=f"{verdict}@{verdict_step}" if verdict in ("diverged", "entropy_collapse", "loss_vanished") else verdict,
         status=verdict,
         verdict_step=verdict_step,
         events=sorted(events, key=lambda e: (e.step, EVENT_KINDS.index(e.kind))),
@@ -403,18 +456,38 @@ def scan(
         final_loss=_finite(final_loss),
         best_loss=_finite(best_loss),
         final_val_loss=_finite(final_val),
+        last_finite_loss=detector.last_finite_loss,
+        last_finite_step=detector.last_finite_step,
         source=source,
         summary_status=status,
+        live=live,
         reasons=reasons,
     )
 
 
+def _no_loss_reason(counts: dict[str, int], source: str, live: bool) -> str:
+    if not counts["lines"]:
+        where = "the log is empty"
+    elif source == "unknown":
+        where = f"no line of {counts['lines']} matches a known log format ({', '.join(PRESETS)}); pass --preset or --regex"
+    else:
+        where = f"no loss value parsed from {counts['lines']} line(s) read as {source}; check --preset / --regex"
+    return where + ("; if the job just started, scan again after its first log interval" if live else "")
+
+
 def format_result(result: ScanResult) -> str:
-    """One line for a human: path, verdict, progress, losses, events, skipped lines."""
-    parts = [f"{result.path}: {result.verdict}"]
+    """One line for a human: path, verdict (and "live" while the job runs), progress, losses, events,
+    skipped lines. A diverged run shows its last finite loss and the step it diverged at."""
+    parts = [f"{result.path}: {result.verdict}" + (" (live)" if result.live and result.status != "running" else "")]
     if result.last_step is not None:
         parts.append(f"step {result.last_step}")
-    if result.final_loss is not None:
+    if result.status in ("diverged", "loss_vanished"):
+        what = "diverged" if result.status == "diverged" else "loss missing from"
+        if result.last_finite_loss is not None:
+            parts.append(f"last finite loss {result.last_finite_loss:.4f} at step {result.last_finite_step}, {what} step {result.verdict_step}")
+        else:
+            parts.append(f"no finite loss; {what} step {result.verdict_step}")
+    elif result.final_loss is not None:
         best = f" (best {result.best_loss:.4f})" if result.best_loss is not None and result.best_loss != result.final_loss else ""
         parts.append(f"loss {result.final_loss:.4f}{best}")
     elif result.best_loss is not None:
@@ -430,6 +503,8 @@ def format_result(result: ScanResult) -> str:
         parts.append("events: " + ", ".join(summary))
     else:
         parts.append("no events")
+    if result.status == "no_loss":
+        parts.append(result.reasons[0])
     if result.counts.get("skipped_lines"):
         parts.append(f"{result.counts['skipped_lines']} bad lines skipped")
     return " | ".join(parts)
@@ -479,7 +554,24 @@ def _read_jsonl(path: Path, counts: dict[str, int]) -> Iterator[dict[str, Any]]:
         yield record
 
 
-def _text_format(path: Path, regex, preset: str | None) -> LogFormat:
+@dataclass
+class _TextState:
+    """What a text log says besides its metrics: the first crash and timeout marker lines, and the
+    last summary block (cleared when training lines follow it: a resumed segment is under way)."""
+
+    crash: str | None = None
+    timeout: str | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def note_markers(self, line: str) -> None:
+        if self.crash is None and CRASH_MARKERS.search(line):
+            self.crash = line.strip()[:200]
+        if self.timeout is None and TIMEOUT_MARKERS.search(line):
+            self.timeout = line.strip()[:200]
+
+
+def _text_format(path: Path, regex, preset: str | None) -> LogFormat | None:
+    """The format to read a text log with; None when no preset matches a line (nothing to read)."""
     if regex is not None:
         return LogFormat.from_regex(regex)
     if preset is not None:
@@ -488,41 +580,56 @@ def _text_format(path: Path, regex, preset: str | None) -> LogFormat:
         return PRESETS[preset]
     hits = dict.fromkeys(PRESETS, 0)
     for n, line in enumerate(_lines(path)):
+        line = ANSI_CODES.sub("", line)
         for name, fmt in PRESETS.items():
             if fmt.pattern.search(line):
                 hits[name] += 1
         if n > 20000:
             break
     best = max(hits, key=hits.get)
-    if not hits[best]:
-        raise ValueError(f"{path}: no line matches a known log format ({', '.join(PRESETS)}); pass --preset or --regex")
-    return PRESETS[best]
+    return PRESETS[best] if hits[best] else None
 
 
-def _read_text(path: Path, fmt: LogFormat, counts: dict[str, int], markers: dict[str, str]) -> Iterator[dict[str, Any]]:
+def _markers_only(path: Path, counts: dict[str, int], state: _TextState) -> list[dict[str, Any]]:
     for line in _lines(path):
         counts["lines"] += 1
-        if "crash" not in markers and (m := CRASH_MARKERS.search(line)):
-            markers["crash"] = line.strip()[:200]
-        if "timeout" not in markers and (m := TIMEOUT_MARKERS.search(line)):
-            markers["timeout"] = line.strip()[:200]
+        state.note_markers(line)
+    return []
+
+
+def _read_text(path: Path, fmt: LogFormat, counts: dict[str, int], state: _TextState) -> Iterator[dict[str, Any]]:
+    for line in _lines(path):
+        counts["lines"] += 1
+        line = ANSI_CODES.sub("", line)
+        state.note_markers(line)
+        if fmt.summary is not None and (m := fmt.summary.search(line)):
+            if m["key"] == "status":
+                state.summary = {}
+            value = m["value"]
+            state.summary[m["key"]] = int(value) if value.isdigit() else None if value == "None" else value
+            continue
         for pattern in fmt.patterns():
             m = pattern.search(line)
             if not m:
                 continue
             groups = m.groupdict()
+            training = pattern is fmt.pattern
+            if training and groups.get("loss") is None and not line.endswith("\n"):
+                counts["skipped_lines"] += 1  # the live log's half-written last line, not a lost loss
+                break
             try:
-                record: dict[str, Any] = {"step": int(groups["step"])}
+                record: dict[str, Any] = {"step": int(groups["step"]), "training": training}
                 for name in ("loss", "grad_norm", "val_loss"):
                     if groups.get(name) is not None:
                         record[name] = float(groups[name])
-                if groups.get("nan_iters") is not None:
-                    record["nan_iters"] = int(groups["nan_iters"])
+                for name in ("nan_iters", "skipped_iters"):
+                    if groups.get(name) is not None:
+                        record[name] = int(groups[name])
             except (TypeError, ValueError, KeyError):
                 counts["skipped_lines"] += 1
                 break
-            if len(record) == 1:  # a Megatron line with none of the fields (e.g. cut short)
-                break
+            if training:
+                state.summary = {}  # training after a summary block: a resumed segment
             yield record
             break
 
@@ -553,10 +660,6 @@ class _Window:
         self.total = 0.0
         self.squares = 0.0
         self.pushes = 0
-        self._minima: deque[tuple[int, float]] = deque()  # (push index, value), increasing values
-
-    def minimum(self) -> float:
-        return self._minima[0][1]
 
     def __len__(self) -> int:
         return len(self.values)
@@ -570,12 +673,6 @@ class _Window:
         self.total += x
         self.squares += x * x
         self.pushes += 1
-        minima = self._minima
-        while minima and minima[-1][1] >= x:
-            minima.pop()
-        minima.append((self.pushes, x))
-        if minima[0][0] <= self.pushes - self.values.maxlen:
-            minima.popleft()
         if self.pushes % self.values.maxlen == 0:
             self.total = math.fsum(self.values)
             self.squares = math.fsum(v * v for v in self.values)
@@ -602,7 +699,11 @@ class _Detector:
         self.final_loss: float | None = None
         self.best_loss: float | None = None
         self.final_val_loss: float | None = None
+        self.losses_seen = 0  # training records with a loss value, finite or not
+        self.last_finite_loss: float | None = None
+        self.last_finite_step: int | None = None
         self.losses = _Window(th.spike_window)
+        self.recent_losses: deque[float] = deque(maxlen=th.spike_ratio_baseline)
         self.grads = _Window(th.spike_window)
         self.entropy: dict[int, list[float]] = {}
         self.open: dict[str, ScanEvent] = {}  # kind (or kind/layer) -> the episode still running
@@ -627,14 +728,20 @@ class _Detector:
     def feed(self, record: dict[str, Any]) -> None:
         th = self.th
         step = record["step"]
-        if any(k in record for k in ("loss", "grad_norm", "nan_iters")):
-            self.steps += 1  # evaluation-only lines (text logs) are not steps
+        training = record.get("training", True)  # evaluation lines of text logs are not steps
+        self.steps += training
         self.last_step = step if self.last_step is None else max(self.last_step, step)
         loss = _num(record.get("loss"))
         grad = _num(record.get("grad_norm"))
         val = _num(record.get("val_loss"))
 
         nan_iters = record.get("nan_iters") or 0
+        if training and loss is None and self.losses_seen and not nan_iters and not record.get("skipped_iters"):
+            # Skipped iterations (fp16 loss-scale overflows) legitimately leave no loss to average.
+            self._flag("loss_missing", "loss_missing", step, math.nan, None,
+                       f"training line without a loss after {self.losses_seen} with one", lambda a, b: False)
+        else:
+            self._clear("loss_missing")
         bad = []
         for name, v in (("loss", loss), ("grad_norm", grad), ("val_loss", val)):
             if v is not None and (v - v != 0):  # NaN or +-Inf
@@ -646,11 +753,15 @@ class _Detector:
         else:
             self._clear("nan")
 
-        if loss is not None:
+        if training:
             self.final_loss = loss
+        if loss is not None:
+            self.losses_seen += 1
         if loss is not None and math.isfinite(loss):
+            self.last_finite_loss, self.last_finite_step = loss, step
             self._spike("loss_spike", self.losses, step, loss, th.spike_k, th.spike_ratio)
             self.losses.append(loss)
+            self.recent_losses.append(loss)
             self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
             self._plateau(step)
         if grad is not None and math.isfinite(grad) and th.grad_spike_k is not None:
@@ -661,16 +772,18 @@ class _Detector:
         self._probes(step, record)
 
     def _spike(self, kind: str, window: _Window, step: int, x: float, k: float, ratio: float | None) -> None:
-        if len(window) < self.th.spike_min_count:
-            return
-        mean, std = window.mean_std()
         reasons = []
-        if std >= 1e-10 and x > mean + k * std:
-            reasons.append((mean + k * std, f"{x:.4g} > mean {mean:.4g} + {k:g} x std {std:.3g} of last {len(window)}"))
-        if ratio is not None and x > ratio * window.minimum():  # the median is >= the minimum
-            median = statistics.median(window.values)
+        if len(window) >= self.th.spike_min_count:
+            mean, std = window.mean_std()
+            if std >= 1e-10 and x > mean + k * std:
+                reasons.append((mean + k * std, f"{x:.4g} > mean {mean:.4g} + {k:g} x std {std:.3g} of last {len(window)}"))
+        # The ratio rule needs only a handful of points, so sparse logs (one line per 100 iterations)
+        # are checked from their first lines; a median of the most recent ones follows a falling curve.
+        recent = self.recent_losses
+        if ratio is not None and len(recent) >= self.th.spike_ratio_min_count:
+            median = statistics.median(recent)
             if x > ratio * median:
-                reasons.append((ratio * median, f"{x:.4g} > {ratio:g} x median {median:.4g} of last {len(window)}"))
+                reasons.append((ratio * median, f"{x:.4g} > {ratio:g} x median {median:.4g} of the last {len(recent)} losses"))
         if reasons:
             threshold, detail = min(reasons, key=lambda r: r[0])
             self._flag(kind, kind, step, x, threshold, detail, lambda a, b: a > b)
