@@ -27,6 +27,7 @@ import io
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,30 @@ COLUMNS = (
     "sweep",
     "recipe", "config", "n_seeds", "seeds",
     "final_val_loss_mean", "final_val_loss_std", "final_train_loss_mean", "final_train_loss_std",
-    "excess_pct_mean", "excess_pct_last", "excess_last_step", "tokens_per_s_mean",
+    "excess_pct_mean", "excess_pct_last", "excess_last_step", "baseline_runs", "tokens_per_s_mean",
     "verdicts", "first_bad_event", "runs",
 )  # fmt: skip
+
+COLUMN_DOCS = {
+    "sweep": "the sweep the runs belong to",
+    "recipe": "the FP4 recipe (bf16 is the reference)",
+    "config": "the sweep parameters besides recipe and seed (or a hash of the config when there are none)",
+    "n_seeds": "how many runs (seeds) the row groups",
+    "seeds": "their seeds",
+    "final_val_loss_mean": "validation loss at the last evaluation, mean over the seeds",
+    "final_val_loss_std": "its sample standard deviation over the seeds (empty for one seed)",
+    "final_train_loss_mean": "train loss at the last step, mean over the seeds",
+    "final_train_loss_std": "its sample standard deviation over the seeds (empty for one seed)",
+    "excess_pct_mean": "train-loss excess over the bf16 reference in %, averaged over the steps both recorded "
+    "(the catalog keeps the loss every 10 steps), then over the seeds; negative: below bf16",
+    "excess_pct_last": "the same excess at the last step both recorded, mean over the seeds",
+    "excess_last_step": "that last common step",
+    "baseline_runs": "the bf16 runs whose mean train loss is the reference of the excess",
+    "tokens_per_s_mean": "training throughput in tokens/s, mean over the seeds",
+    "verdicts": "the log scanner's verdicts and how many seeds got each",
+    "first_bad_event": "the earliest scanner event (NaN, loss spike, entropy collapse, large logit) over the seeds",
+    "runs": "the catalog ids of the runs",
+}
 
 PLOTS = ("loss_curves", "loss_excess", "attn_entropy", "max_logit")
 
@@ -71,6 +93,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     has_baseline: bool = False
     default_out_dir: Path | None = None
+    groups: list[list[str]] = field(default_factory=list)  # run ids of each ledger row, in ledger order
+    baseline_of: dict[str, list[str]] = field(default_factory=dict)  # run id -> the bf16 run ids of its reference
 
 
 # --- small helpers -------------------------------------------------------------------------------------
@@ -247,19 +271,21 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
             f"no {BASELINE} run in {'sweep ' + repr(sweep) if sweep else 'the catalog'}: loss excess not computed"
         )
 
-    def reference_for(record: dict[str, Any]) -> dict[int, float]:
+    def baseline_records(record: dict[str, Any]) -> list[dict[str, Any]]:
         same_sweep = [b for b in baselines if b.get("sweep") == record.get("sweep")]
         key = _config_key(record.get("config") or {}, drop)
         matched = [b for b in same_sweep if _config_key(b.get("config") or {}, drop) == key]
-        return _reference([_losses(b) for b in (matched or same_sweep)])
+        return matched or same_sweep
 
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    baseline_of = {r["id"]: [b["id"] for b in baseline_records(r)] for r in records}
+
+    grouped: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for record in records:
         key = (record.get("sweep"), record.get("recipe"), _config_key(record.get("config") or {}, RUN_SPECIFIC))
-        groups.setdefault(key, []).append(record)
+        grouped.setdefault(key, []).append(record)
 
     rows = []
-    for (_sweep, recipe, _key), members in groups.items():
+    for (_sweep, recipe, _key), members in grouped.items():
         summaries = [r.get("summary") or {} for r in members]
         vals = [v for v in (_num(s.get("final_val_loss")) for s in summaries) if v is not None]
         trains = [v for v in (_num(s.get("final_train_loss")) for s in summaries) if v is not None]
@@ -267,7 +293,7 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
         ex_mean, ex_last, last_steps = [], [], []
         if has_baseline:
             for r in members:
-                m, last, step = excess_pct(_losses(r), reference_for(r))
+                m, last, step = excess_pct(_losses(r), _reference([_losses(b) for b in baseline_records(r)]))
                 if m is not None:
                     ex_mean.append(m)
                     ex_last.append(last)
@@ -297,6 +323,7 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
                 "excess_pct_mean": _mean(ex_mean),
                 "excess_pct_last": _mean(ex_last),
                 "excess_last_step": min(last_steps) if last_steps else None,
+                "baseline_runs": " ".join(baseline_of[members[0]["id"]]) if has_baseline else "",
                 "tokens_per_s_mean": _mean(tps),
                 "verdicts": ", ".join(f"{v} x{n}" for v, n in verdict_counts.items()),
                 "first_bad_event": f"{first_bad[1]}@{first_bad[0]}" if first_bad else "",
@@ -306,7 +333,8 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
     ledger = pd.DataFrame(rows, columns=list(COLUMNS))
     ledger["excess_last_step"] = ledger["excess_last_step"].astype("Int64")
     default = Path(out_dir) if out_dir is not None else Path("reports") / (sweep or "all")
-    return Report(sweep, catalog_path, ledger, records, metrics, notes, has_baseline, default)
+    groups = [[r["id"] for r in members] for members in grouped.values()]
+    return Report(sweep, catalog_path, ledger, records, metrics, notes, has_baseline, default, groups, baseline_of)
 
 
 # --- rendering -----------------------------------------------------------------------------------------
@@ -327,53 +355,99 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
-_SHOWN = {  # column -> (header, digits)
+def _signed(value: Any, digits: int = 2) -> str:
+    text = _fmt(value, digits)
+    return text if not text or text.startswith("-") else "+" + text
+
+
+_HEADERS = {  # column -> (header, digits) of the full table (Markdown, HTML)
     "sweep": ("sweep", 0), "recipe": ("recipe", 0), "config": ("config", 0), "n_seeds": ("seeds", 0),
-    "final_val_loss_mean": ("val loss", 4), "final_val_loss_std": ("± std", 4),
+    "seeds": ("seed list", 0), "final_val_loss_mean": ("val loss", 4), "final_val_loss_std": ("± std", 4),
     "final_train_loss_mean": ("train loss", 4), "final_train_loss_std": ("± std", 4),
     "excess_pct_mean": ("excess % (mean)", 2), "excess_pct_last": ("excess % (last)", 2),
-    "excess_last_step": ("@step", 0), "tokens_per_s_mean": ("tok/s", 1),
-    "verdicts": ("verdicts", 0), "first_bad_event": ("first event", 0),
+    "excess_last_step": ("@step", 0), "baseline_runs": ("bf16 runs", 0), "tokens_per_s_mean": ("tok/s", 1),
+    "verdicts": ("verdicts", 0), "first_bad_event": ("first event", 0), "runs": ("runs", 0),
 }  # fmt: skip
 
 
-def _shown(report: Report) -> dict[str, tuple[str, int]]:
-    """The displayed columns: the sweep column only for a report over every sweep."""
-    return {c: v for c, v in _SHOWN.items() if c != "sweep" or report.sweep is None}
+def _full_columns(report: Report) -> list[str]:
+    """Every ledger column; the sweep column only for a report over every sweep."""
+    return [c for c in COLUMNS if c != "sweep" or report.sweep is None]
 
 
-def _display_rows(report: Report) -> list[list[str]]:
+def _full_rows(report: Report) -> list[list[str]]:
+    columns = _full_columns(report)
+    return [[_fmt(row[c], _HEADERS[c][1]) if _HEADERS[c][1] else _fmt(row[c]) for c in columns]
+            for _, row in report.ledger.iterrows()]  # fmt: skip
+
+
+_CONSOLE_COLUMNS = (  # header, right-aligned, may wrap
+    ("sweep", False, True), ("recipe", False, False), ("config", False, True), ("seeds", True, False),
+    ("val loss", True, False), ("excess %\nmean", True, False), ("excess %\nlast", True, False),
+    ("tok/s", True, False), ("verdicts", False, True),
+)  # fmt: skip
+
+
+def _console_rows(report: Report) -> list[list[str]]:
     rows = []
     for _, row in report.ledger.iterrows():
-        rows.append([_fmt(row[c], d) if d else _fmt(row[c]) for c, (_, d) in _shown(report).items()])
+        std = _fmt(row["final_val_loss_std"], 4)
+        last = _signed(row["excess_pct_last"])
+        first_bad = row["first_bad_event"]
+        rows.append([
+            row["sweep"], row["recipe"], row["config"], str(row["n_seeds"]),
+            _fmt(row["final_val_loss_mean"], 4) + (f"\n±{std}" if std else ""),
+            _signed(row["excess_pct_mean"]), f"{last} @{row['excess_last_step']}" if last else "",
+            _fmt(row["tokens_per_s_mean"], 0), row["verdicts"] + (f"\nfirst: {first_bad}" if first_bad else ""),
+        ])  # fmt: skip
     return rows
 
 
 def render_ledger(report: Report):
-    """The ledger as a rich Table (for printing); notes go in the caption."""
+    """The ledger as a rich Table that reads in a 100-column terminal: the columns that decide between
+    recipes, a seed spread on a second line, recipe names never wrapped or cut (the config, sweep and
+    verdict columns wrap instead). The full table is in ledger.csv, ledger.md and report.html."""
     from rich.table import Table
 
     title = f"recipe ledger{' of ' + report.sweep if report.sweep else ''} ({report.catalog_path})"
-    table = Table(title=title, caption="\n".join(report.notes) or None)
-    for column, (header, _) in _shown(report).items():
-        left = column in ("sweep", "recipe", "config", "verdicts", "first_bad_event")
-        table.add_column(header, justify="left" if left else "right")
-    for row in _display_rows(report):
-        table.add_row(*row)
+    caption = [*report.notes, "train loss, the bf16 reference runs and run ids: ledger.csv, ledger.md, report.html"]
+    table = Table(title=title, caption="\n".join(caption))
+    shown = [i for i, (header, _, _) in enumerate(_CONSOLE_COLUMNS) if header != "sweep" or report.sweep is None]
+    for i in shown:
+        header, right, wraps = _CONSOLE_COLUMNS[i]
+        table.add_column(header, justify="right" if right else "left", no_wrap=not wraps, overflow="fold")
+    for row in _console_rows(report):
+        table.add_row(*(row[i] for i in shown))
     return table
 
 
+def _excess_method(report: Report) -> str:
+    window = _smoothing_window(report)
+    return (
+        "Loss excess at a step = 100 × (train loss of the run − bf16 reference) / bf16 reference, where the "
+        "reference is the mean train loss of the bf16 runs named in the 'bf16 runs' column: the bf16 runs of the "
+        "same sweep whose config equals the run's apart from recipe and seed, or every bf16 run of the sweep when "
+        "none matches. The ledger uses the losses the catalog records (every 10 steps and the last step); the "
+        f"plot uses every logged step, smoothed by a centered rolling mean over {window} logged steps."
+    )
+
+
 def ledger_markdown(report: Report) -> str:
-    headers = [h for h, _ in _shown(report).values()]
+    columns = _full_columns(report)
+    headers = [_HEADERS[c][0] for c in columns]
 
     def esc(cell: str) -> str:
         return cell.replace("|", "\\|")
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in _display_rows(report)]
+    lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in _full_rows(report)]
     title = f"# Recipe ledger{': ' + report.sweep if report.sweep else ''}\n\n"
+    glossary = "".join(f"- **{_HEADERS[c][0]}**: {COLUMN_DOCS[c]}\n" for c in columns)
     notes = "".join(f"- {n}\n" for n in report.notes)
-    return title + "\n".join(lines) + "\n" + ("\nNotes:\n\n" + notes if notes else "")
+    return (
+        title + "\n".join(lines) + "\n\nColumns:\n\n" + glossary + "\n" + _excess_method(report) + "\n"
+        + ("\nNotes:\n\n" + notes if notes else "")
+    )  # fmt: skip
 
 
 # --- plots ---------------------------------------------------------------------------------------------
@@ -396,92 +470,326 @@ def _label(report: Report, run_id: str) -> str:
     return run_id
 
 
-def _plot_png(report: Report, which: str) -> bytes | None:
-    """One plot as PNG bytes, or None when no run has the data for it."""
+def _group_label(report: Report, index: int) -> str:
+    row = report.ledger.iloc[index]
+    parts = [row["recipe"]]
+    if row["config"] != "default":
+        parts.append(row["config"])
+    if report.sweep is None:
+        parts.append(row["sweep"])
+    label = parts[0] + (f" ({', '.join(parts[1:])})" if parts[1:] else "")
+    return label + (f", {row['n_seeds']} seeds" if row["n_seeds"] > 1 else "")
+
+
+PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
+           "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan")  # fmt: skip
+LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")
+
+
+def _linestyle(index: int) -> Any:
+    """A distinct line style for every index: the four named ones, then dash-dot patterns with longer dashes."""
+    if index < len(LINESTYLES):
+        return LINESTYLES[index]
+    return (0, (3 + index - len(LINESTYLES), 1.5, 1, 1.5))
+
+
+def _style(index: int) -> tuple[str, Any]:
+    """(colour, line style) of series `index`: the ten colours, then again with the next line style."""
+    return PALETTE[index % len(PALETTE)], _linestyle(index // len(PALETTE))
+
+
+def divergence_step(record: dict[str, Any], last_step: int | None = None) -> int | None:
+    """The step a run diverged at: from its verdict "diverged@N", else its first `nan` event, else (a
+    verdict "diverged" without a step) `last_step`; None for a run that did not diverge."""
+    verdict = str(record.get("verdict") or "")
+    match = re.fullmatch(r"diverged@(\d+)", verdict)
+    if match:
+        return int(match.group(1))
+    nan_steps = [e["step"] for e in record.get("events") or []
+                 if isinstance(e, dict) and e.get("kind") == "nan" and type(e.get("step")) is int]  # fmt: skip
+    if nan_steps:
+        return min(nan_steps)
+    return last_step if verdict.startswith("diverged") else None
+
+
+def _mark_divergence(ax, record: dict[str, Any], steps: list[int], values: list[float], colour: str, label: str | None):
+    """An x at the divergence step, level with the curve's last point up to it (where the curve stops)."""
+    step = divergence_step(record, steps[-1] if steps else None)
+    before = [v for s, v in zip(steps, values) if s <= step and math.isfinite(v)] if step is not None else []
+    if not before:
+        return
+    ax.plot([step], [before[-1]], linestyle="none", marker="x", markersize=9, markeredgewidth=2, color=colour,
+            zorder=4, label=f"x {label}: diverged@{step}" if label else "_nolegend_")  # fmt: skip
+
+
+def _smoothing_window(report: Report) -> int:
+    """The excess plot's rolling window: a tenth of the longest run's logged steps, at least 5, odd (centered)."""
+    longest = max((len(m.steps) for m in report.metrics.values()), default=0)
+    window = max(5, longest // 10)
+    return window + 1 - window % 2
+
+
+@dataclass
+class ExcessCurve:
+    """One ledger row's loss excess vs bf16 as plotted: smoothed, with its seed-noise band."""
+
+    label: str
+    run_ids: list[str]
+    steps: list[int]
+    smoothed: list[float]  # mean over the row's seeds of each seed's smoothed excess (%)
+    band: list[float]  # half-width of the noise band (%), NaN where unknown
+    band_label: str
+    per_run: dict[str, tuple[list[int], list[float]]]  # run id -> its own smoothed excess (steps, %)
+
+
+def excess_curves(report: Report) -> list[ExcessCurve]:
+    """The loss excess of every non-bf16 ledger row vs its bf16 reference (the mean of `report.baseline_of`'s
+    runs), per logged step, smoothed by a centered rolling mean over `_smoothing_window` steps (fewer at the
+    ends). The band is seed noise: ±1 standard error of the difference of the two means, from the spread of
+    the smoothed excess across the row's seeds and across the bf16 seeds (each side only when it has several);
+    with one seed on both sides, ±1 std of the unsmoothed excess around the smoothed one (step-to-step noise)."""
+    import pandas as pd
+
+    window = _smoothing_window(report)
+
+    def excess(run_id: str, ref: dict[int, float]) -> Any:
+        m = report.metrics[run_id]
+        return pd.Series({s: 100.0 * (v - ref[s]) / ref[s] for s, v in zip(m.steps, m.loss) if ref.get(s)}, dtype=float)
+
+    def smooth(series: Any) -> Any:
+        return series.sort_index().rolling(window, center=True, min_periods=1).mean()
+
+    def variance_of_mean(frame: Any) -> Any:
+        return frame.var(axis=1) / frame.count(axis=1)
+
+    curves = []
+    for index, run_ids in enumerate(report.groups):
+        if report.ledger.iloc[index]["recipe"] == BASELINE:
+            continue
+        members = [i for i in run_ids if i in report.metrics]
+        bases = [b for b in report.baseline_of.get(run_ids[0], []) if b in report.metrics]
+        if not members or not bases:
+            continue
+        ref = _reference([dict(zip(report.metrics[b].steps, report.metrics[b].loss)) for b in bases])
+        runs = pd.concat({i: smooth(excess(i, ref)) for i in members}, axis=1).dropna(how="all")
+        if runs.empty:
+            continue
+        curve = runs.mean(axis=1)
+        recipe = report.ledger.iloc[index]["recipe"]
+        if len(members) > 1 or len(bases) > 1:
+            variance = pd.Series(0.0, index=curve.index)
+            sides = []
+            for side, ids, frame in ((recipe, members, runs), (BASELINE, bases, None)):
+                if len(ids) < 2:
+                    sides.append(f"one {side} seed, its noise not included")
+                    continue
+                if frame is None:
+                    frame = pd.concat({b: smooth(excess(b, ref)) for b in ids}, axis=1).reindex(curve.index)
+                variance = variance + variance_of_mean(frame)
+                sides.append(f"{len(ids)} {side} seeds")
+            band = variance.pow(0.5)
+            band_label = f"seed noise, ±1 s.e. ({'; '.join(sides)})"
+        else:
+            raw = excess(members[0], ref).sort_index()
+            band = (raw - curve).rolling(window, center=True, min_periods=2).std()
+            band_label = "step-to-step noise of the raw excess, ±1 std (one seed each)"
+        curves.append(ExcessCurve(
+            label=_group_label(report, index), run_ids=members, steps=[int(s) for s in curve.index],
+            smoothed=curve.tolist(), band=band.reindex(curve.index).tolist(), band_label=band_label,
+            per_run={i: ([int(s) for s in runs[i].dropna().index], runs[i].dropna().tolist()) for i in members},
+        ))  # fmt: skip
+    return curves
+
+
+def _legend(ax, handles=None) -> None:
+    entries = handles if handles is not None else ax.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              ncol=2 if len(entries) > 28 else 1)  # fmt: skip
+
+
+def plot_figure(report: Report, which: str):
+    """One of PLOTS as a matplotlib Figure (the caller closes it), or None when no run has its data."""
+    from matplotlib.lines import Line2D
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    records = {r["id"]: r for r in report.records}
+    fig, ax = plt.subplots(figsize=(10, 4.8), dpi=100)
+    handles = None
     drawn = False
-    try:
-        if which == "loss_curves":
-            for run_id, m in report.metrics.items():
-                (line,) = ax.plot(m.steps, m.loss, label=_label(report, run_id), linewidth=1)
+    if which == "loss_curves":
+        for index, run_ids in enumerate(report.groups):
+            colour, linestyle = _style(index)
+            label = _group_label(report, index)
+            for seed_index, run_id in enumerate(i for i in run_ids if i in report.metrics):
+                m = report.metrics[run_id]
+                ax.plot(m.steps, m.loss, color=colour, linestyle=linestyle, linewidth=1,
+                        label=label if seed_index == 0 else "_nolegend_")  # fmt: skip
                 if m.val:
-                    ax.plot([s for s, _ in m.val], [v for _, v in m.val], "o", color=line.get_color(), markersize=4)
+                    ax.plot([s for s, _ in m.val], [v for _, v in m.val], "o", color=colour, markersize=4)
+                _mark_divergence(ax, records[run_id], m.steps, m.loss, colour, _label(report, run_id))
                 drawn = True
-            ax.set(xlabel="step", ylabel="train loss (o: val loss)", title="loss curves")
-        elif which == "loss_excess":
-            refs: dict[Any, dict[int, float]] = {}  # sweep -> mean bf16 curve from metrics.jsonl
-            for name in {r.get("sweep") for r in report.records}:
-                ids = [
-                    r["id"] for r in report.records
-                    if r.get("sweep") == name and r.get("recipe") == BASELINE and r["id"] in report.metrics
-                ]  # fmt: skip
-                if ids:
-                    refs[name] = _reference([dict(zip(report.metrics[i].steps, report.metrics[i].loss)) for i in ids])
-            if refs:
-                for r in report.records:
-                    m = report.metrics.get(r["id"])
-                    ref = refs.get(r.get("sweep"))
-                    if m is None or ref is None or r.get("recipe") == BASELINE:
-                        continue
-                    pts = [(s, 100.0 * (v - ref[s]) / ref[s]) for s, v in zip(m.steps, m.loss) if ref.get(s)]
-                    if pts:
-                        ax.plot([s for s, _ in pts], [e for _, e in pts], label=_label(report, r["id"]), linewidth=1)
-                        drawn = True
-                ax.axhline(0, color="gray", linewidth=0.8)
-            ax.set(xlabel="step", ylabel="train loss excess vs bf16 (%)", title="loss excess vs bf16")
-        else:
-            attr = "entropy" if which == "attn_entropy" else "max_logit"
-            for run_id, m in report.metrics.items():
-                series = getattr(m, attr)
-                if not series:
-                    continue
-                n_layers = max(len(v) for _, v in series)
-                for layer in range(n_layers):
-                    pts = [(s, v[layer]) for s, v in series if layer < len(v)]
-                    ax.plot([s for s, _ in pts], [y for _, y in pts], marker=".", linewidth=1,
-                            label=f"{_label(report, run_id)} L{layer}")  # fmt: skip
-                drawn = True
-            ylabel = "attention entropy (mean over heads)" if attr == "entropy" else "max logit (max over heads)"
-            ax.set(xlabel="step", ylabel=ylabel, title=ylabel + " per layer")
-        if not drawn:
-            return None
-        if len(ax.get_lines()) <= 24:
-            ax.legend(fontsize=7, loc="best")
-        ax.grid(alpha=0.3)
+        ax.set(xlabel="step", ylabel="train loss (o: val loss)", title="loss curves")
+    elif which == "loss_excess":
+        for index, curve in enumerate(excess_curves(report)):
+            colour, linestyle = _style(index)
+            ax.plot(curve.steps, curve.smoothed, color=colour, linestyle=linestyle, linewidth=1.5,
+                    label=f"{curve.label} (smoothed)")  # fmt: skip
+            known = [math.isfinite(b) for b in curve.band]
+            width = [b if k else 0.0 for b, k in zip(curve.band, known)]
+            low = [c - b for c, b in zip(curve.smoothed, width)]
+            high = [c + b for c, b in zip(curve.smoothed, width)]
+            ax.fill_between(curve.steps, low, high, where=known, color=colour, alpha=0.18, linewidth=0,
+                            label=f"{curve.label}: {curve.band_label}")  # fmt: skip
+            for run_id, (steps, values) in curve.per_run.items():
+                _mark_divergence(ax, records[run_id], steps, values, colour, _label(report, run_id))
+            drawn = True
+        if drawn:
+            ax.axhline(0, color="black", linewidth=0.8, label="bf16 reference (0 %)")
+        ax.set(xlabel="step", ylabel="train loss excess vs bf16 (%)",
+               title=f"loss excess vs bf16, centered rolling mean over {_smoothing_window(report)} logged steps")
+    else:
+        attr = "entropy" if which == "attn_entropy" else "max_logit"
+        probed = [(run_id, getattr(m, attr)) for run_id, m in report.metrics.items() if getattr(m, attr)]
+        n_layers = max((len(v) for _, series in probed for _, v in series), default=0)
+        handles = []
+        for i, (run_id, series) in enumerate(probed):
+            colour = PALETTE[i % len(PALETTE)]
+            block = n_layers * (i // len(PALETTE))  # past ten runs the colours repeat with the next line styles
+            for layer in range(max(len(v) for _, v in series)):
+                pts = [(s, v[layer]) for s, v in series if layer < len(v)]
+                xs, ys = [s for s, _ in pts], [y for _, y in pts]
+                ax.plot(xs, ys, color=colour, linestyle=_linestyle(block + layer), marker=MARKERS[layer % len(MARKERS)],
+                        markersize=5, linewidth=1)  # fmt: skip
+                _mark_divergence(ax, records[run_id], xs, ys, colour, None)
+            handles.append(Line2D([], [], color=colour, linewidth=2, label=_label(report, run_id)))
+            if divergence_step(records[run_id], series[-1][0]) is not None:
+                handles.append(Line2D([], [], color=colour, linestyle="none", marker="x", markersize=9,
+                                      markeredgewidth=2, label=f"x {_label(report, run_id)}: diverged"))  # fmt: skip
+            drawn = True
+        handles += [Line2D([], [], color="black", linestyle=_linestyle(layer), marker=MARKERS[layer % len(MARKERS)],
+                           markersize=5, label=f"layer {layer}") for layer in range(n_layers)]  # fmt: skip
+        ylabel = "attention entropy (mean over heads)" if attr == "entropy" else "max logit (max over heads)"
+        ax.set(xlabel="step (markers: probe steps)", ylabel=ylabel, title=ylabel + " per layer")
+    if not drawn:
+        plt.close(fig)
+        return None
+    _legend(ax, handles)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def _plot_png(report: Report, which: str) -> bytes | None:
+    fig = plot_figure(report, which)
+    if fig is None:
+        return None
+    try:
         return _png(fig)
     finally:
-        plt.close(fig)
+        _pyplot().close(fig)
+
+
+PLOT_CAPTIONS = {
+    "loss_curves": "Train loss at every logged step and validation loss (dots); one colour and line style per "
+    "ledger row, every seed drawn. An x marks the step at which a run diverged (its scan verdict), where its "
+    "curve stops.",
+    "loss_excess": "Train-loss excess over the bf16 reference per logged step (definition above), smoothed by a "
+    "centered rolling mean over {window} logged steps (fewer at the ends of a run). The shaded band is seed "
+    "noise: ±1 standard error of the difference of the means, from the spread across the row's seeds and across "
+    "the bf16 seeds where there are several; where both sides have one seed, ±1 standard deviation of the "
+    "unsmoothed excess around the smoothed curve (step-to-step noise). Each legend entry says which.",
+    "attn_entropy": "Attention entropy (mean over heads) at every probe step, one marker per probe; colour: run, "
+    "line style and marker: layer. An x marks a run's divergence.",
+    "max_logit": "Largest attention logit (max over heads) at every probe step, one marker per probe; colour: run, "
+    "line style and marker: layer. An x marks a run's divergence.",
+}
 
 
 # --- writing -------------------------------------------------------------------------------------------
 
 
-def _html(report: Report, pngs: dict[str, bytes]) -> str:
+def _runs_html(report: Report) -> str:
     import html
 
-    headers = "".join(f"<th>{html.escape(h)}</th>" for h, _ in _shown(report).values())
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in _display_rows(report)
+    def cell(text: Any) -> str:
+        return f"<td>{html.escape('' if text is None else str(text))}</td>"
+
+    rows, configs = [], []
+    for r in report.records:
+        config = r.get("config") or {}
+        commit = r.get("git_commit")
+        dirty = {True: "yes (uncommitted changes)", False: "no"}.get(r.get("git_dirty"), "unknown")
+        rows.append(
+            "<tr>" + cell(r["id"]) + cell(r.get("sweep")) + cell(r.get("recipe")) + cell(_config_label(r))
+            + cell(config.get("seed")) + cell(r.get("state")) + cell(r.get("verdict"))
+            + (f'<td><code title="{html.escape(commit)}">{html.escape(commit[:12])}</code></td>' if commit
+               else "<td>unknown</td>")
+            + cell(dirty) + cell((r.get("paths") or {}).get("run_dir")) + "</tr>"
+        )  # fmt: skip
+        configs.append(
+            f"<details><summary>{html.escape(r['id'])} ({html.escape(_label(report, r['id']))})</summary>"
+            f"<pre>{html.escape(json.dumps(config, indent=2, sort_keys=True, default=str))}</pre></details>"
+        )
+    headers = ("run", "sweep", "recipe", "config", "seed", "state", "verdict", "git commit", "dirty", "run folder")
+    return (
+        "<h2>Runs</h2>\n<p>Each run's catalog record: the commit it was launched from and whether the work tree had "
+        "uncommitted changes then, and its resolved training config.</p>\n<table><tr>"
+        + "".join(f"<th>{h}</th>" for h in headers) + "</tr>" + "".join(rows) + "</table>\n"
+        + "<h3>Configs</h3>\n" + "\n".join(configs) + "\n"
+    )  # fmt: skip
+
+
+def _html(report: Report, pngs: dict[str, bytes]) -> str:
+    import html
+    from datetime import UTC, datetime
+
+    columns = _full_columns(report)
+    headers = "".join(
+        f'<th title="{html.escape(COLUMN_DOCS[c])}">{html.escape(_HEADERS[c][0])}</th>' for c in columns
     )
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in _full_rows(report)
+    )
+    glossary = "".join(
+        f"<dt>{html.escape(_HEADERS[c][0])} <code>{c}</code></dt><dd>{html.escape(COLUMN_DOCS[c])}</dd>"
+        for c in columns
+    )
+    references = ""
+    if report.has_baseline:
+        items = []
+        for index, run_ids in enumerate(report.groups):
+            bases = report.baseline_of.get(run_ids[0], [])
+            named = ", ".join(f"{b} ({_label(report, b)})" for b in bases)
+            items.append(f"<li>{html.escape(_group_label(report, index))}: {html.escape(named)}</li>")
+        references = f"<p>The bf16 runs each row is compared with:</p><ul>{''.join(items)}</ul>\n"
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in report.notes)
+    window = _smoothing_window(report)
     images = "".join(
-        f"<h2>{html.escape(name.replace('_', ' '))}</h2>\n"
+        f"<figure><h3>{html.escape(name.replace('_', ' '))}</h3>\n"
         f'<img alt="{name}" src="data:image/png;base64,{base64.b64encode(data).decode()}">\n'
+        f"<figcaption>{html.escape(PLOT_CAPTIONS[name].format(window=window))}</figcaption></figure>\n"
         for name, data in pngs.items()
     )
     title = f"fp4lab recipe ledger{' — ' + report.sweep if report.sweep else ''}"
+    generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (
         '<!doctype html>\n<html><head><meta charset="utf-8">'
         f"<title>{html.escape(title)}</title><style>"
-        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}img{max-width:100%}"
+        "dt{font-weight:bold;margin-top:.4em}figure{margin:1.5em 0}figcaption{max-width:60em}"
         "</style></head><body>\n"
-        f"<h1>{html.escape(title)}</h1>\n<p>catalog: {html.escape(str(report.catalog_path))}</p>\n"
-        f"<table><tr>{headers}</tr>{body}</table>\n"
-        + (f"<h2>notes</h2><ul>{notes}</ul>\n" if notes else "")
-        + images
+        f"<h1>{html.escape(title)}</h1>\n"
+        f"<p>Generated {generated} by <code>fp4lab report</code> from the catalog "
+        f"<code>{html.escape(str(report.catalog_path))}</code>"
+        f"{' (sweep ' + html.escape(report.sweep) + ')' if report.sweep else ' (every sweep)'}. "
+        "One row per recipe and config; the seeds of a row are grouped.</p>\n"
+        f"<h2>Recipe ledger</h2>\n<table><tr>{headers}</tr>{body}</table>\n"
+        f"<h3>Columns</h3>\n<dl>{glossary}</dl>\n"
+        f"<h3>Loss excess</h3>\n<p>{html.escape(_excess_method(report))}</p>\n{references}"
+        + (f"<h2>Notes</h2><ul>{notes}</ul>\n" if notes else "")
+        + ("<h2>Plots</h2>\n" + images if images else "")
+        + _runs_html(report)
         + "</body></html>\n"
     )
 
@@ -650,5 +958,5 @@ def ratchet_report(catalog_path: str | os.PathLike[str], tag: str, out_dir: str 
 def _png(fig) -> bytes:
     fig.tight_layout()
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
+    fig.savefig(buffer, format="png", bbox_inches="tight")  # legends sit outside the axes
     return buffer.getvalue()
