@@ -394,3 +394,169 @@ def test_real_fp4lab_run_is_converged(tmp_path):
     assert result.final_val_loss == pytest.approx(summary["final_val_loss"])
     assert result.best_loss == pytest.approx(summary["best_loss"])
     json.dumps(result.to_dict(), allow_nan=False)
+
+
+def megatron_line(iteration: int, loss: float | None, *, skipped: int = 0, nan: int = 0, grad_norm: str = "1.234") -> str:
+    """One line exactly as Megatron-LM's training_log prints it (lm loss left out when not > 0)."""
+    lm_loss = f" lm loss: {loss:.6E} |" if loss is not None else ""
+    return (
+        f" [2024-05-01 12:00:00] iteration {iteration:8d}/{500000:8d} | consumed samples: {iteration * 256:12d} |"
+        f" elapsed time per iteration (ms): 512.3 | learning rate: {1.5e-4:.6E} | global batch size: {256:5d} |"
+        f"{lm_loss} loss scale: 1.0 | grad norm: {grad_norm} | number of skipped iterations: {skipped:3d} |"
+        f" number of nan iterations: {nan:3d} |"
+    )
+
+
+def megatron_losses(last: int, every: int = 100) -> dict[int, float]:
+    rng = random.Random(1)
+    return {it: 3.5 + 7.3 * math.exp(-it / 400) + rng.gauss(0, 0.02) for it in range(every, last + 1, every)}
+
+
+def test_megatron_spike_at_a_sparse_log_interval(tmp_path):
+    losses = megatron_losses(3000)
+    clean = tmp_path / "clean.log"
+    clean.write_text("\n".join(megatron_line(it, v) for it, v in losses.items()) + "\n")
+    assert scan(clean, now=OLD).verdict == "converged"  # the steep early fall is not a spike
+    losses[2500] = 2.5 * losses[2400]  # 24 logged points before it: fewer than the sigma rule's 32
+    log = tmp_path / "slurm-1.out"
+    log.write_text("\n".join(megatron_line(it, v) for it, v in losses.items()) + "\n")
+    result = scan(log, now=OLD)
+    assert result.source == "megatron" and result.verdict == "unstable" and result.first_step["loss_spike"] == 2500
+    spike = result.events[0]
+    assert spike.value == pytest.approx(losses[2500]) and "median" in spike.detail and spike.steps == 1
+    assert scan(log, ScanThresholds(spike_ratio=None), now=OLD).verdict == "converged"
+
+
+def test_live_logs_with_a_problem_raise_the_alarm(tmp_path):
+    losses = megatron_losses(3000)
+    log = tmp_path / "live.out"
+    log.write_text("\n".join(megatron_line(it, v) for it, v in losses.items()) + "\n")
+    healthy = scan(log)  # just written: mtime is now
+    assert healthy.verdict == "running" and healthy.live and format_result(healthy).startswith(f"{log}: running |")
+    losses[2500] = 2.5 * losses[2400]
+    log.write_text("\n".join(megatron_line(it, v) for it, v in losses.items()) + "\n")
+    spiked = scan(log)
+    assert spiked.verdict == "unstable" and spiked.live and "still running" in spiked.reasons[0]
+    assert format_result(spiked).startswith(f"{log}: unstable (live) |")
+    assert scan(log, running=True).verdict == "unstable"
+    nanogpt = tmp_path / "nanogpt.log"
+    nanogpt.write_text(NANOGPT + "iter 50: loss nan, time 41.20ms, mfu 12.00%\n")
+    assert scan(nanogpt).verdict == "diverged@50" and scan(nanogpt).live
+
+    def entropy(step):
+        return [2.0, 2.0 if step < 40 else 0.01]
+
+    run = write_run(tmp_path / "r", curve(60), status=None, probe_every=10, entropy=entropy)
+    collapsed = scan(run)
+    assert collapsed.verdict == "entropy_collapse@40" and collapsed.live
+
+
+def test_megatron_loss_vanishing_from_its_lines(tmp_path):
+    losses = megatron_losses(1000)
+    lines = [megatron_line(it, v if it < 700 else None, grad_norm="1.234" if it < 700 else "nan") for it, v in losses.items()]
+    log = tmp_path / "vanished.out"
+    log.write_text("\n".join(lines).replace("grad norm: nan |", "grad norm: 1.5 |") + "\n")  # counters stay 0
+    result = scan(log, now=OLD)
+    assert result.verdict == "loss_vanished@700" and result.verdict_step == 700
+    event = [e for e in result.events if e.kind == "loss_missing"]
+    assert len(event) == 1 and event[0].steps == 4  # iterations 700..1000
+    assert result.final_loss is None and result.last_finite_step == 600
+    assert result.last_finite_loss == pytest.approx(float(f"{losses[600]:.6E}"))
+    line = format_result(result)
+    assert f"last finite loss {result.last_finite_loss:.4f} at step 600, loss missing from step 700" in line
+    assert "Megatron" in result.reasons[0]
+    # fp16 loss-scale overflows: a line of only skipped iterations has no loss to average; not an alarm
+    skipped = [megatron_line(it, v if it != 500 else None, skipped=100 if it == 500 else 0) for it, v in losses.items()]
+    log.write_text("\n".join(skipped) + "\n")
+    assert scan(log, now=OLD).verdict == "converged"
+    # a live log's half-written last line (no newline yet) is not a lost loss
+    torn = "\n".join(megatron_line(it, v) for it, v in losses.items()) + "\n" + megatron_line(1100, None)[:60]
+    log.write_text(torn)
+    result = scan(log)
+    assert result.verdict == "running" and result.counts["skipped_lines"] == 1
+
+
+TORCHTITAN_COLOURS = {"red": "\x1b[31m", "green": "\x1b[32m", "yellow": "\x1b[33m", "blue": "\x1b[34m", "magenta": "\x1b[35m",
+                      "cyan": "\x1b[36m", "reset": "\x1b[39m", "orange": "\x1b[38;2;180;60;0m", "turquoise": "\x1b[38;2;54;234;195m"}
+
+
+def torchtitan_line(step: int, loss: float, grad_norm: float | None = None) -> str:
+    """MetricsProcessor.log's console line with torchtitan's Color codes, behind its logger prefix."""
+    c = TORCHTITAN_COLOURS
+    grad = f"{c['orange']}grad_norm: {grad_norm:7.4f}  " if grad_norm is not None else ""
+    return (
+        f"[rank0]:[titan] 2025-05-01 12:00:00,000 - root - INFO - {c['red']}step: {step:2}  {c['green']}loss: {loss:7.4f}  "
+        f"{grad}{c['turquoise']}memory: 12.34GiB(15.62%)  {c['blue']}tps: {1234:,}  {c['cyan']}tflops: 56.78  "
+        f"{c['magenta']}mfu: 12.34%{c['reset']}"
+    )
+
+
+def test_torchtitan_log_with_colour_codes(tmp_path):
+    c = TORCHTITAN_COLOURS
+    losses = curve(40, start=11.0, end=4.0)
+    rows = [torchtitan_line(step, v, grad_norm=1.0 if step % 2 else None) for step, v in enumerate(losses, start=1)]
+    rows.insert(20, f"[rank0]:[titan] 2025-05-01 12:00:00,000 - root - INFO - {c['yellow']}validate step: 20  "
+                    f"{c['green']}loss:  5.1234  {c['turquoise']}memory: 12.34GiB(15.62%)  {c['blue']}tps: 2,345{c['reset']}")
+    log = tmp_path / "titan.log"
+    log.write_text("\n".join(rows) + "\n")
+    assert "\x1b[31mstep:  1  \x1b[32mloss:" in log.read_text()
+    result = scan(log, now=OLD)
+    assert result.source == "torchtitan" and result.verdict == "converged"
+    assert result.counts["steps"] == 40 and result.last_step == 40 and result.final_val_loss == pytest.approx(5.1234)
+    assert result.final_loss == pytest.approx(round(losses[-1], 4))
+    log.write_text("\n".join([*rows, torchtitan_line(41, math.nan)]) + "\n")
+    assert scan(log, preset="torchtitan", now=OLD).verdict == "diverged@41"
+
+
+def test_fp4lab_local_worker_log(tmp_path):
+    """The real output of `fp4lab train` as a local sweep worker writes it (stdout and stderr in one file)."""
+    config = tmp_path / "run.toml"
+    config.write_text('recipe = "bf16"\nsteps = 8\nseq_len = 16\nbatch_size = 2\neval_every = 4\n[data]\nsource = "synthetic"\n')
+    log = tmp_path / "logs" / "quick-0001.local.log"
+    log.parent.mkdir()
+    with open(log, "ab") as out:
+        command = [sys.executable, "-m", "fp4lab.cli", "train", "--config", str(config), "--out", str(tmp_path / "run")]
+        assert subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=300).returncode == 0, log.read_text()
+    text = log.read_text()
+    assert "step 8/8 loss " in text and " val_loss " in text and "status: completed" in text
+    result = scan(log)  # fresh, but its summary block says it finished
+    assert result.source == "fp4lab" and result.verdict == "converged" and not result.live
+    assert result.last_step == 8 and result.final_val_loss is not None and result.summary_status == "completed"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert result.final_loss == pytest.approx(summary["final_loss"], abs=1e-4)
+
+    progress = "".join(f"step {s}/60 loss {5.0 - 0.02 * s:.4f} lr 0.02 tok/s 14694\n" for s in range(3, 58, 3))
+    block = "---\nstatus: {}\ndiverged_step: {}\nsteps_completed: 57\nfinal_loss: 3.86\nout_dir: runs/x\n"
+    log.write_text(progress + block.format("diverged", 57))
+    diverged = scan(log, now=OLD)
+    assert diverged.verdict == "diverged@57" and diverged.last_finite_step == 57
+    assert "last finite loss 3.8600 at step 57, diverged step 57" in format_result(diverged)
+    log.write_text(progress + block.format("preempted", "None"))
+    assert scan(log, now=OLD).verdict == "timeout"
+    log.write_text(progress + block.format("preempted", "None") + "step 60/60 loss 3.8000 lr 0.02 tok/s 14694\n")
+    assert scan(log).verdict == "running"  # the resumed segment's lines follow the old block
+
+
+def test_cli_scans_every_path_and_reports_the_missing_one(run_cli, tmp_path):
+    nanogpt, spiked = tmp_path / "nanogpt.log", tmp_path / "megatron.out"
+    nanogpt.write_text(NANOGPT)
+    losses = megatron_losses(3000)
+    losses[2500] = 2.5 * losses[2400]
+    spiked.write_text("\n".join(megatron_line(it, v) for it, v in losses.items()) + "\n")
+    missing = tmp_path / "nope.log"
+    out = run_cli("scan", str(nanogpt), str(missing), str(spiked), "--events")
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"fp4lab: error: scan: no such run folder or log: {missing}"
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"{nanogpt}: running") and lines[1].startswith(f"{spiked}: unstable (live)")
+    assert lines[2].startswith("    loss_spike@2500: ")
+    assert run_cli("scan", str(spiked), "--not-running").returncode == 1
+    assert run_cli("scan", str(nanogpt)).returncode == 0
+    verdicts = json.loads(run_cli("scan", str(nanogpt), str(spiked), "--json").stdout)
+    assert [v["verdict"] for v in verdicts] == ["running", "unstable"] and verdicts[1]["live"] is True
+    empty = tmp_path / "empty.log"
+    empty.write_text("")
+    no_loss = run_cli("scan", str(empty), "--preset", "megatron")
+    assert no_loss.returncode == 1 and "no_loss" in no_loss.stdout and "the log is empty" in no_loss.stdout
+    bad = run_cli("scan", str(nanogpt), "--preset", "fairseq")
+    assert bad.returncode == 2 and "--preset 'fairseq'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -361,13 +361,14 @@ def scan(
         fmt = _text_format(log, regex, preset)
         records = _read_text(log, fmt, counts, text) if fmt is not None else _markers_only(log, counts, text)
         source = fmt.name if fmt is not None else "unknown"
-        summary = text.summary or None
 
     detector = _Detector(th)
     for record in records:
         detector.feed(record)
     detector.finish()
     counts["steps"] = detector.steps
+    if kind == "text":
+        summary = text.summary or None  # known only once the log has been read
 
     now = time.time() if now is None else now
     age = now - log.stat().st_mtime
