@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import base64
 import csv
+import html
+import io
 import json
 import math
 import os
+import random
+import re
 import statistics
 import subprocess
 import sys
@@ -14,8 +18,19 @@ from pathlib import Path
 
 import pytest
 
+from rich.console import Console
+
 from fp4lab.lab.catalog import Catalog
-from fp4lab.lab.report import build_report, excess_pct, render_ledger, write_report
+from fp4lab.lab.report import (
+    COLUMN_DOCS,
+    build_report,
+    divergence_step,
+    excess_curves,
+    excess_pct,
+    plot_figure,
+    render_ledger,
+    write_report,
+)
 
 from .test_sweep import SPEC
 
@@ -39,10 +54,11 @@ def real_sweep(tmp_path_factory) -> Path:
 
 
 def _metrics_lines(losses: list[float], layers: int = 2, heads: int = 2) -> str:
+    """One row per step; attention probes every other step and at the last step (as the training loop does)."""
     rows = []
     for step, loss in enumerate(losses):
         row = {"step": step, "loss": loss, "lr": 0.01, "grad_norm": 1.0, "tokens_per_s": 100.0}
-        if step % 2 == 0:
+        if step % 2 == 0 or step == len(losses) - 1:
             row["attn_entropy"] = [[1.0 + 0.1 * layer + 0.01 * h for h in range(heads)] for layer in range(layers)]
             row["attn_entropy_mean"] = [statistics.mean(r) for r in row["attn_entropy"]]
             row["max_logit"] = [[2.0 + layer + h for h in range(heads)] for layer in range(layers)]
@@ -53,10 +69,12 @@ def _metrics_lines(losses: list[float], layers: int = 2, heads: int = 2) -> str:
     return "\n".join(rows) + "\n"
 
 
-def _add_run(catalog: Catalog, folder: Path, run_id: str, recipe: str, seed: int, losses: list[float], **extra):
+def _add_run(
+    catalog: Catalog, folder: Path, run_id: str, recipe: str, seed: int, losses: list[float], layers: int = 2, **extra
+):
     run_dir = folder / "runs" / run_id
     run_dir.mkdir(parents=True)
-    (run_dir / "metrics.jsonl").write_text(_metrics_lines(losses))
+    (run_dir / "metrics.jsonl").write_text(_metrics_lines(losses, layers))
     summary = {
         "final_train_loss": losses[-1], "best_train_loss": min(losses), "final_val_loss": losses[-1] + 0.1,
         "tokens_per_s": 100.0 + seed, "loss_at_steps": {"0": losses[0], str(len(losses) - 1): losses[-1]},
@@ -67,6 +85,7 @@ def _add_run(catalog: Catalog, folder: Path, run_id: str, recipe: str, seed: int
             "id": run_id, "sweep": extra.pop("sweep", "hand"), "recipe": recipe, "config": config,
             "state": "completed", "verdict": extra.pop("verdict", "converged"), "events": extra.pop("events", []),
             "summary": summary, "paths": {"run_dir": f"runs/{run_id}"},
+            "git_commit": extra.pop("git_commit", None), "git_dirty": extra.pop("git_dirty", None),
             "extra": {"name": f"recipe={recipe},seed={seed}", "params": {"recipe": recipe, "seed": seed}},
         }
     )  # fmt: skip
@@ -202,3 +221,183 @@ def test_import_is_light():
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
+
+
+# --- the console ledger, plots and HTML page for choosing between recipes ---------------------------------
+
+
+def _noisy(start: float, key: str, steps: int = 40, noise: float = 0.08) -> list[float]:
+    """A decaying loss with deterministic per-step noise of a few percent, like a tiny model's."""
+    draw = random.Random(key)
+    return [start * math.exp(-step / 25) + 2.0 + draw.uniform(-noise, noise) for step in range(steps)]
+
+
+def _rendered(renderable, width: int) -> list[str]:
+    console = Console(file=io.StringIO(), width=width)  # a file, not a terminal: what a pipe gets
+    console.print(renderable)
+    return console.file.getvalue().splitlines()
+
+
+@pytest.fixture
+def recipes_catalog(tmp_path) -> Path:
+    """bf16, three mxfp4-rowsr-h32 seeds (one with a loss spike), the longest built-in recipe name, nvfp4."""
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    _add_run(catalog, tmp_path, "b0", "bf16", 0, _noisy(3.0, "b0"), git_commit="0123456789abcdef0123", git_dirty=False)
+    for seed in range(3):
+        spike = {"events": [{"kind": "loss_spike", "step": 12}]} if seed == 1 else {}
+        _add_run(catalog, tmp_path, f"m{seed}", "mxfp4-rowsr-h32", seed, _noisy(3.0, f"m{seed}"), **spike)
+    _add_run(catalog, tmp_path, "l0", "nvfp4-last4-bf16", 0, _noisy(3.1, "l0"), git_commit="fedcba9876", git_dirty=True)
+    _add_run(catalog, tmp_path, "n0", "nvfp4", 0, _noisy(3.1, "n0"))
+    return tmp_path / "sweep_catalog.json"
+
+
+@pytest.mark.parametrize("width", [100, 140])
+@pytest.mark.parametrize("sweep", ["hand", None])
+def test_console_ledger_keeps_recipe_names_whole(recipes_catalog, width, sweep):
+    report = build_report(recipes_catalog, sweep=sweep)
+    lines = _rendered(render_ledger(report), width)
+    assert max(len(line) for line in lines) <= width
+    assert not any("…" in line for line in lines)
+    cells = [cell.strip() for line in lines for cell in line.split("│")]
+    assert {"bf16", "mxfp4-rowsr-h32", "nvfp4-last4-bf16", "nvfp4"} <= set(cells)
+    row = next(line for line in lines if "mxfp4-rowsr-h32" in line)
+    assert "3" in [cell.strip() for cell in row.split("│")]  # the seed count
+    assert any("loss_spike@12" in line for line in lines)  # the first bad event, not folded
+
+
+def test_cli_report_piped_output_keeps_recipe_names_whole(run_cli, recipes_catalog, tmp_path):
+    done = run_cli("report", "hand", "--catalog", str(recipes_catalog), "--out", str(tmp_path / "out"))
+    assert done.returncode in (0, None), done.stderr
+    assert "…" not in done.stdout and max(len(line) for line in done.stdout.splitlines()) <= 140
+    assert "mxfp4-rowsr-h32" in done.stdout and "nvfp4-last4-bf16" in done.stdout
+
+
+def _centered_mean(values: list[float], window: int) -> list[float]:
+    half = window // 2
+    return [statistics.mean(values[max(0, i - half) : i + half + 1]) for i in range(len(values))]
+
+
+def _excess(run: list[float], ref: list[float]) -> list[float]:
+    return [100 * (r - b) / b for r, b in zip(run, ref)]
+
+
+def test_excess_is_smoothed_with_a_band_of_seed_noise(tmp_path):
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    bf16 = {seed: _noisy(3.0, f"bf16-{seed}") for seed in range(2)}
+    nvfp4 = {seed: _noisy(3.1, f"nvfp4-{seed}") for seed in range(3)}
+    for seed, losses in bf16.items():
+        _add_run(catalog, tmp_path, f"b{seed}", "bf16", seed, losses)
+    for seed, losses in nvfp4.items():
+        _add_run(catalog, tmp_path, f"n{seed}", "nvfp4", seed, losses)
+    report = build_report(tmp_path / "sweep_catalog.json", "hand")
+    (curve,) = excess_curves(report)
+    window = 5  # 40 logged steps: a tenth is 4, the floor is 5
+    ref = [statistics.mean(pair) for pair in zip(*bf16.values())]
+    per_seed = [_centered_mean(_excess(losses, ref), window) for losses in nvfp4.values()]
+    per_bf16 = [_centered_mean(_excess(losses, ref), window) for losses in bf16.values()]
+    assert curve.steps == list(range(40))
+    assert curve.smoothed == pytest.approx([statistics.mean(v) for v in zip(*per_seed)], rel=1e-9)
+    raw = [statistics.mean(v) for v in zip(*(_excess(losses, ref) for losses in nvfp4.values()))]
+    assert statistics.pstdev(curve.smoothed) < 0.6 * statistics.pstdev(raw)  # smoothing took out the step noise
+    expected_band = [
+        math.sqrt(statistics.variance(r) / 3 + statistics.variance(b) / 2) for r, b in zip(zip(*per_seed), zip(*per_bf16))
+    ]
+    assert curve.band == pytest.approx(expected_band, rel=1e-9)
+    assert curve.band_label == "seed noise, ±1 s.e. (3 nvfp4 seeds; 2 bf16 seeds)"
+
+    fig = plot_figure(report, "loss_excess")
+    try:
+        ax = fig.axes[0]
+        assert "centered rolling mean over 5 logged steps" in ax.get_title()
+        (line,) = [line for line in ax.get_lines() if line.get_label() == "nvfp4, 3 seeds (smoothed)"]
+        assert list(line.get_ydata()) == pytest.approx(curve.smoothed, rel=1e-9)
+        legend = [text.get_text() for text in ax.get_legend().get_texts()]
+        assert "nvfp4, 3 seeds: seed noise, ±1 s.e. (3 nvfp4 seeds; 2 bf16 seeds)" in legend
+        (band,) = ax.collections
+        top = band.get_paths()[0].vertices[:, 1].max()
+        assert top == pytest.approx(max(c + b for c, b in zip(curve.smoothed, curve.band)), rel=1e-6)
+    finally:
+        fig.clf()
+
+
+def test_excess_band_with_one_seed_is_the_step_noise_and_says_so(tmp_path):
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    bf16, nvfp4 = _noisy(3.0, "bf16"), _noisy(3.1, "nvfp4")
+    _add_run(catalog, tmp_path, "b0", "bf16", 0, bf16)
+    _add_run(catalog, tmp_path, "n0", "nvfp4", 0, nvfp4)
+    (curve,) = excess_curves(build_report(tmp_path / "sweep_catalog.json", "hand"))
+    raw = _excess(nvfp4, bf16)
+    residual = [r - s for r, s in zip(raw, _centered_mean(raw, 5))]
+    assert curve.band[20] == pytest.approx(statistics.stdev(residual[18:23]), rel=1e-9)
+    assert curve.band_label == "step-to-step noise of the raw excess, ±1 std (one seed each)"
+
+
+def test_probe_series_have_markers_every_probe_step_and_distinct_styles(tmp_path):
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    for run_id, recipe in (("b0", "bf16"), ("m0", "mxfp4-rowsr-h32"), ("n0", "nvfp4")):
+        _add_run(catalog, tmp_path, run_id, recipe, 0, _noisy(3.0, run_id, steps=61), layers=4)
+    report = build_report(tmp_path / "sweep_catalog.json", "hand")
+    for which in ("attn_entropy", "max_logit"):
+        fig = plot_figure(report, which)
+        try:
+            lines = fig.axes[0].get_lines()
+            assert len(lines) == 12  # 3 runs x 4 layers, as the quickstart
+            assert len({(line.get_color(), line.get_linestyle()) for line in lines}) == 12
+            assert all(line.get_marker() not in (None, "None", "", ".", ",") for line in lines)
+            assert all(list(line.get_xdata()) == [*range(0, 61, 2)] for line in lines)  # the last step (60) too
+            legend = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+            assert legend == ["recipe=bf16,seed=0", "recipe=mxfp4-rowsr-h32,seed=0", "recipe=nvfp4,seed=0",
+                              "layer 0", "layer 1", "layer 2", "layer 3"]  # fmt: skip
+        finally:
+            fig.clf()
+
+
+def test_divergence_is_marked_with_an_x_and_named_in_the_legend(tmp_path):
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    _add_run(catalog, tmp_path, "b0", "bf16", 0, _noisy(3.0, "b0", steps=12))
+    losses = _noisy(3.1, "n0", steps=12)
+    run_dir = _add_run(catalog, tmp_path, "n0", "nvfp4", 0, losses, verdict="diverged@8",
+                       events=[{"kind": "nan", "step": 8}])  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text(_metrics_lines([*losses[:8], math.nan, math.nan]))  # the loop stops at a NaN
+    report = build_report(tmp_path / "sweep_catalog.json", "hand")
+    for which, height in (("loss_curves", losses[7]), ("loss_excess", None), ("attn_entropy", None)):
+        fig = plot_figure(report, which)
+        try:
+            ax = fig.axes[0]
+            crosses = [line for line in ax.get_lines() if line.get_marker() == "x"]
+            assert crosses and all(list(line.get_xdata()) == [8] for line in crosses)
+            if height is not None:
+                assert list(crosses[0].get_ydata()) == [pytest.approx(height)]
+            legend = [text.get_text() for text in ax.get_legend().get_texts()]
+            assert any("recipe=nvfp4,seed=0" in entry and "diverged" in entry for entry in legend)
+        finally:
+            fig.clf()
+
+
+def test_divergence_step_from_verdict_or_events():
+    assert divergence_step({"verdict": "diverged@40", "events": [{"kind": "nan", "step": 41}]}) == 40
+    assert divergence_step({"verdict": "diverged", "events": [{"kind": "loss_spike", "step": 3}, {"kind": "nan", "step": 9}]}) == 9
+    assert divergence_step({"verdict": "diverged"}, last_step=17) == 17
+    assert divergence_step({"verdict": "converged", "events": [{"kind": "loss_spike", "step": 3}]}) is None
+
+
+def test_html_page_stands_on_its_own(recipes_catalog, tmp_path):
+    report = build_report(recipes_catalog, "hand")
+    written = write_report(report, tmp_path / "out")
+    page = written["html"].read_text()
+    text = html.unescape(page)
+    assert re.search(r"Generated \d{4}-\d\d-\d\d \d\d:\d\d UTC", text)
+    for column in report.ledger.columns:
+        if column != "sweep":
+            assert COLUMN_DOCS[column] in text and f"<code>{column}</code>" in page
+    assert "100 × (train loss of the run − bf16 reference) / bf16 reference" in text
+    assert "mxfp4-rowsr-h32, 3 seeds: b0 (recipe=bf16,seed=0)" in text  # which bf16 runs each row is compared with
+    runs = re.search(r"<h2>Runs</h2>.*", page, re.S).group(0)
+    assert runs.count("<tr>") == 1 + len(report.records)
+    assert '<code title="0123456789abcdef0123">0123456789ab</code>' in runs and "fedcba9876" in runs
+    assert "yes (uncommitted changes)" in runs and "<td>no</td>" in runs and runs.count("<td>unknown</td>") == 8
+    assert html.escape('"recipe": "nvfp4-last4-bf16"') in runs and html.escape('"steps": 40') in runs
+    assert page.count('src="data:image/png;base64,') == 4 == page.count("<figcaption>")
+    assert "centered rolling mean over 5 logged steps" in text
+    markdown = written["md"].read_text()
+    assert f"- **excess % (mean)**: {COLUMN_DOCS['excess_pct_mean']}" in markdown and "| bf16 runs |" in markdown

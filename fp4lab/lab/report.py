@@ -394,11 +394,12 @@ def _console_rows(report: Report) -> list[list[str]]:
         std = _fmt(row["final_val_loss_std"], 4)
         last = _signed(row["excess_pct_last"])
         first_bad = row["first_bad_event"]
+        verdicts = row["verdicts"].removesuffix(" x1") if row["n_seeds"] == 1 else row["verdicts"]
         rows.append([
             row["sweep"], row["recipe"], row["config"], str(row["n_seeds"]),
             _fmt(row["final_val_loss_mean"], 4) + (f"\n±{std}" if std else ""),
             _signed(row["excess_pct_mean"]), f"{last} @{row['excess_last_step']}" if last else "",
-            _fmt(row["tokens_per_s_mean"], 0), row["verdicts"] + (f"\nfirst: {first_bad}" if first_bad else ""),
+            _fmt(row["tokens_per_s_mean"], 0), verdicts + (f"\nfirst: {first_bad}" if first_bad else ""),
         ])  # fmt: skip
     return rows
 
@@ -406,13 +407,17 @@ def _console_rows(report: Report) -> list[list[str]]:
 def render_ledger(report: Report):
     """The ledger as a rich Table that reads in a 100-column terminal: the columns that decide between
     recipes, a seed spread on a second line, recipe names never wrapped or cut (the config, sweep and
-    verdict columns wrap instead). The full table is in ledger.csv, ledger.md and report.html."""
+    verdict columns wrap instead; config only when the rows differ in it). The full table is in ledger.csv,
+    ledger.md and report.html."""
     from rich.table import Table
 
     title = f"recipe ledger{' of ' + report.sweep if report.sweep else ''} ({report.catalog_path})"
     caption = [*report.notes, "train loss, the bf16 reference runs and run ids: ledger.csv, ledger.md, report.html"]
     table = Table(title=title, caption="\n".join(caption))
-    shown = [i for i, (header, _, _) in enumerate(_CONSOLE_COLUMNS) if header != "sweep" or report.sweep is None]
+    hidden = set() if report.sweep is None else {"sweep"}
+    if (report.ledger["config"] == "default").all():  # one config: the column would repeat "default"
+        hidden.add("config")
+    shown = [i for i, (header, _, _) in enumerate(_CONSOLE_COLUMNS) if header not in hidden]
     for i in shown:
         header, right, wraps = _CONSOLE_COLUMNS[i]
         table.add_column(header, justify="right" if right else "left", no_wrap=not wraps, overflow="fold")
