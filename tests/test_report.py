@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
+from matplotlib import pyplot
 from rich.console import Console
 
 from fp4lab.lab.catalog import Catalog
@@ -300,7 +300,8 @@ def test_excess_is_smoothed_with_a_band_of_seed_noise(tmp_path):
     raw = [statistics.mean(v) for v in zip(*(_excess(losses, ref) for losses in nvfp4.values()))]
     assert statistics.pstdev(curve.smoothed) < 0.6 * statistics.pstdev(raw)  # smoothing took out the step noise
     expected_band = [
-        math.sqrt(statistics.variance(r) / 3 + statistics.variance(b) / 2) for r, b in zip(zip(*per_seed), zip(*per_bf16))
+        math.sqrt(statistics.variance(r) / 3 + statistics.variance(b) / 2)
+        for r, b in zip(zip(*per_seed), zip(*per_bf16))
     ]
     assert curve.band == pytest.approx(expected_band, rel=1e-9)
     assert curve.band_label == "seed noise, ±1 s.e. (3 nvfp4 seeds; 2 bf16 seeds)"
@@ -317,7 +318,7 @@ def test_excess_is_smoothed_with_a_band_of_seed_noise(tmp_path):
         top = band.get_paths()[0].vertices[:, 1].max()
         assert top == pytest.approx(max(c + b for c, b in zip(curve.smoothed, curve.band)), rel=1e-6)
     finally:
-        fig.clf()
+        pyplot.close(fig)
 
 
 def test_excess_band_with_one_seed_is_the_step_noise_and_says_so(tmp_path):
@@ -349,7 +350,7 @@ def test_probe_series_have_markers_every_probe_step_and_distinct_styles(tmp_path
             assert legend == ["recipe=bf16,seed=0", "recipe=mxfp4-rowsr-h32,seed=0", "recipe=nvfp4,seed=0",
                               "layer 0", "layer 1", "layer 2", "layer 3"]  # fmt: skip
         finally:
-            fig.clf()
+            pyplot.close(fig)
 
 
 def test_divergence_is_marked_with_an_x_and_named_in_the_legend(tmp_path):
@@ -369,14 +370,15 @@ def test_divergence_is_marked_with_an_x_and_named_in_the_legend(tmp_path):
             if height is not None:
                 assert list(crosses[0].get_ydata()) == [pytest.approx(height)]
             legend = [text.get_text() for text in ax.get_legend().get_texts()]
-            assert any("recipe=nvfp4,seed=0" in entry and "diverged" in entry for entry in legend)
+            assert "recipe=nvfp4,seed=0: diverged@8" in legend
         finally:
-            fig.clf()
+            pyplot.close(fig)
 
 
 def test_divergence_step_from_verdict_or_events():
     assert divergence_step({"verdict": "diverged@40", "events": [{"kind": "nan", "step": 41}]}) == 40
-    assert divergence_step({"verdict": "diverged", "events": [{"kind": "loss_spike", "step": 3}, {"kind": "nan", "step": 9}]}) == 9
+    events = [{"kind": "loss_spike", "step": 3}, {"kind": "nan", "step": 9}]
+    assert divergence_step({"verdict": "diverged", "events": events}) == 9
     assert divergence_step({"verdict": "diverged"}, last_step=17) == 17
     assert divergence_step({"verdict": "converged", "events": [{"kind": "loss_spike", "step": 3}]}) is None
 

@@ -525,7 +525,7 @@ def _mark_divergence(ax, record: dict[str, Any], steps: list[int], values: list[
     if not before:
         return
     ax.plot([step], [before[-1]], linestyle="none", marker="x", markersize=9, markeredgewidth=2, color=colour,
-            zorder=4, label=f"x {label}: diverged@{step}" if label else "_nolegend_")  # fmt: skip
+            zorder=4, label=f"{label}: diverged@{step}" if label else "_nolegend_")  # fmt: skip
 
 
 def _smoothing_window(report: Report) -> int:
@@ -668,9 +668,11 @@ def plot_figure(report: Report, which: str):
                         markersize=5, linewidth=1)  # fmt: skip
                 _mark_divergence(ax, records[run_id], xs, ys, colour, None)
             handles.append(Line2D([], [], color=colour, linewidth=2, label=_label(report, run_id)))
-            if divergence_step(records[run_id], series[-1][0]) is not None:
+            diverged_at = divergence_step(records[run_id], series[-1][0])
+            if diverged_at is not None:
+                label = f"{_label(report, run_id)}: diverged@{diverged_at}"
                 handles.append(Line2D([], [], color=colour, linestyle="none", marker="x", markersize=9,
-                                      markeredgewidth=2, label=f"x {_label(report, run_id)}: diverged"))  # fmt: skip
+                                      markeredgewidth=2, label=label))  # fmt: skip
             drawn = True
         handles += [Line2D([], [], color="black", linestyle=_linestyle(layer), marker=MARKERS[layer % len(MARKERS)],
                            markersize=5, label=f"layer {layer}") for layer in range(n_layers)]  # fmt: skip
