@@ -9,14 +9,22 @@ What it reads (`scan(path, ...)`):
   NaN / Infinity tokens are read as floats. `summary.json` beside it, when present, gives the status
   (completed | diverged | time_limit | preempted | stopped) and `diverged_step`.
 - a foreign plain-text log, parsed line by line with a regex whose named groups are `step` and
-  `loss` (optional `grad_norm`, `val_loss`, `nan_iters`). Built-in presets (`PRESETS`): `nanogpt`
-  (`iter 120: loss 3.2101, time 41.20ms, mfu 12.00%`; eval lines `step 250: train loss 3.1, val loss
-  3.2`) and `megatron` (`iteration      120/    1000 | ... | lm loss: 3.210000E+00 | loss scale: 1.0 |
-  grad norm: 0.812 | number of skipped iterations:   0 | number of nan iterations:   0 |`; eval lines
-  `validation loss at iteration 1000 | lm loss value: 3.2E+00 | ...`). Megatron leaves `lm loss` out of
-  the line when the averaged loss is NaN (its `if avg > 0.0`) and counts it in `number of nan
-  iterations`, so a non-zero `nan_iters` counts as a NaN. With neither `regex` nor `preset`, the preset
-  matching the most lines is used.
+  `loss` (optional `grad_norm`, `val_loss`, `nan_iters`, `skipped_iters`); ANSI colour codes are
+  removed first. Built-in presets (`PRESETS`): `nanogpt` (`iter 120: loss 3.2101, time 41.20ms, mfu
+  12.00%`; eval lines `step 250: train loss 3.1, val loss 3.2`), `megatron` (`iteration      120/
+  1000 | ... | lm loss: 3.210000E+00 | loss scale: 1.0 | grad norm: 0.812 | number of skipped
+  iterations:   0 | number of nan iterations:   0 |`; eval lines `validation loss at iteration 1000 |
+  lm loss value: 3.2E+00 | ...`), `torchtitan` (`step:  10  loss:  9.8765  grad_norm: ...  memory:
+  ...`, each field behind a colour code; eval lines `validate step: 20  loss: ...`) and `fp4lab`
+  (what `fp4lab train` prints, i.e. the local worker log `jobs/<sweep>/logs/<id>.local.log`: `step
+  3/12 loss 5.0373 lr 0.02 tok/s 14694`, optional ` val_loss 4.4579` after the loss, and the final
+  block `status: ...` / `diverged_step: ...` / `steps_completed: ...`, which plays the part of
+  summary.json; training lines after a block mean a resumed segment, and clear it). Step numbers
+  are the log's own. With neither `regex` nor `preset`, the preset matching the most lines is used;
+  when none matches a line, the log is still read for crash/timeout markers and gets `no_loss`.
+  Megatron leaves `lm loss` out of its line when the averaged loss is not > 0 (NaN included) and
+  counts a NaN in `number of nan iterations` (non-zero `nan_iters` counts as a NaN); some versions
+  and settings drop the loss while both counters stay 0: see `loss_missing`.
 
 Corrupt lines (bad JSON, a half-written last line, a JSON value that is not an object, an object
 without an integer `step`, a regex match whose numbers do not parse) are skipped and counted in
@@ -27,10 +35,18 @@ Events (`ScanEvent`: kind, first step, value, threshold, detail; consecutive fla
 into one event whose detail gives the number of steps and the peak). Defaults are in `ScanThresholds`:
 
 - `nan`: a NaN/Inf loss, grad norm or val loss (or a Megatron line with nan iterations > 0).
-- `loss_spike`: once the trailing window of the previous `spike_window` (128) finite losses holds at
-  least `spike_min_count` (32) values, loss_t > mean + `spike_k` (6) x std of the window (OLMo-core's
-  StabilityMonitor rule; skipped while std < 1e-10) OR loss_t > `spike_ratio` (2.0) x the window's
-  median (LLM Foundry's KillLossSpike uses 2x the window mean; the median ignores earlier spikes).
+- `loss_missing`: a training line (the format's main pattern; every metrics.jsonl record) without a
+  loss after earlier lines had one, not explained by skipped or nan iterations (an interval of fp16
+  loss-scale overflows has no loss to average). A live log's half-written last line does not count.
+- `loss_spike`, two rules, either fires:
+  - ratio, for sparse logs: once `spike_ratio_min_count` (4) finite losses are logged, loss_t >
+    `spike_ratio` (2.0) x the median of the previous `spike_ratio_baseline` (5) finite losses. LLM
+    Foundry's KillLossSpike uses 2x its window mean; a median of the most recent points ignores an
+    earlier spike and follows a falling curve, so Megatron's one line per 100 iterations is checked
+    from iteration 500 on (a 2.5x jump at iteration 2,500 is caught; the sigma rule needs 3,200).
+  - sigma, for dense logs: once the trailing window of the previous `spike_window` (128) finite
+    losses holds `spike_min_count` (32) values, loss_t > mean + `spike_k` (6) x std of the window
+    (OLMo-core's StabilityMonitor rule; skipped while std < 1e-10).
 - `grad_spike`: the mean + k x std rule on grad_norm (OLMo-core checks both); informational.
 - `entropy_collapse`: on a probe step, one layer's mean attention entropy (nats; mean over heads)
   below `entropy_floor` (0.05 nats), or, once that layer has `entropy_min_probes` (3) earlier probes,
@@ -43,25 +59,33 @@ into one event whose detail gives the number of steps and the peak). Defaults ar
   first step at which the best loss has not improved by more than `stall_min_delta` over the
   previous M steps.
 
-Verdict, first rule that applies wins (precedence top to bottom):
+Verdict, first rule that applies wins (precedence top to bottom). Every problem outranks `running`:
+a live job with a NaN, a spike or a vanished loss is exactly when the alarm matters (`live` in the
+result says whether the job still runs). Only `converged` and `running` are healthy
+(`HEALTHY_VERDICTS`); `fp4lab scan` exits 1 on any other.
 
 1. `diverged@STEP`: a `nan` event, or summary status `diverged`. STEP = summary `diverged_step`,
    else the first `nan` event's step.
 2. `entropy_collapse@STEP`: an `entropy_collapse` event; STEP = its first step.
-3. `crashed`: a text log with a crash marker (`Traceback (most recent call last)`, `CUDA error`,
+3. `loss_vanished@STEP`: a `loss_missing` event; STEP = its first step.
+4. `crashed`: a text log with a crash marker (`Traceback (most recent call last)`, `CUDA error`,
    `out of memory`, `Segmentation fault`, `NCCL error`) and no timeout marker.
-4. `timeout`: summary status `time_limit`, `preempted` or `stopped` (fp4lab writes `preempted` for
+5. `timeout`: summary status `time_limit`, `preempted` or `stopped` (fp4lab writes `preempted` for
    Slurm's SIGTERM/SIGUSR1, which it also sends at the time limit: the run stopped cleanly with a
    checkpoint and can be resumed), or a Slurm marker `DUE TO TIME LIMIT` / `DUE TO PREEMPTION` in a text
    log. Not when `running=True` (a resumed segment is under way).
-5. `running`: `running=True`, or (`running=None`) not finished and the log was written within
-   `stall_seconds` of `now`. "Finished" = a summary with a terminal status for fp4lab runs; a text log
-   is never known to be finished, so it is running while fresh. A summary whose `steps_completed` is
-   behind the metrics (stale, from an earlier preempted segment) is ignored.
-6. `crashed`: an fp4lab run with no summary that is not running (`running=False`, or a stale log).
-7. `unstable`: any event whose kind is in `unstable_kinds` (default: `loss_spike` only; `max_logit`
+6. `crashed`: an fp4lab run with no summary that is not live (`running=False`, or a stale log).
+7. `no_loss`: no loss value was parsed at all (an empty log, no line in a known format, or lines of
+   the format that never carry the loss); the reason says which and what to pass.
+8. `unstable`: any event whose kind is in `unstable_kinds` (default: `loss_spike` only; `max_logit`
    and `grad_spike` are warnings, since a QK-Clip run's pre-clip logits exceed tau by design).
-8. `converged`: otherwise (including a stale text log with no markers, i.e. a finished one).
+9. `stalled`: `running=True` but the log is older than `stall_seconds`: hung.
+10. `running`: live and nothing wrong. Live = `running=True`, or (`running=None`) not finished and
+   the log written within `stall_seconds` of `now`. "Finished" = a summary (or a text log's summary
+   block) with a terminal status; a text log without one is never known to be finished, so it is
+   live while fresh. A summary whose `steps_completed` is behind the metrics (stale, from an earlier
+   preempted segment) is ignored.
+11. `converged`: otherwise (including a stale text log with no markers, i.e. a finished one).
 """
 
 from __future__ import annotations
