@@ -2,19 +2,21 @@
 
     report = build_report("sweep_catalog.json", sweep="mini")   # reads the catalog and the runs' metrics
     paths = write_report(report, "reports/mini")                # ledger.csv, ledger.md, report.html, *.png
-    console.print(render_ledger(report))                        # a rich Table
+    console.print(render_ledger(report))                        # a rich Table that fits 100 columns
+    fig = plot_figure(report, "loss_excess")                    # one of PLOTS as a matplotlib Figure
 
-Ledger columns (one row per (recipe, config without seed) group):
+Ledger columns (one row per (recipe, config without seed) group; COLUMN_DOCS explains each):
   sweep, recipe, config (the non-seed sweep parameters, or a hash of the config), n_seeds, seeds,
   final_val_loss_mean/_std, final_train_loss_mean/_std (std: sample std over seeds, empty for one seed),
   excess_pct_mean (train-loss excess vs bf16 in %, mean over the steps present in both `loss_at_steps`,
   averaged over the group's runs), excess_pct_last and excess_last_step (same at the last common step),
-  tokens_per_s_mean, verdicts ("converged x2, diverged@40 x1"), first_bad_event ("loss_spike@12",
+  baseline_runs (the bf16 run ids of the reference), tokens_per_s_mean, verdicts ("converged x2, diverged@40 x1"), first_bad_event ("loss_spike@12",
   earliest over the group), runs (the run ids).
 
 The bf16 reference of a run is the mean of the bf16 runs of the same sweep whose config (minus seed,
 recipe and run-specific fields) equals the run's; if there is none, every bf16 run of the sweep. With no
-bf16 run at all, the excess columns are empty and `report.notes` says so.
+bf16 run at all, the excess columns are empty and `report.notes` says so. The excess plot uses the same
+reference at every logged step, smoothed, with a seed-noise band (`excess_curves`).
 
 pandas and matplotlib (Agg) are imported lazily inside functions; this module never imports torch.
 """
