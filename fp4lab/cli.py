@@ -179,8 +179,15 @@ def train(
         train_config = TrainConfig.from_dict(values, "train")
     except (ConfigError, ValueError) as exc:
         fail(str(exc))
+    if catalog is not None:  # refused before anything is touched
+        changed = [k for k, v in {**flags, **data_flags, "out": out, "fresh": fresh or None}.items() if v is not None]
+        if config is None or changed:
+            fail(f"train: --catalog trains a sweep run exactly as written: pass only --config jobs/<sweep>/<id>.toml"
+                 f"{' (drop ' + ', '.join('--' + k.replace('_', '-') for k in changed) + ')' if changed else ''}")
     if fresh:
         _clear_run_folder(Path(train_config.out_dir))
+    elif catalog is None:
+        _note_finished_run(train_config)
 
     from fp4lab.train.loop import run
 
@@ -189,20 +196,33 @@ def train(
             from fp4lab.lab.catalog import Catalog
             from fp4lab.lab.job import train_recorded
 
-            changed = [k for k, v in {**flags, **data_flags, "out": out, "fresh": fresh or None}.items() if v is not None]
-            if config is None or changed:
-                fail(f"train: --catalog trains a sweep run exactly as written: pass only --config jobs/<sweep>/<id>.toml"
-                     f"{' (drop ' + ', '.join('--' + k.replace('_', '-') for k in changed) + ')' if changed else ''}")
             summary = train_recorded(config, Catalog(catalog))
         else:
             summary = run(train_config)
     except (ConfigError, RecipeError, ValueError, CatalogError) as exc:
         fail(str(exc).splitlines()[0])
+    if summary["status"] == "interrupted":
+        print(f"interrupted after step {summary['steps_completed']}: checkpoint written; run the same command to resume "
+              f"({train_config.out_dir})", file=sys.stderr)
     print("---")
     for key in ("status", "diverged_step", "steps_completed", "final_loss", "best_loss", "final_val_loss", "tokens_per_s", "train_seconds", "peak_memory_mb"):
         value = summary[key]
         print(f"{key}: {value:.6g}" if isinstance(value, float) else f"{key}: {value}")
     print(f"out_dir: {train_config.out_dir}")
+    if summary["status"] == "interrupted":
+        raise typer.Exit(130)
+
+
+def _note_finished_run(config) -> None:
+    """Say so when a run folder already holds a finished run: training again only reprints its summary."""
+    summary_path = Path(config.out_dir) / "summary.json"
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    if summary.get("status") in ("completed", "diverged") and summary.get("steps") == config.steps:
+        print(f"{config.out_dir} already holds this run, {summary['status']} after {summary.get('steps_completed')} steps: "
+              "nothing to train, its summary follows (--fresh trains it again, --out another folder)", file=sys.stderr)
 
 
 BENCH_WHAT = ("all", "kernels", "steps")
@@ -421,10 +441,15 @@ def sweep(
     jobs_dir: Annotated[Path, typer.Option(help="Where SBATCH scripts and run configs go.")] = Path("jobs"),
     catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
 ) -> None:
-    """Expand a sweep spec into runs, write their SBATCH scripts, run what is still needed, record every run."""
+    """Expand a sweep spec into runs, write their SBATCH scripts, run what is still needed, record every run.
+
+    Exits 1 when a run of the sweep failed (its error is shown), 130 after Ctrl-C (the runs in progress
+    checkpoint and the next `fp4lab sweep` resumes them), 2 on a bad spec or argument."""
     from fp4lab.lab.catalog import Catalog, CatalogError
     from fp4lab.lab.spec import SpecError
-    from fp4lab.lab.sweep import needed_runs, plan_sweep, register_runs, run_local, run_trials_local, submit_sbatch, submit_submitit
+    from fp4lab.lab.sweep import (
+        SweepInterrupted, needed_runs, plan_sweep, preflight, register_runs, run_local, run_trials_local, submit_sbatch, submit_submitit,
+    )  # fmt: skip
 
     if executor not in ("local", "slurm", "sbatch"):
         fail(f"sweep: --executor {executor!r} is not supported; allowed: local, slurm, sbatch")
@@ -434,6 +459,9 @@ def sweep(
         runs_catalog = Catalog(catalog)
         runs_catalog.records()  # a corrupt catalog fails here, before anything is written
         plan = plan_sweep(spec, jobs_dir, catalog)
+        problems = preflight(plan, executor)
+        if problems and not dry_run:
+            fail(f"sweep: {problems[0]}" + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""))
         register_runs(plan, runs_catalog, "local" if executor == "local" else "slurm")
         todo, skipped = needed_runs(plan, runs_catalog, retry_failed=retry_failed)
     except (SpecError, CatalogError, ValueError) as exc:
@@ -448,15 +476,25 @@ def sweep(
                       f"{plan.spec.optuna.n_trials} trials, study {plan.spec.optuna_storage(jobs_dir)} holds "
                       f"{', '.join(f'{n} {k.lower()}' for k, n in counts.items()) or 'none yet'}; scripts in {plan.sweep_dir}")
     else:
-        console.print(
-            f"sweep [bold]{plan.spec.name}[/]: {len(plan.runs)} runs, {len(todo)} to run, {len(skipped)} skipped "
-            f"(done{' or failed; --retry-failed reruns failed ones' if not retry_failed else ''}); scripts in {plan.sweep_dir}"
-        )
+        skipped_text = ", ".join(f"{len(runs)} {reason}" for reason, runs in skipped.items())
+        console.print(f"sweep [bold]{plan.spec.name}[/]: {len(plan.runs)} runs, {len(todo)} to run"
+                      f"{', skipped: ' + skipped_text if skipped_text else ''}; scripts in {plan.sweep_dir}")
+        for run in skipped.get("failed", []):
+            record = runs_catalog.get(run.id)
+            console.print(f"  {run.id}  {run.name}: {record['state']}: {record.get('error') or record.get('verdict') or 'no error recorded'}"
+                          " (--retry-failed reruns it)", markup=False)
+        for run in skipped.get("in flight", []):
+            record = runs_catalog.get(run.id)
+            driver = record.get("owner") or f"Slurm job {record.get('slurm_job_id')}"
+            console.print(f"  {run.id}  {run.name}: in flight ({record['state']}, {driver}); left to it", markup=False)
     if dry_run or (not todo and not optuna):
         for run in todo:
             console.print(f"  {run.id}  {run.name}  {plan.sweep_dir / (run.id + '.sbatch')}")
         for script in plan.scripts if optuna else ():
             console.print(f"  {script}")
+        for problem in problems if dry_run else ():
+            console.print(f"  [yellow]would fail:[/] {problem}")
+        _exit_on_failures(runs_catalog, plan)
         return
     if executor != "local":
         try:
@@ -476,11 +514,72 @@ def sweep(
         _print_status(runs_catalog, plan.spec.name)
         return
 
-    def report(run, record) -> None:
-        console.print(f"  {run.id}  {run.name}: {record['state']}, {record.get('verdict')}, val {record['summary'].get('final_val_loss')}")
+    def started(run) -> None:
+        if not console.is_terminal:
+            console.print(f"  {run.id}  {run.name}: started", markup=False)
 
-    run_local(plan, todo, runs_catalog, workers=workers, on_finish=report)
+    def finished(run, record) -> None:
+        line = f"  {run.id}  {run.name}: {record['state']}, {record.get('verdict')}, val {record['summary'].get('final_val_loss')}"
+        console.print(line + (f": {record['error']}" if record.get("error") else ""), markup=False)
+
+    try:
+        with _sweep_progress(console, runs_catalog, plan, todo):
+            run_local(plan, todo, runs_catalog, workers=workers, on_start=started, on_finish=finished)
+    except SweepInterrupted as stopped:
+        console.print(f"interrupted: {len(stopped.records)} run(s) checkpointed; `fp4lab sweep {spec}` resumes them")
+        raise typer.Exit(130) from None
     _print_status(runs_catalog, plan.spec.name)
+    _exit_on_failures(runs_catalog, plan)
+
+
+def _exit_on_failures(runs_catalog, plan) -> None:
+    failed = [r for r in runs_catalog.records(sweep=plan.spec.name) if r["state"] in ("failed", "cancelled", "timeout")]
+    if failed:
+        print(f"sweep: {len(failed)} run(s) of {plan.spec.name!r} failed; see their errors above (fp4lab status {plan.spec.name})", file=sys.stderr)
+        raise typer.Exit(1)
+
+
+def _sweep_progress(console, runs_catalog, plan, todo):
+    """On a terminal, a live view of the sweep while it runs: runs done / running / pending, each running
+    run's step, loss and time left. Elsewhere nothing (lines are printed as runs start and end)."""
+    import contextlib
+    import time
+
+    if not console.is_terminal or not todo:
+        return contextlib.nullcontext()
+    from rich.live import Live
+    from rich.table import Table
+
+    from fp4lab.lab.sweep import progress_of
+
+    ids = {run.id for run in todo}
+    began = time.monotonic()
+
+    def view() -> Table:
+        records = [r for r in runs_catalog.records(sweep=plan.spec.name) if r["id"] in ids]
+        counts = {k: sum(r["state"] == k for r in records) for k in ("completed", "running", "submitted")}
+        done = len(records) - counts["running"] - counts["submitted"] - sum(r["state"] == "pending" for r in records)
+        table = Table(title=f"sweep {plan.spec.name}: {done} done, {counts['running']} running, {len(ids) - done - counts['running']} pending "
+                            f"({time.monotonic() - began:.0f} s)")
+        for column in ("id", "run", "step", "loss", "time left"):
+            table.add_column(column)
+        for record in records:
+            if record["state"] != "running":
+                continue
+            step, loss = progress_of(record, runs_catalog)
+            steps = record["config"].get("steps")
+            left = ""
+            if step and steps and record.get("started_at"):
+                from datetime import UTC, datetime
+
+                started = datetime.fromisoformat(record["started_at"].replace("Z", "+00:00"))
+                elapsed = (datetime.now(UTC) - started).total_seconds()
+                left = f"{elapsed / (step + 1) * (steps - step - 1):.0f} s"
+            table.add_row(record["id"], record["extra"].get("name", ""), f"{step}/{steps}" if step is not None else "",
+                          "" if loss is None else f"{loss:.4f}", left)
+        return table
+
+    return Live(get_renderable=view, console=console, refresh_per_second=1, transient=True)
 
 
 @app.command()
@@ -538,20 +637,32 @@ def _print_status(runs_catalog, sweep_name: str | None, watch: float = 0.0) -> N
     from fp4lab.lab.logscan import ScanThresholds
     from fp4lab.lab.sweep import progress_of, refresh
 
+    from fp4lab.lab.catalog import TERMINAL_STATES
+
+    if sweep_name is not None and not runs_catalog.records(sweep=sweep_name):
+        known = sorted({r["sweep"] for r in runs_catalog.records(per_sweep=True) if r["sweep"]})
+        fail(f"status: no sweep {sweep_name!r} in {runs_catalog.path} (sweeps: {', '.join(known) or 'none'})")
+
     def table() -> tuple[Table, bool]:
-        records = refresh(runs_catalog, ScanThresholds(), sweep_name)
+        refresh(runs_catalog, ScanThresholds(), sweep_name)
+        records = runs_catalog.records(sweep=sweep_name, per_sweep=True)
         if sweep_name is None:  # ratchet iterations have their own view: fp4lab report --ratchet TAG
             records = [r for r in records if not (r["sweep"] or "").startswith("ratchet/")]
         view = Table(title=f"runs{' of ' + sweep_name if sweep_name else ''} ({runs_catalog.path})")
         for column in ("sweep", "id", "run", "state", "step", "loss", "val loss", "verdict", "job"):
-            view.add_column(column, no_wrap=column != "run")
+            view.add_column(column, no_wrap=column not in ("run", "verdict"))
         for record in records:
-            step, loss = progress_of(record)
+            step, loss = progress_of(record, runs_catalog)
+            if record["state"] in TERMINAL_STATES and record["summary"]:  # as the report shows it: the last finite loss
+                loss = record["summary"].get("final_train_loss")
             val = record["summary"].get("final_val_loss")
+            verdict = record["verdict"] or ""
+            if record.get("error"):
+                verdict = f"{verdict + ': ' if verdict else ''}{record['error']}"
             view.add_row(
                 record["sweep"] or "", record["id"], record["extra"].get("name", ""), record["state"],
                 "" if step is None else str(step), "" if loss is None else f"{loss:.4f}",
-                "" if val is None else f"{val:.4f}", record["verdict"] or "",
+                "" if val is None else f"{val:.4f}", verdict,
                 str(record["slurm_job_id"] or "") + ("" if record["slurm_array_index"] is None else f"_{record['slurm_array_index']}"),
             )
         active = any(r["state"] in ("pending", "submitted", "running") for r in records)

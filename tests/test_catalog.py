@@ -103,7 +103,7 @@ def test_round_trip_through_the_file(cat):
     assert stored["updated_at"] is not None
 
     data = load(cat.path)
-    assert data["schema_version"] == SCHEMA_VERSION == 1
+    assert data["schema_version"] == SCHEMA_VERSION == 2
     assert list(data["runs"]) == [FULL["id"]]
     again = Catalog(cat.path)  # a fresh reader
     assert again.get(FULL["id"]) == stored == data["runs"][FULL["id"]]
@@ -265,7 +265,7 @@ def test_existing_file_mode_is_kept(cat):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"schema_version": 2, "runs": {}}', "schema_version 2, newer than the 1 this fp4lab reads.*upgrade fp4lab"),
+        ('{"schema_version": 3, "runs": {}}', "schema_version 3, newer than the 2 this fp4lab reads.*upgrade fp4lab"),
         ('{"schema_version": 1, "runs": {"a": {"id": "a", "st', "is not valid JSON"),
         ("", "is not valid JSON"),
         ("[]", "is not a sweep catalog"),
@@ -496,3 +496,50 @@ def test_threads_and_second_instances_in_one_process(cat, tmp_path):
     for t in threads:
         t.join(timeout=60)
     assert cat.get("shared")["attempts"] == 80
+
+
+def test_a_version_1_catalog_reads_with_the_new_fields_defaulted_and_is_written_back_as_version_2(tmp_path):
+    path = tmp_path / "sweep_catalog.json"
+    path.write_text('{"schema_version": 1, "runs": {"a": {"id": "a", "sweep": "s1", "state": "completed"}}}\n')
+    cat = Catalog(path)
+    record = cat.get("a")
+    assert (record["sweeps"], record["owner"], record["error"]) == ([], None, None)
+    assert [r["id"] for r in cat.records(sweep="s1")] == ["a"]
+    cat.update("a", sweeps=["s1", "s2"])
+    assert json.loads(path.read_text())["schema_version"] == 2
+
+
+def test_a_run_shared_by_sweeps_is_selected_for_each_as_a_run_of_that_sweep(tmp_path):
+    cat = Catalog(tmp_path / "c.json")
+    cat.upsert({"id": "base", "sweep": "first", "sweeps": ["first", "second"]})
+    cat.upsert({"id": "only", "sweep": "first", "sweeps": ["first"]})
+    assert [(r["id"], r["sweep"]) for r in cat.records(sweep="second")] == [("base", "second")]
+    assert [(r["id"], r["sweep"]) for r in cat.records(sweep="first")] == [("base", "first"), ("only", "first")]
+    assert [(r["id"], r["sweep"]) for r in cat.records()] == [("base", "first"), ("only", "first")]
+    assert [(r["id"], r["sweep"]) for r in cat.records(per_sweep=True)] == [("base", "first"), ("base", "second"), ("only", "first")]
+    with pytest.raises(RecordError, match="sweeps must be a list of sweep names"):
+        cat.update("base", sweeps="second")
+
+
+def test_a_run_has_one_live_owner(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from fp4lab.lab.catalog import this_owner
+
+    cat = Catalog(tmp_path / "c.json")
+    cat.upsert({"id": "r", "state": "running"})
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = f"{socket.gethostname()}:{other.pid}"
+        assert cat.claim("r", live) is None
+        assert cat.claim("r", this_owner()) == live  # in flight, owned by a live process
+        cat.update("r", state="interrupted")
+        assert cat.claim("r", this_owner()) is None  # not in flight: free to take
+        cat.update("r", state="running", owner=live)
+    finally:
+        other.kill()
+        other.wait()
+    assert cat.claim("r", this_owner()) is None  # its owner died: the claim passes on
+    assert cat.get("r")["owner"] == this_owner()

@@ -62,7 +62,7 @@ def test_local_sweep_runs_scans_records_and_skips_completed_runs(cli, tmp_path):
         assert set(summary["loss_at_steps"]) == {"0", "5"}
         assert Path(record["paths"]["run_dir"], "summary.json").exists()
     again = cli("sweep", "mini.toml")
-    assert "0 to run, 2 skipped" in again.stdout
+    assert "0 to run, skipped: 2 done" in again.stdout
     status = cli("status", "mini")
     assert status.returncode in (0, None) and status.stdout.count("completed") == 2
 

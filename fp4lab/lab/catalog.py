@@ -70,21 +70,25 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Version of the file layout this module reads and writes. Bump it (and add a migration) whenever a
-field changes meaning; readers refuse files with a newer version instead of silently dropping fields."""
+field changes meaning; readers refuse files with a newer version instead of silently dropping fields.
+Version 2 added the fields `sweeps`, `owner` and `error` and the state `interrupted`; a version 1 file
+reads as is (the new fields take their defaults) and is written back as version 2."""
 
-STATES = ("pending", "submitted", "running", "completed", "failed", "cancelled", "timeout", "preempted")
+STATES = ("pending", "submitted", "running", "completed", "failed", "cancelled", "timeout", "preempted", "interrupted")
 """Run states, in lifecycle order. `pending`: recorded, not yet handed to an executor; `submitted`: handed
 to Slurm or the local executor, not started; `running`: the trainer has started; `completed`: finished its
-steps (it may still have diverged: see `verdict`); `failed`: crashed or exited non-zero; `cancelled`:
-cancelled by a user or `scancel`; `timeout`: hit its wall-clock limit; `preempted`: stopped by preemption
-(and possibly requeued: see `requeues`)."""
+steps (it may still have diverged: see `verdict`); `failed`: crashed or exited non-zero (see `error`);
+`cancelled`: cancelled by a user or `scancel`; `timeout`: hit its wall-clock limit; `preempted`: stopped by
+preemption (and possibly requeued: see `requeues`); `interrupted`: stopped by Ctrl-C (SIGINT) after a
+checkpoint, resumed by the next `fp4lab sweep`."""
 
-TERMINAL_STATES = frozenset({"completed", "failed", "cancelled", "timeout", "preempted"})
+TERMINAL_STATES = frozenset({"completed", "failed", "cancelled", "timeout", "preempted", "interrupted"})
+IN_FLIGHT_STATES = frozenset({"submitted", "running"})
 EXECUTORS = ("local", "slurm")
 
-RunState = Literal["pending", "submitted", "running", "completed", "failed", "cancelled", "timeout", "preempted"]
+RunState = Literal["pending", "submitted", "running", "completed", "failed", "cancelled", "timeout", "preempted", "interrupted"]
 
 
 class Summary(TypedDict, total=False):
@@ -112,7 +116,8 @@ class RunRecord(TypedDict, total=False):
     (see `new_record`). Unknown top-level keys are rejected: put free-form data in `extra`."""
 
     id: str  # stable run id chosen by the caller (e.g. "<sweep>/<recipe>-<model>-s<seed>"); the dict key too
-    sweep: str | None  # name of the sweep the run belongs to
+    sweep: str | None  # name of the sweep that first asked for the run
+    sweeps: list[str]  # every sweep that asks for it (runs are keyed by config, so sweeps share them)
     config: dict[str, Any]  # the resolved train config (TrainConfig as a dict)
     recipe: str | None  # recipe name or path
     git_commit: str | None  # code commit the run was launched from (full or short hash)
@@ -132,6 +137,8 @@ class RunRecord(TypedDict, total=False):
     paths: Paths  # run dir, log, checkpoint
     attempts: int  # how many times the run was launched (first submission counts 1; resubmits add 1)
     requeues: int  # how many times Slurm requeued it (preemption / timeout requeue)
+    owner: str | None  # "<host>:<pid>" of the process driving the run while it is in flight (one owner per run)
+    error: str | None  # why a failed run failed: the last line of its error or log
     extra: dict[str, Any]  # free-form, JSON-serialisable data (e.g. seed, config_hash, notes)
 
 
@@ -146,15 +153,16 @@ _SUMMARY_FLOATS = (
 _SUMMARY_KEYS = (*_SUMMARY_FLOATS, "loss_at_steps")
 _PATH_KEYS = ("run_dir", "log", "checkpoint")
 _TIMESTAMPS = ("created_at", "submitted_at", "started_at", "finished_at", "updated_at")
-_OPTIONAL_STRINGS = ("sweep", "recipe", "git_commit", "slurm_job_id", "verdict")
+_OPTIONAL_STRINGS = ("sweep", "recipe", "git_commit", "slurm_job_id", "verdict", "owner", "error")
 _COUNTERS = ("attempts", "requeues")
 _MERGED_DICTS = ("summary", "paths", "extra")
 """Fields an upsert/update merges key by key (one level deep). All other fields, `config`, `events` and
 `summary.loss_at_steps` included, are replaced whole by a new value."""
 
 FIELDS = (
-    "id", "sweep", "config", "recipe", "git_commit", "git_dirty", "executor", "slurm_job_id",
-    "slurm_array_index", "state", *_TIMESTAMPS, "verdict", "events", "summary", "paths", *_COUNTERS, "extra",
+    "id", "sweep", "sweeps", "config", "recipe", "git_commit", "git_dirty", "executor", "slurm_job_id",
+    "slurm_array_index", "state", *_TIMESTAMPS, "verdict", "events", "summary", "paths", *_COUNTERS, "owner",
+    "error", "extra",
 )  # fmt: skip
 
 
@@ -264,6 +272,10 @@ def _validate_field(run_id: str, field: str, value: Any) -> Any:
         return value
     if field in _TIMESTAMPS:
         return _timestamp(field, value, run_id)
+    if field == "sweeps":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+            raise RecordError(f"{where} must be a list of sweep names, not {value!r}")
+        return list(dict.fromkeys(value))
     if field == "state":
         if value not in STATES:
             raise RecordError(f"{where}={value!r} is not one of {', '.join(STATES)}")
@@ -342,7 +354,8 @@ def new_record(run_id: str, **fields: Any) -> RunRecord:
         "id": run_id, "sweep": None, "config": {}, "recipe": None, "git_commit": None, "git_dirty": None,
         "executor": None, "slurm_job_id": None, "slurm_array_index": None, "state": "pending",
         "created_at": None, "submitted_at": None, "started_at": None, "finished_at": None, "updated_at": None,
-        "verdict": None, "events": [], "summary": {}, "paths": {}, "attempts": 0, "requeues": 0, "extra": {},
+        "verdict": None, "events": [], "summary": {}, "paths": {}, "attempts": 0, "requeues": 0, "owner": None,
+        "error": None, "extra": {}, "sweeps": [],
     }  # fmt: skip
     return _merge(record, {"id": run_id, **fields})  # type: ignore[return-value]
 
@@ -414,7 +427,12 @@ def _parse(path: Path, text: str) -> dict[str, dict[str, Any]]:
                 f"catalog {path}: the record under {run_id!r} is malformed (it must be an object whose 'id' is "
                 f"{run_id!r} and whose 'state' is one of {', '.join(STATES)}). {_fix_hint(path)}"
             )
+        for field, default in _ADDED_IN_VERSION_2.items():  # an older file: the new fields' defaults
+            record.setdefault(field, copy.copy(default))
     return runs
+
+
+_ADDED_IN_VERSION_2 = {"sweeps": [], "owner": None, "error": None}
 
 
 def _read(path: Path) -> dict[str, dict[str, Any]]:
@@ -525,6 +543,7 @@ class Transaction:
     def records(self, sweep: str | None = None, state: str | Iterable[str] | None = None) -> list[RunRecord]:
         return _select(self._runs, sweep, state)
 
+
     def upsert(self, record: Mapping[str, Any]) -> RunRecord:
         if not isinstance(record, Mapping) or "id" not in record:
             raise RecordError(f"upsert needs a dict with an 'id', not {record!r}")
@@ -557,15 +576,29 @@ class Transaction:
         return copy.deepcopy(record)  # type: ignore[return-value]
 
 
-def _select(runs: Mapping[str, dict[str, Any]], sweep: str | None, state: Any) -> list[RunRecord]:
+def sweeps_of(record: Mapping[str, Any]) -> list[str]:
+    """Every sweep a record belongs to (records written before `sweeps` existed: their `sweep`)."""
+    members = list(record.get("sweeps") or ())
+    first = record.get("sweep")
+    return members if first is None or first in members else [first, *members]
+
+
+def _select(runs: Mapping[str, dict[str, Any]], sweep: str | None, state: Any, per_sweep: bool = False) -> list[RunRecord]:
     states = {state} if isinstance(state, str) else (set(state) if state is not None else None)
     if states is not None and not states <= set(STATES):
         raise ValueError(f"unknown state(s) {sorted(states - set(STATES))}; states are {', '.join(STATES)}")
-    return [
-        copy.deepcopy(r)  # type: ignore[misc]
-        for r in runs.values()
-        if (sweep is None or r.get("sweep") == sweep) and (states is None or r.get("state") in states)
-    ]
+    selected = []
+    for record in runs.values():
+        if states is not None and record.get("state") not in states:
+            continue
+        members = sweeps_of(record)
+        if sweep is not None:
+            members = [sweep] if sweep in members else []
+        elif not per_sweep:
+            members = [record.get("sweep")]
+        for member in members:  # a shared run is seen as a run of the sweep it is selected for
+            selected.append({**copy.deepcopy(record), "sweep": member})
+    return selected  # type: ignore[return-value]
 
 
 class Catalog:
@@ -603,12 +636,40 @@ class Catalog:
     def __len__(self) -> int:
         return len(self._runs())
 
-    def records(self, sweep: str | None = None, state: str | Iterable[str] | None = None) -> list[RunRecord]:
+    def records(
+        self, sweep: str | None = None, state: str | Iterable[str] | None = None, *, per_sweep: bool = False
+    ) -> list[RunRecord]:
         """Every record, in insertion order, optionally only those of `sweep` and/or in `state` (one state
-        or several)."""
-        return _select(self._runs(), sweep, state)
+        or several). A run several sweeps share comes back with `sweep` set to the sweep asked for; with
+        `per_sweep` and no sweep, once for each sweep it belongs to."""
+        return _select(self._runs(), sweep, state, per_sweep)
+
+    def resolve(self, path: str | os.PathLike[str] | None) -> Path | None:
+        """A path stored in a record (`paths.*`): relative paths are relative to the catalog's folder."""
+        if path is None or str(path) == "":
+            return None
+        path = Path(path)
+        return path if path.is_absolute() else self.path.parent / path
+
+    def relative(self, path: str | os.PathLike[str]) -> str:
+        """How a record stores `path` (relative to the current folder): relative to the catalog's folder."""
+        return os.path.relpath(os.path.abspath(path), os.path.abspath(self.path.parent))
 
     # writes (locked) ---------------------------------------------------------------------------------
+
+    def claim(self, run_id: str, owner: str, **fields: Any) -> str | None:
+        """Make `owner` the run's owner (and merge `fields`) unless another live process owns it while
+        it is in flight; returns that other owner, or None once the claim is made. One lock for the
+        check and the write, so two processes never both claim a run."""
+        with self.transaction() as tx:
+            record = tx.get(run_id)
+            if record is None:
+                raise RunNotFound(f"run {run_id!r} is not in catalog {self.path}; upsert() it first")
+            current = record.get("owner")
+            if current and current != owner and record["state"] in IN_FLIGHT_STATES and owner_alive(current):
+                return current
+            tx.update(run_id, owner=owner, **fields)
+            return None
 
     def upsert(self, record: Mapping[str, Any]) -> RunRecord:
         """Insert `record` (a new id: missing fields get defaults, `created_at` defaults to now) or merge
@@ -668,3 +729,27 @@ class Catalog:
             yield
         finally:
             lock.release()
+
+
+def this_owner() -> str:
+    """This process as a run owner: "<host>:<pid>"."""
+    import socket
+
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def owner_alive(owner: str) -> bool:
+    """Whether the owning process still runs: checked on this host; another host's owner is assumed
+    alive (a dead job there is corrected by `fp4lab status` from Slurm)."""
+    import socket
+
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return host != socket.gethostname()
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True

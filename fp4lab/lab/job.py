@@ -26,7 +26,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.catalog import Catalog, utc_now
+from fp4lab.lab.catalog import IN_FLIGHT_STATES, Catalog, owner_alive, this_owner, utc_now
 from fp4lab.lab.logscan import ScanThresholds, scan
 from fp4lab.lab.spec import RunSpec
 
@@ -37,6 +37,7 @@ STATE_OF_STATUS = {
     "time_limit": "timeout",
     "preempted": "preempted",
     "stopped": "preempted",
+    "interrupted": "interrupted",
 }
 # Spec [scan] keys -> log scanner thresholds.
 SCAN_KEYS = {
@@ -74,13 +75,24 @@ def slurm_identity() -> dict[str, Any]:
     return fields
 
 
+class RunInFlight(ValueError):
+    """Another live process is training this run."""
+
+
 def record_start(catalog: Catalog, run_id: str) -> dict[str, Any]:
+    """Mark the run running with this process as its owner (a local sweep that launched this process
+    keeps ownership); refuse, before anything is written, a run another live process is training."""
     with catalog.transaction() as tx:
         record = tx.get(run_id)
         if record is None:
             raise ValueError(f"{catalog.path}: no run {run_id}; --catalog records runs written by `fp4lab sweep` "
                              f"(jobs/<sweep>/<id>.toml): run the sweep, or train without --catalog")
-        fields = {"state": "running", "started_at": utc_now(), "finished_at": None, "attempts": record["attempts"] + 1}
+        owner, parent = record.get("owner"), this_owner().rpartition(":")[0] + f":{os.getppid()}"
+        if owner and owner not in (this_owner(), parent) and record["state"] in IN_FLIGHT_STATES and owner_alive(owner):
+            raise RunInFlight(f"run {run_id} is being trained by process {owner} (state {record['state']}); "
+                              "wait for it (fp4lab status) or stop that process first")
+        fields = {"state": "running", "started_at": utc_now(), "finished_at": None, "attempts": record["attempts"] + 1,
+                  "error": None, "owner": owner if owner == parent else this_owner()}
         return tx.update(run_id, **fields, **slurm_identity())
 
 
@@ -99,20 +111,44 @@ def train_recorded(config_path: Path, catalog: Catalog, *, progress: bool | None
     spec = RunSpec(run_id, record["extra"].get("name", run_id), config.to_dict())
     try:
         summary = run(config, progress=progress)
-    except BaseException:
-        finish_run(spec, catalog, thresholds, returncode=1)
+    except BaseException as exc:
+        finish_run(spec, catalog, thresholds, returncode=1, error=error_line(exc))
         raise
     finish_run(spec, catalog, thresholds, returncode=0)
     return summary
 
 
-def finish_run(run: RunSpec, catalog: Catalog, thresholds: ScanThresholds, *, returncode: int) -> dict[str, Any]:
-    """Scan a finished run's folder and write state, verdict, events and summary metrics."""
+def error_line(exc: BaseException) -> str:
+    """One line saying why a run failed: the exception's type and the first line of its message."""
+    message = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__
+
+
+def last_error_line(log: Path) -> str | None:
+    """The last line of a training log that reads like an error (a traceback's last line), if any."""
+    if not log.exists():
+        return None
+    with open(log, "rb") as handle:
+        handle.seek(0, 2)
+        handle.seek(max(0, handle.tell() - 65536))
+        lines = [line.strip() for line in handle.read().decode(errors="replace").splitlines() if line.strip()]
+    for line in reversed(lines):
+        head = line.split(":", 1)[0]
+        if head.endswith(("Error", "Exception", "Interrupt")) or line.startswith(("fp4lab", "Killed")):
+            return line
+    return None
+
+
+def finish_run(run: RunSpec, catalog: Catalog, thresholds: ScanThresholds, *, returncode: int, error: str | None = None) -> dict[str, Any]:
+    """Scan a finished run's folder and write state, verdict, events, summary metrics, the error of a
+    failed run, and let go of the run (no owner)."""
     run_dir = Path(run.config["out_dir"])
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     state = STATE_OF_STATUS.get(summary["status"], "failed") if summary and returncode == 0 else "failed"
-    fields: dict[str, Any] = {"state": state, "finished_at": utc_now()}
+    fields: dict[str, Any] = {"state": state, "finished_at": utc_now(), "owner": None}
+    if state == "failed":
+        fields["error"] = error
     if (run_dir / "metrics.jsonl").exists():
         result = scan(run_dir, thresholds, running=False)
         fields["verdict"] = result.verdict

@@ -165,14 +165,6 @@ def excess_pct(run: dict[int, float], ref: dict[int, float]) -> tuple[float | No
     return _mean(per_step), per_step[-1], common[-1]
 
 
-def _run_dir(record: dict[str, Any], base: Path) -> Path | None:
-    run_dir = (record.get("paths") or {}).get("run_dir")
-    if not run_dir:
-        return None
-    path = Path(run_dir)
-    return path if path.is_absolute() else base / path  # relative paths are relative to the catalog's folder
-
-
 def _per_layer(value: Any, reduce) -> list[float] | None:
     if not isinstance(value, list) or not value:
         return None
@@ -239,10 +231,10 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
         raise ValueError(f"report: no catalog at {str(catalog_path)!r}; run fp4lab sweep SPEC first")
     try:
         catalog = Catalog(catalog_path)
-        records = [dict(r) for r in catalog.records(sweep=sweep)]
+        records = [dict(r) for r in catalog.records(sweep=sweep, per_sweep=True)]  # a shared run: one row per sweep
         if sweep is None:  # ratchet iterations (sweep "ratchet/<tag>") are not recipe runs: fp4lab report --ratchet TAG
             records = [r for r in records if not str(r.get("sweep") or "").startswith("ratchet/")]
-        all_sweeps = sorted({str(r.get("sweep")) for r in catalog.records() if r.get("sweep")})
+        all_sweeps = sorted({str(r.get("sweep")) for r in catalog.records(per_sweep=True) if r.get("sweep")})
     except CatalogError as exc:
         raise ValueError(f"report: {str(exc).splitlines()[0]}") from None
     if not records:
@@ -252,10 +244,9 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
         raise ValueError(f"report: the catalog {catalog_path} has no runs")
 
     notes: list[str] = []
-    base = catalog_path.resolve().parent
     metrics: dict[str, RunMetrics] = {}
     for record in records:
-        run_dir = _run_dir(record, base)
+        run_dir = catalog.resolve((record.get("paths") or {}).get("run_dir"))
         if run_dir is None:
             notes.append(f"{record['id']}: no run_dir; skipped in plots")
             continue

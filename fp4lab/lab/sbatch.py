@@ -94,6 +94,7 @@ def write_scripts(
             raise SpecError(f"run id {run.id!r} is not 12 hex digits")
     if len({r.id for r in runs}) != len(runs):
         raise SpecError(f"{spec.path}: two runs share an id; remove the duplicate configs")
+    _check_name_is_ours(spec, sweep_dir)
     size = max_array_size or spec.slurm.max_array_size or slurm_max_array_size()
 
     files: dict[Path, str] = {}
@@ -114,7 +115,7 @@ def write_scripts(
             arrays.append({"script": path.name, "runs_file": f"array_{k}.runs", "tasks": len(chunk),
                            "run_ids": [r.id for r in chunk]})
     manifest = {
-        "sweep": spec.name, "spec": str(spec.path), "method": spec.method, "workdir": str(workdir),
+        "sweep": spec.name, "spec": os.path.abspath(spec.path), "method": spec.method, "workdir": str(workdir),
         "python": str(python), "catalog": str(catalog) if catalog else None, "max_array_size": size, "scan": spec.scan,
         "runs": [{"id": r.id, "name": r.name, "params": r.params, "out_dir": r.config["out_dir"],
                   "config": f"{r.id}.toml", "script": f"{r.id}.sbatch"} for r in runs],
@@ -125,7 +126,24 @@ def write_scripts(
     (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
     for path, text in files.items():
         write_atomic(path, text, mode=0o755 if path.suffix == ".sbatch" else 0o644)
+    for stale in [*sweep_dir.glob("array_*.sbatch"), *sweep_dir.glob("array_*.runs")]:
+        if stale not in files:  # an earlier version of this spec had more arrays: none may be resubmitted
+            stale.unlink()
     return scripts
+
+
+def _check_name_is_ours(spec: SweepSpec, sweep_dir: Path) -> None:
+    """jobs/<name>/ belongs to the spec file that first wrote it: another spec with the same `name` would
+    overwrite its manifest and mix its runs into that sweep. An edited version of the same file is fine."""
+    manifest = sweep_dir / "manifest.json"
+    try:
+        written = json.loads(manifest.read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    owner = Path(written.get("workdir") or ".", written.get("spec") or "")
+    if written.get("spec") and os.path.realpath(owner) != os.path.realpath(spec.path):
+        raise SpecError(f"{spec.path}: name = {spec.name!r} is already the sweep of {owner} ({manifest}); give this "
+                        f"spec its own name, or delete {sweep_dir} if {owner} is gone")
 
 
 # ------------------------------------------------------------------------------------------ render
@@ -297,6 +315,7 @@ def write_trial_scripts(
     workdir = Path(os.path.abspath(workdir if workdir is not None else Path.cwd()))
     catalog = Path(os.path.abspath(catalog))
     size = max_array_size or spec.slurm.max_array_size or slurm_max_array_size()
+    _check_name_is_ours(spec, sweep_dir)
     n = spec.optuna.n_trials
     files = {sweep_dir / "spec.toml": Path(spec.path).read_text()}
     scripts = []
@@ -320,7 +339,7 @@ def write_trial_scripts(
         command = '-m fp4lab.cli trial "$SWEEP_DIR/spec.toml" --jobs-dir "$JOBS_DIR" --catalog "$CATALOG" --slot "$SLOT"'
         files[path] = "\n".join(head + _body(spec, catalog, command)) + "\n"
         scripts.append(path)
-    manifest = {"sweep": spec.name, "spec": str(spec.path), "method": spec.method, "workdir": str(workdir),
+    manifest = {"sweep": spec.name, "spec": os.path.abspath(spec.path), "method": spec.method, "workdir": str(workdir),
                 "python": str(python), "catalog": str(catalog), "max_array_size": size, "scan": spec.scan,
                 "study": spec.optuna_storage(jobs_dir), "n_trials": n, "runs": [],
                 "arrays": [{"script": p.name} for p in scripts]}

@@ -15,8 +15,10 @@ nothing, `fp4lab status` sees finished runs at once, and re-running a sweep skip
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -26,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.catalog import Catalog, utc_now
-from fp4lab.lab.job import finish_run, thresholds_from_table
+from fp4lab.lab.catalog import IN_FLIGHT_STATES, Catalog, owner_alive, sweeps_of, this_owner, utc_now
+from fp4lab.lab.job import finish_run, last_error_line, thresholds_from_table
 from fp4lab.lab.logscan import ScanThresholds, scan
 from fp4lab.lab.sbatch import write_scripts, write_trial_scripts
 from fp4lab.lab.spec import RunSpec, SlurmSpec, SweepSpec, expand, load_spec, time_limit_seconds
@@ -46,14 +48,24 @@ class SweepPlan:
 
 def plan_sweep(spec_path: str | Path, jobs_dir: str | Path = "jobs", catalog: str | Path = "sweep_catalog.json") -> SweepPlan:
     """Load and expand the spec and write jobs/<sweep>/. Optuna sweeps have no runs up front (each
-    trial makes its own): they get trial-array scripts instead."""
+    trial makes its own): they get trial-array scripts instead. A run the catalog already holds (the
+    same config, asked for by another sweep or an earlier version of this one) keeps its run folder,
+    so it is trained once and shared."""
     spec = load_spec(spec_path)
     scan_thresholds(spec)  # fail on bad [scan] values before anything is written
     if spec.method == "optuna":
         return SweepPlan(spec, [], write_trial_scripts(spec, str(jobs_dir), catalog=catalog), Path(jobs_dir))
-    runs = expand(spec)
+    runs = [_shared_folder(run, Catalog(catalog)) for run in expand(spec)]
     scripts = write_scripts(spec, runs, str(jobs_dir), catalog=catalog)
     return SweepPlan(spec, runs, scripts, Path(jobs_dir))
+
+
+def _shared_folder(run: RunSpec, catalog: Catalog) -> RunSpec:
+    record = catalog.get(run.id)
+    run_dir = catalog.resolve(record["paths"].get("run_dir")) if record else None
+    if run_dir is None:
+        return run
+    return dataclasses.replace(run, config={**run.config, "out_dir": os.path.relpath(run_dir)})
 
 
 def scan_thresholds(spec: SweepSpec) -> ScanThresholds:
@@ -61,31 +73,60 @@ def scan_thresholds(spec: SweepSpec) -> ScanThresholds:
 
 
 def register_runs(plan: SweepPlan, catalog: Catalog, executor: str) -> None:
-    """Insert a pending record for every run the catalog does not know yet."""
+    """Insert a pending record for every run the catalog does not know yet, and make every run of the
+    plan a member of this sweep (a run another sweep asked for first is shared, not copied)."""
     commit, dirty = git_state()
+    name = plan.spec.name
     with catalog.transaction() as tx:
         for run in plan.runs:
-            if tx.get(run.id) is None:
+            record = tx.get(run.id)
+            if record is None:
                 tx.upsert({
-                    "id": run.id, "sweep": plan.spec.name, "config": run.config, "recipe": run.config["recipe"],
+                    "id": run.id, "sweep": name, "sweeps": [name], "config": run.config, "recipe": run.config["recipe"],
                     "git_commit": commit, "git_dirty": dirty, "executor": executor,
-                    "paths": {"run_dir": run.config["out_dir"], "log": str(_log_path(plan, run))},
+                    "paths": {"run_dir": catalog.relative(run.config["out_dir"]), "log": catalog.relative(_log_path(plan, run))},
                     "extra": {"name": run.name, "params": run.params},
                 })  # fmt: skip
+            elif name not in sweeps_of(record):
+                tx.update(run.id, sweeps=[*sweeps_of(record), name])
 
 
-def needed_runs(plan: SweepPlan, catalog: Catalog, *, retry_failed: bool) -> tuple[list[RunSpec], list[RunSpec]]:
-    """(to run, skipped): completed runs are skipped; failed, cancelled, timed-out and preempted
-    ones only run again with `retry_failed` (they resume from their checkpoint)."""
-    todo, skipped = [], []
+# Why a run is not started again (needed_runs), by state; "in flight" needs a live owner or a Slurm job.
+SKIP_REASONS = {"completed": "done", "failed": "failed", "cancelled": "failed", "timeout": "failed", "in flight": "in flight"}
+
+
+def needed_runs(plan: SweepPlan, catalog: Catalog, *, retry_failed: bool) -> tuple[list[RunSpec], dict[str, list[RunSpec]]]:
+    """(to run, skipped by reason). Completed runs are skipped ("done"); failed, cancelled and timed-out
+    ones ("failed") only run again with `retry_failed`; runs another live process or a Slurm job is
+    driving are left to it ("in flight"). Interrupted and preempted runs, and runs whose local owner
+    died, resume from their checkpoint."""
+    todo: list[RunSpec] = []
+    skipped: dict[str, list[RunSpec]] = {}
     for run in plan.runs:
         record = catalog.get(run.id)
-        state = record["state"] if record else "pending"
-        if state == "completed" or (state in ("failed", "cancelled", "timeout", "preempted") and not retry_failed):
-            skipped.append(run)
-        else:
+        reason = _skip_reason(record, retry_failed) if record else None
+        if reason is None:
             todo.append(run)
+        else:
+            skipped.setdefault(reason, []).append(run)
     return todo, skipped
+
+
+def _skip_reason(record: dict[str, Any], retry_failed: bool) -> str | None:
+    state = record["state"]
+    if state in IN_FLIGHT_STATES:
+        live_owner = record.get("owner") and owner_alive(record["owner"])
+        return "in flight" if live_owner or record.get("slurm_job_id") else None
+    reason = SKIP_REASONS.get(state)
+    return None if reason == "failed" and retry_failed else reason
+
+
+class SweepInterrupted(Exception):
+    """Ctrl-C stopped a local sweep: the runs in progress checkpointed and were recorded "interrupted"."""
+
+    def __init__(self, records: list[dict[str, Any]]):
+        super().__init__(f"{len(records)} run(s) interrupted")
+        self.records = records
 
 
 def run_local(
@@ -94,32 +135,75 @@ def run_local(
     catalog: Catalog,
     *,
     workers: int = 1,
+    on_start: Callable[[RunSpec], None] | None = None,
     on_finish: Callable[[RunSpec, dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run `runs` as separate training processes, at most `workers` at once; return their records.
-    Each process records its own start and end (`train --catalog`); a process that dies without doing
-    so (killed, out of memory) is recorded here as failed."""
+
+    This process owns each run while it trains (`Catalog.claim`): a run another live process owns is
+    left to it (recorded by that process, returned here as is). Each training process records its own
+    start and end (`train --catalog`); one that dies without doing so (killed, out of memory) is
+    recorded here as failed, with the last line of its log as the error. Ctrl-C (KeyboardInterrupt)
+    starts nothing more, passes one SIGINT to each training process (they run in their own session,
+    so a terminal's Ctrl-C reaches them only this way, once), waits while they checkpoint, and raises
+    SweepInterrupted."""
     thresholds = scan_thresholds(plan.spec)
     lock = threading.Lock()
+    owner = this_owner()
+    stopping = threading.Event()
+    children: dict[str, subprocess.Popen] = {}
 
-    def one(run: RunSpec) -> dict[str, Any]:
+    def one(run: RunSpec) -> dict[str, Any] | None:
+        if stopping.is_set():
+            return None
         log = _log_path(plan, run)
         log.parent.mkdir(parents=True, exist_ok=True)
-        catalog.update(run.id, state="submitted", submitted_at=utc_now(), executor="local")
+        other = catalog.claim(run.id, owner, state="submitted", submitted_at=utc_now(), executor="local",
+                              error=None, paths={"log": catalog.relative(log)})
+        if other is not None:
+            return catalog.get(run.id)
         command = [sys.executable, "-m", "fp4lab.cli", "train", "--config", str(plan.sweep_dir / f"{run.id}.toml"),
                    "--catalog", str(catalog.path)]
+        if on_start is not None:
+            with lock:
+                on_start(run)
         with open(log, "ab") as out:
-            returncode = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env(workers)).returncode
+            child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env(workers), start_new_session=True)
+            with lock:
+                children[run.id] = child
+            returncode = child.wait()
+            with lock:
+                children.pop(run.id, None)
         finished = catalog.get(run.id)
-        if finished["state"] in ("submitted", "running"):
+        if finished["state"] in IN_FLIGHT_STATES:
             finished = finish_run(run, catalog, thresholds, returncode=returncode or 1)
+            if finished["state"] == "failed" and not finished.get("error"):
+                finished = catalog.update(run.id, error=last_error_line(log) or f"the training process exited with {_exit_text(returncode)}")
         if on_finish is not None:
             with lock:
                 on_finish(run, finished)
         return finished
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(one, runs))
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    futures = [pool.submit(one, run) for run in runs]
+    try:
+        return [record for record in (future.result() for future in futures) if record is not None]
+    except KeyboardInterrupt:
+        stopping.set()
+        with lock:
+            for child in children.values():
+                child.send_signal(signal.SIGINT)
+        pool.shutdown(wait=True, cancel_futures=True)
+        done = [f.result() for f in futures if f.done() and not f.cancelled() and f.exception() is None]
+        raise SweepInterrupted([r for r in done if r is not None and r["state"] == "interrupted"]) from None
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _exit_text(returncode: int) -> str:
+    if returncode < 0:
+        return f"signal {signal.Signals(-returncode).name}"
+    return f"exit status {returncode}"
 
 
 def worker_env(workers: int) -> dict[str, str]:
@@ -291,12 +375,12 @@ def refresh(catalog: Catalog, thresholds: ScanThresholds, sweep: str | None = No
             elif job_state in _STATE_OF_SLURM and job_state != "PREEMPTED":
                 catalog.update(record["id"], state=_STATE_OF_SLURM[job_state])  # e.g. scancel: the trainer checkpointed on TERM
             continue
-        if record["state"] not in ("submitted", "running", "pending"):
-            continue
-        run_dir = Path(record["paths"].get("run_dir", ""))
+        if record["state"] not in ("submitted", "running", "pending") or (record["sweep"] or "").startswith("ratchet/"):
+            continue  # ratchet iterations are the ratchet's to record
+        run_dir = catalog.resolve(record["paths"].get("run_dir")) or Path(record["config"].get("out_dir", ""))
         job_state = jobs.get(_job_key(record))
         if (run_dir / "summary.json").exists() and job_state not in _SLURM_ACTIVE:
-            run = RunSpec(record["id"], record["extra"].get("name", record["id"]), record["config"])
+            run = RunSpec(record["id"], record["extra"].get("name", record["id"]), {**record["config"], "out_dir": str(run_dir)})
             finish_run(run, catalog, thresholds, returncode=0)
             if job_state in _STATE_OF_SLURM:  # e.g. scancel: the trainer checkpointed, Slurm says why
                 catalog.update(record["id"], state=_STATE_OF_SLURM[job_state])
@@ -334,10 +418,11 @@ def slurm_job_states(records: list[dict[str, Any]]) -> dict[str, str]:
     return states
 
 
-def progress_of(record: dict[str, Any]) -> tuple[int | None, float | None]:
+def progress_of(record: dict[str, Any], catalog: Catalog) -> tuple[int | None, float | None]:
     """(last step, last loss) from a run's metrics.jsonl, reading only its tail."""
-    metrics = Path(record["paths"].get("run_dir", "")) / "metrics.jsonl"
-    if not metrics.exists():
+    run_dir = catalog.resolve(record["paths"].get("run_dir"))
+    metrics = run_dir / "metrics.jsonl" if run_dir else None
+    if metrics is None or not metrics.exists():
         return None, None
     with open(metrics, "rb") as handle:
         handle.seek(0, 2)
@@ -351,3 +436,27 @@ def progress_of(record: dict[str, Any]) -> tuple[int | None, float | None]:
         if isinstance(last, dict) and isinstance(last.get("step"), int):
             return last["step"], last.get("loss")
     return None, None
+
+
+def preflight(plan: SweepPlan, executor: str) -> list[str]:
+    """What would make runs fail at once, found before any is launched: token files that do not
+    exist (relative paths are read from the folder the runs start in), and a CUDA device asked of a
+    machine without one (local runs only: a Slurm login node has no GPU of its own)."""
+    problems: dict[str, str] = {}
+    for run in plan.runs:
+        data = run.config.get("data") or {}
+        for key in ("source", "val_source"):
+            path = data.get(key)
+            if path and path not in ("shakespeare", "synthetic") and not Path(path).is_file():
+                problems.setdefault(f"data.{key}:{path}", f"run {run.id} ({run.name}): data.{key} {path!r} is not a file; "
+                                                          "fix the path in the spec or create the token file")
+        if executor == "local" and str(run.config.get("device", "")).startswith("cuda") and not _cuda_available():
+            problems.setdefault("cuda", f"run {run.id} ({run.name}): device {run.config['device']!r} but this machine has "
+                                        "no CUDA device; set device = \"cpu\" in the spec, or submit with --executor slurm")
+    return list(problems.values())
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

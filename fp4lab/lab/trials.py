@@ -120,7 +120,7 @@ def run_trial(spec_path: str | Path, *, jobs_dir: str | Path, catalog_path: str 
             commit, dirty = git_state()
             tx.upsert({"id": run.id, "sweep": spec.name, "config": run.config, "recipe": run.config["recipe"],
                        "git_commit": commit, "git_dirty": dirty, "executor": executor,
-                       "paths": {"run_dir": run.config["out_dir"]},
+                       "paths": {"run_dir": catalog.relative(run.config["out_dir"])},
                        "extra": {"name": run.name, "params": run.params, "trial": number}})
     if catalog.get(run.id)["state"] != "completed":
         train_recorded(config_path, catalog, progress=False)
@@ -169,7 +169,7 @@ class TrialTask:
 
     def __call__(self, slot: int) -> dict[str, Any]:
         record = run_trial(self.spec_path, jobs_dir=self.jobs_dir, catalog_path=self.catalog_path, slot=slot, executor="slurm")
-        summary_path = Path(record["paths"]["run_dir"]) / "summary.json"
+        summary_path = Catalog(self.catalog_path).resolve(record["paths"]["run_dir"]) / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         from fp4lab.lab.job import hand_back_preemption
 

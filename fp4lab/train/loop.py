@@ -7,13 +7,15 @@ orchestrator reads into `config.out_dir`:
                     logit per layer and head, saturated / flushed fractions per FP4 operand)
     checkpoint.pt   model, optimizer, step, and every random stream (SR and Hadamard generators
                     included): a run started again in the same out_dir resumes bit for bit
-    summary.json    status (completed | diverged | time_limit | preempted | stopped), the step a
-                    divergence happened, final and best losses, throughput, peak memory
+    summary.json    status (completed | diverged | time_limit | preempted | interrupted | stopped), the
+                    step a divergence happened, final and best losses, throughput, peak memory
 
 A NaN or Inf loss or gradient norm ends the run with status "diverged" (no traceback). SIGTERM, SIGUSR1
 and SIGUSR2 (what Slurm, our SBATCH scripts and submitit send before preemption or a time limit)
 checkpoint after the current step and end with status "preempted"; summary.json names the signal
 (`stop_signal`), so the caller can tell a scancel (TERM) from a request to requeue (USR1/USR2).
+Ctrl-C (SIGINT) stops the same way with status "interrupted"; a second Ctrl-C aborts at once
+(KeyboardInterrupt, no checkpoint of the step in progress). Running `run` again resumes.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
                     break
     metrics.close()
     summary = _summary(status, diverged_step, config, state, recipe, device)
-    summary["stop_signal"] = stop_requested[0] if status == "preempted" else None
+    summary["stop_signal"] = stop_requested[0] if status in ("preempted", "interrupted") else None
     write_json(out / "summary.json", summary)
     return summary
 
@@ -426,6 +428,12 @@ def _restore(path: Path, config: TrainConfig, model: Llama, optimizer) -> RunSta
     saved, current = checkpoint["config"], config.to_dict()
     defaults = TrainConfig().to_dict()  # a checkpoint older than a field ran with its default
     changed = [k for k in current if k not in RESUMABLE_CHANGES and saved.get(k, defaults[k]) != current[k]]
+    if changed == ["steps"]:
+        raise ConfigError(
+            f"{path} belongs to a run of {saved['steps']} steps, not {current['steps']}: its learning-rate schedule "
+            f"spans all {saved['steps']} steps, so it cannot be extended exactly; train {current['steps']} steps "
+            "from scratch with --fresh (or into another folder with --out)"
+        )
     if changed:
         raise ConfigError(
             f"{path} was written by a run with a different {', '.join(changed)}; resume with the same "
@@ -441,7 +449,7 @@ def _restore(path: Path, config: TrainConfig, model: Llama, optimizer) -> RunSta
 
 def _stop_reason(config, started, stop_requested, stop_after, steps_this_call) -> str | None:
     if stop_requested:
-        return "preempted"
+        return "interrupted" if stop_requested[0] == "SIGINT" else "preempted"
     if config.max_minutes is not None and time.monotonic() - started > 60 * config.max_minutes:
         return "time_limit"
     if stop_after is not None and steps_this_call >= stop_after:
@@ -449,19 +457,29 @@ def _stop_reason(config, started, stop_requested, stop_after, steps_this_call) -
     return None
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 
 @contextlib.contextmanager
 def _stop_signals() -> Iterator[list[str]]:
     """The stop signals append their name to a list the loop checks after each step (a handler must not
-    checkpoint mid-step). Handlers can only be installed from the main thread; elsewhere the list stays
-    empty. The previous handlers (e.g. submitit's) come back on exit."""
+    checkpoint mid-step); a second SIGINT raises KeyboardInterrupt at once. Handlers can only be
+    installed from the main thread; elsewhere the list stays empty. The previous handlers (e.g.
+    submitit's) come back on exit."""
     received: list[str] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
-    previous = {sig: signal.signal(sig, lambda signum, _: received.append(signal.Signals(signum).name)) for sig in STOP_SIGNALS}
+
+    def handle(signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and "SIGINT" in received:
+            raise KeyboardInterrupt
+        received.append(name)
+        if name == "SIGINT":
+            print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+
+    previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
     try:
         yield received
     finally:

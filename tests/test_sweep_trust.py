@@ -1,0 +1,217 @@
+"""Sweeps a researcher can trust: shared runs, one owner per run, Ctrl-C that resumes, failures that
+say why, and refusals that touch nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fp4lab.lab.catalog import Catalog
+
+BASE = """
+[base]
+model = "tiny"
+steps = {steps}
+batch_size = 2
+seq_len = 32
+warmup_steps = 1
+eval_every = 3
+eval_batches = 1
+probe_every = 3
+checkpoint_every = 3
+[base.data]
+source = {source}
+"""
+
+
+def spec(name: str, recipes: list[str], steps: int = 6, source: str = '"synthetic"') -> str:
+    return f'name = "{name}"\n' + BASE.format(steps=steps, source=source) + f"[axes]\nrecipe = {json.dumps(recipes)}\n"
+
+
+@pytest.fixture
+def cli(run_cli, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    return run_cli
+
+
+def test_sweeps_share_a_run_and_each_reports_excess_against_it(cli, tmp_path):
+    from fp4lab.lab.report import build_report
+
+    (tmp_path / "first.toml").write_text(spec("first", ["bf16", "nvfp4"]))
+    (tmp_path / "second.toml").write_text(spec("second", ["bf16", "mxfp4"]))
+    assert cli("sweep", "first.toml").returncode in (0, None)
+    second = cli("sweep", "second.toml")
+    assert second.returncode in (0, None), second.stderr
+    assert "2 runs, 1 to run, skipped: 1 done" in second.stdout  # the bf16 baseline is reused, not retrained
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    assert len(catalog) == 3
+    for sweep, recipe in (("first", "nvfp4"), ("second", "mxfp4")):
+        ledger = build_report(tmp_path / "sweep_catalog.json", sweep=sweep).ledger
+        row = ledger[ledger["recipe"] == recipe].iloc[0]
+        assert row["excess_pct_mean"] == row["excess_pct_mean"]  # computed against the shared bf16 run
+    # a copy of a spec under a new name runs nothing and still owns its runs
+    (tmp_path / "copy.toml").write_text(spec("copy", ["bf16", "nvfp4"]))
+    copied = cli("sweep", "copy.toml")
+    assert "0 to run, skipped: 2 done" in copied.stdout
+    assert sorted(r["recipe"] for r in catalog.records(sweep="copy")) == ["bf16", "nvfp4"]
+    assert "copy" in cli("status", "copy").stdout
+    every = build_report(tmp_path / "sweep_catalog.json").ledger
+    assert sorted(set(every["sweep"])) == ["copy", "first", "second"]
+
+
+def test_a_second_spec_with_the_same_name_is_refused_and_touches_nothing(cli, tmp_path):
+    (tmp_path / "a.toml").write_text(spec("same", ["bf16", "nvfp4"]))
+    (tmp_path / "b.toml").write_text(spec("same", ["mxfp4", "nvfp4-all"]))
+    assert cli("sweep", "a.toml", "--dry-run").returncode in (0, None)
+    manifest = (tmp_path / "jobs" / "same" / "manifest.json").read_text()
+    catalog_text = (tmp_path / "sweep_catalog.json").read_text()
+    refused = cli("sweep", "b.toml", "--dry-run")
+    assert refused.returncode == 2 and "is already the sweep of" in refused.stderr and "b.toml" in refused.stderr
+    assert (tmp_path / "jobs" / "same" / "manifest.json").read_text() == manifest
+    assert (tmp_path / "sweep_catalog.json").read_text() == catalog_text
+
+
+def test_an_edited_spec_leaves_no_stale_array_script(cli, tmp_path):
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16", "nvfp4"]))
+    cli("sweep", "s.toml", "--dry-run")
+    assert (tmp_path / "jobs" / "s" / "array_0.sbatch").exists()
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16"]))
+    assert cli("sweep", "s.toml", "--dry-run").returncode in (0, None)
+    assert not list((tmp_path / "jobs" / "s").glob("array_*"))
+
+
+def test_a_run_another_live_process_owns_is_left_to_it(cli, tmp_path):
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16"]))
+    cli("sweep", "s.toml", "--dry-run")
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    (record,) = catalog.records()
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        catalog.update(record["id"], state="running", owner=f"{socket.gethostname()}:{owner.pid}")
+        out = cli("sweep", "s.toml")
+        assert "0 to run, skipped: 1 in flight" in out.stdout and "left to it" in out.stdout
+        assert not (tmp_path / "runs" / "s" / record["id"] / "metrics.jsonl").exists()
+        train = cli("train", "--config", f"jobs/s/{record['id']}.toml", "--catalog", "sweep_catalog.json")
+        assert train.returncode == 2 and "is being trained by process" in train.stderr
+    finally:
+        owner.kill()
+        owner.wait()
+    out = cli("sweep", "s.toml")  # its owner died: the run is taken over (and resumes)
+    assert "1 to run" in out.stdout and catalog.get(record["id"])["state"] == "completed"
+
+
+def test_a_failed_run_says_why_and_the_sweep_exits_non_zero(cli, tmp_path):
+    (tmp_path / "bad.bin").write_bytes(b"\x01")  # one byte: not a uint16 token file
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16"], source='"bad.bin"'))
+    out = cli("sweep", "s.toml")
+    assert out.returncode == 1 and "failed" in out.stderr
+    (record,) = Catalog(tmp_path / "sweep_catalog.json").records()
+    assert record["state"] == "failed" and record["error"] and "Error" in record["error"]
+    assert record["error"] in out.stdout.replace("\n", "")
+    again = cli("sweep", "s.toml")
+    assert again.returncode == 1 and "skipped: 1 failed" in again.stdout and "--retry-failed reruns it" in again.stdout
+
+
+def test_a_missing_token_file_is_found_before_anything_runs(cli, tmp_path):
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16"], source='"missing.bin"'))
+    out = cli("sweep", "s.toml")
+    assert out.returncode == 2 and "data.source 'missing.bin' is not a file" in out.stderr
+    assert not (tmp_path / "sweep_catalog.json").exists()
+
+
+def test_train_refuses_catalog_with_fresh_before_deleting_anything(cli, tmp_path):
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16"]))
+    cli("sweep", "s.toml")
+    (record,) = Catalog(tmp_path / "sweep_catalog.json").records()
+    run_dir = tmp_path / "runs" / "s" / record["id"]
+    before = sorted(p.name for p in run_dir.iterdir())
+    out = cli("train", "--config", f"jobs/s/{record['id']}.toml", "--catalog", "sweep_catalog.json", "--fresh")
+    assert out.returncode == 2 and "drop --fresh" in out.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
+def test_status_reads_a_running_ratchet_record_and_an_unknown_sweep_is_an_error(cli, tmp_path):
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    catalog.upsert({"id": "it1", "sweep": "ratchet/t", "state": "running", "config": {"command": "make score"}})
+    out = cli("status")
+    assert out.returncode in (0, None), out.stderr
+    nosuch = cli("status", "nosuch")
+    assert nosuch.returncode == 2 and "no sweep 'nosuch'" in nosuch.stderr and "ratchet/t" in nosuch.stderr
+
+
+def test_run_folders_are_found_relative_to_the_catalog(cli, tmp_path):
+    from fp4lab.lab.report import build_report
+
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16", "nvfp4"]))
+    assert cli("sweep", "s.toml", "--catalog", "results/c.json").returncode in (0, None)
+    catalog = Catalog(tmp_path / "results" / "c.json")
+    record = catalog.records()[0]
+    assert record["paths"]["run_dir"] == f"../runs/s/{record['id']}"
+    os.chdir(tmp_path / "results")  # status and report from another folder find the same runs
+    assert "6" in cli("status", "--catalog", "c.json").stdout
+    assert not build_report("c.json", sweep="s").notes
+
+
+def test_status_and_report_show_the_same_final_loss(cli, tmp_path):
+    from fp4lab.lab.report import build_report
+
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16"]))
+    cli("sweep", "s.toml")
+    (record,) = Catalog(tmp_path / "sweep_catalog.json").records()
+    final = record["summary"]["final_train_loss"]
+    assert f"{final:.4f}" in cli("status", "s").stdout
+    assert build_report(tmp_path / "sweep_catalog.json", sweep="s").ledger.iloc[0]["final_train_loss_mean"] == pytest.approx(final)
+
+
+def _wait_for(predicate, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_ctrl_c_stops_a_sweep_with_checkpoints_and_the_next_sweep_resumes_it(tmp_path):
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16", "nvfp4"], steps=400))
+    command = [sys.executable, "-m", "fp4lab.cli", "sweep", "s.toml"]
+    sweep = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: any(p.stat().st_size > 0 for p in tmp_path.glob("runs/s/*/metrics.jsonl")))
+    sweep.send_signal(signal.SIGINT)  # a terminal's Ctrl-C reaches the sweep; it passes one SIGINT on
+    out, err = sweep.communicate(timeout=120)
+    assert sweep.returncode == 130, err
+    assert "interrupted: 1 run(s) checkpointed" in out
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    states = {r["recipe"]: r["state"] for r in catalog.records()}
+    assert states == {"bf16": "interrupted", "nvfp4": "pending"}  # the second run was never started
+    (interrupted,) = [r for r in catalog.records() if r["state"] == "interrupted"]
+    run_dir = tmp_path / interrupted["paths"]["run_dir"]
+    stopped_at = json.loads((run_dir / "summary.json").read_text())["steps_completed"]
+    assert 0 < stopped_at < 400 and (run_dir / "checkpoint.pt").exists()
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16"], steps=400))
+    again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert "1 runs, 1 to run" in again.stdout  # interrupted runs resume by default
+    record = catalog.get(interrupted["id"])
+    assert record["state"] == "completed" and record["attempts"] == 2
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(400))  # continued from the checkpoint, no step twice
+
+
+def test_ctrl_c_stops_train_with_a_checkpoint_and_exit_130(tmp_path):
+    command = [sys.executable, "-m", "fp4lab.cli", "train", "--model", "tiny", "--data", "synthetic", "--steps", "2000",
+               "--batch-size", "2", "--seq-len", "32", "--checkpoint-every", "1000", "--out", "run"]
+    train = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists() and (tmp_path / "run" / "metrics.jsonl").stat().st_size > 0)
+    train.send_signal(signal.SIGINT)
+    out, err = train.communicate(timeout=120)
+    assert train.returncode == 130 and "run the same command to resume" in err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["stop_signal"] == "SIGINT"
+    assert (tmp_path / "run" / "checkpoint.pt").exists() and "status: interrupted" in out
