@@ -848,7 +848,7 @@ def recipes(ctx: typer.Context) -> None:
 @recipes_app.command("show")
 def recipes_show(
     name: Annotated[str, typer.Argument(help="A built-in recipe name or a path to a recipe .toml file.")],
-    layers: Annotated[int, typer.Option(help="Model depth to resolve block overrides for.")] = 32,
+    layers: Annotated[int, typer.Option(help="Model depth to resolve block overrides for (default: the tiny preset's, what `fp4lab train` uses on a CPU).")] = 4,
 ) -> None:
     """Print the resolved per-operand ledger of a recipe: every GEMM operand of every block group."""
     from rich.table import Table
@@ -948,7 +948,10 @@ def main() -> None:
         print(f"fp4lab: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except TyperException as exc:  # usage errors: unknown option, bad value, missing argument
-        print(f"fp4lab: error: {exc.format_message()}", file=sys.stderr)
+        message = exc.format_message()
+        if not message:  # bare `fp4lab` (or a bare group): the help it printed is the whole answer
+            sys.exit(0)
+        print(f"fp4lab: error: {message}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         print("fp4lab: aborted", file=sys.stderr)

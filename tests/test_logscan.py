@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 
 from fp4lab.lab.logscan import PRESETS, ScanThresholds, format_result, scan
+from fp4lab.train.jsonl import json_line
 
 OLD = 1e12  # a "now" long after any file's mtime: the log is stale
+
+
+def _refuse(token: str):
+    raise ValueError(f"not strict JSON: {token}")
 
 
 def curve(n: int, seed: int = 0, start: float = 5.5, end: float = 3.0, noise: float = 0.03) -> list[float]:
@@ -34,7 +39,7 @@ def write_run(
     extra_lines: list[str] = (),
     grad_norms: list[float] | None = None,
 ) -> Path:
-    """An fp4lab run folder: metrics.jsonl (as json_line writes it: NaN/Infinity tokens) + summary.json.
+    """An fp4lab run folder: metrics.jsonl (as json_line writes it: strict JSON, "nan"/"inf" strings) + summary.json.
     entropy(step) -> [layers]; max_logit(step) -> [layers][heads]."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = []
@@ -51,7 +56,7 @@ def write_run(
                 record["max_logit_max"] = max(max(h) for h in heads)
         if step == len(losses) - 1 and math.isfinite(loss):
             record["val_loss"] = loss + 0.1
-        lines.append(json.dumps(record, allow_nan=True))
+        lines.append(json_line(record))
     (folder / "metrics.jsonl").write_text("\n".join([*lines, *extra_lines]) + "\n")
     if status is not None:
         summary = {"status": status, "diverged_step": diverged_step, "steps_completed": len(losses), "steps": len(losses)}
@@ -140,7 +145,8 @@ def test_nan_tokens_diverged(tmp_path):
     losses[50] = math.nan
     run = write_run(tmp_path / "r", losses[:51], status="diverged", diverged_step=50)
     text = (run / "metrics.jsonl").read_text()
-    assert "NaN" in text  # what fp4lab's json_line writes
+    assert '"loss": "nan"' in text  # what fp4lab's json_line writes: strict JSON
+    assert all(json.loads(line, parse_constant=_refuse) for line in text.splitlines())
     result = scan(run, now=OLD)
     assert result.verdict == "diverged@50" and result.verdict_step == 50 and result.first_step["nan"] == 50
     assert result.final_loss is None and result.best_loss is not None
@@ -152,7 +158,7 @@ def test_infinite_grad_norm_without_summary_is_diverged(tmp_path):
     grads = [1.0] * 30
     grads[20] = math.inf
     run = write_run(tmp_path / "r", curve(21), grad_norms=grads, status=None)
-    assert "Infinity" in (run / "metrics.jsonl").read_text()
+    assert '"grad_norm": "inf"' in (run / "metrics.jsonl").read_text()
     result = scan(run, now=OLD)
     assert result.verdict == "diverged@20" and "grad_norm" in result.events[0].detail
 

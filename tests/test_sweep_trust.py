@@ -215,3 +215,31 @@ def test_ctrl_c_stops_train_with_a_checkpoint_and_exit_130(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["stop_signal"] == "SIGINT"
     assert (tmp_path / "run" / "checkpoint.pt").exists() and "status: interrupted" in out
+
+
+def test_bare_fp4lab_prints_help_without_an_empty_error(cli):
+    out = cli()
+    assert out.returncode == 0 and "Usage" in out.stdout and "error" not in out.stderr
+
+
+def test_recipes_show_resolves_the_cpu_default_depth(cli):
+    out = cli("recipes", "show", "nvfp4")
+    assert out.returncode in (0, None) and "4 blocks" in out.stdout
+
+
+def test_a_run_probes_its_final_step_and_writes_strict_json(cli, tmp_path):
+    out = cli("train", "--model", "tiny", "--data", "synthetic", "--steps", "7", "--batch-size", "2", "--seq-len", "32",
+              "--probe-every", "5", "--out", "run")
+    assert out.returncode in (0, None), out.stderr
+
+    def refuse(token):
+        raise ValueError(token)
+
+    records = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "attn_entropy_mean" in r] == [0, 5, 6]
+    again = cli("train", "--model", "tiny", "--data", "synthetic", "--steps", "7", "--batch-size", "2", "--seq-len", "32",
+                "--probe-every", "5", "--out", "run")
+    assert "already holds this run, completed after 7 steps" in again.stderr
+    longer = cli("train", "--model", "tiny", "--data", "synthetic", "--steps", "9", "--batch-size", "2", "--seq-len", "32",
+                 "--probe-every", "5", "--out", "run")
+    assert longer.returncode == 2 and "cannot be extended exactly" in longer.stderr and "--fresh" in longer.stderr

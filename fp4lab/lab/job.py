@@ -29,6 +29,7 @@ from typing import Any
 from fp4lab.lab.catalog import IN_FLIGHT_STATES, Catalog, owner_alive, this_owner, utc_now
 from fp4lab.lab.logscan import ScanThresholds, scan
 from fp4lab.lab.spec import RunSpec
+from fp4lab.train.jsonl import read_json_line
 
 # Summary status of a finished training process -> catalog state.
 STATE_OF_STATUS = {
@@ -177,7 +178,7 @@ def loss_at_steps(metrics: Path, every: int = 10) -> dict[str, float]:
     last = None
     for line in metrics.read_text().splitlines():
         try:
-            record = json.loads(line)
+            record = read_json_line(line)
         except json.JSONDecodeError:
             continue
         step, loss = record.get("step"), record.get("loss")

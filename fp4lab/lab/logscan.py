@@ -103,6 +103,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp4lab.train.jsonl import read_json_line
+
 __all__ = [
     "PRESETS",
     "LogFormat",
@@ -569,7 +571,7 @@ def _read_jsonl(path: Path, counts: dict[str, int]) -> Iterator[dict[str, Any]]:
             continue
         counts["lines"] += 1
         try:
-            record = json.loads(line)
+            record = read_json_line(line)
         except ValueError:
             counts["skipped_lines"] += 1
             continue

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fp4lab.train.atomic import write_atomic
+from fp4lab.train.jsonl import read_json_line
 
 BASELINE = "bf16"
 RUN_SPECIFIC = ("seed", "out_dir", "name", "run_name", "resume", "resume_from", "checkpoint")
@@ -190,7 +191,7 @@ def read_metrics(path: Path) -> RunMetrics:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = read_json_line(line)
         except json.JSONDecodeError:
             raise ValueError(f"{path}:{number}: not JSON") from None
         step = row.get("step") if isinstance(row, dict) else None

@@ -33,6 +33,7 @@ from fp4lab.lab.job import finish_run, last_error_line, thresholds_from_table
 from fp4lab.lab.logscan import ScanThresholds, scan
 from fp4lab.lab.sbatch import write_scripts, write_trial_scripts
 from fp4lab.lab.spec import RunSpec, SlurmSpec, SweepSpec, expand, load_spec, time_limit_seconds
+from fp4lab.train.jsonl import read_json_line
 
 @dataclass
 class SweepPlan:
@@ -430,7 +431,7 @@ def progress_of(record: dict[str, Any], catalog: Catalog) -> tuple[int | None, f
         lines = handle.read().decode(errors="replace").splitlines()
     for line in reversed(lines):
         try:
-            last = json.loads(line)
+            last = read_json_line(line)
         except json.JSONDecodeError:
             continue
         if isinstance(last, dict) and isinstance(last.get("step"), int):

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from fp4lab.train.atomic import replace_atomically
+from fp4lab.train.jsonl import json_line, read_json_line
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
@@ -25,11 +26,6 @@ def write_json(path: Path, value: Any) -> None:
     replace_atomically(path, lambda handle: handle.write(json.dumps(value, indent=1, default=str).encode() + b"\n"))
 
 
-def json_line(record: dict[str, Any]) -> str:
-    """One metrics line. Non-finite floats are written as NaN / Infinity (Python's json reads them)."""
-    return json.dumps(record, allow_nan=True)
-
-
 class MetricsLog:
     """metrics.jsonl: one JSON object per line, flushed as written. Opening it for a run resumed at
     `resume_step` drops the lines of steps >= resume_step first (they were logged after the
@@ -41,7 +37,7 @@ class MetricsLog:
         if resume_step and path.exists():
             for line in path.read_text().splitlines():
                 try:
-                    record = json.loads(line)
+                    record = read_json_line(line)
                 except json.JSONDecodeError:
                     continue  # a line cut short by a kill
                 if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < resume_step:

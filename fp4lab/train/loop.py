@@ -123,7 +123,7 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
             if recipe.lora_svd_rank and step % recipe.lora_svd_every == 0:
                 _realign_low_rank(model)
             optimizer.set_lr_scale(lr_factor(config, step))
-            probing = step % config.probe_every == 0
+            probing = step % config.probe_every == 0 or step == config.steps - 1  # the final state is probed too
             _set_probes(model, probing, record_max_logits=probing or qk_clip == "kimi")
 
             tic = time.perf_counter()
