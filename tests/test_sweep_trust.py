@@ -243,3 +243,40 @@ def test_a_run_probes_its_final_step_and_writes_strict_json(cli, tmp_path):
     longer = cli("train", "--model", "tiny", "--data", "synthetic", "--steps", "9", "--batch-size", "2", "--seq-len", "32",
                  "--probe-every", "5", "--out", "run")
     assert longer.returncode == 2 and "cannot be extended exactly" in longer.stderr and "--fresh" in longer.stderr
+
+
+def test_a_spec_sets_the_sparse_log_spike_rule():
+    from fp4lab.lab.job import thresholds_from_table
+    from fp4lab.lab.spec import spec_from_dict
+
+    table = {"name": "s", "base": {"model": "tiny"}, "axes": {"recipe": ["bf16"]},
+             "scan": {"spike_ratio_baseline": 8, "spike_ratio_min_count": 6}}
+    thresholds = thresholds_from_table(spec_from_dict(table).scan, "s.toml")
+    assert (thresholds.spike_ratio_baseline, thresholds.spike_ratio_min_count) == (8, 6)
+
+
+def test_the_live_sweep_view_shows_counts_step_loss_and_time_left(tmp_path):
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from fp4lab.cli import _sweep_progress
+
+    catalog = Catalog(tmp_path / "c.json")
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 9, "loss": 3.25}\n')
+    catalog.upsert({"id": "a", "sweep": "s", "sweeps": ["s"], "state": "running", "config": {"steps": 20},
+                    "started_at": "2026-01-01T00:00:00.000Z", "paths": {"run_dir": "runs/a"}, "extra": {"name": "recipe=nvfp4"}})
+    catalog.upsert({"id": "b", "sweep": "s", "sweeps": ["s"], "state": "completed"})
+    catalog.upsert({"id": "c", "sweep": "s", "sweeps": ["s"], "state": "pending"})
+    plan = SimpleNamespace(spec=SimpleNamespace(name="s"))
+    todo = [SimpleNamespace(id=i) for i in "abc"]
+    console = Console(file=io.StringIO(), force_terminal=True, width=120)
+    assert _sweep_progress(Console(file=io.StringIO(), width=120), catalog, plan, todo).__class__.__name__ == "nullcontext"
+    live = _sweep_progress(console, catalog, plan, todo)
+    console.print(live.get_renderable())
+    text = console.file.getvalue()
+    assert "1 done, 1 running, 1 pending" in text and "recipe=nvfp4" in text and "9/20" in text and "3.2500" in text
+    assert " s" in text.split("3.2500")[1]  # a time left in seconds

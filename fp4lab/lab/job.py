@@ -45,6 +45,8 @@ SCAN_KEYS = {
     "spike_sigma": "spike_k",
     "spike_window": "spike_window",
     "spike_ratio": "spike_ratio",
+    "spike_ratio_baseline": "spike_ratio_baseline",
+    "spike_ratio_min_count": "spike_ratio_min_count",
     "entropy_floor": "entropy_floor",
     "entropy_drop_factor": "entropy_drop_factor",
     "max_logit_tau": "max_logit_tau",

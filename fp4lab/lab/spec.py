@@ -42,6 +42,8 @@ SCAN_KEYS = {
     "spike_sigma": float,
     "spike_window": int,
     "spike_ratio": float,
+    "spike_ratio_baseline": int,
+    "spike_ratio_min_count": int,
     "entropy_floor": float,
     "entropy_drop_factor": float,
     "max_logit_tau": float,
