@@ -16,6 +16,7 @@ import torch
 from fp4lab.nn.recipe import list_recipes
 from fp4lab.train.config import ConfigError, TrainConfig
 from fp4lab.train.data import DataConfig
+from fp4lab.train.jsonl import read_json_line
 from fp4lab.train.loop import lr_factor, run
 
 
@@ -30,7 +31,7 @@ def small(tmp_path: Path, name: str = "run", **overrides) -> TrainConfig:
 
 
 def metrics(config: TrainConfig) -> list[dict]:
-    return [json.loads(line) for line in (Path(config.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [read_json_line(line) for line in (Path(config.out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("recipe", list_recipes())
@@ -53,7 +54,7 @@ def test_metrics_fields_and_outputs(tmp_path):
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "qk_clipped_heads"} <= set(record)
     assert {r["step"] for r in records if "val_loss" in r} == {5, 11}
     probed = [r for r in records if "attn_entropy" in r]
-    assert [r["step"] for r in probed] == [0, 4, 8]
+    assert [r["step"] for r in probed] == [0, 4, 8, 11]  # every probe_every steps, and the final step
     first = probed[0]
     assert len(first["attn_entropy"]) == 4 and len(first["attn_entropy"][0]) == 4  # layers x heads
     assert all(0 < h <= math.log(64) for layer in first["attn_entropy"] for h in layer)
