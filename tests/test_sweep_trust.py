@@ -15,25 +15,12 @@ from pathlib import Path
 import pytest
 
 from fp4lab.lab.catalog import Catalog
-
-BASE = """
-[base]
-model = "tiny"
-steps = {steps}
-batch_size = 2
-seq_len = 32
-warmup_steps = 1
-eval_every = 3
-eval_batches = 1
-probe_every = 3
-checkpoint_every = 3
-[base.data]
-source = {source}
-"""
-
+from tests.test_sweep import BASE_TABLES
 
 def spec(name: str, recipes: list[str], steps: int = 6, source: str = '"synthetic"') -> str:
-    return f'name = "{name}"\n' + BASE.format(steps=steps, source=source) + f"[axes]\nrecipe = {json.dumps(recipes)}\n"
+    """The mini sweep's base (tests/test_sweep.py) under another name, recipes, length or token source."""
+    base = BASE_TABLES.replace("\nsteps = 6\n", f"\nsteps = {steps}\n").replace('source = "synthetic"', f"source = {source}")
+    return f'name = "{name}"\n' + base + f"[axes]\nrecipe = {json.dumps(recipes)}\n"
 
 
 @pytest.fixture
