@@ -665,8 +665,8 @@ class Catalog:
             record = tx.get(run_id)
             if record is None:
                 raise RunNotFound(f"run {run_id!r} is not in catalog {self.path}; upsert() it first")
-            current = record.get("owner")
-            if current and current != owner and record["state"] in IN_FLIGHT_STATES and owner_alive(current):
+            current = live_owner(record, owner)
+            if current is not None:
                 return current
             tx.update(run_id, owner=owner, **fields)
             return None
@@ -736,6 +736,14 @@ def this_owner() -> str:
     import socket
 
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def live_owner(record: Mapping[str, Any], *mine: str) -> str | None:
+    """The owner driving an in-flight run, if it is a live process other than `mine`; else None."""
+    owner = record.get("owner")
+    if owner and owner not in mine and record.get("state") in IN_FLIGHT_STATES and owner_alive(owner):
+        return owner
+    return None
 
 
 def owner_alive(owner: str) -> bool:

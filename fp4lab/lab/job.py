@@ -26,7 +26,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.catalog import IN_FLIGHT_STATES, Catalog, owner_alive, this_owner, utc_now
+from fp4lab.lab.catalog import Catalog, live_owner, this_owner, utc_now
 from fp4lab.lab.logscan import ScanThresholds, scan
 from fp4lab.lab.spec import RunSpec
 from fp4lab.train.jsonl import read_json_line
@@ -91,7 +91,7 @@ def record_start(catalog: Catalog, run_id: str) -> dict[str, Any]:
             raise ValueError(f"{catalog.path}: no run {run_id}; --catalog records runs written by `fp4lab sweep` "
                              f"(jobs/<sweep>/<id>.toml): run the sweep, or train without --catalog")
         owner, parent = record.get("owner"), this_owner().rpartition(":")[0] + f":{os.getppid()}"
-        if owner and owner not in (this_owner(), parent) and record["state"] in IN_FLIGHT_STATES and owner_alive(owner):
+        if live_owner(record, this_owner(), parent) is not None:
             raise RunInFlight(f"run {run_id} is being trained by process {owner} (state {record['state']}); "
                               "wait for it (fp4lab status) or stop that process first")
         fields = {"state": "running", "started_at": utc_now(), "finished_at": None, "attempts": record["attempts"] + 1,
@@ -127,14 +127,19 @@ def error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__
 
 
+def tail_lines(path: Path, size: int = 65536) -> list[str]:
+    """The lines of the last `size` bytes of a file (a log or metrics.jsonl), empty if it is missing."""
+    if not path.exists():
+        return []
+    with open(path, "rb") as handle:
+        handle.seek(0, 2)
+        handle.seek(max(0, handle.tell() - size))
+        return handle.read().decode(errors="replace").splitlines()
+
+
 def last_error_line(log: Path) -> str | None:
     """The last line of a training log that reads like an error (a traceback's last line), if any."""
-    if not log.exists():
-        return None
-    with open(log, "rb") as handle:
-        handle.seek(0, 2)
-        handle.seek(max(0, handle.tell() - 65536))
-        lines = [line.strip() for line in handle.read().decode(errors="replace").splitlines() if line.strip()]
+    lines = [line.strip() for line in tail_lines(log) if line.strip()]
     for line in reversed(lines):
         head = line.split(":", 1)[0]
         if head.endswith(("Error", "Exception", "Interrupt")) or line.startswith(("fp4lab", "Killed")):

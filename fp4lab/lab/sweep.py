@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.catalog import IN_FLIGHT_STATES, Catalog, owner_alive, sweeps_of, this_owner, utc_now
-from fp4lab.lab.job import finish_run, last_error_line, thresholds_from_table
+from fp4lab.lab.catalog import IN_FLIGHT_STATES, Catalog, live_owner, sweeps_of, this_owner, utc_now
+from fp4lab.lab.job import finish_run, last_error_line, tail_lines, thresholds_from_table
 from fp4lab.lab.logscan import ScanThresholds, scan
 from fp4lab.lab.sbatch import write_scripts, write_trial_scripts
 from fp4lab.lab.spec import RunSpec, SlurmSpec, SweepSpec, expand, load_spec, time_limit_seconds
@@ -116,8 +116,7 @@ def needed_runs(plan: SweepPlan, catalog: Catalog, *, retry_failed: bool) -> tup
 def _skip_reason(record: dict[str, Any], retry_failed: bool) -> str | None:
     state = record["state"]
     if state in IN_FLIGHT_STATES:
-        live_owner = record.get("owner") and owner_alive(record["owner"])
-        return "in flight" if live_owner or record.get("slurm_job_id") else None
+        return "in flight" if live_owner(record) or record.get("slurm_job_id") else None
     reason = SKIP_REASONS.get(state)
     return None if reason == "failed" and retry_failed else reason
 
@@ -422,14 +421,9 @@ def slurm_job_states(records: list[dict[str, Any]]) -> dict[str, str]:
 def progress_of(record: dict[str, Any], catalog: Catalog) -> tuple[int | None, float | None]:
     """(last step, last loss) from a run's metrics.jsonl, reading only its tail."""
     run_dir = catalog.resolve(record["paths"].get("run_dir"))
-    metrics = run_dir / "metrics.jsonl" if run_dir else None
-    if metrics is None or not metrics.exists():
+    if run_dir is None:
         return None, None
-    with open(metrics, "rb") as handle:
-        handle.seek(0, 2)
-        handle.seek(max(0, handle.tell() - 65536))
-        lines = handle.read().decode(errors="replace").splitlines()
-    for line in reversed(lines):
+    for line in reversed(tail_lines(run_dir / "metrics.jsonl")):
         try:
             last = read_json_line(line)
         except json.JSONDecodeError:
