@@ -552,6 +552,8 @@ def _sweep_progress(console, runs_catalog, plan, todo):
 
     from fp4lab.lab.sweep import progress_of
 
+    from datetime import UTC, datetime
+
     ids = {run.id for run in todo}
     began = time.monotonic()
 
@@ -570,8 +572,6 @@ def _sweep_progress(console, runs_catalog, plan, todo):
             steps = record["config"].get("steps")
             left = ""
             if step and steps and record.get("started_at"):
-                from datetime import UTC, datetime
-
                 started = datetime.fromisoformat(record["started_at"].replace("Z", "+00:00"))
                 elapsed = (datetime.now(UTC) - started).total_seconds()
                 left = f"{elapsed / (step + 1) * (steps - step - 1):.0f} s"
