@@ -12,9 +12,32 @@ from pathlib import Path
 from typing import Annotated, NoReturn, Optional
 
 import typer
+from typer.core import TyperGroup
+
+
+def _untyped_flags(params: list) -> list:
+    for param in params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""  # typer labels a flag `<bool>` in --help, as if it took a value
+    return params
+
+
+class _Commands(TyperGroup):
+    """fp4lab's command group: its --help and each command's list flags without a value type."""
+
+    def get_params(self, ctx: typer.Context) -> list:
+        return _untyped_flags(super().get_params(ctx))
+
+    def get_command(self, ctx: typer.Context, name: str):
+        command = super().get_command(ctx, name)
+        if command is not None:
+            _untyped_flags(command.get_params(ctx))
+        return command
+
 
 app = typer.Typer(
     name="fp4lab",
+    cls=_Commands,
     help="Find which FP4 training recipe trains a language model stably and fast.",
     no_args_is_help=True,
     add_completion=False,
@@ -823,7 +846,7 @@ def _describe_proposal(kind, params: dict, rationale: str) -> str:
     return f"diff: {rationale}" if rationale else "diff"
 
 
-recipes_app = typer.Typer(help="List the FP4 recipes and show a recipe's per-operand ledger.", no_args_is_help=False)
+recipes_app = typer.Typer(cls=_Commands, help="List the FP4 recipes and show a recipe's per-operand ledger.", no_args_is_help=False)
 app.add_typer(recipes_app, name="recipes")
 
 

@@ -205,3 +205,32 @@ def test_bench_on_the_cpu_times_kernels_and_steps_beside_the_anchor(run_cli, tmp
     assert ratios["bf16_tokens_per_s_vs_anchor"] == steps["bf16"]["tokens_per_s"] / steps["anchor"]["tokens_per_s"]
     assert ratios["nvfp4_step_time_vs_bf16"] == steps["nvfp4"]["step_ms"] / steps["bf16"]["step_ms"]
 
+
+
+def test_help_lists_flags_without_a_value_type():
+    # A flag takes no value, so --help must not print a `<bool>` type beside it, on any command.
+    import typer
+    from typer.testing import CliRunner
+
+    from fp4lab.cli import app
+
+    runner = CliRunner()
+
+    def command_paths(group, ctx, prefix: list[str]):
+        yield prefix
+        for name in group.list_commands(ctx):
+            sub = group.get_command(ctx, name)
+            if hasattr(sub, "list_commands"):
+                yield from command_paths(sub, typer.Context(sub, parent=ctx), prefix + [name])
+            else:
+                yield prefix + [name]
+
+    root = typer.main.get_command(app)
+    paths = list(command_paths(root, typer.Context(root), []))
+    assert ["recipes", "show"] in paths and ["train"] in paths
+    for path in paths:
+        result = runner.invoke(app, [*path, "--help"], terminal_width=100)
+        assert result.exit_code == 0, (path, result.output)
+        assert "--help" in result.output
+        assert "<bool>" not in result.output, path
+    assert "<int>" in runner.invoke(app, ["train", "--help"], terminal_width=100).output
