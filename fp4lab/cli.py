@@ -227,13 +227,18 @@ def train(
     if summary["status"] == "interrupted":
         print(f"interrupted after step {summary['steps_completed']}: checkpoint written; run the same command to resume "
               f"({train_config.out_dir})", file=sys.stderr)
-    print("---")
-    for key in ("status", "diverged_step", "steps_completed", "final_loss", "best_loss", "final_val_loss", "tokens_per_s", "train_seconds", "peak_memory_mb"):
-        value = summary[key]
-        print(f"{key}: {value:.6g}" if isinstance(value, float) else f"{key}: {value}")
-    print(f"out_dir: {train_config.out_dir}")
+    _print_summary_block(summary, train_config.out_dir)
     if summary["status"] == "interrupted":
         raise typer.Exit(130)
+
+
+def _print_summary_block(summary: dict, out_dir, file=None) -> None:
+    """The block ending a run's output; `fp4lab scan` reads its status from the worker logs."""
+    print("---", file=file)
+    for key in ("status", "diverged_step", "steps_completed", "final_loss", "best_loss", "final_val_loss", "tokens_per_s", "train_seconds", "peak_memory_mb"):
+        value = summary.get(key)
+        print(f"{key}: {value:.6g}" if isinstance(value, float) else f"{key}: {value}", file=file)
+    print(f"out_dir: {out_dir}", file=file)
 
 
 def _note_finished_run(config) -> None:
@@ -615,7 +620,7 @@ def trial(
     as_json: Annotated[bool, typer.Option("--json", help="Print the trial's catalog record as JSON.")] = False,
 ) -> None:
     """Run one trial of an Optuna sweep: ask the study, train, tell (what each optuna sweep job runs)."""
-    from fp4lab.lab.catalog import CatalogError
+    from fp4lab.lab.catalog import Catalog, CatalogError
     from fp4lab.lab.spec import SpecError
     from fp4lab.lab.trials import run_trial
     from fp4lab.nn.recipe import RecipeError
@@ -623,8 +628,15 @@ def trial(
 
     try:
         record = run_trial(spec, jobs_dir=jobs_dir, catalog_path=catalog, slot=slot, resume=resume)
+        run_dir = Catalog(catalog).resolve(record["paths"]["run_dir"])
     except (SpecError, CatalogError, ConfigError, RecipeError, ValueError) as exc:
         fail(f"trial: {str(exc).splitlines()[0]}")
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        summary = None  # stopped before its first summary: the worker log ends in progress lines
+    if summary is not None:  # beside the progress lines on stderr when stdout carries the JSON record
+        _print_summary_block(summary, record["paths"]["run_dir"], file=sys.stderr if as_json else None)
     if as_json:
         json.dump(record, sys.stdout)
         sys.stdout.write("\n")

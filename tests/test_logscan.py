@@ -566,3 +566,22 @@ def test_cli_scans_every_path_and_reports_the_missing_one(run_cli, tmp_path):
     assert no_loss.returncode == 1 and "no_loss" in no_loss.stdout and "the log is empty" in no_loss.stdout
     bad = run_cli("scan", str(nanogpt), "--preset", "fairseq")
     assert bad.returncode == 2 and "--preset 'fairseq'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_log_holding_several_runs_judges_each_against_its_own_history(tmp_path):
+    # A log that restarts at step 0 (a second run appended to it, or a restart from an earlier
+    # checkpoint): the new run's high first losses are not a spike against the old run's low ones...
+    def nanogpt_lines(losses):
+        return "".join(f"iter {i}: loss {x:.4f}, time 40.00ms, mfu 12.00%\n" for i, x in enumerate(losses))
+
+    log = tmp_path / "train.log"
+    log.write_text(nanogpt_lines(curve(200, seed=1)) + nanogpt_lines(curve(200, seed=2)))
+    result = scan(log, preset="nanogpt", now=OLD)
+    assert result.verdict == "converged", result.events
+    assert result.counts["steps"] == 400 and result.last_step == 199
+    # ...but a spike inside the second run is still caught, at its step
+    second = curve(200, seed=2)
+    second[120] *= 2.5
+    log.write_text(nanogpt_lines(curve(200, seed=1)) + nanogpt_lines(second))
+    result = scan(log, preset="nanogpt", now=OLD)
+    assert result.verdict == "unstable" and result.first_step["loss_spike"] == 120

@@ -122,6 +122,11 @@ def test_optuna_sweep_asks_trains_and_tells_every_trial(cli, tmp_path):
         assert record["config"]["lr"] == trial.params["lr"] and record["config"]["ns_steps"] == trial.params["ns_steps"]
         assert 0.005 <= trial.params["lr"] <= 0.05 and 3 <= trial.params["ns_steps"] <= 6
     assert len({r["id"] for r in records}) == 3
+    logs = sorted(p.name for p in (tmp_path / "jobs" / "opt" / "logs").glob("*.local.log"))
+    assert logs == ["trial-slot0.local.log", "trial-slot1.local.log", "trial-slot2.local.log"]  # one per trial
+    scanned = cli("scan", *(str(tmp_path / "jobs" / "opt" / "logs" / name) for name in logs), "--json")
+    assert scanned.returncode in (0, None), scanned.stdout
+    assert [r["status"] for r in json.loads(scanned.stdout)] == ["converged"] * 3
     again = cli("sweep", "opt.toml")
     assert "already holds every trial" in again.stdout and len(_study(tmp_path).get_trials()) == 3
 
@@ -137,6 +142,7 @@ def test_optuna_sweep_resumes_a_trial_a_killed_sweep_left_running(cli, tmp_path)
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]  # the orphan was finished, one new trial
     records = Catalog(tmp_path / "sweep_catalog.json").records(sweep="opt")
     assert sorted(r["extra"]["trial"] for r in records) == [0, 1]
+    assert (tmp_path / "jobs" / "opt" / "logs" / f"trial-{orphan.number}-resume.local.log").stat().st_size > 0
     resumed = next(r for r in records if r["extra"]["trial"] == orphan.number)
     assert resumed["config"]["lr"] == trials[orphan.number].params["lr"]
 

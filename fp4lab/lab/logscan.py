@@ -736,6 +736,18 @@ class _Detector:
         self.open: dict[str, ScanEvent] = {}  # kind (or kind/layer) -> the episode still running
         self.best_history: deque[tuple[int, float]] = deque()
         self.stall_reported = False
+        self.previous_training_step: int | None = None
+
+    def _restart_baselines(self) -> None:
+        """A training step at or below the last one starts another run (or a restart from an earlier
+        checkpoint) in the same log: its first losses are judged against its own history, not the
+        previous run's low final losses."""
+        self.losses = _Window(self.th.spike_window)
+        self.recent_losses.clear()
+        self.grads = _Window(self.th.spike_window)
+        self.best_history.clear()
+        self.open.pop("loss_spike", None)
+        self.open.pop("grad_spike", None)
 
     def _flag(self, key: str, kind: str, step: int, value: float, threshold: float | None, detail: str, worse) -> None:
         self.flagged[kind] = self.flagged.get(kind, 0) + 1
@@ -757,6 +769,10 @@ class _Detector:
         step = record["step"]
         training = record.get("training", True)  # evaluation lines of text logs are not steps
         self.steps += training
+        if training:
+            if self.previous_training_step is not None and step <= self.previous_training_step:
+                self._restart_baselines()
+            self.previous_training_step = step
         self.last_step = step if self.last_step is None else max(self.last_step, step)
         loss = _num(record.get("loss"))
         grad = _num(record.get("grad_norm"))

@@ -234,12 +234,16 @@ def run_trials_local(
     fresh = max(0, plan.spec.optuna.n_trials - done - len(resumes) - counts.get("WAITING", 0))
     spec_copy = plan.sweep_dir / "spec.toml"
     base = [sys.executable, "-m", "fp4lab.cli", "trial", str(spec_copy), "--jobs-dir", str(plan.jobs_dir), "--catalog", str(catalog.path)]
-    launches = [base + ["--resume", str(n)] for n in resumes] + [base + ["--slot", str(done + len(resumes) + i)] for i in range(fresh)]
-    log = plan.sweep_dir / "logs" / "trials.local.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
+    # One log per launch: concurrent trials sharing a file would interleave their lines.
+    logs = plan.sweep_dir / "logs"
+    launches = [(base + ["--resume", str(n)], logs / f"trial-{n}-resume.local.log") for n in resumes]
+    for slot in range(done + len(resumes), done + len(resumes) + fresh):
+        launches.append((base + ["--slot", str(slot)], logs / f"trial-slot{slot}.local.log"))
+    logs.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
 
-    def one(command: list[str]) -> None:
+    def one(launch: tuple[list[str], Path]) -> None:
+        command, log = launch
         with open(log, "ab") as out:
             trial = subprocess.run(command + ["--json"], stdout=subprocess.PIPE, stderr=out, text=True, env=worker_env(workers))
         if trial.returncode == 0 and on_finish is not None:
