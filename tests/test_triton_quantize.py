@@ -413,10 +413,15 @@ def test_decode_every_scale_byte(tq, fmt, tiled):
     (the subnormal products of E8M0 2^-127 and 2^-126 included) and fp32."""
     tile = (BLOCK[fmt], BLOCK[fmt]) if tiled else None
     codes, scales, shape = every_scale_byte(fmt, tile, "cuda")
+    assert_decodes_as_reference(tq, codes, scales, fmt, shape, tile)
+
+
+def assert_decodes_as_reference(tq, codes, scales, fmt, shape, tile) -> None:
+    """decode_fused equals QTensor.factored bit for bit, in bf16 and fp32."""
     want = QTensor(codes, scales, None, fmt, torch.Size(shape), BLOCK[fmt], tile=tile).factored().values
     for dtype in (torch.bfloat16, torch.float32):
         got = tq.decode_fused(codes, scales, fmt=fmt, shape=shape, tile=tile, out_dtype=dtype)
-        assert_same_bits(got, want.to(dtype), f"{fmt} {dtype}")
+        assert_same_bits(got, want.to(dtype), f"{fmt} {shape} {tile} {dtype}")
 
 
 @pytest.mark.cuda
@@ -431,10 +436,7 @@ def test_decode_odd_shapes(tq):
         th, tw = tile or (1, BLOCK[fmt])
         codes = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8).cuda()
         scales = torch.randint(0, 256, (rows // th, cols // tw), generator=g, dtype=torch.uint8).cuda()
-        want = QTensor(codes, scales, None, fmt, torch.Size(shape), BLOCK[fmt], tile=tile).factored().values
-        for dtype in (torch.bfloat16, torch.float32):
-            got = tq.decode_fused(codes, scales, fmt=fmt, shape=shape, tile=tile, out_dtype=dtype)
-            assert_same_bits(got, want.to(dtype), f"{fmt} {shape} {tile} {dtype}")
+        assert_decodes_as_reference(tq, codes, scales, fmt, shape, tile)
 
 
 @pytest.mark.cuda

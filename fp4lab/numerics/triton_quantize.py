@@ -241,11 +241,15 @@ def _uniforms(seed_ptr, rows, col0, n_cols, M: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _block_scale(bmax, s_enc, outer, NV: tl.constexpr, MODE: tl.constexpr):
+def _block_scale(bmax, amax_ptr, outer_ptr, first, NV: tl.constexpr, MODE: tl.constexpr):
     """From a block's (or 2D tile's) amax: (scale byte, decode scale, encode multiplier); a poisoned
-    block gets the NaN byte and a NaN decode scale."""
+    block gets the NaN byte and a NaN decode scale. NVFP4 reads the tensor amax for its outer scale,
+    which the `first` program stores."""
     finite = bmax <= FLT_MAX
     if NV:
+        s_enc, outer = _nvfp4_tensor_scales(amax_ptr)
+        if first:
+            tl.store(outer_ptr, outer)
         # One float32 rounding of amax * (S_enc * (1/6)), as TE and quantize._encode compute it.
         byte = _e4m3_encode(tl.minimum(bmax * (s_enc * (1.0 / 6.0)), 448.0))
         byte = tl.where(finite, byte, 0x7F)
@@ -301,12 +305,7 @@ def _quantize_store(
     if H > 0:
         t = _hadamard(t, signs_ptr, M, N, H)
     bmax = _block_amax(t, M, N, BLOCK)
-    s_enc, outer = 1.0, 1.0
-    if NV:
-        s_enc, outer = _nvfp4_tensor_scales(amax_ptr)
-        if (row0 == 0) & (col0 == 0):
-            tl.store(outer_ptr, outer)
-    byte, decode, multiplier = _block_scale(bmax, s_enc, outer, NV, MODE)
+    byte, decode, multiplier = _block_scale(bmax, amax_ptr, outer_ptr, (row0 == 0) & (col0 == 0), NV, MODE)
 
     v = tl.reshape(t, [M, NB, BLOCK]) * multiplier[:, :, None]
     a = tl.abs(v)
@@ -409,12 +408,7 @@ def _tile_kernel(
     cols = c0 + tl.arange(0, BC)
     t = tl.reshape(_load(x_ptr, rows, cols, R, C, EVEN), [BR // TH, TH, BC // TW, TW])
     tmax = tl.reduce(tl.reduce(tl.abs(t), 3, _max_nan), 1, _max_nan)  # NaN or Inf: poisoned tile
-    s_enc, outer = 1.0, 1.0
-    if NV:
-        s_enc, outer = _nvfp4_tensor_scales(amax_ptr)
-        if (r0 == 0) & (c0 == 0):
-            tl.store(outer_ptr, outer)
-    byte, decode, multiplier = _block_scale(tmax, s_enc, outer, NV, MODE)
+    byte, decode, multiplier = _block_scale(tmax, amax_ptr, outer_ptr, (r0 == 0) & (c0 == 0), NV, MODE)
     v = t * multiplier[:, None, :, None]
     a = tl.abs(v)
     if NV:
