@@ -178,7 +178,7 @@ def train(
     catalog: Annotated[Optional[Path], typer.Option(help="Record this sweep run's start and end in this catalog (sweep jobs pass it; needs --config jobs/<sweep>/<id>.toml and no other flag).")] = None,
 ) -> None:
     """Train a small Llama-style model with one FP4 recipe; resumes from the run folder's checkpoint."""
-    from fp4lab.lab.catalog import CatalogError
+    from fp4lab.lab.records.catalog import CatalogError
     from fp4lab.nn.recipe import RecipeError
     from fp4lab.train.config import ConfigError, TrainConfig
 
@@ -216,8 +216,8 @@ def train(
 
     try:
         if catalog is not None:
-            from fp4lab.lab.catalog import Catalog
-            from fp4lab.lab.job import train_recorded
+            from fp4lab.lab.records.catalog import Catalog
+            from fp4lab.lab.runs.job import train_recorded
 
             summary = train_recorded(config, Catalog(catalog))
         else:
@@ -428,8 +428,8 @@ def scan(
     live jobs included; 2 on bad options or when a path cannot be scanned (each such path gets an
     error line on stderr; the other paths are still scanned and printed).
     """
-    from fp4lab.lab.logscan import HEALTHY_VERDICTS, PRESETS, LogFormat, ScanThresholds, format_result
-    from fp4lab.lab.logscan import scan as scan_log
+    from fp4lab.lab.records.logscan import HEALTHY_VERDICTS, PRESETS, LogFormat, ScanThresholds, format_result
+    from fp4lab.lab.records.logscan import scan as scan_log
 
     try:
         thresholds = ScanThresholds().with_overrides(threshold or [])
@@ -473,31 +473,32 @@ def sweep(
 
     Exits 1 when a run of the sweep failed (its error is shown), 130 after Ctrl-C (the runs in progress
     checkpoint and the next `fp4lab sweep` resumes them), 2 on a bad spec or argument."""
-    from fp4lab.lab.catalog import Catalog, CatalogError
-    from fp4lab.lab.spec import SpecError
-    from fp4lab.lab.sweep import (
-        SweepInterrupted, needed_runs, plan_sweep, preflight, register_runs, run_local, run_trials_local, submit_sbatch, submit_submitit,
-    )  # fmt: skip
+    from fp4lab.lab.records.catalog import Catalog, CatalogError
+    from fp4lab.lab.runs.executors import EXECUTORS, SweepInterrupted, make_executor
+    from fp4lab.lab.runs.slurm import SubmissionError
+    from fp4lab.lab.runs.sweep import needed_runs, plan_sweep, preflight, register_runs
+    from fp4lab.lab.specs.sweep_spec import SpecError
 
-    if executor not in ("local", "slurm", "sbatch"):
-        fail(f"sweep: --executor {executor!r} is not supported; allowed: local, slurm, sbatch")
+    if executor not in EXECUTORS:
+        fail(f"sweep: --executor {executor!r} is not supported; allowed: {', '.join(EXECUTORS)}")
     if workers < 1:
         fail(f"sweep: --workers must be >= 1, got {workers}")
+    console = _console()
     try:
+        runner = make_executor(executor, **({"workers": workers} if executor == "local" else {}))
         runs_catalog = Catalog(catalog)
         runs_catalog.records()  # a corrupt catalog fails here, before anything is written
         plan = plan_sweep(spec, jobs_dir, catalog)
         problems = preflight(plan, executor)
         if problems and not dry_run:
             fail(f"sweep: {problems[0]}" + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""))
-        register_runs(plan, runs_catalog, "local" if executor == "local" else "slurm")
+        register_runs(plan, runs_catalog, runner.records_as)
         todo, skipped = needed_runs(plan, runs_catalog, retry_failed=retry_failed)
     except (SpecError, CatalogError, ValueError) as exc:
         fail(str(exc).splitlines()[0])
-    console = _console()
     optuna = plan.spec.method == "optuna"
     if optuna:
-        from fp4lab.lab.trials import trial_counts
+        from fp4lab.lab.runs.trials import trial_counts
 
         counts = trial_counts(plan.spec, jobs_dir)
         console.print(f"sweep [bold]{plan.spec.name}[/] (optuna, {plan.spec.optuna.objective} {plan.spec.optuna.direction}): "
@@ -524,38 +525,37 @@ def sweep(
             console.print(f"  [yellow]would fail:[/] {problem}")
         _exit_on_failures(runs_catalog, plan)
         return
-    if executor != "local":
+    if not runner.waits:
         try:
-            job_ids = (submit_submitit if executor == "slurm" else submit_sbatch)(plan, todo, runs_catalog)
-        except Exception as exc:  # submitit and sbatch report a missing or refusing Slurm in many ways
-            fail(f"sweep: Slurm submission failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}")
-        console.print(f"submitted Slurm jobs {', '.join(job_ids) or '(none: the study is complete)'}; follow them with: fp4lab status {plan.spec.name}")
-        return
-    if optuna:
-        def trial_done(record) -> None:
-            console.print(f"  trial {record['extra'].get('trial')}  {record['id']}  {record['extra'].get('name')}: "
-                          f"{record['state']}, {record.get('verdict')}, {plan.spec.optuna.objective} {record['extra'].get('objective')}")
-
-        ran = run_trials_local(plan, runs_catalog, workers=workers, on_finish=trial_done)
-        if ran == 0:
-            console.print("the study already holds every trial; raise [optuna].n_trials to run more")
-        _print_status(runs_catalog, plan.spec.name)
+            launched = runner.launch(plan, todo, runs_catalog)
+        except SubmissionError as exc:
+            fail(f"sweep: Slurm submission failed: {exc}")
+        console.print(f"submitted Slurm jobs {', '.join(launched.job_ids) or '(none: the study is complete)'}; "
+                      f"follow them with: fp4lab status {plan.spec.name}")
         return
 
     def started(run) -> None:
         if not console.is_terminal:
             console.print(f"  {run.id}  {run.name}: started", markup=False)
 
-    def finished(run, record) -> None:
-        line = f"  {run.id}  {run.name}: {record['state']}, {record.get('verdict')}, val {record['summary'].get('final_val_loss')}"
+    def finished(record) -> None:
+        if optuna:
+            console.print(f"  trial {record['extra'].get('trial')}  {record['id']}  {record['extra'].get('name')}: "
+                          f"{record['state']}, {record.get('verdict')}, {plan.spec.optuna.objective} {record['extra'].get('objective')}",
+                          markup=False)
+            return
+        line = f"  {record['id']}  {record['extra'].get('name')}: {record['state']}, {record.get('verdict')}, val {record['summary'].get('final_val_loss')}"
         console.print(line + (f": {record['error']}" if record.get("error") else ""), markup=False)
 
+    runner.on_start, runner.on_finish = started, finished
     try:
-        with _sweep_progress(console, runs_catalog, plan, todo):
-            run_local(plan, todo, runs_catalog, workers=workers, on_start=started, on_finish=finished)
+        with _sweep_progress(console, runs_catalog, plan, [] if optuna else todo):
+            launched = runner.launch(plan, todo, runs_catalog)
     except SweepInterrupted as stopped:
         console.print(f"interrupted: {len(stopped.records)} run(s) checkpointed; `fp4lab sweep {spec}` resumes them")
         raise typer.Exit(130) from None
+    if optuna and launched.started == 0:
+        console.print("the study already holds every trial; raise [optuna].n_trials to run more")
     _print_status(runs_catalog, plan.spec.name)
     _exit_on_failures(runs_catalog, plan)
 
@@ -578,7 +578,7 @@ def _sweep_progress(console, runs_catalog, plan, todo):
     from rich.live import Live
     from rich.table import Table
 
-    from fp4lab.lab.sweep import progress_of
+    from fp4lab.lab.runs.sweep import progress_of
 
     from datetime import UTC, datetime
 
@@ -620,9 +620,9 @@ def trial(
     as_json: Annotated[bool, typer.Option("--json", help="Print the trial's catalog record as JSON.")] = False,
 ) -> None:
     """Run one trial of an Optuna sweep: ask the study, train, tell (what each optuna sweep job runs)."""
-    from fp4lab.lab.catalog import Catalog, CatalogError
-    from fp4lab.lab.spec import SpecError
-    from fp4lab.lab.trials import run_trial
+    from fp4lab.lab.records.catalog import Catalog, CatalogError
+    from fp4lab.lab.specs.sweep_spec import SpecError
+    from fp4lab.lab.runs.trials import run_trial
     from fp4lab.nn.recipe import RecipeError
     from fp4lab.train.config import ConfigError
 
@@ -652,7 +652,7 @@ def status(
     watch: Annotated[float, typer.Option(help="Refresh every N seconds until every run has ended (0: once).")] = 0.0,
 ) -> None:
     """A table of the runs in the catalog: state, step, loss, verdict (refreshed from their run folders)."""
-    from fp4lab.lab.catalog import Catalog, CatalogError
+    from fp4lab.lab.records.catalog import Catalog, CatalogError
 
     if not catalog.exists():
         fail(f"status: no catalog at {str(catalog)!r}; run fp4lab sweep SPEC first (or pass --catalog)")
@@ -669,10 +669,10 @@ def _print_status(runs_catalog, sweep_name: str | None, watch: float = 0.0) -> N
     from rich.live import Live
     from rich.table import Table
 
-    from fp4lab.lab.logscan import ScanThresholds
-    from fp4lab.lab.sweep import progress_of, refresh
+    from fp4lab.lab.records.logscan import ScanThresholds
+    from fp4lab.lab.runs.sweep import progress_of, refresh
 
-    from fp4lab.lab.catalog import TERMINAL_STATES
+    from fp4lab.lab.records.catalog import TERMINAL_STATES
 
     if sweep_name is not None and not runs_catalog.records(sweep=sweep_name):
         known = sorted({r["sweep"] for r in runs_catalog.records(per_sweep=True) if r["sweep"]})
@@ -723,7 +723,7 @@ def report(
     ratchet: Annotated[Optional[str], typer.Option(help="Report a ratchet run instead: its TAG (metric vs iteration).")] = None,
 ) -> None:
     """The recipe ledger of a sweep (seeds grouped, loss excess vs bf16) as CSV, Markdown and HTML with plots."""
-    from fp4lab.lab.report import build_report, ratchet_report, render_ledger, write_report
+    from fp4lab.lab.records.report import build_report, ratchet_report, render_ledger, write_report
 
     console = _console()
     if ratchet is not None:
@@ -764,10 +764,11 @@ def ratchet(
 ) -> None:
     """Propose a change, run a capped experiment, keep it (git commit) only if the metric strictly improves
     and the run is healthy, otherwise revert; every iteration recorded. Works in its own git worktree."""
-    from fp4lab.lab.agents import PROPOSERS
-    from fp4lab.lab.catalog import CatalogError
-    from fp4lab.lab.program import ProgramError, load_program
-    from fp4lab.lab.ratchet import Ratchet, RatchetError
+    from fp4lab.lab.ratchet.proposers import PROPOSERS
+    from fp4lab.lab.records.catalog import CatalogError
+    from fp4lab.lab.specs.program import ProgramError, load_program
+    from fp4lab.lab.ratchet.loop import Ratchet, RatchetError
+    from fp4lab.lab.repo import GitError
 
     if agent not in PROPOSERS:
         fail(f"ratchet: --agent {agent!r} is not supported; allowed: {', '.join(PROPOSERS)}")
@@ -782,7 +783,7 @@ def ratchet(
                        proposer_options=options, executor=executor, workers=workers, on_event=view.event)
         with view:
             summary = loop.run(iterations)
-    except (ProgramError, RatchetError, CatalogError, ValueError) as exc:
+    except (ProgramError, RatchetError, GitError, CatalogError, ValueError) as exc:
         fail(f"ratchet: {str(exc).splitlines()[0]}")
     console.print(
         f"ratchet [bold]{summary['tag']}[/]: stopped after {summary['reason']}; baseline {_fmt(summary['baseline'])} "

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4lab.lab.agents import (
+from fp4lab.lab.ratchet.proposers import (
     AgentError,
     CommandProposer,
     Context,
@@ -30,7 +30,7 @@ from fp4lab.lab.agents import (
     make_proposer,
     validate_proposal,
 )
-from fp4lab.lab.program import parse_program
+from fp4lab.lab.specs.program import parse_program
 
 KEY = "sk-test-6f1d2c9a"
 GOAL = "Find the recipe with the lowest loss, without NaNs."

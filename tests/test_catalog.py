@@ -1,4 +1,4 @@
-"""fp4lab.lab.catalog: schema, merge rules, refusal of bad files, and safety under many writers and kills."""
+"""fp4lab.lab.records.catalog: schema, merge rules, refusal of bad files, and safety under many writers and kills."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4lab.lab.catalog import (
+from fp4lab.lab.records.catalog import (
     FIELDS,
     SCHEMA_VERSION,
     Catalog,
@@ -290,7 +290,7 @@ def test_bad_files_raise_a_clear_error_and_are_never_overwritten(cat, text, mess
 
 WRITER = """
 import sys
-from fp4lab.lab.catalog import Catalog
+from fp4lab.lab.records.catalog import Catalog
 path, worker, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cat = Catalog(path, timeout=120)
 for i in range(n):
@@ -326,7 +326,7 @@ def test_many_concurrent_writer_processes(cat):
 
 KILLED_AT = """
 import os, signal, sys
-from fp4lab.lab import catalog
+from fp4lab.lab.records import catalog
 cat = catalog.Catalog(sys.argv[1])
 where = sys.argv[2]
 def die(*args, **kwargs):
@@ -366,7 +366,7 @@ def test_writer_killed_at_each_step_leaves_the_committed_catalog(cat, where):
 
 LOOPING_WRITER = """
 import sys
-from fp4lab.lab.catalog import Catalog
+from fp4lab.lab.records.catalog import Catalog
 cat = Catalog(sys.argv[1], timeout=30)
 blob = "x" * 200_000                      # large records: most of the time is spent writing
 for i in range(10**9):
@@ -407,7 +407,7 @@ def test_writer_sigkilled_at_random_moments(cat):
 
 HOLDER = """
 import sys, time
-from fp4lab.lab.catalog import Catalog
+from fp4lab.lab.records.catalog import Catalog
 with Catalog(sys.argv[1]).transaction() as tx:
     tx.upsert({"id": "holder"})
     print("locked", flush=True)
@@ -467,7 +467,7 @@ def test_upsert_speed(cat):
 
 
 def test_import_loads_neither_torch_nor_filelock():
-    code = "import sys, fp4lab.lab.catalog; print(sorted(m for m in ('torch', 'filelock') if m in sys.modules))"
+    code = "import sys, fp4lab.lab.records.catalog; print(sorted(m for m in ('torch', 'filelock') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 
@@ -526,7 +526,7 @@ def test_a_run_has_one_live_owner(tmp_path):
     import subprocess
     import sys
 
-    from fp4lab.lab.catalog import this_owner
+    from fp4lab.lab.records.catalog import this_owner
 
     cat = Catalog(tmp_path / "c.json")
     cat.upsert({"id": "r", "state": "running"})

@@ -1,4 +1,4 @@
-"""fp4lab.lab.logscan: readers, every event kind, every verdict, thresholds, one real fp4lab run."""
+"""fp4lab.lab.records.logscan: readers, every event kind, every verdict, thresholds, one real fp4lab run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4lab.lab.logscan import PRESETS, ScanThresholds, format_result, scan
+from fp4lab.lab.records.logscan import PRESETS, ScanThresholds, format_result, scan
 from fp4lab.train.jsonl import json_line
 
 OLD = 1e12  # a "now" long after any file's mtime: the log is stale
@@ -65,7 +65,7 @@ def write_run(
 
 
 def test_module_imports_without_torch():
-    code = "import sys, fp4lab.lab.logscan; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
+    code = "import sys, fp4lab.lab.records.logscan; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 

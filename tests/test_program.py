@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from fp4lab.lab.program import ProgramError, load_program, metric_from_output, parse_program
+from fp4lab.lab.specs.program import ProgramError, load_program, metric_from_output, parse_program
 
 HEADER = """\
 metric = "val_loss"
@@ -120,7 +120,7 @@ def test_command_program():
 
 
 def test_no_torch_at_import():
-    code = "import fp4lab.lab.program, sys; assert 'torch' not in sys.modules"
+    code = "import fp4lab.lab.specs.program, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from fp4lab.lab.catalog import Catalog
-from fp4lab.lab.program import load_program
-from fp4lab.lab.ratchet import Ratchet, RatchetError
+from fp4lab.lab.records.catalog import Catalog
+from fp4lab.lab.specs.program import load_program
+from fp4lab.lab.ratchet.loop import Ratchet, RatchetError
 
 # The target: a "benchmark" whose score is (x - 3)^2 + a small seed-dependent jitter; lower is better.
 SCORE = textwrap.dedent("""
@@ -371,7 +371,7 @@ def test_a_parallel_change_that_no_longer_applies_is_stale_not_kept(repo, tmp_pa
 
 
 def test_an_optuna_trial_asked_but_never_recorded_is_run_not_lost(repo):
-    from fp4lab.lab.agents import Context, make_proposer
+    from fp4lab.lab.ratchet.proposers import Context, make_proposer
 
     program = load_program(repo / "program.md")
     state = repo / ".fp4lab" / "ratchet" / "orphan"

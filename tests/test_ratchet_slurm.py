@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from fp4lab.lab.catalog import Catalog
+from fp4lab.lab.records.catalog import Catalog
 from tests.test_ratchet import git, repo  # noqa: F401 (the fixture)
 from tests.test_slurm_local import UP_STATES, _node_state  # skips this module too when Slurm is down
 
@@ -58,8 +58,8 @@ def test_ratchet_runs_each_experiment_as_a_slurm_job_and_reattaches_after_a_kill
 
 
 def test_parallel_workers_on_slurm(repo):  # noqa: F811
-    from fp4lab.lab.program import load_program
-    from fp4lab.lab.ratchet import Ratchet
+    from fp4lab.lab.specs.program import load_program
+    from fp4lab.lab.ratchet.loop import Ratchet
 
     add_slurm_table(repo)
     catalog = repo / "sweep_catalog.json"

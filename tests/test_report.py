@@ -1,4 +1,4 @@
-"""fp4lab.lab.report: the recipe ledger (seeds grouped, loss excess vs bf16) and its exports."""
+"""fp4lab.lab.records.report: the recipe ledger (seeds grouped, loss excess vs bf16) and its exports."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import pytest
 from matplotlib import pyplot
 from rich.console import Console
 
-from fp4lab.lab.catalog import Catalog
-from fp4lab.lab.report import (
+from fp4lab.lab.records.catalog import Catalog
+from fp4lab.lab.records.report import (
     COLUMN_DOCS,
     build_report,
     divergence_step,
@@ -215,7 +215,7 @@ def test_excess_pct_helper():
 
 def test_import_is_light():
     code = (
-        "import sys, fp4lab.lab.report\n"
+        "import sys, fp4lab.lab.records.report\n"
         "heavy = [m for m in ('torch', 'pandas', 'matplotlib') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

@@ -1,4 +1,4 @@
-"""fp4lab.lab.report.ratchet_report: the iterations of a ratchet run (table, CSV, Markdown, plot)."""
+"""fp4lab.lab.records.report.ratchet_report: the iterations of a ratchet run (table, CSV, Markdown, plot)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fp4lab.lab.catalog import Catalog
-from fp4lab.lab.report import build_report, ratchet_report
+from fp4lab.lab.records.catalog import Catalog
+from fp4lab.lab.records.report import build_report, ratchet_report
 
 from .test_report import _add_run
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from fp4lab.lab.sbatch import slurm_max_array_size, write_scripts
-from fp4lab.lab.spec import SpecError, expand, load_spec
+from fp4lab.lab.runs.sbatch import write_scripts
+from fp4lab.lab.runs.slurm import max_array_size as slurm_max_array_size
+from fp4lab.lab.specs.sweep_spec import SpecError, expand, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTILE = "we ird $(touch PWNED) `touch PWNED2`; 'q\" \\ *"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4lab.lab.spec import SpecError, expand, load_spec, make_run, run_id
+from fp4lab.lab.specs.sweep_spec import SpecError, expand, load_spec, make_run, run_id
 from fp4lab.nn.recipe import list_recipes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,7 +172,7 @@ def test_random_is_seeded_subset(tmp_path):
 def test_ids_are_stable_across_processes(tmp_path):
     path = write(tmp_path, BASE + "[axes]\nrecipe = ['bf16', 'nvfp4']\n")
     ids = [r.id for r in expand(load_spec(path))]
-    code = f"from fp4lab.lab.spec import load_spec, expand; print(' '.join(r.id for r in expand(load_spec({str(path)!r}))))"
+    code = f"from fp4lab.lab.specs.sweep_spec import load_spec, expand; print(' '.join(r.id for r in expand(load_spec({str(path)!r}))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.split() == ids and len(set(ids)) == 2
 
@@ -231,5 +231,5 @@ def test_optuna_errors(tmp_path, old, new, key):
 
 
 def test_import_does_not_import_torch():
-    code = "import sys, fp4lab.lab.spec, fp4lab.lab.sbatch; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, fp4lab.lab.specs.sweep_spec, fp4lab.lab.runs.sbatch; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

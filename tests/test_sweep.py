@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4lab.lab.catalog import Catalog
+from fp4lab.lab.records.catalog import Catalog
 
 SPEC = """
 name = "mini"
@@ -95,8 +95,8 @@ ns_steps = { type = "int", low = 3, high = 6 }
 def _study(tmp_path):
     import optuna
 
-    from fp4lab.lab.spec import load_spec
-    from fp4lab.lab.trials import open_study
+    from fp4lab.lab.specs.sweep_spec import load_spec
+    from fp4lab.lab.runs.trials import open_study
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     return open_study(load_spec(tmp_path / "opt.toml"), tmp_path / "jobs")

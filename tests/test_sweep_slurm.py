@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from fp4lab.lab.catalog import Catalog
+from fp4lab.lab.records.catalog import Catalog
 from tests.test_slurm_local import UP_STATES, _node_state  # skips this module too when Slurm is down
 from tests.test_sweep import OPTUNA_SPEC, SPEC, cli  # noqa: F401 (the fixture)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4lab.lab.catalog import Catalog
+from fp4lab.lab.records.catalog import Catalog
 from tests.test_sweep import BASE_TABLES
 
 def spec(name: str, recipes: list[str], steps: int = 6, source: str = '"synthetic"') -> str:
@@ -30,7 +30,7 @@ def cli(run_cli, monkeypatch, tmp_path):
 
 
 def test_sweeps_share_a_run_and_each_reports_excess_against_it(cli, tmp_path):
-    from fp4lab.lab.report import build_report
+    from fp4lab.lab.records.report import build_report
 
     (tmp_path / "first.toml").write_text(spec("first", ["bf16", "nvfp4"]))
     (tmp_path / "second.toml").write_text(spec("second", ["bf16", "mxfp4"]))
@@ -135,7 +135,7 @@ def test_status_reads_a_running_ratchet_record_and_an_unknown_sweep_is_an_error(
 
 
 def test_run_folders_are_found_relative_to_the_catalog(cli, tmp_path):
-    from fp4lab.lab.report import build_report
+    from fp4lab.lab.records.report import build_report
 
     (tmp_path / "s.toml").write_text(spec("s", ["bf16", "nvfp4"]))
     assert cli("sweep", "s.toml", "--catalog", "results/c.json").returncode in (0, None)
@@ -148,7 +148,7 @@ def test_run_folders_are_found_relative_to_the_catalog(cli, tmp_path):
 
 
 def test_status_and_report_show_the_same_final_loss(cli, tmp_path):
-    from fp4lab.lab.report import build_report
+    from fp4lab.lab.records.report import build_report
 
     (tmp_path / "s.toml").write_text(spec("s", ["bf16"]))
     cli("sweep", "s.toml")
@@ -233,8 +233,8 @@ def test_a_run_probes_its_final_step_and_writes_strict_json(cli, tmp_path):
 
 
 def test_a_spec_sets_the_sparse_log_spike_rule():
-    from fp4lab.lab.job import thresholds_from_table
-    from fp4lab.lab.spec import spec_from_dict
+    from fp4lab.lab.runs.job import thresholds_from_table
+    from fp4lab.lab.specs.sweep_spec import spec_from_dict
 
     table = {"name": "s", "base": {"model": "tiny"}, "axes": {"recipe": ["bf16"]},
              "scan": {"spike_ratio_baseline": 8, "spike_ratio_min_count": 6}}

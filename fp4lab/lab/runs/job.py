@@ -26,9 +26,10 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.catalog import Catalog, live_owner, this_owner, utc_now
-from fp4lab.lab.logscan import ScanThresholds, scan
-from fp4lab.lab.spec import RunSpec
+from fp4lab.lab.runs import slurm
+from fp4lab.lab.records.catalog import Catalog, live_owner, this_owner, utc_now
+from fp4lab.lab.records.logscan import ScanThresholds, scan
+from fp4lab.lab.specs.sweep_spec import RunSpec
 from fp4lab.train.jsonl import read_json_line
 
 # Summary status of a finished training process -> catalog state.
@@ -65,19 +66,6 @@ def thresholds_from_table(table: dict[str, Any], where: str) -> ScanThresholds:
         raise ValueError(f"{where}: [scan]: {exc}") from None
 
 
-def slurm_identity() -> dict[str, Any]:
-    """This process's Slurm job id, array index and restart count (empty outside Slurm)."""
-    env = os.environ
-    if "SLURM_JOB_ID" not in env:
-        return {}
-    if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
-        fields: dict[str, Any] = {"slurm_job_id": env["SLURM_ARRAY_JOB_ID"], "slurm_array_index": int(env["SLURM_ARRAY_TASK_ID"])}
-    else:
-        fields = {"slurm_job_id": env["SLURM_JOB_ID"], "slurm_array_index": None}
-    fields["requeues"] = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-    return fields
-
-
 class RunInFlight(ValueError):
     """Another live process is training this run."""
 
@@ -96,7 +84,7 @@ def record_start(catalog: Catalog, run_id: str) -> dict[str, Any]:
                               "wait for it (fp4lab status) or stop that process first")
         fields = {"state": "running", "started_at": utc_now(), "finished_at": None, "attempts": record["attempts"] + 1,
                   "error": None, "owner": owner if owner == parent else this_owner()}
-        return tx.update(run_id, **fields, **slurm_identity())
+        return tx.update(run_id, **fields, **slurm.identity())
 
 
 def train_recorded(config_path: Path, catalog: Catalog, *, progress: bool | None = None) -> dict[str, Any]:

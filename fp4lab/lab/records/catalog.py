@@ -220,7 +220,7 @@ def _timestamp(field: str, value: Any, run_id: str) -> str | None:
         )
     if moment.tzinfo is None or moment.utcoffset() is None:
         raise RecordError(
-            f"run {run_id!r}: {field}={value!r} has no timezone; pass UTC times (fp4lab.lab.catalog.utc_now())"
+            f"run {run_id!r}: {field}={value!r} has no timezone; pass UTC times (fp4lab.lab.records.catalog.utc_now())"
         )
     return _format_time(moment)
 

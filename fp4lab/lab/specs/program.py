@@ -44,8 +44,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fp4lab.lab.logscan import VERDICTS
-from fp4lab.lab.spec import SearchParam, SlurmSpec, _slurm
+from fp4lab.lab.records.logscan import VERDICTS
+from fp4lab.lab.specs.sweep_spec import SearchParam, SlurmSpec, _slurm
 
 # metric names a kind = "fp4lab" program may give -> the summary.json key the run writes.
 FP4LAB_METRICS = {

@@ -15,7 +15,7 @@ writes into jobs/<sweep>/:
 Each script can be resubmitted by hand with plain `sbatch PATH` from anywhere (its paths are
 absolute). What a script does: cd to the working directory, run the [slurm].setup lines, then
 `python -m fp4lab.cli train --config <id>.toml --catalog <catalog>` in the background, forwarding
-signals (with --catalog the job records its own start and end: fp4lab.lab.job). Slurm sends
+signals (with --catalog the job records its own start and end: fp4lab.lab.runs.job). Slurm sends
 SIGUSR1 to the batch shell `signal_before_timeout_s` before the time limit (`--signal=B:USR1@N`); the
 script passes it to the trainer, which checkpoints and exits with status "preempted", and then the
 script runs `scontrol requeue $SLURM_JOB_ID` (`--requeue`) so the run resumes from its checkpoint.
@@ -43,28 +43,17 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.spec import RunSpec, SpecError, SweepSpec
+from fp4lab.lab.runs import slurm
+from fp4lab.lab.specs.sweep_spec import RunSpec, SpecError, SweepSpec
 from fp4lab.train.atomic import write_atomic
 
-DEFAULT_MAX_ARRAY_SIZE = 1001
 # Characters a path may have to appear bare in an #SBATCH line (and `%` is Slurm's pattern escape).
 SBATCH_PATH = re.compile(r"[A-Za-z0-9_./+,:=@~-]+")
 RUN_ID = re.compile(r"[0-9a-f]{12}")
-
-
-def slurm_max_array_size(default: int = DEFAULT_MAX_ARRAY_SIZE) -> int:
-    """MaxArraySize from `scontrol show config` (tasks per array: indices 0..MaxArraySize-1), else default."""
-    try:
-        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return default
-    match = re.search(r"^\s*MaxArraySize\s*=\s*(\d+)", out.stdout, re.MULTILINE)
-    return int(match.group(1)) if out.returncode == 0 and match and int(match.group(1)) > 0 else default
 
 
 def write_scripts(
@@ -95,7 +84,7 @@ def write_scripts(
     if len({r.id for r in runs}) != len(runs):
         raise SpecError(f"{spec.path}: two runs share an id; remove the duplicate configs")
     _check_name_is_ours(spec, sweep_dir)
-    size = max_array_size or spec.slurm.max_array_size or slurm_max_array_size()
+    size = max_array_size or spec.slurm.max_array_size or slurm.max_array_size()
 
     files: dict[Path, str] = {}
     scripts: list[Path] = []
@@ -314,7 +303,7 @@ def write_trial_scripts(
                         "(spaces, quotes, %, $, ...); use a path of letters, digits and _ . / + , : = @ ~ -")
     workdir = Path(os.path.abspath(workdir if workdir is not None else Path.cwd()))
     catalog = Path(os.path.abspath(catalog))
-    size = max_array_size or spec.slurm.max_array_size or slurm_max_array_size()
+    size = max_array_size or spec.slurm.max_array_size or slurm.max_array_size()
     _check_name_is_ours(spec, sweep_dir)
     n = spec.optuna.n_trials
     files = {sweep_dir / "spec.toml": Path(spec.path).read_text()}
@@ -386,4 +375,4 @@ def _toml_value(value: Any) -> str:
     raise SpecError(f"{value!r} ({type(value).__name__}) cannot be written to a run config")
 
 
-__all__ = ["config_toml", "render_array_script", "render_run_script", "slurm_max_array_size", "write_scripts", "write_trial_scripts"]
+__all__ = ["config_toml", "render_array_script", "render_run_script", "write_scripts", "write_trial_scripts"]

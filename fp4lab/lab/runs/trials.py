@@ -25,10 +25,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.catalog import Catalog
-from fp4lab.lab.job import slurm_identity, train_recorded
-from fp4lab.lab.sbatch import config_toml
-from fp4lab.lab.spec import SpecError, SweepSpec, load_spec, make_run
+from fp4lab.lab.records.catalog import Catalog
+from fp4lab.lab.repo import git_state
+from fp4lab.lab.runs import slurm
+from fp4lab.lab.runs.job import hand_back_preemption, train_recorded
+from fp4lab.lab.runs.sbatch import config_toml
+from fp4lab.lab.specs.sweep_spec import SpecError, SweepSpec, load_spec, make_run
 from fp4lab.train.atomic import write_atomic
 
 
@@ -55,15 +57,6 @@ def suggest(trial, spec: SweepSpec) -> dict[str, Any]:
         else:
             params[name] = trial.suggest_float(name, float(p.low), float(p.high), log=p.log)
     return params
-
-
-def slurm_task_key() -> str | None:
-    """"<array job>_<task>" (or the job id) of this Slurm job: stays the same across requeues."""
-    job = slurm_identity()
-    if not job:
-        return None
-    index = job["slurm_array_index"]
-    return job["slurm_job_id"] if index is None else f"{job['slurm_job_id']}_{index}"
 
 
 def trial_counts(spec: SweepSpec, jobs_dir: str | Path) -> dict[str, int]:
@@ -95,7 +88,7 @@ def run_trial(spec_path: str | Path, *, jobs_dir: str | Path, catalog_path: str 
     if spec.method != "optuna":
         raise SpecError(f"{spec_path}: method = {spec.method!r}; `fp4lab trial` runs trials of method = \"optuna\" sweeps")
     study = open_study(spec, jobs_dir, slot)
-    task = slurm_task_key()
+    task = slurm.task_key()
     number, params = _resumable(study, task, resume)
     if number is None:
         trial = study.ask()
@@ -115,8 +108,6 @@ def run_trial(spec_path: str | Path, *, jobs_dir: str | Path, catalog_path: str 
     _write_manifest(spec, sweep_dir)
     with catalog.transaction() as tx:
         if tx.get(run.id) is None:
-            from fp4lab.lab.sweep import git_state
-
             commit, dirty = git_state()
             tx.upsert({"id": run.id, "sweep": spec.name, "config": run.config, "recipe": run.config["recipe"],
                        "git_commit": commit, "git_dirty": dirty, "executor": executor,
@@ -171,8 +162,6 @@ class TrialTask:
         record = run_trial(self.spec_path, jobs_dir=self.jobs_dir, catalog_path=self.catalog_path, slot=slot, executor="slurm")
         summary_path = Catalog(self.catalog_path).resolve(record["paths"]["run_dir"]) / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        from fp4lab.lab.job import hand_back_preemption
-
         hand_back_preemption(summary, Catalog(self.catalog_path), record["id"])
         return record
 

@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.program import Program, SearchParam, safe_relative_path
+from fp4lab.lab import repo
+from fp4lab.lab.specs.program import Program, SearchParam, safe_relative_path
 
 MAX_DIFF_BYTES = 200 * 1024
 MAX_FILES_BYTES = 100_000
 MAX_RATIONALE = 300
-GIT_TIMEOUT_S = 30
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 PROPOSERS = ("optuna", "llm", "command")
 # Extended-header lines that carry a file mode; 120000 is a symlink, 160000 a submodule (gitlink).
@@ -268,13 +268,9 @@ def _through_symlink(root: Path, path: str) -> bool:
 
 def _git(root: Path, args: list[str], stdin: str, what: str) -> str:
     try:
-        done = subprocess.run(["git", "-C", str(root), *args], input=stdin, capture_output=True, check=False,
-                              timeout=GIT_TIMEOUT_S, encoding="utf-8", errors="surrogateescape")
-    except subprocess.TimeoutExpired:
-        raise ProposalError(f"{what}: git {args[0]} took more than {GIT_TIMEOUT_S} s") from None
-    if done.returncode != 0:
-        raise ProposalError(f"{what}: {_last_line(done.stderr) or f'git exited with {done.returncode}'}")
-    return done.stdout
+        return repo.git(root, *args, stdin=stdin, strip=False)
+    except repo.GitError as exc:
+        raise ProposalError(f"{what}: {exc.reason}") from None
 
 
 def _normalise_diff(diff: str) -> str:

@@ -56,16 +56,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.agents import AgentError, Context, Proposal, ProposalError, apply_proposal, editable_files, make_proposer
-from fp4lab.lab.catalog import Catalog, utc_now
-from fp4lab.lab.program import Program, metric_from_output
-from fp4lab.lab.sbatch import config_toml
-from fp4lab.lab.spec import RunSpec
+from fp4lab.lab.ratchet.proposers import AgentError, Context, Proposal, ProposalError, apply_proposal, editable_files, make_proposer
+from fp4lab.lab import repo
+from fp4lab.lab.records.catalog import Catalog, utc_now
+from fp4lab.lab.specs.program import Program, metric_from_output
+from fp4lab.lab.runs.sbatch import config_toml
+from fp4lab.lab.specs.sweep_spec import RunSpec
 from fp4lab.train.atomic import write_atomic
 
 PARAMS_FILE = "ratchet.toml"
 TSV_COLUMNS = ("iteration", "commit", "metric", "best", "status", "healthy", "source", "fingerprint", "description")
-GIT_TIMEOUT_S = 60
 
 
 class RatchetError(RuntimeError):
@@ -98,7 +98,10 @@ class Ratchet:
         if not tag or not all(c.isalnum() or c in "._-" for c in tag) or tag.startswith((".", "-")):
             raise RatchetError(f"--tag {tag!r}: use letters, digits, '.', '_' or '-' (it names the branch ratchet/<tag>)")
         self.program, self.tag, self.seed = program, tag, seed
-        self.repo_root = _git_root(program.path.resolve().parent)
+        try:
+            self.repo_root = repo.repo_root(program.path.resolve().parent)
+        except repo.GitError as exc:
+            raise RatchetError(str(exc)) from None
         self.state_dir = self.repo_root / ".fp4lab" / "ratchet" / tag
         self.worktree = self.state_dir / "worktree"
         self.branch = f"ratchet/{tag}"
@@ -173,10 +176,10 @@ class Ratchet:
     def _worker_tree(self, k: int) -> Path:
         """Worker k's own worktree (detached; only the main worktree is on the branch)."""
         tree = self.state_dir / f"worker-{k}"
-        if f"worktree {tree}" not in _git(self.repo_root, "worktree", "list", "--porcelain").splitlines():
+        if f"worktree {tree}" not in repo.git(self.repo_root, "worktree", "list", "--porcelain").splitlines():
             if tree.exists():
                 raise RatchetError(f"{tree} exists but is not a git worktree of {self.repo_root}; move it away")
-            _git(self.repo_root, "worktree", "add", "-q", "--detach", str(tree), self.branch)
+            repo.git(self.repo_root, "worktree", "add", "-q", "--detach", str(tree), self.branch)
         return tree
 
     def _next_number(self) -> int:
@@ -214,16 +217,16 @@ class Ratchet:
         """Record the iteration and apply its change in `tree`, on the branch head (a resumed one: on the
         commit it started from). False when the proposal was tried before (recorded as a duplicate)."""
         record = self._record(number)
-        base = record["extra"]["base_commit"] if resumed and record else _git(self.worktree, "rev-parse", "HEAD")
+        base = record["extra"]["base_commit"] if resumed and record else repo.git(self.worktree, "rev-parse", "HEAD")
         extra: dict[str, Any] = {"iteration": number, "phase": "running", "base_commit": base,
                                  "proposal": _proposal_dict(proposal), "tree_dir": str(tree)}
         if proposal is not None and self._seen(proposal.fingerprint(), number):
             self._finish(number, proposal, Outcome([], False, [], "duplicate of an earlier iteration"), "duplicate",
                          record=extra)
             return False
-        _reset(tree, "HEAD")
+        repo.reset(tree, "HEAD")
         if tree != self.worktree:  # a worker's tree: detached at the commit the change starts from
-            _git(tree, "checkout", "-q", "--detach", base)
+            repo.git(tree, "checkout", "-q", "--detach", base)
         self.catalog.upsert({"id": self._record_id(number), "sweep": self.sweep, "state": "running",
                              "started_at": utc_now(), "git_commit": base, "executor": self.executor, "extra": extra})
         self.on_event("start", {"iteration": number, "proposal": proposal})
@@ -274,18 +277,16 @@ class Ratchet:
         land as the worker's whole params file (so they land on any head that differs only there); a diff
         lands through its patch."""
         extra = self._record(number)["extra"]
-        _reset(self.worktree, "HEAD")
+        repo.reset(self.worktree, "HEAD")
         if (extra.get("proposal") or {}).get("kind") == "params":
             (self.worktree / PARAMS_FILE).write_text((tree / PARAMS_FILE).read_text())
-            _git(self.worktree, "add", PARAMS_FILE)
+            repo.git(self.worktree, "add", PARAMS_FILE)
         elif extra.get("patch") and Path(extra["patch"]).read_text():
-            done = subprocess.run(["git", "-C", str(self.worktree), "apply", "--index", extra["patch"]],
-                                  capture_output=True, timeout=GIT_TIMEOUT_S)
-            if done.returncode != 0:
-                _reset(self.worktree, "HEAD")
+            if not repo.succeeds(self.worktree, "apply", "--index", extra["patch"]):
+                repo.reset(self.worktree, "HEAD")
                 return False
-        if _git(self.worktree, "write-tree") != extra.get("tree"):
-            _reset(self.worktree, "HEAD")
+        if repo.git(self.worktree, "write-tree") != extra.get("tree"):
+            repo.reset(self.worktree, "HEAD")
             return False
         return True
 
@@ -323,21 +324,21 @@ class Ratchet:
         record = self._record(number)
         extra = record["extra"]
         if extra["decision"] == "keep" and not extra.get("kept_commit"):
-            if not _git(self.worktree, "status", "--porcelain") and extra.get("patch") and Path(extra["patch"]).read_text():
-                _git(self.worktree, "apply", "--index", extra["patch"])  # e.g. decided by a worker, then killed
-            if _git(self.worktree, "status", "--porcelain"):
+            if not repo.git(self.worktree, "status", "--porcelain") and extra.get("patch") and Path(extra["patch"]).read_text():
+                repo.git(self.worktree, "apply", "--index", extra["patch"])  # e.g. decided by a worker, then killed
+            if repo.git(self.worktree, "status", "--porcelain"):
                 metric = extra["metric"]
                 title = (f"ratchet {self.tag} iteration {number}: {self.program.metric} {metric:.6g}"
                          f" (was {extra['best_before']:.6g})" if extra.get("best_before") is not None else
                          f"ratchet {self.tag} iteration {number}: {self.program.metric} {metric:.6g}")
                 rationale = (extra.get("proposal") or {}).get("rationale") or ""
-                _git(self.worktree, "add", "-A")
-                _commit(self.worktree, title + (f"\n\n{rationale}" if rationale else ""))
-            commit = _git(self.worktree, "rev-parse", "HEAD")
+                repo.git(self.worktree, "add", "-A")
+                repo.commit(self.worktree, title + (f"\n\n{rationale}" if rationale else ""))
+            commit = repo.git(self.worktree, "rev-parse", "HEAD")
             self.catalog.update(record["id"], extra={"kept_commit": commit})
             self._rewrite_tsv_commit(number, commit)
         elif extra["decision"] != "keep":
-            _reset(self.worktree, "HEAD")  # the main worktree never holds more than the branch head, but be sure
+            repo.reset(self.worktree, "HEAD")  # the main worktree never holds more than the branch head, but be sure
         self.catalog.update(record["id"], extra={"phase": "done"})
 
     # --------------------------------------------------------------------------------- proposing
@@ -362,7 +363,7 @@ class Ratchet:
             proposal = proposer.propose(context)
         except (ProposalError, AgentError) as exc:
             self._finish(number, None, Outcome([], False, [], f"rejected proposal: {exc}"), "invalid",
-                         record={"base_commit": _git(self.worktree, "rev-parse", "HEAD"),
+                         record={"base_commit": repo.git(self.worktree, "rev-parse", "HEAD"),
                                  "proposal": {"source": self.proposer_name, "error": str(exc)}})
             return None
         return proposal
@@ -392,10 +393,10 @@ class Ratchet:
             (tree / PARAMS_FILE).write_text(_params_toml(params, self.tag))
         else:
             apply_proposal(proposal, tree)
-        _git(tree, "add", "-A")
-        patch.write_text(_git(tree, "diff", "--cached", "--binary", strip=False))
+        repo.git(tree, "add", "-A")
+        patch.write_text(repo.git(tree, "diff", "--cached", "--binary", strip=False))
         # The tree that will be measured: a kept change must land as exactly this tree (see _land).
-        self.catalog.update(self._record_id(number), extra={"patch": str(patch), "tree": _git(tree, "write-tree")})
+        self.catalog.update(self._record_id(number), extra={"patch": str(patch), "tree": repo.git(tree, "write-tree")})
 
     # ------------------------------------------------------------------------------------ running
 
@@ -421,7 +422,7 @@ class Ratchet:
         return self._run_fp4lab(number, seed_index, tree)
 
     def _run_fp4lab(self, number: int, seed_index: int, tree: Path) -> tuple[float | None, str, bool, str]:
-        from fp4lab.lab.logscan import ScanThresholds, scan
+        from fp4lab.lab.records.logscan import ScanThresholds, scan
 
         config = self._config(number, seed_index, tree)
         out = Path(config["out_dir"])
@@ -480,7 +481,7 @@ class Ratchet:
             return command()
         import submitit
 
-        from fp4lab.lab.sweep import submitit_executor
+        from fp4lab.lab.runs.slurm import submitit_executor
 
         folder = self.state_dir / "submitit"
         record_id = self._record_id(number)
@@ -505,21 +506,21 @@ class Ratchet:
     def _prepare_worktree(self) -> None:
         """Create (or re-attach) the worktree of branch ratchet/<tag>; refuse whatever could touch the
         user's checkout."""
-        exclude = Path(_git(self.repo_root, "rev-parse", "--git-common-dir"))
+        exclude = Path(repo.git(self.repo_root, "rev-parse", "--git-common-dir"))
         exclude = (exclude if exclude.is_absolute() else self.repo_root / exclude) / "info" / "exclude"
         if ".fp4lab/" not in (exclude.read_text() if exclude.exists() else "").split():
             exclude.parent.mkdir(parents=True, exist_ok=True)
             with open(exclude, "a") as handle:
                 handle.write("\n.fp4lab/\n")  # the ratchet's state never shows up as untracked in the checkout
-        current = _git(self.repo_root, "rev-parse", "--abbrev-ref", "HEAD")
+        current = repo.git(self.repo_root, "rev-parse", "--abbrev-ref", "HEAD")
         if current == self.branch:
             raise RatchetError(f"{self.repo_root} has branch {self.branch} checked out; the ratchet works on it in its own "
                                f"worktree: check out another branch first")
-        worktrees = _git(self.repo_root, "worktree", "list", "--porcelain")
+        worktrees = repo.git(self.repo_root, "worktree", "list", "--porcelain")
         registered = f"worktree {self.worktree}" in worktrees.splitlines()
-        branch_exists = bool(_git(self.repo_root, "branch", "--list", self.branch))
+        branch_exists = bool(repo.git(self.repo_root, "branch", "--list", self.branch))
         if registered:
-            if _git(self.worktree, "rev-parse", "--abbrev-ref", "HEAD") != self.branch:
+            if repo.git(self.worktree, "rev-parse", "--abbrev-ref", "HEAD") != self.branch:
                 raise RatchetError(f"{self.worktree} is not on {self.branch}; remove it (git worktree remove) or use another --tag")
             return
         if self.worktree.exists():
@@ -528,15 +529,15 @@ class Ratchet:
             if not self._records():
                 raise RatchetError(f"branch {self.branch} exists but {self.catalog.path} has no iteration of it; "
                                    f"pick another --tag (or delete the branch)")
-            _git(self.repo_root, "worktree", "add", str(self.worktree), self.branch)
+            repo.git(self.repo_root, "worktree", "add", str(self.worktree), self.branch)
         else:
             if self._records():
                 raise RatchetError(f"{self.catalog.path} has iterations of {self.sweep} but branch {self.branch} is gone; "
                                    f"pick another --tag")
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            _git(self.repo_root, "worktree", "add", "-b", self.branch, str(self.worktree), "HEAD")
-            dirty = _git(self.repo_root, "status", "--porcelain", "--untracked-files=no")
-            self.on_event("note", {"message": f"branch {self.branch} starts at {_git(self.repo_root, 'rev-parse', '--short', 'HEAD')}"
+            repo.git(self.repo_root, "worktree", "add", "-b", self.branch, str(self.worktree), "HEAD")
+            dirty = repo.git(self.repo_root, "status", "--porcelain", "--untracked-files=no")
+            self.on_event("note", {"message": f"branch {self.branch} starts at {repo.git(self.repo_root, 'rev-parse', '--short', 'HEAD')}"
                                    + ("; uncommitted changes in your checkout are not part of it" if dirty else "")})
 
     def _recover(self) -> list[tuple[int, Proposal | None]]:
@@ -554,7 +555,7 @@ class Ratchet:
                     self.proposer().tell_trial(trial, extra.get("metric"), bool(extra.get("healthy")))
         running = [r["extra"] for r in self._records() if r["extra"].get("phase") == "running"]
         name = f"iter-{running[0]['iteration']:04d}.interrupted.patch" if running else "stray-before-start.patch"
-        _reset_if_dirty(self.worktree, self.state_dir / "patches" / name)
+        repo.save_and_reset(self.worktree, self.state_dir / "patches" / name)
         interrupted = []
         for extra in running:
             if extra["iteration"] == 0:
@@ -653,28 +654,6 @@ def _text(data: str | bytes | None) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
 
 
-def _git_root(folder: Path) -> Path:
-    try:
-        done = subprocess.run(["git", "-C", str(folder), "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                              timeout=GIT_TIMEOUT_S)
-    except FileNotFoundError:
-        raise RatchetError("git is not installed; the ratchet keeps its iterations as git commits") from None
-    if done.returncode != 0:
-        raise RatchetError(f"{folder} is not inside a git repository; the ratchet needs one (git init && git commit)")
-    root = Path(done.stdout.strip())
-    if subprocess.run(["git", "-C", str(root), "rev-parse", "--verify", "-q", "HEAD"], capture_output=True).returncode != 0:
-        raise RatchetError(f"{root} has no commit yet; commit your work first (the ratchet branches from HEAD)")
-    return root
-
-
-def _git(cwd: Path, *args: str, strip: bool = True) -> str:
-    done = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
-    if done.returncode != 0:
-        message = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        raise RatchetError(f"git {' '.join(args[:3])} in {cwd} failed: {message}")
-    return done.stdout.strip() if strip else done.stdout
-
-
 def _die_with_parent() -> None:
     """In the child: get SIGKILL when the ratchet dies, so a killed ratchet leaves no run behind that
     would race the resumed one on the same run folder (Linux prctl; elsewhere a no-op)."""
@@ -684,32 +663,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-
-
-def _commit(worktree: Path, message: str) -> None:
-    identity = []
-    for key, fallback in (("user.name", "fp4lab ratchet"), ("user.email", "ratchet@fp4lab.invalid")):
-        if subprocess.run(["git", "-C", str(worktree), "config", key], capture_output=True).returncode != 0:
-            identity += ["-c", f"{key}={fallback}"]
-    done = subprocess.run(["git", *identity, "-C", str(worktree), "commit", "-q", "--no-verify", "-m", message],
-                          capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
-    if done.returncode != 0:
-        raise RatchetError(f"git commit in {worktree} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
-
-
-def _reset(worktree: Path, commit: str) -> None:
-    _git(worktree, "reset", "-q", "--hard", commit)
-    _git(worktree, "clean", "-q", "-fd")
-
-
-def _reset_if_dirty(worktree: Path, patch: Path) -> None:
-    """Only the ratchet edits its worktree, but save whatever is there before resetting it anyway."""
-    if not _git(worktree, "status", "--porcelain"):
-        return
-    _git(worktree, "add", "-A")
-    patch.parent.mkdir(parents=True, exist_ok=True)
-    patch.write_text(_git(worktree, "diff", "--cached", "--binary", strip=False))
-    _reset(worktree, "HEAD")
 
 
 def _proposal_dict(proposal: Proposal | None) -> dict[str, Any] | None:
@@ -724,7 +677,7 @@ def _proposal_from(data: dict[str, Any] | None, program: Program, worktree: Path
     """A recorded proposal again; a diff goes through validation again before it may be applied."""
     if not data or "kind" not in data:
         return None
-    from fp4lab.lab.agents import validate_proposal
+    from fp4lab.lab.ratchet.proposers import validate_proposal
 
     raw = {"params": data["params"]} if data["kind"] == "params" else {"diff": data["diff"]}
     proposal = validate_proposal(raw | {"rationale": data.get("rationale", "")}, program, worktree, data["source"])

@@ -225,7 +225,7 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
     missing catalog, an unknown sweep or an empty catalog. `out_dir` only sets `report.default_out_dir`."""
     import pandas as pd
 
-    from fp4lab.lab.catalog import Catalog, CatalogError
+    from fp4lab.lab.records.catalog import Catalog, CatalogError
 
     catalog_path = Path(catalog_path)
     if not catalog_path.exists():
@@ -914,7 +914,7 @@ def ratchet_report(catalog_path: str | os.PathLike[str], tag: str, out_dir: str 
     import pandas as pd
     from rich.table import Table
 
-    from fp4lab.lab.catalog import Catalog, CatalogError
+    from fp4lab.lab.records.catalog import Catalog, CatalogError
 
     catalog_path = Path(catalog_path)
     if not catalog_path.exists():

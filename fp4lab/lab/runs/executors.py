@@ -1,0 +1,309 @@
+"""Executors: how a sweep's runs get run. One interface, three ways (in the manner of submitit's own
+executors); everything Slurm-specific they need is in `slurm.py`.
+
+    executor = make_executor("local", workers=2, on_start=..., on_finish=...)
+    launched = executor.launch(plan, runs, catalog)
+
+- `LocalExecutor` (`local`): on this machine, `workers` at a time, each run its own
+  `fp4lab train --config jobs/<sweep>/<id>.toml --catalog ...` process (optuna sweeps: `fp4lab trial`
+  processes); returns when every run has ended, with their records. Ctrl-C raises SweepInterrupted.
+- `SubmititExecutor` (`slurm`): job arrays of `job.SweepTask` / `trials.TrialTask` through submitit,
+  with signal-before-timeout and requeue; returns the Slurm job ids.
+- `SbatchExecutor` (`sbatch`): plain `sbatch` of the scripts written into jobs/<sweep>/; returns the
+  job ids.
+
+Each job records its own start and end in the catalog (job.py), so a sweep that is killed loses
+nothing and `fp4lab status` sees finished runs at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from fp4lab.lab.records.catalog import IN_FLIGHT_STATES, Catalog, this_owner, utc_now
+from fp4lab.lab.runs import slurm
+from fp4lab.lab.runs.job import SweepTask, finish_run, last_error_line
+from fp4lab.lab.runs.trials import TrialTask, orphaned_trials, trial_counts
+from fp4lab.lab.runs.sweep import SweepPlan, scan_thresholds
+from fp4lab.lab.specs.sweep_spec import RunSpec
+
+EXECUTORS = ("local", "slurm", "sbatch")
+
+
+@dataclass
+class Launched:
+    """What a launch did: how many runs (or trials) it started, the records of those that ended here
+    (local), or the Slurm job ids it submitted."""
+
+    started: int
+    records: list[dict[str, Any]]
+    job_ids: list[str]
+
+
+class Executor(Protocol):
+    name: ClassVar[str]  # the --executor value
+    records_as: ClassVar[str]  # the `executor` field of the runs' catalog records: local | slurm
+    waits: ClassVar[bool]  # whether launch returns only when the runs have ended
+
+    def launch(self, plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> Launched: ...
+
+
+def make_executor(name: str, **options: Any) -> Executor:
+    """The executor called `name` (EXECUTORS); options go to LocalExecutor (workers, on_start, on_finish)."""
+    if name == "local":
+        return LocalExecutor(**options)
+    if name == "slurm":
+        return SubmititExecutor()
+    if name == "sbatch":
+        return SbatchExecutor()
+    raise ValueError(f"executor {name!r} is not supported; allowed: {', '.join(EXECUTORS)}")
+
+
+class SweepInterrupted(Exception):
+    """Ctrl-C stopped a local sweep: the runs in progress checkpointed and were recorded "interrupted"."""
+
+    def __init__(self, records: list[dict[str, Any]]):
+        super().__init__(f"{len(records)} run(s) interrupted")
+        self.records = records
+
+
+class LocalExecutor:
+    """Runs on this machine, `workers` at a time. on_start(run) and on_finish(record) are called as each
+    run starts and ends (optuna sweeps: on_finish(record) per trial)."""
+
+    name = "local"
+    records_as = "local"
+    waits = True
+
+    def __init__(self, workers: int = 1, on_start: Callable[[RunSpec], None] | None = None,
+                 on_finish: Callable[[dict[str, Any]], None] | None = None) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers, self.on_start, self.on_finish = workers, on_start, on_finish
+
+    def launch(self, plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> Launched:
+        if plan.spec.method == "optuna":
+            return _run_trials_local(plan, catalog, workers=self.workers, on_finish=self.on_finish)
+        records = _run_local(plan, runs, catalog, workers=self.workers, on_start=self.on_start, on_finish=self.on_finish)
+        return Launched(len(runs), records, [])
+
+
+class SubmititExecutor:
+    """Slurm through submitit: job arrays, signal before the time limit, requeue on preemption and timeout."""
+
+    name = "slurm"
+    records_as = "slurm"
+    waits = False
+
+    def launch(self, plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> Launched:
+        try:
+            job_ids = _submit_submitit(plan, runs, catalog)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # how submitit reports a missing or refusing Slurm
+            text = str(exc).strip()
+            raise slurm.SubmissionError(f"submitit: {text.splitlines()[-1] if text else type(exc).__name__}") from exc
+        return Launched(len(runs), [], job_ids)
+
+
+class SbatchExecutor:
+    """Slurm with plain `sbatch` of the scripts written into jobs/<sweep>/ (the ones a user can resubmit by hand)."""
+
+    name = "sbatch"
+    records_as = "slurm"
+    waits = False
+
+    def launch(self, plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> Launched:
+        return Launched(len(runs), [], _submit_sbatch(plan, runs, catalog))
+
+
+def _run_local(
+    plan: SweepPlan,
+    runs: list[RunSpec],
+    catalog: Catalog,
+    *,
+    workers: int = 1,
+    on_start: Callable[[RunSpec], None] | None = None,
+    on_finish: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run `runs` as separate training processes, at most `workers` at once; return their records.
+
+    This process owns each run while it trains (`Catalog.claim`): a run another live process owns is
+    left to it (recorded by that process, returned here as is). Each training process records its own
+    start and end (`train --catalog`); one that dies without doing so (killed, out of memory) is
+    recorded here as failed, with the last line of its log as the error. Ctrl-C (KeyboardInterrupt)
+    starts nothing more, passes one SIGINT to each training process (they run in their own session,
+    so a terminal's Ctrl-C reaches them only this way, once), waits while they checkpoint, and raises
+    SweepInterrupted."""
+    thresholds = scan_thresholds(plan.spec)
+    lock = threading.Lock()
+    owner = this_owner()
+    stopping = threading.Event()
+    children: dict[str, subprocess.Popen] = {}
+
+    def one(run: RunSpec) -> dict[str, Any] | None:
+        if stopping.is_set():
+            return None
+        log = plan.log_path(run)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        other = catalog.claim(run.id, owner, state="submitted", submitted_at=utc_now(), executor="local",
+                              error=None, paths={"log": catalog.relative(log)})
+        if other is not None:
+            return catalog.get(run.id)
+        command = [sys.executable, "-m", "fp4lab.cli", "train", "--config", str(plan.sweep_dir / f"{run.id}.toml"),
+                   "--catalog", str(catalog.path)]
+        if on_start is not None:
+            with lock:
+                on_start(run)
+        with open(log, "ab") as out:
+            child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env(workers), start_new_session=True)
+            with lock:
+                children[run.id] = child
+            returncode = child.wait()
+            with lock:
+                children.pop(run.id, None)
+        finished = catalog.get(run.id)
+        if finished["state"] in IN_FLIGHT_STATES:
+            finished = finish_run(run, catalog, thresholds, returncode=returncode or 1)
+            if finished["state"] == "failed" and not finished.get("error"):
+                finished = catalog.update(run.id, error=last_error_line(log) or f"the training process exited with {_exit_text(returncode)}")
+        if on_finish is not None:
+            with lock:
+                on_finish(finished)
+        return finished
+
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    futures = [pool.submit(one, run) for run in runs]
+    try:
+        return [record for record in (future.result() for future in futures) if record is not None]
+    except KeyboardInterrupt:
+        stopping.set()
+        with lock:
+            for child in children.values():
+                child.send_signal(signal.SIGINT)
+        pool.shutdown(wait=True, cancel_futures=True)
+        done = [f.result() for f in futures if f.done() and not f.cancelled() and f.exception() is None]
+        raise SweepInterrupted([r for r in done if r is not None and r["state"] == "interrupted"]) from None
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _exit_text(returncode: int) -> str:
+    if returncode < 0:
+        return f"signal {signal.Signals(-returncode).name}"
+    return f"exit status {returncode}"
+
+
+def worker_env(workers: int) -> dict[str, str]:
+    """The environment of a local training process: with several at once, each gets its share of the
+    cores (unless OMP_NUM_THREADS is set), since oversubscribed OpenMP threads slow every run down
+    several times over."""
+    env = dict(os.environ)
+    if workers > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    return env
+
+
+def _run_trials_local(
+    plan: SweepPlan,
+    catalog: Catalog,
+    *,
+    workers: int = 1,
+    on_finish: Callable[[dict[str, Any]], None] | None = None,
+) -> Launched:
+    """Optuna sweep on this machine: first resume the trials a killed sweep left RUNNING, then run new
+    trials until the study holds [optuna].n_trials finished ones; each trial is its own `fp4lab trial`
+    process (ask, train, tell), `workers` at once."""
+    counts = trial_counts(plan.spec, plan.jobs_dir)
+    done = sum(counts.get(state, 0) for state in ("COMPLETE", "FAIL", "PRUNED"))
+    resumes = orphaned_trials(plan.spec, plan.jobs_dir)
+    fresh = max(0, plan.spec.optuna.n_trials - done - len(resumes) - counts.get("WAITING", 0))
+    spec_copy = plan.sweep_dir / "spec.toml"
+    base = [sys.executable, "-m", "fp4lab.cli", "trial", str(spec_copy), "--jobs-dir", str(plan.jobs_dir), "--catalog", str(catalog.path)]
+    # One log per launch: concurrent trials sharing a file would interleave their lines.
+    logs = plan.sweep_dir / "logs"
+    launches = [(base + ["--resume", str(n)], logs / f"trial-{n}-resume.local.log") for n in resumes]
+    for slot in range(done + len(resumes), done + len(resumes) + fresh):
+        launches.append((base + ["--slot", str(slot)], logs / f"trial-slot{slot}.local.log"))
+    logs.mkdir(parents=True, exist_ok=True)
+    lock = threading.Lock()
+
+    def one(launch: tuple[list[str], Path]) -> dict[str, Any] | None:
+        command, log = launch
+        with open(log, "ab") as out:
+            trial = subprocess.run(command + ["--json"], stdout=subprocess.PIPE, stderr=out, text=True, env=worker_env(workers))
+        if trial.returncode != 0:
+            return None
+        record = json.loads(trial.stdout)
+        if on_finish is not None:
+            with lock:
+                on_finish(record)
+        return record
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        records = [record for record in pool.map(one, launches) if record is not None]
+    return Launched(len(launches), records, [])
+
+
+def _submit_sbatch(plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> list[str]:
+    """Submit with plain `sbatch` the scripts written into jobs/<sweep>/ (the same ones a user can
+    resubmit by hand): the job arrays when every run is needed, else one script per run. Records
+    each run's job id and state "submitted"; returns the job ids."""
+    manifest = json.loads((plan.sweep_dir / "manifest.json").read_text())
+    if plan.spec.method == "optuna":
+        return [slurm.submit_script(plan.sweep_dir / a["script"]) for a in manifest["arrays"]]
+    ids = {run.id for run in runs}
+    submissions: list[tuple[Path, list[str]]]
+    if manifest["arrays"] and ids == {run.id for run in plan.runs}:
+        submissions = [(plan.sweep_dir / a["script"], a["run_ids"]) for a in manifest["arrays"]]
+    else:
+        submissions = [(plan.sweep_dir / f"{run.id}.sbatch", [run.id]) for run in runs]
+    job_ids = []
+    for script, run_ids in submissions:
+        job_id = slurm.submit_script(script)
+        job_ids.append(job_id)
+        with catalog.transaction() as tx:
+            for index, run_id in enumerate(run_ids):
+                array_index = index if len(run_ids) > 1 or script.name.startswith("array_") else None
+                tx.update(run_id, state="submitted", submitted_at=utc_now(), slurm_job_id=job_id,
+                          slurm_array_index=array_index, executor="slurm")
+    return job_ids
+
+
+def _submit_submitit(plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> list[str]:
+    """Submit through submitit: job arrays (split at MaxArraySize) of `job.SweepTask` (grid/random) or
+    `trials.TrialTask` (optuna) with --signal before the time limit and requeue on preemption and
+    timeout. Records each run's job id; returns the array job ids."""
+    manifest = json.loads((plan.sweep_dir / "manifest.json").read_text())
+    size = int(manifest["max_array_size"])
+    executor = slurm.submitit_executor(plan.spec.slurm, f"fp4lab-{plan.spec.name}", plan.sweep_dir.absolute() / "submitit")
+    catalog_path = Path(catalog.path).absolute()
+    if plan.spec.method == "optuna":
+        counts = trial_counts(plan.spec, plan.jobs_dir)
+        first = sum(counts.values())
+        slots = list(range(first, first + max(0, plan.spec.optuna.n_trials - first)))
+        task = TrialTask((plan.sweep_dir / "spec.toml").absolute(), plan.jobs_dir.absolute(), catalog_path)
+        jobs = [job for start in range(0, len(slots), size) for job in executor.map_array(task, slots[start:start + size])]
+        return sorted({job.job_id.split("_")[0] for job in jobs})
+    task = SweepTask(plan.sweep_dir.absolute(), catalog_path)
+    array_ids = []
+    for start in range(0, len(runs), size):
+        chunk = runs[start:start + size]
+        jobs = executor.map_array(task, [run.id for run in chunk])
+        with catalog.transaction() as tx:
+            for run, job in zip(chunk, jobs):
+                job_id, _, index = job.job_id.partition("_")
+                tx.update(run.id, state="submitted", submitted_at=utc_now(), slurm_job_id=job_id, executor="slurm",
+                          slurm_array_index=int(index) if index else None, paths={"log": str(job.paths.stdout)})
+                array_ids.append(job_id)
+    return sorted(set(array_ids))
+
+

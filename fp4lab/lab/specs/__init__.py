@@ -1,0 +1,1 @@
+"""What a user writes: sweep specs (`sweep_spec`) and ratchet programs (`program`), validated."""
