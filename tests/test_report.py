@@ -183,16 +183,18 @@ def test_sweep_without_bf16_has_empty_excess_and_says_so(tmp_path):
     assert all(row["excess_pct_mean"] == "" for row in _rows(written["csv"]).values())
 
 
-def test_missing_or_corrupt_metrics_are_skipped_with_a_note(tmp_path):
+def test_torn_lines_are_left_out_and_missing_metrics_skipped_with_a_note(tmp_path):
+    # The one rule of every metrics reader: a torn or corrupt line is skipped and counted, the rest kept.
     catalog = Catalog(tmp_path / "sweep_catalog.json")
     _add_run(catalog, tmp_path, "b0", "bf16", 0, [5.0, 4.0])
-    bad = _add_run(catalog, tmp_path, "n0", "nvfp4", 0, [5.0, 4.1])
-    (bad / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n{"step": 1, "lo')
+    torn = _add_run(catalog, tmp_path, "n0", "nvfp4", 0, [5.0, 4.1])
+    (torn / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\nnot json\n{"step": 1.5, "loss": 2}\n{"step": 2, "loss": 4.5}\n{"step": 3, "lo')
     gone = _add_run(catalog, tmp_path, "m0", "mxfp4", 0, [5.0, 4.2])
     (gone / "metrics.jsonl").unlink()
     report = build_report(tmp_path / "sweep_catalog.json", "hand")
-    assert set(report.metrics) == {"b0"}
-    assert any(n.startswith("n0: metrics skipped") and "not JSON" in n for n in report.notes)
+    assert set(report.metrics) == {"b0", "n0"}
+    assert report.metrics["n0"].steps == [0, 2] and report.metrics["n0"].loss == [5.0, 4.5]
+    assert any(n.startswith("n0: 3 torn or corrupt line(s)") for n in report.notes), report.notes
     assert any(n.startswith("m0: metrics skipped") for n in report.notes)
     assert len(report.ledger) == 3  # the ledger still comes from the catalog summaries
     written = write_report(report, tmp_path / "out")

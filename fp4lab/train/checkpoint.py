@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fp4lab.train.atomic import replace_atomically
-from fp4lab.train.jsonl import json_line, read_json_line
+from fp4lab.train.jsonl import json_line, read_metrics_file
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
@@ -34,14 +34,8 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = path
         kept = []
-        if resume_step and path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    record = read_json_line(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut short by a kill
-                if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < resume_step:
-                    kept.append(line)
+        if resume_step and path.exists():  # a line cut short by a kill is dropped with the rest
+            kept = [json_line(r) for r in read_metrics_file(path) if r["step"] < resume_step]
         replace_atomically(path, lambda handle: handle.write("".join(k + "\n" for k in kept).encode()))
         self._handle = open(path, "a")
 

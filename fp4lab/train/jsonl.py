@@ -1,9 +1,17 @@
-"""metrics.jsonl lines in strict JSON, torch-free (the orchestrator reads them without importing torch)."""
+"""metrics.jsonl: lines in strict JSON, and the one reader of them. Torch-free: the orchestrator reads
+metrics without importing torch.
+
+One rule for every reader (scanner, report, catalog, resume, live progress): a line that is not a
+JSON object with an integer `step` (the torn last line of a killed run, or a corrupt one) is skipped
+and counted, never fatal, and never hides the lines around it.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -39,3 +47,30 @@ def _floats(value: Any) -> Any:
     if isinstance(value, list):
         return [_floats(v) for v in value]
     return value
+
+
+def metrics_records(lines: Iterable[str], counts: dict[str, int] | None = None) -> Iterator[dict[str, Any]]:
+    """The step records among `lines` (an open metrics.jsonl, or some of its lines), in order.
+    counts, when given, gains "lines" (non-blank lines read) and "skipped_lines" (lines skipped)."""
+    counts = {} if counts is None else counts
+    counts.setdefault("lines", 0)
+    counts.setdefault("skipped_lines", 0)
+    for line in lines:
+        if not line.strip():
+            continue
+        counts["lines"] += 1
+        try:
+            record = read_json_line(line)
+        except ValueError:
+            counts["skipped_lines"] += 1
+            continue
+        if not isinstance(record, dict) or type(record.get("step")) is not int:  # a bool or float step: corrupt
+            counts["skipped_lines"] += 1
+            continue
+        yield record
+
+
+def read_metrics_file(path: Path, counts: dict[str, int] | None = None) -> Iterator[dict[str, Any]]:
+    """`metrics_records` of a whole file (undecodable bytes replaced, so they count as a skipped line)."""
+    with open(path, errors="replace") as handle:
+        yield from metrics_records(handle, counts)

@@ -103,7 +103,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4lab.train.jsonl import read_json_line
+from fp4lab.train.jsonl import read_metrics_file
 
 __all__ = [
     "PRESETS",
@@ -381,7 +381,7 @@ def scan(
     counts = {"lines": 0, "skipped_lines": 0, "steps": 0}
     text = _TextState()
     if kind == "fp4lab":
-        records = _read_jsonl(log, counts)
+        records = read_metrics_file(log, counts)
         source = "fp4lab"
     else:
         fmt = _text_format(log, regex, preset)
@@ -563,22 +563,6 @@ def _looks_like_jsonl(path: Path) -> bool:
 def _lines(path: Path) -> Iterator[str]:
     with open(path, errors="replace") as handle:
         yield from handle
-
-
-def _read_jsonl(path: Path, counts: dict[str, int]) -> Iterator[dict[str, Any]]:
-    for line in _lines(path):
-        if not line.strip():
-            continue
-        counts["lines"] += 1
-        try:
-            record = read_json_line(line)
-        except ValueError:
-            counts["skipped_lines"] += 1
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or isinstance(record.get("step"), bool):
-            counts["skipped_lines"] += 1
-            continue
-        yield record
 
 
 @dataclass

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fp4lab.train.atomic import write_atomic
-from fp4lab.train.jsonl import read_json_line
+from fp4lab.train.jsonl import read_metrics_file
 
 BASELINE = "bf16"
 RUN_SPECIFIC = ("seed", "out_dir", "name", "run_name", "resume", "resume_from", "checkpoint")
@@ -82,6 +82,7 @@ class RunMetrics:
     val: list[tuple[int, float]] = field(default_factory=list)  # (step, val_loss)
     entropy: list[tuple[int, list[float]]] = field(default_factory=list)  # (step, mean over heads per layer)
     max_logit: list[tuple[int, list[float]]] = field(default_factory=list)  # (step, max over heads per layer)
+    skipped_lines: int = 0  # torn or corrupt lines left out
 
 
 @dataclass
@@ -181,22 +182,17 @@ def _per_layer(value: Any, reduce) -> list[float] | None:
 
 
 def read_metrics(path: Path) -> RunMetrics:
-    """Parse a metrics.jsonl; raises ValueError when it is missing, unreadable, corrupt or has no loss."""
+    """Parse a metrics.jsonl (torn or corrupt lines skipped and counted in `skipped_lines`, as every
+    reader does); raises ValueError when it is missing, unreadable or has no loss."""
+    metrics = RunMetrics()
+    counts: dict[str, int] = {}
     try:
-        text = path.read_text()
+        rows = list(read_metrics_file(path, counts))
     except OSError as exc:
         raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
-    metrics = RunMetrics()
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = read_json_line(line)
-        except json.JSONDecodeError:
-            raise ValueError(f"{path}:{number}: not JSON") from None
-        step = row.get("step") if isinstance(row, dict) else None
-        if type(step) is not int:  # bool and float steps too: a corrupt line
-            raise ValueError(f"{path}:{number}: no integer step")
+    metrics.skipped_lines = counts["skipped_lines"]
+    for row in rows:
+        step = row["step"]
         loss = _num(row.get("loss"))
         if loss is not None:
             metrics.steps.append(step)
@@ -255,6 +251,9 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
             metrics[record["id"]] = read_metrics(run_dir / "metrics.jsonl")
         except ValueError as exc:
             notes.append(f"{record['id']}: metrics skipped ({exc})")
+            continue
+        if metrics[record["id"]].skipped_lines:
+            notes.append(f"{record['id']}: {metrics[record['id']].skipped_lines} torn or corrupt line(s) of its metrics.jsonl left out")
 
     # bf16 references: per (sweep, config without seed/recipe), with a per-sweep fallback
     drop = ("recipe", *RUN_SPECIFIC)

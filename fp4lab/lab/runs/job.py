@@ -21,6 +21,7 @@ checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -30,7 +31,7 @@ from fp4lab.lab.runs import slurm
 from fp4lab.lab.records.catalog import Catalog, live_owner, this_owner, utc_now
 from fp4lab.lab.records.logscan import ScanThresholds, scan
 from fp4lab.lab.specs.sweep_spec import RunSpec
-from fp4lab.train.jsonl import read_json_line
+from fp4lab.train.jsonl import read_metrics_file
 
 # Summary status of a finished training process -> catalog state.
 STATE_OF_STATUS = {
@@ -171,13 +172,9 @@ def loss_at_steps(metrics: Path, every: int = 10) -> dict[str, float]:
     if not metrics.exists():
         return losses
     last = None
-    for line in metrics.read_text().splitlines():
-        try:
-            record = read_json_line(line)
-        except json.JSONDecodeError:
-            continue
-        step, loss = record.get("step"), record.get("loss")
-        if isinstance(step, int) and isinstance(loss, float) and loss == loss and abs(loss) != float("inf"):
+    for record in read_metrics_file(metrics):
+        step, loss = record["step"], record.get("loss")
+        if isinstance(loss, float) and math.isfinite(loss):
             last = (step, loss)
             if step % every == 0:
                 losses[str(step)] = loss

@@ -12,8 +12,8 @@ Running the needed runs is the executors' concern (executors.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from fp4lab.lab.runs import slurm
 from fp4lab.lab.runs.job import finish_run, tail_lines, thresholds_from_table
 from fp4lab.lab.runs.sbatch import write_scripts, write_trial_scripts
 from fp4lab.lab.specs.sweep_spec import RunSpec, SweepSpec, expand, load_spec
-from fp4lab.train.jsonl import read_json_line
+from fp4lab.train.jsonl import metrics_records
 
 @dataclass
 class SweepPlan:
@@ -153,14 +153,8 @@ def progress_of(record: dict[str, Any], catalog: Catalog) -> tuple[int | None, f
     run_dir = catalog.resolve(record["paths"].get("run_dir"))
     if run_dir is None:
         return None, None
-    for line in reversed(tail_lines(run_dir / "metrics.jsonl")):
-        try:
-            last = read_json_line(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(last, dict) and isinstance(last.get("step"), int):
-            return last["step"], last.get("loss")
-    return None, None
+    last = deque(metrics_records(tail_lines(run_dir / "metrics.jsonl")), maxlen=1)
+    return (last[0]["step"], last[0].get("loss")) if last else (None, None)
 
 
 def preflight(plan: SweepPlan, executor: str) -> list[str]:
