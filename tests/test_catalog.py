@@ -336,11 +336,21 @@ if where == "replace":          # temp file written and fsynced, not yet renamed
 elif where == "fsync":          # temp file written, not flushed to disk
     catalog.os.fsync = die
 elif where == "write":          # temp file half written
-    real_write = os.write
-    def half(fd, data):
-        real_write(fd, bytes(data[: len(data) // 2]))
-        die()
-    catalog.os.write = half
+    real_fdopen = os.fdopen
+    class HalfWriter:
+        def __init__(self, handle):
+            self.handle = handle
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+        def write(self, data):
+            self.handle.write(bytes(data[: len(data) // 2]))
+            self.handle.flush()
+            die()
+        def fileno(self):
+            return self.handle.fileno()
+    os.fdopen = lambda fd, *args, **kwargs: HalfWriter(real_fdopen(fd, *args, **kwargs))
 elif where == "transaction":    # inside a transaction, before anything is written
     with cat.transaction() as tx:
         tx.upsert({"id": "never"})

@@ -1,38 +1,71 @@
-"""Atomic file writes: readers (and a run resumed after a kill) see the old file or the whole new one.
+"""Atomic file writes, the one home for them: readers (and a run resumed after a kill) see the old file
+or the whole new one, and the rename survives a crash of the machine.
 
-Torch-free, so the orchestration layer uses it too without slowing `fp4lab --help`.
+Torch-free, so the orchestration layer (the catalog, scripts, reports) uses it too without slowing
+`fp4lab --help`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+TEMP_SUFFIX = ".tmp"
 
-def replace_atomically(path: Path, write: Callable[[BinaryIO], object], mode: int = 0o644) -> None:
-    """Call `write` on a temporary file beside `path`, fsync it, give it `mode` (mkstemp makes files
-    private; jobs of other users may share these folders), then rename it over `path`."""
+
+def temp_prefix(path: Path) -> str:
+    """How the temporary files of writes to `path` begin (beside it, hidden): `.<name>.<random>.tmp`."""
+    return f".{Path(path).name}."
+
+
+def replace_atomically(path: Path, write: Callable[[BinaryIO], object], *, executable: bool = False) -> None:
+    """Call `write` on a temporary file beside `path`, fsync it, rename it over `path`, fsync the folder.
+
+    The new file keeps the mode of the file it replaces; a new one gets what the umask leaves of 0o666
+    (0o777 when `executable`), like any file the user creates: a catalog or a script shared with the
+    group stays readable to it (mkstemp would make it private)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    temp = directory / f"{temp_prefix(path)}{secrets.token_hex(8)}{TEMP_SUFFIX}"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o777 if executable else 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                os.fchmod(handle.fileno(), path.stat().st_mode & 0o7777)
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(temp, mode)
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
+    _fsync_dir(directory)
 
 
-def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> None:
+def write_atomic(path: Path, data: bytes | str, *, executable: bool = False) -> None:
     """Write `data` (text is UTF-8 encoded) to `path` atomically."""
     payload = data.encode() if isinstance(data, str) else data
-    replace_atomically(path, lambda handle: handle.write(payload), mode)
+    replace_atomically(path, lambda handle: handle.write(payload), executable=executable)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable. Some network filesystems cannot fsync a directory; the rename is already
+    atomic there, so that refusal is ignored."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES):
+            raise
+    finally:
+        os.close(fd)

@@ -10,7 +10,8 @@ makes every write a locked read-modify-write that replaces the file atomically:
    `flush` + `fsync` it, `os.replace` it over the catalog, and `fsync` the directory;
 5. release the lock.
 
-The file is `{"schema_version": 1, "runs": {id: record, ...}}`, strict JSON (non-finite numbers are
+The file is `{"schema_version": 2, "runs": {id: record, ...}}` (version 1 files, without `sweeps`,
+`owner` and `error`, are read with defaults), strict JSON (non-finite numbers are
 stored as null), one run per line so `grep` and `diff` work on it. Runs keep their insertion order.
 
 A reader (`get`, `records`) takes no lock: `os.replace` swaps the name from the old complete file to
@@ -28,10 +29,10 @@ given replace the stored ones, except the dicts `summary`, `paths` and `extra`, 
 Example::
 
     cat = Catalog("sweeps/s1/sweep_catalog.json")
-    cat.upsert({"id": "nvfp4-tiny-s0", "sweep": "s1", "recipe": "nvfp4", "state": "pending"})
-    cat.update("nvfp4-tiny-s0", state="running", started_at=utc_now())
+    cat.upsert({"id": "3f2a9c1b7d40", "sweep": "s1", "recipe": "nvfp4", "state": "pending"})
+    cat.update("3f2a9c1b7d40", state="running", started_at=utc_now())
     with cat.transaction() as tx:                      # several records, one lock, one write
-        run = tx.get("nvfp4-tiny-s0")
+        run = tx.get("3f2a9c1b7d40")
         tx.update(run["id"], attempts=run["attempts"] + 1, state="submitted")
 
 Limits of the locking (what `filelock` can and cannot do):
@@ -59,16 +60,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import errno
 import json
 import math
 import os
-import secrets
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, TypedDict
+
+from fp4lab.train.atomic import TEMP_SUFFIX, replace_atomically, temp_prefix
 
 SCHEMA_VERSION = 2
 """Version of the file layout this module reads and writes. Bump it (and add a migration) whenever a
@@ -115,7 +116,7 @@ class RunRecord(TypedDict, total=False):
     """One run of the catalog. Only `id` is required from the caller; every other field has a default
     (see `new_record`). Unknown top-level keys are rejected: put free-form data in `extra`."""
 
-    id: str  # stable run id chosen by the caller (e.g. "<sweep>/<recipe>-<model>-s<seed>"); the dict key too
+    id: str  # the dict key too: a sweep run's 12 hex digits of its config hash (specs.sweep_spec.run_id), a ratchet iteration's "ratchet-<tag>-<nnnn>"
     sweep: str | None  # name of the sweep that first asked for the run
     sweeps: list[str]  # every sweep that asks for it (runs are keyed by config, so sweeps share them)
     config: dict[str, Any]  # the resolved train config (TrainConfig as a dict)
@@ -123,8 +124,8 @@ class RunRecord(TypedDict, total=False):
     git_commit: str | None  # code commit the run was launched from (full or short hash)
     git_dirty: bool | None  # whether the work tree had uncommitted changes at launch
     executor: Literal["local", "slurm"] | None  # which executor runs it
-    slurm_job_id: str | None  # Slurm job id ("123456", or "123456_7" for an array task)
-    slurm_array_index: int | None  # index within a Slurm job array
+    slurm_job_id: str | None  # Slurm job id ("123456"; for an array task, the array's job id)
+    slurm_array_index: int | None  # index within a Slurm job array (squeue names the task "123456_7")
     state: RunState  # lifecycle state, one of STATES (default "pending")
     created_at: str | None  # ISO 8601 UTC ("2026-01-31T12:00:00.000Z"); set on insert if not given
     submitted_at: str | None  # when handed to the executor
@@ -132,7 +133,7 @@ class RunRecord(TypedDict, total=False):
     finished_at: str | None  # when it reached a terminal state
     updated_at: str | None  # set by the catalog on every write of the record
     verdict: str | None  # the log scanner's verdict: "converged", "diverged@120", ...
-    events: list[dict[str, Any]]  # the log scanner's events: {kind, step, value, baseline, threshold, message}
+    events: list[dict[str, Any]]  # the log scanner's events (logscan.ScanEvent.to_dict): {kind, step, value, threshold, steps, peak, detail}
     summary: Summary  # summary metrics
     paths: Paths  # run dir, log, checkpoint
     attempts: int  # how many times the run was launched (first submission counts 1; resubmits add 1)
@@ -445,26 +446,6 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
     return _parse(path, text)
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename durable. Some network filesystems cannot fsync a directory; the rename is already
-    atomic there, so that refusal is ignored."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as error:
-        if error.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _temp_prefix(path: Path) -> str:
-    return f".{path.name}."
-
-
 def _serialise(runs: Mapping[str, Any]) -> bytes:
     """The file's bytes: one run per line (grep- and diff-friendly). Written by hand around compact
     per-record dumps because json's C encoder is not used with `indent` (10x slower on big catalogs)."""
@@ -475,42 +456,21 @@ def _serialise(runs: Mapping[str, Any]) -> bytes:
 
 
 def _write(path: Path, runs: Mapping[str, Any]) -> None:
-    """Replace `path` with the catalog of `runs`: temp file in the same directory, fsync, rename, fsync
-    the directory. Call only while holding the lock."""
+    """Replace `path` with the catalog of `runs` (atomically, durably). Call only while holding the lock."""
     data = _serialise(runs)
-    directory = path.parent
-    tmp = directory / f"{_temp_prefix(path)}{secrets.token_hex(8)}.tmp"
-    # os.open with 0o666 lets the umask decide, like any new file (mkstemp would force 0600 and hide a
-    # shared catalog from the rest of the group); an existing catalog keeps its mode.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-    try:
-        try:
-            with contextlib.suppress(FileNotFoundError, PermissionError):
-                os.fchmod(fd, path.stat().st_mode & 0o7777)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(directory)
+    replace_atomically(path, lambda handle: handle.write(data))
 
 
 def _remove_orphaned_temps(path: Path) -> None:
     """Delete temp files of writers that died before their rename. Call only while holding the lock: no
     live writer has a temp file then."""
-    prefix = _temp_prefix(path)
+    prefix = temp_prefix(path)
     try:
         names = os.listdir(path.parent)
     except OSError:
         return
     for name in names:
-        if name.startswith(prefix) and name.endswith(".tmp"):
+        if name.startswith(prefix) and name.endswith(TEMP_SUFFIX):
             with contextlib.suppress(OSError):
                 os.unlink(path.parent / name)
 

@@ -114,7 +114,7 @@ def write_scripts(
 
     (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
     for path, text in files.items():
-        write_atomic(path, text, mode=0o755 if path.suffix == ".sbatch" else 0o644)
+        write_atomic(path, text, executable=path.suffix == ".sbatch")
     for stale in [*sweep_dir.glob("array_*.sbatch"), *sweep_dir.glob("array_*.runs")]:
         if stale not in files:  # an earlier version of this spec had more arrays: none may be resubmitted
             stale.unlink()
@@ -335,7 +335,7 @@ def write_trial_scripts(
     files[sweep_dir / "manifest.json"] = json.dumps(manifest, indent=1) + "\n"
     (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
     for file, text in files.items():
-        write_atomic(file, text, mode=0o755 if file.suffix == ".sbatch" else 0o644)
+        write_atomic(file, text, executable=file.suffix == ".sbatch")
     return scripts
 
 
