@@ -1,37 +1,88 @@
 """The `fp4lab` command line.
 
 Commands import torch (and everything heavy) inside their bodies, so `fp4lab --help` stays fast.
-Every user error ends in one line on stderr and exit code 2.
+Conventions, the same on every command: the main input is a positional argument; an enumerated
+option is a choice that `--help` lists; `--json` (on every command that lists or reports) prints
+exactly one JSON document on stdout and nothing else there; help text is plain text (brackets such as
+`[slurm]` are shown as written). Exit codes: 0 ok, 1 a scan or a run found a problem, 2 a usage or
+input error (one line on stderr), 130 interrupted.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, Any, Literal, NoReturn, Optional
 
 import typer
 from typer.core import TyperGroup
 
+# The allowed values of enumerated options. Plain tuples here, not imports: the library modules that
+# define them import torch or pydantic, and `fp4lab --help` must not. tests/test_cli_conventions.py
+# checks each against its source.
+MODEL_PRESETS = ("tiny", "125m", "350m", "1b")  # fp4lab.train.config.MODEL_PRESETS, fp4lab.nn.model.PRESETS
+OPTIMIZERS = ("muon", "adamw")  # fp4lab.train.config.OPTIMIZERS
+LR_SCHEDULES = ("cosine", "constant", "wsd")  # fp4lab.train.config.LR_SCHEDULES
+QK_CLIPS = ("none", "kimi", "update_cap")  # fp4lab.train.config.QK_CLIPS
+DEVICES = ("cpu", "cuda", "auto")  # fp4lab.train.config.DEVICES
+COMPUTES = ("auto", "reference", "fast")  # fp4lab.train.config.COMPUTES
+COMPILES = ("auto", "on", "off")  # fp4lab.train.config.COMPILES
+CUDA_GRAPHS = ("auto", "on", "off")  # fp4lab.train.config.CUDA_GRAPHS
+TOKEN_DTYPES = ("uint16", "uint32")  # fp4lab.train.data.TOKEN_DTYPES
+DISTRIBUTIONS = ("normal", "student-t", "outlier")  # fp4lab.numerics.survey.DISTRIBUTIONS
+LOG_PRESETS = ("nanogpt", "megatron", "torchtitan", "fp4lab")  # fp4lab.lab.records.logscan.PRESETS
+SWEEP_EXECUTORS = ("local", "slurm", "sbatch")  # fp4lab.lab.runs.executors.EXECUTORS
+RATCHET_EXECUTORS = ("local", "slurm")  # what fp4lab.lab.ratchet.loop.Ratchet accepts
+PROPOSERS = ("optuna", "llm", "command")  # fp4lab.lab.ratchet.proposers.PROPOSERS
+BENCH_WHAT = ("all", "kernels", "steps")
 
-def _untyped_flags(params: list) -> list:
+# typer turns a Literal into a choice: --help shows <a|b|c>, any other value is a usage error (exit 2).
+ModelPreset = Literal[MODEL_PRESETS]
+Optimizer = Literal[OPTIMIZERS]
+LrSchedule = Literal[LR_SCHEDULES]
+QkClip = Literal[QK_CLIPS]
+Device = Literal[DEVICES]
+Compute = Literal[COMPUTES]
+Compile = Literal[COMPILES]
+CudaGraphs = Literal[CUDA_GRAPHS]
+TokenDtype = Literal[TOKEN_DTYPES]
+Distribution = Literal[DISTRIBUTIONS]
+LogPreset = Literal[LOG_PRESETS]
+SweepExecutor = Literal[SWEEP_EXECUTORS]
+RatchetExecutor = Literal[RATCHET_EXECUTORS]
+Proposer = Literal[PROPOSERS]
+BenchWhat = Literal[BENCH_WHAT]
+
+
+def _plain_help(command, params: list) -> list:
+    """Help text as written: typer reads it as rich markup, where `[stop]` or `[slurm]` (TOML tables)
+    would vanish as unknown tags, so each text is escaped (once). Flags lose the `<bool>` value type
+    typer labels them with, as if they took a value."""
+    from rich.markup import escape
+
+    for item in (command, *params):
+        if getattr(item, "help", None) and not getattr(item, "_fp4lab_plain_help", False):
+            item.help = escape(item.help)
+            item._fp4lab_plain_help = True
     for param in params:
         if getattr(param, "is_flag", False):
-            param.metavar = ""  # typer labels a flag `<bool>` in --help, as if it took a value
+            param.metavar = ""
     return params
 
 
 class _Commands(TyperGroup):
-    """fp4lab's command group: its --help and each command's list flags without a value type."""
+    """fp4lab's command group: it and each of its commands get plain help text (_plain_help)."""
 
     def get_params(self, ctx: typer.Context) -> list:
-        return _untyped_flags(super().get_params(ctx))
+        return _plain_help(self, super().get_params(ctx))
 
     def get_command(self, ctx: typer.Context, name: str):
         command = super().get_command(ctx, name)
-        if command is not None:
-            _untyped_flags(command.get_params(ctx))
+        if command is not None and not isinstance(command, _Commands):
+            _plain_help(command, command.get_params(ctx))
         return command
 
 
@@ -45,8 +96,20 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"fp4lab {version('fp4lab')}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print fp4lab's version and exit.")
+    ] = None,
+) -> None:
     """Find which FP4 training recipe trains a language model stably and fast."""
 
 
@@ -58,6 +121,23 @@ def fail(message: str) -> NoReturn:
     raise UserError(message)
 
 
+def _print_json(document: Any) -> None:
+    """The one JSON document of a `--json` command, on stdout: strict JSON, with non-finite floats as
+    the strings "nan", "inf" and "-inf" (as in metrics.jsonl) and paths as strings."""
+    json.dump(_strict(document), sys.stdout, indent=1, allow_nan=False, default=str)
+    sys.stdout.write("\n")
+
+
+def _strict(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if value != value else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {str(k): _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
 @app.command()
 def numerics(
     tensor: Annotated[
@@ -65,29 +145,26 @@ def numerics(
     ] = None,
     key: Annotated[Optional[str], typer.Option(help="Entry of a dict/state_dict in --tensor.")] = None,
     dist: Annotated[
-        Optional[str], typer.Option(help="Synthesize the tensor instead: normal | student-t | outlier.")
+        Optional[Distribution], typer.Option(help="Synthesize the tensor instead (default normal when no --tensor).")
     ] = None,
     shape: Annotated[str, typer.Option(help="ROWSxCOLS of a synthesized tensor.")] = "512x1024",
     seed: Annotated[int, typer.Option(help="Seed for synthesis, stochastic rounding and random signs.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")] = False,
 ) -> None:
     """Quantization error of one tensor under every FP4 format x scale mode x rounding x transform."""
-    from fp4lab.numerics.survey import DISTRIBUTIONS, survey_cases
+    from fp4lab.numerics.survey import survey_cases
 
     if tensor is not None and dist is not None:
         fail("numerics: pass either --tensor or --dist, not both")
     if tensor is None and dist is None:
         dist = "normal"
-    if dist is not None and dist not in DISTRIBUTIONS:
-        fail(f"numerics: --dist {dist!r} is not supported; allowed: {', '.join(DISTRIBUTIONS)}")
     x, source = _load_tensor(tensor, key) if tensor is not None else _synthesize(dist, shape, seed)
 
     from fp4lab.numerics.survey import survey
 
     if as_json:
         rows = [row.as_dict() for row in survey(x, seed=seed)]
-        json.dump({"source": source, "shape": list(x.shape), "seed": seed, "rows": rows}, sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        _print_json({"source": source, "shape": list(x.shape), "seed": seed, "rows": rows})
         return
 
     from rich.progress import Progress
@@ -146,32 +223,32 @@ def _print_numerics(rows, title: str) -> None:
 @app.command()
 def train(
     recipe: Annotated[Optional[str], typer.Option(help="Recipe name (fp4lab recipes) or path to a recipe .toml.")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Model preset: tiny | 125m | 350m | 1b.")] = None,
+    model: Annotated[Optional[ModelPreset], typer.Option(help="Model preset (default tiny).")] = None,
     data: Annotated[Optional[str], typer.Option(help="shakespeare (embedded) | synthetic | path to a .bin token file.")] = None,
     val_data: Annotated[Optional[str], typer.Option(help="Validation .bin file (default: hold out the tail of --data).")] = None,
-    token_dtype: Annotated[Optional[str], typer.Option(help="Id width of .bin files: uint16 | uint32.")] = None,
+    token_dtype: Annotated[Optional[TokenDtype], typer.Option(help="Id width of .bin files (default uint16).")] = None,
     vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary size (BPE size for shakespeare).")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Optimizer steps (default 200).")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Sequences per step (default 8).")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sequence (default 128).")] = None,
-    optimizer: Annotated[Optional[str], typer.Option(help="muon (hidden matrices; AdamW for the rest) | adamw (default: the recipe's, else muon).")] = None,
+    optimizer: Annotated[Optional[Optimizer], typer.Option(help="muon (hidden matrices; AdamW for the rest) or adamw (default: the recipe's, else muon).")] = None,
     lr: Annotated[Optional[float], typer.Option(help="Muon learning rate (default 0.02).")] = None,
     adam_lr: Annotated[Optional[float], typer.Option(help="AdamW learning rate (default 1e-2).")] = None,
     weight_decay: Annotated[Optional[float], typer.Option(help="Decoupled weight decay (default 0).")] = None,
-    lr_schedule: Annotated[Optional[str], typer.Option(help="cosine | constant | wsd (default cosine).")] = None,
+    lr_schedule: Annotated[Optional[LrSchedule], typer.Option(help="Learning-rate schedule (default cosine).")] = None,
     warmup_steps: Annotated[Optional[int], typer.Option(help="Linear warmup steps (default 20).")] = None,
     ns_steps: Annotated[Optional[int], typer.Option(help="Newton-Schulz steps K of Muon (default 5).")] = None,
-    qk_clip: Annotated[Optional[str], typer.Option(help="none | kimi | update_cap (default: the recipe's).")] = None,
+    qk_clip: Annotated[Optional[QkClip], typer.Option(help="QK-Clip: kimi (rescale W_q and W_k), update_cap (OptiTrain-FP4's update cap) or none (default: the recipe's).")] = None,
     qk_clip_tau: Annotated[Optional[float], typer.Option(help="QK-Clip threshold tau (default: the recipe's, 100).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed of init, data order and every random stream (default 0).")] = None,
     eval_every: Annotated[Optional[int], typer.Option(help="Validation loss every N steps (default 50).")] = None,
     probe_every: Annotated[Optional[int], typer.Option(help="Attention and quantization probes every N steps (default 25).")] = None,
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Checkpoint every N steps (default 50).")] = None,
     max_minutes: Annotated[Optional[float], typer.Option(help="Stop cleanly (resumable) after this much wall time.")] = None,
-    device: Annotated[Optional[str], typer.Option(help="cpu | cuda | auto (default cpu).")] = None,
-    compute: Annotated[Optional[str], typer.Option(help="fast (bf16 activations, tensor-core GEMMs, fused kernels) | reference (fp32, exact emulation) | auto (default: fast on CUDA).")] = None,
-    compile: Annotated[Optional[str], typer.Option(help="torch.compile: on | off | auto (default: on CUDA).")] = None,
-    cuda_graphs: Annotated[Optional[str], typer.Option(help="Replay steps from a CUDA graph: on | off | auto (default: on CUDA where nothing draws from a torch.Generator).")] = None,
+    device: Annotated[Optional[Device], typer.Option(help="Where to train (default cpu).")] = None,
+    compute: Annotated[Optional[Compute], typer.Option(help="fast (bf16 activations, tensor-core GEMMs, fused kernels), reference (fp32, exact emulation) or auto (default: fast on CUDA).")] = None,
+    compile: Annotated[Optional[Compile], typer.Option(help="torch.compile (default auto: on CUDA).")] = None,
+    cuda_graphs: Annotated[Optional[CudaGraphs], typer.Option(help="Replay steps from a CUDA graph (default auto: on CUDA where nothing draws from a torch.Generator).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<recipe>-<model>-s<seed>).")] = None,
     config: Annotated[Optional[Path], typer.Option(help="A TOML file of train settings; flags override it.")] = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Delete this run folder's checkpoint and logs first instead of resuming.")] = False,
@@ -253,7 +330,6 @@ def _note_finished_run(config) -> None:
               "nothing to train, its summary follows (--fresh trains it again, --out another folder)", file=sys.stderr)
 
 
-BENCH_WHAT = ("all", "kernels", "steps")
 # (model, batch, seq, timed steps, warmup, kernel shape) when not given: a GPU-sized run on CUDA, a
 # smoke-sized one on the CPU.
 BENCH_DEFAULTS = {"cuda": ("125m", 16, 1024, 20, 5, "8192x8192"), "cpu": ("tiny", 8, 128, 10, 2, "1024x1024")}
@@ -261,41 +337,31 @@ BENCH_DEFAULTS = {"cuda": ("125m", 16, 1024, 20, 5, "8192x8192"), "cpu": ("tiny"
 
 @app.command()
 def bench(
-    what: Annotated[str, typer.Argument(help="all | kernels (quantizers vs a copy) | steps (training steps vs the plain PyTorch loop).")] = "all",
+    what: Annotated[BenchWhat, typer.Argument(help="kernels (quantizers vs a copy), steps (training steps vs the plain PyTorch loop) or all.")] = "all",
     recipes: Annotated[str, typer.Option(help="Comma-separated recipes to time beside the anchor.")] = "bf16,nvfp4,nvfp4-all,mxfp4-rowsr-h32",
-    model: Annotated[Optional[str], typer.Option(help="Model preset (default 125m on CUDA, tiny on the CPU).")] = None,
+    model: Annotated[Optional[ModelPreset], typer.Option(help="Model preset (default 125m on CUDA, tiny on the CPU).")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Sequences per step (default 16 on CUDA, 8 on the CPU).")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sequence (default 1024 on CUDA, 128 on the CPU).")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Timed steps per configuration (default 20 on CUDA, 10 on the CPU).")] = None,
     warmup: Annotated[Optional[int], typer.Option(help="Untimed steps first, compilation included (default 5 on CUDA, 2 on the CPU).")] = None,
-    optimizer: Annotated[str, typer.Option(help="adamw (as the anchor) | muon.")] = "adamw",
-    compile: Annotated[str, typer.Option(help="torch.compile of fp4lab and the anchor: auto (on CUDA) | on | off.")] = "auto",
-    cuda_graphs: Annotated[str, typer.Option(help="Replay fp4lab's steps from a CUDA graph: auto (where possible on CUDA) | on | off.")] = "auto",
+    optimizer: Annotated[Optimizer, typer.Option(help="adamw (as the anchor) or muon.")] = "adamw",
+    compile: Annotated[Compile, typer.Option(help="torch.compile of fp4lab and the anchor (auto: on CUDA).")] = "auto",
+    cuda_graphs: Annotated[CudaGraphs, typer.Option(help="Replay fp4lab's steps from a CUDA graph (auto: where possible on CUDA).")] = "auto",
     shape: Annotated[Optional[str], typer.Option(help="ROWSxCOLS of the quantized tensor (default 8192x8192 on CUDA, 1024x1024 on the CPU).")] = None,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
+    device: Annotated[Device, typer.Option(help="Where to time (auto: CUDA if there is one).")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's).")] = None,
     profile: Annotated[Optional[Path], typer.Option(help="Also profile 3 steps of each run; kernel tables into this folder.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")] = False,
 ) -> None:
     """Time fp4lab against its anchors: quantizers vs a copy, training steps vs a plain PyTorch loop."""
-    if what not in BENCH_WHAT:
-        fail(f"bench: {what!r} is not a benchmark; allowed: {', '.join(BENCH_WHAT)}")
     import torch
 
     from fp4lab.nn.recipe import RecipeError, load_recipe
-    from fp4lab.train.config import COMPILES, CUDA_GRAPHS, OPTIMIZERS, ConfigError, TrainConfig
+    from fp4lab.train.config import ConfigError, TrainConfig
 
-    if device not in ("auto", "cpu", "cuda"):
-        fail(f"bench: --device {device!r} is not supported; allowed: auto, cpu, cuda")
     if device == "cuda" and not torch.cuda.is_available():
         fail("bench: --device cuda but CUDA is not available here; use --device cpu")
     target = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
-    if compile not in COMPILES:
-        fail(f"bench: --compile {compile!r} is not supported; allowed: {', '.join(COMPILES)}")
-    if cuda_graphs not in CUDA_GRAPHS:
-        fail(f"bench: --cuda-graphs {cuda_graphs!r} is not supported; allowed: {', '.join(CUDA_GRAPHS)}")
-    if optimizer not in OPTIMIZERS:
-        fail(f"bench: --optimizer {optimizer!r} is not supported; allowed: {', '.join(OPTIMIZERS)}")
     names = [r.strip() for r in recipes.split(",") if r.strip()]
     try:
         for name in names:
@@ -335,8 +401,7 @@ def bench(
         report["steps"] = [r.as_dict() for r in results]
         report["ratios"] = _bench_ratios(results)
     if as_json:
-        json.dump(report, sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        _print_json(report)
         return
     _print_bench(report)
 
@@ -414,7 +479,7 @@ def _clear_run_folder(folder: Path) -> None:
 @app.command()
 def scan(
     logs: Annotated[list[Path], typer.Argument(help="Run folders, metrics.jsonl files, fp4lab's jobs/<sweep>/logs/*.local.log, or text logs of other trainers.")],
-    preset: Annotated[Optional[str], typer.Option(help="Text log format: nanogpt | megatron | torchtitan | fp4lab (default: detect).")] = None,
+    preset: Annotated[Optional[LogPreset], typer.Option(help="Format of text logs (default: the preset matching the most lines).")] = None,
     regex: Annotated[Optional[str], typer.Option(help="Regex with named groups step and loss (optional grad_norm, val_loss).")] = None,
     threshold: Annotated[Optional[list[str]], typer.Option(help="NAME=VALUE threshold override, repeatable (e.g. spike_k=5).")] = None,
     running: Annotated[Optional[bool], typer.Option("--running/--not-running", help="Whether the job is alive (default: judge by the log's age).")] = None,
@@ -428,7 +493,7 @@ def scan(
     live jobs included; 2 on bad options or when a path cannot be scanned (each such path gets an
     error line on stderr; the other paths are still scanned and printed).
     """
-    from fp4lab.lab.records.logscan import HEALTHY_VERDICTS, PRESETS, LogFormat, ScanThresholds, format_result
+    from fp4lab.lab.records.logscan import HEALTHY_VERDICTS, LogFormat, ScanThresholds, format_result
     from fp4lab.lab.records.logscan import scan as scan_log
 
     try:
@@ -437,8 +502,6 @@ def scan(
             LogFormat.from_regex(regex)
     except ValueError as exc:
         fail(f"scan: {str(exc).splitlines()[0]}")
-    if preset is not None and preset not in PRESETS:
-        fail(f"scan: --preset {preset!r} is not a known log format; choose from {', '.join(PRESETS)} or pass --regex")
     results, unreadable = [], 0
     for path in logs:
         try:
@@ -447,8 +510,7 @@ def scan(
             unreadable += 1
             print(f"fp4lab: error: scan: {str(exc).splitlines()[0]}", file=sys.stderr)
     if as_json:
-        json.dump([r.to_dict() for r in results], sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        _print_json([r.to_dict() for r in results])
     else:
         for result in results:
             print(format_result(result))
@@ -462,27 +524,31 @@ def scan(
 @app.command()
 def sweep(
     spec: Annotated[Path, typer.Argument(help="A sweep spec, e.g. sweeps/quickstart.toml (docs/SWEEPS.md).")],
-    executor: Annotated[str, typer.Option(help="local (this machine) | slurm (submitit job arrays) | sbatch (plain sbatch of the written scripts).")] = "local",
+    executor: Annotated[SweepExecutor, typer.Option(help="local (this machine), slurm (submitit job arrays) or sbatch (plain sbatch of the written scripts).")] = "local",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Write jobs/<sweep>/ and register the runs; start nothing.")] = False,
     workers: Annotated[int, typer.Option(help="Local executor: runs at once.")] = 1,
     retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Also rerun failed, timed-out and preempted runs (they resume).")] = False,
     jobs_dir: Annotated[Path, typer.Option(help="Where SBATCH scripts and run configs go.")] = Path("jobs"),
     catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
+    as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: print the plan (runs, skipped runs, problems) as JSON.")] = False,
 ) -> None:
     """Expand a sweep spec into runs, write their SBATCH scripts, run what is still needed, record every run.
 
-    Exits 1 when a run of the sweep failed (its error is shown), 130 after Ctrl-C (the runs in progress
-    checkpoint and the next `fp4lab sweep` resumes them), 2 on a bad spec or argument."""
+    Exits 1 when a run of the sweep failed (its error is shown; --dry-run too, when the catalog holds
+    failed runs of the sweep), 130 after Ctrl-C (the runs in progress checkpoint and the next
+    `fp4lab sweep` resumes them), 2 on a bad spec or argument."""
+    from rich.markup import escape
+
     from fp4lab.lab.records.catalog import Catalog, CatalogError
-    from fp4lab.lab.runs.executors import EXECUTORS, SweepInterrupted, make_executor
+    from fp4lab.lab.runs.executors import SweepInterrupted, make_executor
     from fp4lab.lab.runs.slurm import SubmissionError
     from fp4lab.lab.runs.sweep import needed_runs, plan_sweep, preflight, register_runs
     from fp4lab.lab.specs.sweep_spec import SpecError
 
-    if executor not in EXECUTORS:
-        fail(f"sweep: --executor {executor!r} is not supported; allowed: {', '.join(EXECUTORS)}")
     if workers < 1:
         fail(f"sweep: --workers must be >= 1, got {workers}")
+    if as_json and not dry_run:
+        fail("sweep: --json prints the plan of --dry-run; add --dry-run (the runs of a sweep as JSON: fp4lab status SWEEP --json)")
     console = _console()
     try:
         runner = make_executor(executor, **({"workers": workers} if executor == "local" else {}))
@@ -497,6 +563,10 @@ def sweep(
     except (SpecError, CatalogError, ValueError) as exc:
         fail(str(exc).splitlines()[0])
     optuna = plan.spec.method == "optuna"
+    if as_json:
+        _print_json(_sweep_plan(plan, todo, skipped, problems, runs_catalog))
+        _exit_on_failures(runs_catalog, plan)
+        return
     if optuna:
         from fp4lab.lab.runs.trials import trial_counts
 
@@ -522,7 +592,7 @@ def sweep(
         for script in plan.scripts if optuna else ():
             console.print(f"  {script}")
         for problem in problems if dry_run else ():
-            console.print(f"  [yellow]would fail:[/] {problem}")
+            console.print(f"  [yellow]would fail:[/] {escape(problem)}")
         _exit_on_failures(runs_catalog, plan)
         return
     if not runner.waits:
@@ -555,9 +625,37 @@ def sweep(
         console.print(f"interrupted: {len(stopped.records)} run(s) checkpointed; `fp4lab sweep {spec}` resumes them")
         raise typer.Exit(130) from None
     if optuna and launched.started == 0:
-        console.print("the study already holds every trial; raise [optuna].n_trials to run more")
+        console.print("the study already holds every trial; raise [optuna].n_trials to run more", markup=False)
     _print_status(runs_catalog, plan.spec.name)
     _exit_on_failures(runs_catalog, plan)
+
+
+def _sweep_plan(plan, todo, skipped: dict, problems: list[str], runs_catalog) -> dict:
+    """`fp4lab sweep --dry-run --json`: what a sweep of this spec would start, what it would skip and why,
+    and what would make it fail. Paths of files the sweep wrote are absolute; a run's run_dir is as its config says."""
+    sweep_dir = plan.sweep_dir.resolve()
+
+    def run_entry(run) -> dict:
+        return {"id": run.id, "name": run.name, "params": run.params, "run_dir": run.config.get("out_dir"),
+                "config": str(sweep_dir / f"{run.id}.toml"), "script": str(sweep_dir / f"{run.id}.sbatch")}
+
+    document = {
+        "sweep": plan.spec.name, "method": plan.spec.method, "spec": str(Path(plan.spec.path).resolve()), "sweep_dir": str(sweep_dir),
+        "catalog": str(runs_catalog.path), "runs": [run_entry(run) for run in todo],
+        "skipped": [
+            {**run_entry(run), "reason": reason, "state": record["state"], "error": record.get("error")}
+            for reason, runs in skipped.items() for run in runs for record in [runs_catalog.get(run.id)]
+        ],
+        "scripts": [str(Path(script).resolve()) for script in plan.scripts], "problems": problems,
+    }  # fmt: skip
+    if plan.spec.method == "optuna":
+        from fp4lab.lab.runs.trials import trial_counts
+
+        optuna = plan.spec.optuna
+        document["optuna"] = {"n_trials": optuna.n_trials, "objective": optuna.objective, "direction": optuna.direction,
+                              "study": str(plan.spec.optuna_storage(plan.jobs_dir)),
+                              "trials": trial_counts(plan.spec, plan.jobs_dir)}  # fmt: skip
+    return document
 
 
 def _exit_on_failures(runs_catalog, plan) -> None:
@@ -638,8 +736,7 @@ def trial(
     if summary is not None:  # beside the progress lines on stderr when stdout carries the JSON record
         _print_summary_block(summary, record["paths"]["run_dir"], file=sys.stderr if as_json else None)
     if as_json:
-        json.dump(record, sys.stdout)
-        sys.stdout.write("\n")
+        _print_json(record)
     else:
         print(f"trial {record['extra'].get('trial')} run {record['id']} ({record['extra'].get('name')}): {record['state']}, "
               f"{record.get('verdict')}, objective {record['extra'].get('objective')}")
@@ -650,17 +747,51 @@ def status(
     sweep_name: Annotated[Optional[str], typer.Argument(metavar="SWEEP", help="Only this sweep (default: all).")] = None,
     catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
     watch: Annotated[float, typer.Option(help="Refresh every N seconds until every run has ended (0: once).")] = 0.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the runs as a JSON list instead of a table.")] = False,
 ) -> None:
     """A table of the runs in the catalog: state, step, loss, verdict (refreshed from their run folders)."""
     from fp4lab.lab.records.catalog import Catalog, CatalogError
 
+    if as_json and watch > 0:
+        fail("status: --json prints the runs once; drop --watch")
     if not catalog.exists():
         fail(f"status: no catalog at {str(catalog)!r}; run fp4lab sweep SPEC first (or pass --catalog)")
     try:
         runs_catalog = Catalog(catalog)
-        _print_status(runs_catalog, sweep_name, watch=watch)
+        if as_json:
+            _print_json(_status_rows(runs_catalog, sweep_name))
+        else:
+            _print_status(runs_catalog, sweep_name, watch=watch)
     except CatalogError as exc:
         fail(str(exc).splitlines()[0])
+
+
+def _status_rows(runs_catalog, sweep_name: str | None) -> list[dict]:
+    """The runs of `sweep_name` (all sweeps but ratchets when None), refreshed from their run folders
+    and the scheduler: one dict per run, what `fp4lab status` shows."""
+    from fp4lab.lab.records.catalog import TERMINAL_STATES
+    from fp4lab.lab.records.logscan import ScanThresholds
+    from fp4lab.lab.runs.sweep import progress_of, refresh
+
+    if sweep_name is not None and not runs_catalog.records(sweep=sweep_name):
+        known = sorted({r["sweep"] for r in runs_catalog.records(per_sweep=True) if r["sweep"]})
+        fail(f"status: no sweep {sweep_name!r} in {runs_catalog.path} (sweeps: {', '.join(known) or 'none'})")
+    refresh(runs_catalog, ScanThresholds(), sweep_name)
+    records = runs_catalog.records(sweep=sweep_name, per_sweep=True)
+    if sweep_name is None:  # ratchet iterations have their own view: fp4lab report --ratchet TAG
+        records = [r for r in records if not (r["sweep"] or "").startswith("ratchet/")]
+    rows = []
+    for record in records:
+        step, loss = progress_of(record, runs_catalog)
+        if record["state"] in TERMINAL_STATES and record["summary"]:  # as the report shows it: the last finite loss
+            loss = record["summary"].get("final_train_loss")
+        rows.append({
+            "sweep": record["sweep"], "id": record["id"], "name": record["extra"].get("name"), "state": record["state"],
+            "step": step, "loss": loss, "val_loss": record["summary"].get("final_val_loss"), "verdict": record["verdict"],
+            "error": record.get("error"), "slurm_job_id": record["slurm_job_id"], "slurm_array_index": record["slurm_array_index"],
+            "run_dir": (record.get("paths") or {}).get("run_dir"),
+        })  # fmt: skip
+    return rows
 
 
 def _print_status(runs_catalog, sweep_name: str | None, watch: float = 0.0) -> None:
@@ -669,38 +800,23 @@ def _print_status(runs_catalog, sweep_name: str | None, watch: float = 0.0) -> N
     from rich.live import Live
     from rich.table import Table
 
-    from fp4lab.lab.records.logscan import ScanThresholds
-    from fp4lab.lab.runs.sweep import progress_of, refresh
-
-    from fp4lab.lab.records.catalog import TERMINAL_STATES
-
-    if sweep_name is not None and not runs_catalog.records(sweep=sweep_name):
-        known = sorted({r["sweep"] for r in runs_catalog.records(per_sweep=True) if r["sweep"]})
-        fail(f"status: no sweep {sweep_name!r} in {runs_catalog.path} (sweeps: {', '.join(known) or 'none'})")
-
     def table() -> tuple[Table, bool]:
-        refresh(runs_catalog, ScanThresholds(), sweep_name)
-        records = runs_catalog.records(sweep=sweep_name, per_sweep=True)
-        if sweep_name is None:  # ratchet iterations have their own view: fp4lab report --ratchet TAG
-            records = [r for r in records if not (r["sweep"] or "").startswith("ratchet/")]
+        rows = _status_rows(runs_catalog, sweep_name)
         view = Table(title=f"runs{' of ' + sweep_name if sweep_name else ''} ({runs_catalog.path})")
         for column in ("sweep", "id", "run", "state", "step", "loss", "val loss", "verdict", "job"):
             view.add_column(column, no_wrap=column not in ("run", "verdict"))
-        for record in records:
-            step, loss = progress_of(record, runs_catalog)
-            if record["state"] in TERMINAL_STATES and record["summary"]:  # as the report shows it: the last finite loss
-                loss = record["summary"].get("final_train_loss")
-            val = record["summary"].get("final_val_loss")
-            verdict = record["verdict"] or ""
-            if record.get("error"):
-                verdict = f"{verdict + ': ' if verdict else ''}{record['error']}"
+        for row in rows:
+            verdict = row["verdict"] or ""
+            if row["error"]:
+                verdict = f"{verdict + ': ' if verdict else ''}{row['error']}"
+            loss, val = row["loss"], row["val_loss"]
             view.add_row(
-                record["sweep"] or "", record["id"], record["extra"].get("name", ""), record["state"],
-                "" if step is None else str(step), "" if loss is None else f"{loss:.4f}",
+                row["sweep"] or "", row["id"], row["name"] or "", row["state"],
+                "" if row["step"] is None else str(row["step"]), "" if loss is None else f"{loss:.4f}",
                 "" if val is None else f"{val:.4f}", verdict,
-                str(record["slurm_job_id"] or "") + ("" if record["slurm_array_index"] is None else f"_{record['slurm_array_index']}"),
+                str(row["slurm_job_id"] or "") + ("" if row["slurm_array_index"] is None else f"_{row['slurm_array_index']}"),
             )
-        active = any(r["state"] in ("pending", "submitted", "running") for r in records)
+        active = any(r["state"] in ("pending", "submitted", "running") for r in rows)
         return view, active
 
     console = _console()
@@ -721,6 +837,7 @@ def report(
     out: Annotated[Optional[Path], typer.Option(help="Output folder (default: reports/<SWEEP or all>/, reports/ratchet-<TAG>/).")] = None,
     catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
     ratchet: Annotated[Optional[str], typer.Option(help="Report a ratchet run instead: its TAG (metric vs iteration).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the ledger rows and the files written as JSON instead of the table.")] = False,
 ) -> None:
     """The recipe ledger of a sweep (seeds grouped, loss excess vs bf16) as CSV, Markdown and HTML with plots."""
     from fp4lab.lab.records.report import build_report, ratchet_report, render_ledger, write_report
@@ -733,6 +850,12 @@ def report(
             table, written = ratchet_report(catalog, ratchet, out)
         except (ValueError, OSError) as exc:
             fail(str(exc).splitlines()[0])
+        if as_json:
+            import pandas as pd
+
+            rows = json.loads(pd.read_csv(written["csv"]).to_json(orient="records"))  # iterations.csv, as written
+            _print_json({"ratchet": ratchet, "catalog": str(catalog), "rows": rows, "written": written})
+            return
         console.print(table)
         for path in written.values():
             console.print(f"wrote {path}")
@@ -742,6 +865,10 @@ def report(
         written = write_report(built, out)
     except (ValueError, OSError) as exc:
         fail(str(exc).splitlines()[0])
+    if as_json:  # the ledger as in ledger.csv; a value with no data (no bf16 reference, one seed) is null
+        rows = json.loads(built.ledger.to_json(orient="records"))
+        _print_json({"sweep": sweep_name, "catalog": str(catalog), "notes": built.notes, "rows": rows, "written": written})
+        return
     console.print(render_ledger(built))
     for path in written.values():
         console.print(f"wrote {path}")
@@ -749,34 +876,39 @@ def report(
 
 @app.command()
 def ratchet(
-    program: Annotated[Path, typer.Option(help="The goal, metric, budget, health rules and search space (program.md).")] = Path("program.md"),
+    program: Annotated[Optional[Path], typer.Argument(help="The goal, metric, budget, health rules and search space (default: program.md).")] = None,
+    program_option: Annotated[Optional[Path], typer.Option("--program", hidden=True, help="Deprecated: pass PROGRAM as the argument.")] = None,
     iterations: Annotated[Optional[int], typer.Option(help="Proposals to decide in all for this tag (default: [stop].iterations).")] = None,
     tag: Annotated[Optional[str], typer.Option(help="Names the branch ratchet/<TAG> and its state; the same tag resumes (default: program file name).")] = None,
-    agent: Annotated[str, typer.Option(help="Proposer: optuna (TPE, no network) | llm (OpenAI-compatible endpoint) | command (an executable).")] = "optuna",
+    agent: Annotated[Proposer, typer.Option(help="Proposer: optuna (TPE, no network), llm (OpenAI-compatible endpoint) or command (an executable).")] = "optuna",
     command: Annotated[Optional[str], typer.Option(help="--agent command: the executable and its arguments (split like a shell, never run by one).")] = None,
     base_url: Annotated[Optional[str], typer.Option(help="--agent llm: endpoint (default $FP4LAB_LLM_BASE_URL, $OPENAI_BASE_URL, http://127.0.0.1:8000/v1).")] = None,
     model: Annotated[Optional[str], typer.Option(help="--agent llm: model name (default $FP4LAB_LLM_MODEL). The key comes from $FP4LAB_LLM_API_KEY or $OPENAI_API_KEY only.")] = None,
     timeout: Annotated[Optional[float], typer.Option(help="--agent llm/command: seconds per proposal (default 60 / 300).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the optuna sampler and the paired bootstrap.")] = 0,
-    executor: Annotated[str, typer.Option(help="local (this machine) | slurm (each experiment a submitit job, program.md [slurm]).")] = "local",
+    executor: Annotated[RatchetExecutor, typer.Option(help="local (this machine) or slurm (each experiment a submitit job, as the program's [slurm] table asks).")] = "local",
     workers: Annotated[int, typer.Option(help="Proposals in flight at once, each in its own worktree.")] = 1,
     catalog: Annotated[Path, typer.Option(help="The results catalog (one record per iteration, sweep ratchet/<TAG>).")] = Path("sweep_catalog.json"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON (the iterations go to stderr).")] = False,
 ) -> None:
     """Propose a change, run a capped experiment, keep it (git commit) only if the metric strictly improves
-    and the run is healthy, otherwise revert; every iteration recorded. Works in its own git worktree."""
-    from fp4lab.lab.ratchet.proposers import PROPOSERS
+    and the run is healthy, otherwise revert; every iteration recorded. Works in its own git worktree.
+
+    PROGRAM (default program.md) holds the goal in prose and a ```toml ratchet``` block: [run], [edit],
+    [search_space], [health], [noise], [stop] and [slurm] (docs/RATCHET.md)."""
     from fp4lab.lab.records.catalog import CatalogError
     from fp4lab.lab.specs.program import ProgramError, load_program
     from fp4lab.lab.ratchet.loop import Ratchet, RatchetError
     from fp4lab.lab.repo import GitError
 
-    if agent not in PROPOSERS:
-        fail(f"ratchet: --agent {agent!r} is not supported; allowed: {', '.join(PROPOSERS)}")
+    if program is not None and program_option is not None:
+        fail(f"ratchet: two programs given, {str(program)!r} and --program {str(program_option)!r}; pass one, as the argument")
+    program = program or program_option or Path("program.md")  # `--program PATH`: the old spelling, still accepted
     if iterations is not None and iterations < 1:
         fail(f"ratchet: --iterations must be >= 1, got {iterations}")
     options = {k: v for k, v in {"base_url": base_url, "model": model, "command": command, "timeout_s": timeout}.items() if v is not None}
     console = _console()
-    view = _RatchetView(console)
+    view = _RatchetView(_console(stderr=True) if as_json else console)
     try:
         loaded = load_program(program)
         loop = Ratchet(loaded, tag=tag or program.stem, proposer=agent, catalog=catalog, seed=seed,
@@ -785,6 +917,12 @@ def ratchet(
             summary = loop.run(iterations)
     except (ProgramError, RatchetError, GitError, CatalogError, ValueError) as exc:
         fail(f"ratchet: {str(exc).splitlines()[0]}")
+    if program_option is not None:  # said once it worked, so that an error stays one line
+        print(f"fp4lab: note: ratchet --program is deprecated; pass the program as the argument: fp4lab ratchet {program}",
+              file=sys.stderr)
+    if as_json:
+        _print_json(summary)
+        return
     console.print(
         f"ratchet [bold]{summary['tag']}[/]: stopped after {summary['reason']}; baseline {_fmt(summary['baseline'])} "
         f"(sigma {_fmt(summary['sigma'])}), best {_fmt(summary['best'])}; kept iterations "
@@ -820,13 +958,13 @@ class _RatchetView:
 
     def event(self, kind: str, data: dict) -> None:
         if kind == "note":
-            self.console.print(f"[dim]{data['message']}[/]")
+            self.console.print(data["message"], style="dim", markup=False)
         elif kind == "start":
             proposal = data["proposal"]
             what = "baseline (unchanged tree)" if proposal is None else _describe_proposal(proposal.kind, proposal.params, proposal.rationale)
             self.running[data["iteration"]] = f"iteration {data['iteration']}: {what}"
             if self.live is None:
-                self.console.print(f"running {self.running[data['iteration']]}")
+                self.console.print(f"running {self.running[data['iteration']]}", markup=False)
         elif kind == "decided":
             extra = data["extra"]
             proposal = extra.get("proposal") or {}
@@ -836,12 +974,13 @@ class _RatchetView:
             self.running.pop(extra["iteration"], None)
             if self.live is None:
                 self.console.print(f"iteration {extra['iteration']}: {extra['decision']}  metric {_fmt(extra.get('metric'))}  "
-                                   f"best before {_fmt(extra.get('best_before'))}  {what}  {extra.get('note') or ''}".rstrip())
+                                   f"best before {_fmt(extra.get('best_before'))}  {what}  {extra.get('note') or ''}".rstrip(), markup=False)
         if self.live is not None:
             self.live.update(self._render())
 
     def _render(self):
         from rich.console import Group
+        from rich.markup import escape
         from rich.table import Table
 
         table = Table(title="fp4lab ratchet", expand=False)
@@ -849,8 +988,9 @@ class _RatchetView:
             table.add_column(column, overflow="fold")
         for number, what, metric, best, decision, note in self.rows[-30:]:
             style = self.STYLE.get(decision, "")
-            table.add_row(str(number), what[:70], _fmt(metric), _fmt(best), f"[{style}]{decision}[/]" if style else decision, note[:50])
-        return Group(table, *(f"[bold]running[/] {line}" for _, line in sorted(self.running.items())))
+            table.add_row(str(number), escape(what[:70]), _fmt(metric), _fmt(best), f"[{style}]{decision}[/]" if style else decision,
+                          escape(note[:50]))
+        return Group(table, *(f"[bold]running[/] {escape(line)}" for _, line in sorted(self.running.items())))
 
 
 def _describe_proposal(kind, params: dict, rationale: str) -> str:
@@ -864,7 +1004,10 @@ app.add_typer(recipes_app, name="recipes")
 
 
 @recipes_app.callback(invoke_without_command=True)
-def recipes(ctx: typer.Context) -> None:
+def recipes(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the recipes as a JSON list instead of a table.")] = False,
+) -> None:
     """List the built-in recipes (`fp4lab recipes show NAME` prints one)."""
     if ctx.invoked_subcommand is not None:
         return
@@ -872,21 +1015,28 @@ def recipes(ctx: typer.Context) -> None:
 
     from fp4lab.nn.recipe import list_recipes, load_recipe
 
+    recipes = [load_recipe(name) for name in list_recipes()]
+    if as_json:
+        _print_json([{"name": r.name, "description": r.description, "source": r.source} for r in recipes])
+        return
     table = Table(title="FP4 recipes (fp4lab/recipes/*.toml)")
     for name in ("name", "description", "source"):
         table.add_column(name, overflow="fold")
-    for name in list_recipes():
-        recipe = load_recipe(name)
+    for recipe in recipes:
         table.add_row(recipe.name, recipe.description, recipe.source)
     _console().print(table)
 
 
 @recipes_app.command("show")
 def recipes_show(
+    ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="A built-in recipe name or a path to a recipe .toml file.")],
     layers: Annotated[int, typer.Option(help="Model depth to resolve block overrides for (default: the tiny preset's, what `fp4lab train` uses on a CPU).")] = 4,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the resolved recipe as JSON instead of tables.")] = False,
 ) -> None:
     """Print the resolved per-operand ledger of a recipe: every GEMM operand of every block group."""
+    from dataclasses import asdict
+
     from rich.table import Table
 
     from fp4lab.nn.recipe import GEMMS, OPERANDS, RecipeError, load_recipe
@@ -897,6 +1047,16 @@ def recipes_show(
         recipe = load_recipe(name)
     except RecipeError as exc:
         fail(str(exc))
+    if as_json or (ctx.parent is not None and ctx.parent.params.get("as_json")):  # `recipes --json show NAME` too
+        _print_json({
+            "name": recipe.name, "description": recipe.description, "source": recipe.source, "path": recipe.path,
+            "layers": layers, "gemms": GEMMS,
+            "ledger": [{"blocks": blocks, "operands": {o: asdict(linear.operand(o)) for o in OPERANDS}}
+                       for blocks, linear in recipe.ledger(layers)],
+            "head": recipe.head, "embedding": recipe.embedding, "lora_svd_rank": recipe.lora_svd_rank,
+            "lora_svd_every": recipe.lora_svd_every, "attention": asdict(recipe.attention), "optimizer": asdict(recipe.optimizer),
+        })  # fmt: skip
+        return
     table = Table(title=f"{recipe.name}: {recipe.description}", caption=f"source: {recipe.source}; {layers} blocks")
     for column in ("blocks", "GEMM", "operand", "format", "scale", "rounding", "transform", "2D tile"):
         table.add_column(column, no_wrap=True)
@@ -934,11 +1094,12 @@ def recipes_show(
     )
 
 
-def _console():
-    """A rich console; when output is piped, wide enough that tables do not truncate."""
+def _console(stderr: bool = False):
+    """A rich console on stdout (or stderr); when output is piped, wide enough that tables do not truncate."""
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(width=140)
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr) if stream.isatty() else Console(stderr=stderr, width=140)
 
 
 def _synthesize(dist: str, shape: str, seed: int):
@@ -949,13 +1110,15 @@ def _synthesize(dist: str, shape: str, seed: int):
 
 
 def _load_tensor(path: Path, key: str | None):
+    import pickle
+
     import torch
 
     if not path.is_file():
         fail(f"numerics: --tensor {str(path)!r} is not a file")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for a bad file; all mean the same to the user
+    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as exc:  # what torch.load raises for a file it cannot read
         fail(f"numerics: --tensor {str(path)!r} is not a loadable torch file ({type(exc).__name__}: {exc})".split("\n")[0])
     if isinstance(obj, dict):
         tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
@@ -974,12 +1137,30 @@ def _load_tensor(path: Path, key: str | None):
     return obj.detach().to(torch.float32), label
 
 
+def _choice_error(exc) -> str | None:
+    """A value outside an option's choices, in fp4lab's words (the command, the option, the value, the
+    allowed values): `sweep: --executor 'cloud' is not supported; allowed: local, slurm, sbatch`.
+    None for any other usage error, which keeps typer's message."""
+    param = getattr(exc, "param", None)
+    choices = getattr(getattr(param, "type_descriptor", None), "choices", None)
+    found = re.match(r"(?:Value error, )?(.+) is not one of ", str(getattr(exc, "message", "")))
+    if not choices or found is None:
+        return None
+    name = param.opts[0] if param.opts and param.opts[0].startswith("-") else param.name.upper()
+    names, ctx = [], exc.ctx
+    while ctx is not None and ctx.parent is not None:  # the command's names under the root: "recipes show"
+        names.insert(0, ctx.info_name)
+        ctx = ctx.parent
+    command = " ".join(names)
+    return f"{command + ': ' if command else ''}{name} {found.group(1)} is not supported; allowed: {', '.join(map(str, choices))}"
+
+
 def main() -> None:
     """Console entry point: one-line errors and exit code 2 for every usage or input mistake."""
     from typer.exceptions import TyperException
 
     try:
-        code = app(standalone_mode=False)
+        code = app(standalone_mode=False, prog_name="fp4lab")
     except UserError as exc:
         print(f"fp4lab: error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -987,7 +1168,7 @@ def main() -> None:
         message = exc.format_message()
         if not message:  # bare `fp4lab` (or a bare group): the help it printed is the whole answer
             sys.exit(0)
-        print(f"fp4lab: error: {message}", file=sys.stderr)
+        print(f"fp4lab: error: {_choice_error(exc) or message}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         print("fp4lab: aborted", file=sys.stderr)
