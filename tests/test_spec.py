@@ -182,6 +182,8 @@ def test_id_rule(tmp_path):
     run = make_run(spec, {})
     same = make_run(spec, {"device": "cuda", "max_minutes": 3.0, "lr": 2e-2, "steps": 10})  # lr default, explicit
     assert same.id == run.id
+    neutral = {"checkpoint_every": 7, "compile": "off", "cuda_graphs": "off"}  # train.config.RESULT_NEUTRAL
+    assert make_run(spec, neutral).id == run.id
     assert make_run(spec, {"warmup_steps": 20}).id == run.id  # the default, stated
     assert make_run(spec, {"lr": 1}).id == make_run(spec, {"lr": 1.0}).id
     assert make_run(spec, {"lr": 0.03}).id != run.id

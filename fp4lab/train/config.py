@@ -1,4 +1,5 @@
-"""TrainConfig: everything that defines one training run, validated, serializable to JSON/TOML."""
+"""TrainConfig and DataConfig: everything that defines one training run, validated, serializable to
+JSON/TOML. Torch-free: the orchestrator validates run configs without importing torch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from fp4lab.train.data import DataConfig
 
 MODEL_PRESETS = ("tiny", "125m", "350m", "1b")
 OPTIMIZERS = ("muon", "adamw")
@@ -25,12 +25,36 @@ COMPILES = ("auto", "on", "off")
 # Replay each step's forward and backward from a CUDA graph ("auto": on the fast path on CUDA when
 # nothing on the path draws from a torch.Generator); it changes nothing but the launch cost.
 CUDA_GRAPHS = ("auto", "on", "off")
-# Fields that may change when a run resumes from its checkpoint without changing what it computes.
-RESUMABLE_CHANGES = ("max_minutes", "checkpoint_every", "out_dir", "device", "compile", "cuda_graphs")
+# The one list of fields that do not change what a run computes: where it writes, how long a segment
+# may take, how often it checkpoints, and the device and launch mechanics. A resumed run may change
+# them; a sweep's run id leaves them out; the report groups runs regardless of them.
+RESULT_NEUTRAL = ("out_dir", "device", "max_minutes", "checkpoint_every", "compile", "cuda_graphs")
 
 
 class ConfigError(ValueError):
     """A config value that does not validate; the message names the field and the allowed values."""
+
+
+@dataclass
+class DataConfig:
+    """What to train on.
+
+    source: "shakespeare", "synthetic", or a path to a .bin token file.
+    val_source: a .bin validation file (only with a .bin source); without it the last `val_fraction`
+        of the source is held out.
+    token_dtype: "uint16" or "uint32", the id width of .bin files.
+    vocab_size: the model's vocabulary. Shakespeare: the BPE size (default 4096, 257..65536);
+        synthetic: default 256; .bin: default max id + 1 over train and val, which is smaller than the
+        tokenizer's vocabulary when its top ids never occur, so pass it when you know it.
+    seed: generates the synthetic task (the loop may pass it to BatchSampler too).
+    """
+
+    source: str = "shakespeare"
+    val_source: str | None = None
+    token_dtype: str = "uint16"
+    vocab_size: int | None = None
+    val_fraction: float = 0.1
+    seed: int = 0
 
 
 @dataclass

@@ -38,6 +38,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from fp4lab.train.atomic import write_atomic
+from fp4lab.train.config import DataConfig
 
 NAMED_SOURCES = ("shakespeare", "synthetic")
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -48,28 +49,6 @@ SYNTHETIC_SUCCESSORS = 4
 # Bump whenever the play conversion, the split or the tokenizer training changes: it invalidates
 # every cached build.
 FORMAT_VERSION = 1
-
-
-@dataclass
-class DataConfig:
-    """What to train on.
-
-    source: "shakespeare", "synthetic", or a path to a .bin token file.
-    val_source: a .bin validation file (only with a .bin source); without it the last `val_fraction`
-        of the source is held out.
-    token_dtype: "uint16" or "uint32", the id width of .bin files.
-    vocab_size: the model's vocabulary. Shakespeare: the BPE size (default 4096, 257..65536);
-        synthetic: default 256; .bin: default max id + 1 over train and val, which is smaller than the
-        tokenizer's vocabulary when its top ids never occur, so pass it when you know it.
-    seed: generates the synthetic task (the loop may pass it to BatchSampler too).
-    """
-
-    source: str = "shakespeare"
-    val_source: str | None = None
-    token_dtype: str = "uint16"
-    vocab_size: int | None = None
-    val_fraction: float = 0.1
-    seed: int = 0
 
 
 @dataclass(frozen=True, eq=False)

@@ -40,7 +40,7 @@ from fp4lab.nn.recipe import Recipe, load_recipe
 from fp4lab.optim.build import OptimizerConfig, build_optimizer
 from fp4lab.optim.qk_clip import qk_clip_
 from fp4lab.train.checkpoint import MetricsLog, finite_or_none, load_checkpoint, save_checkpoint, write_json
-from fp4lab.train.config import RESUMABLE_CHANGES, ConfigError, TrainConfig
+from fp4lab.train.config import RESULT_NEUTRAL, ConfigError, TrainConfig
 from fp4lab.train.data import BatchSampler, load_dataset, val_batches
 
 CHECKPOINT = "checkpoint.pt"
@@ -427,7 +427,7 @@ def _restore(path: Path, config: TrainConfig, model: Llama, optimizer) -> RunSta
     checkpoint = load_checkpoint(path)
     saved, current = checkpoint["config"], config.to_dict()
     defaults = TrainConfig().to_dict()  # a checkpoint older than a field ran with its default
-    changed = [k for k in current if k not in RESUMABLE_CHANGES and saved.get(k, defaults[k]) != current[k]]
+    changed = [k for k in current if k not in RESULT_NEUTRAL and saved.get(k, defaults[k]) != current[k]]
     if changed == ["steps"]:
         raise ConfigError(
             f"{path} belongs to a run of {saved['steps']} steps, not {current['steps']}: its learning-rate schedule "

@@ -35,10 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from fp4lab.train.atomic import write_atomic
+from fp4lab.train.config import RESULT_NEUTRAL
 from fp4lab.train.jsonl import read_metrics_file
 
 BASELINE = "bf16"
-RUN_SPECIFIC = ("seed", "out_dir", "name", "run_name", "resume", "resume_from", "checkpoint")
+RUN_SPECIFIC = ("seed", *RESULT_NEUTRAL)
 """Config keys that differ between runs of one config; dropped (with `recipe` for the bf16 match) when grouping."""
 
 COLUMNS = (

@@ -31,6 +31,7 @@ from fp4lab.lab.runs import slurm
 from fp4lab.lab.records.catalog import Catalog, live_owner, this_owner, utc_now
 from fp4lab.lab.records.logscan import ScanThresholds, scan
 from fp4lab.lab.specs.sweep_spec import RunSpec
+from fp4lab.train.config import TrainConfig
 from fp4lab.train.jsonl import read_metrics_file
 
 # Summary status of a finished training process -> catalog state.
@@ -91,7 +92,6 @@ def record_start(catalog: Catalog, run_id: str) -> dict[str, Any]:
 def train_recorded(config_path: Path, catalog: Catalog, *, progress: bool | None = None) -> dict[str, Any]:
     """Train the run whose config is `config_path` (jobs/<sweep>/<id>.toml), keeping its catalog record
     current; return the loop's summary."""
-    from fp4lab.train.config import TrainConfig
     from fp4lab.train.loop import run
 
     run_id = config_path.stem

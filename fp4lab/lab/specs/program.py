@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fp4lab.lab.records.logscan import VERDICTS
 from fp4lab.lab.specs.sweep_spec import SearchParam, SlurmSpec, _slurm
+from fp4lab.train.config import ConfigError, DataConfig, TrainConfig
 
 # metric names a kind = "fp4lab" program may give -> the summary.json key the run writes.
 FP4LAB_METRICS = {
@@ -360,8 +361,6 @@ def _search_param(name: str, param: Any, fail) -> SearchParam:
 
 def _check_fp4lab(run: RunTarget, search_space: dict[str, SearchParam], fail) -> None:
     from fp4lab.nn.recipe import RecipeError, load_recipe
-    from fp4lab.train.config import ConfigError, TrainConfig
-    from fp4lab.train.data import DataConfig
 
     for key in ("command", "metric_regex", "timeout_minutes", "env"):
         if key in run.model_fields_set:

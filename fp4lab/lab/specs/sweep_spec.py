@@ -8,12 +8,12 @@ The format is documented in docs/SWEEPS.md. Every error is one line naming the f
 
 Run ids: `run_id(config)` is the first 12 hex digits of sha256 over the canonical JSON of the
 resolved TrainConfig (every field, defaults filled in, ints in float fields written as floats, keys
-sorted), leaving out `out_dir`, `device`, `max_minutes`, `compile` and `cuda_graphs` (ID_EXCLUDED), which
-don't change what a run computes. The same config gets the same id in any process on any machine; a run's folder is
+sorted), leaving out the fields that don't change what a run computes (`train.config.RESULT_NEUTRAL`:
+out_dir, device, max_minutes, checkpoint_every, compile, cuda_graphs). The same config gets the same id in any process on any machine; a run's folder is
 `runs/<sweep>/<id>`.
 
-This module does not import torch at import time; `load_spec` imports `fp4lab.train.config` (and so
-torch) inside the call to validate run configs with `TrainConfig.from_dict`.
+This module does not import torch: run configs are validated by the torch-free `TrainConfig.from_dict`
+(recipes by `nn.recipe`, imported inside the call).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from fp4lab.train.config import ConfigError, DataConfig, RESULT_NEUTRAL, TrainConfig
+
 METHODS = ("grid", "random", "optuna")
-# Fields that don't change what a run computes: left out of the run id.
-ID_EXCLUDED = ("out_dir", "device", "max_minutes", "compile", "cuda_graphs")
 # Summary keys (train.loop's summary.json) an optuna objective may name.
 OBJECTIVES = ("final_val_loss", "best_val_loss", "final_loss", "best_loss", "tokens_per_s", "train_seconds")
 DIRECTIONS = ("minimize", "maximize")
@@ -404,14 +404,14 @@ def make_run(spec: SweepSpec, params: dict[str, Any]) -> RunSpec:
 
 def run_id(config: dict[str, Any]) -> str:
     """12 hex digits of sha256 over the canonical JSON of a resolved TrainConfig dict, leaving out
-    ID_EXCLUDED. Pass a complete config (TrainConfig(...).to_dict() or RunSpec.config)."""
+    RESULT_NEUTRAL. Pass a complete config (TrainConfig(...).to_dict() or RunSpec.config)."""
     return hashlib.sha256(canonical_json(config).encode()).hexdigest()[:12]
 
 
 def canonical_json(config: dict[str, Any]) -> str:
-    """Sorted keys, no spaces, ints in float fields as floats, ID_EXCLUDED left out."""
+    """Sorted keys, no spaces, ints in float fields as floats, RESULT_NEUTRAL left out."""
     floats, data_floats = _float_fields()
-    values = {k: v for k, v in config.items() if k not in ID_EXCLUDED}
+    values = {k: v for k, v in config.items() if k not in RESULT_NEUTRAL}
     for key in floats & values.keys():
         values[key] = _as_float(values[key])
     if isinstance(values.get("data"), dict):
@@ -423,15 +423,11 @@ def canonical_json(config: dict[str, Any]) -> str:
 
 
 def _train_fields() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    from fp4lab.train.config import TrainConfig
-    from fp4lab.train.data import DataConfig
 
     return tuple(f.name for f in dataclasses.fields(TrainConfig)), tuple(f.name for f in dataclasses.fields(DataConfig))
 
 
 def _float_fields() -> tuple[set[str], set[str]]:
-    from fp4lab.train.config import TrainConfig
-    from fp4lab.train.data import DataConfig
 
     def floats(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls) if "float" in str(f.type)}
@@ -441,7 +437,6 @@ def _float_fields() -> tuple[set[str], set[str]]:
 
 def _validate_config(values: dict[str, Any], where: str, fail) -> dict[str, Any]:
     """TrainConfig.from_dict(values).to_dict(), with any ConfigError re-raised naming `where`."""
-    from fp4lab.train.config import ConfigError, TrainConfig
 
     try:
         return TrainConfig.from_dict(values, "config").to_dict()
@@ -533,6 +528,6 @@ def _is_number(value: Any) -> bool:
 
 
 __all__ = [
-    "ID_EXCLUDED", "OptunaSpec", "RunSpec", "SearchParam", "SlurmSpec", "SpecError", "SweepSpec",
+    "OptunaSpec", "RunSpec", "SearchParam", "SlurmSpec", "SpecError", "SweepSpec",
     "canonical_json", "expand", "load_spec", "make_run", "run_id", "spec_from_dict", "time_limit_seconds",
 ]
