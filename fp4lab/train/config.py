@@ -8,6 +8,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from collections.abc import Iterable
 
 
 MODEL_PRESETS = ("tiny", "125m", "350m", "1b")
@@ -29,6 +30,20 @@ CUDA_GRAPHS = ("auto", "on", "off")
 # may take, how often it checkpoints, and the device and launch mechanics. A resumed run may change
 # them; a sweep's run id leaves them out; the report groups runs regardless of them.
 RESULT_NEUTRAL = ("out_dir", "device", "max_minutes", "checkpoint_every", "compile", "cuda_graphs")
+
+
+def toml_text(table: dict[str, Any], comments: Iterable[str] = ()) -> str:
+    """`table` as TOML under `# comment` lines, the one TOML writer (tomli_w: tables, arrays, nan and
+    inf, escapes all as the spec says). None values are left out: TOML has no null."""
+    import tomli_w
+
+    def present(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: present(v) for k, v in value.items() if v is not None}
+        return value
+
+    head = "".join(f"# {line}\n" for line in comments)
+    return head + tomli_w.dumps(present(table))
 
 
 class ConfigError(ValueError):

@@ -63,6 +63,7 @@ from fp4lab.lab.specs.program import Program, metric_from_output
 from fp4lab.lab.runs.sbatch import config_toml
 from fp4lab.lab.specs.sweep_spec import RunSpec
 from fp4lab.train.atomic import write_atomic
+from fp4lab.train.config import toml_text
 
 PARAMS_FILE = "ratchet.toml"
 TSV_COLUMNS = ("iteration", "commit", "metric", "best", "status", "healthy", "source", "fingerprint", "description")
@@ -390,7 +391,7 @@ class Ratchet:
         patch.parent.mkdir(parents=True, exist_ok=True)
         if proposal.kind == "params":
             params = self._current_params(tree) | proposal.params
-            (tree / PARAMS_FILE).write_text(_params_toml(params, self.tag))
+            (tree / PARAMS_FILE).write_text(toml_text(dict(sorted(params.items())), [f"fp4lab ratchet {self.tag}: the parameters of the kept iterations (written by the loop)"]))
         else:
             apply_proposal(proposal, tree)
         repo.git(tree, "add", "-A")
@@ -691,12 +692,6 @@ def _history_row(record: dict[str, Any]) -> dict[str, Any]:
     return {"iteration": extra["iteration"], "decision": extra.get("decision"), "metric": extra.get("metric"),
             "kind": proposal.get("kind"), "params": proposal.get("params"), "rationale": proposal.get("rationale"),
             "note": extra.get("note")}
-
-
-def _params_toml(params: dict[str, Any], tag: str) -> str:
-    lines = [f"# fp4lab ratchet {tag}: the parameters of the kept iterations (written by the loop)"]
-    lines += [f"{key} = {json.dumps(value) if not isinstance(value, bool) else str(value).lower()}" for key, value in sorted(params.items())]
-    return "\n".join(lines) + "\n"
 
 
 def _stdev(values: list[float]) -> float:

@@ -50,6 +50,7 @@ from typing import Any
 from fp4lab.lab.runs import slurm
 from fp4lab.lab.specs.sweep_spec import RunSpec, SpecError, SweepSpec
 from fp4lab.train.atomic import write_atomic
+from fp4lab.train.config import toml_text
 
 # Characters a path may have to appear bare in an #SBATCH line (and `%` is Slurm's pattern escape).
 SBATCH_PATH = re.compile(r"[A-Za-z0-9_./+,:=@~-]+")
@@ -344,35 +345,10 @@ def write_trial_scripts(
 
 def config_toml(run: RunSpec, spec: SweepSpec | None = None) -> str:
     """The run's resolved config as TOML (None values are left out: they are TrainConfig's defaults)."""
-    head = [f"# fp4lab run {run.id}: {_comment(run.name)}"]
+    head = [f"fp4lab run {run.id}: {_comment(run.name)}"]
     if spec is not None:
-        head.append(f"# sweep {spec.name!r} ({_comment(str(spec.path))}); train with: fp4lab train --config THIS_FILE")
-    top, tables = [], []
-    for key, value in run.config.items():
-        if value is None:
-            continue
-        if isinstance(value, dict):
-            tables.append(f"\n[{key}]")
-            tables += [f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None]
-        else:
-            top.append(f"{key} = {_toml_value(value)}")
-    return "\n".join(head + top + tables) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
-            raise SpecError(f"{value!r} cannot be written to a run config")
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise SpecError(f"{value!r} ({type(value).__name__}) cannot be written to a run config")
+        head.append(f"sweep {spec.name!r} ({_comment(str(spec.path))}); train with: fp4lab train --config THIS_FILE")
+    return toml_text(run.config, head)
 
 
 __all__ = ["config_toml", "render_array_script", "render_run_script", "write_scripts", "write_trial_scripts"]
