@@ -226,6 +226,9 @@ def test_optuna_spec(tmp_path):
         ('"bf16", "nvfp4"]', '"bf16", "nvfp9"]', "optuna.search_space.recipe.choices[1]"),
         ("n_trials = 20", "n_trials = 20\nsampler = 'tpe'", "optuna.sampler"),
         ("ns_steps = {", "nss = {", "optuna.search_space.nss"),
+        # the search-space rules of program.md too (one validator): distinct choices, a known type
+        ('"bf16", "nvfp4"]', '"bf16", "bf16"]', "optuna.search_space.recipe.choices[1]"),
+        ('type = "int"', 'type = "integer"', "optuna.search_space.ns_steps.type"),
     ],
 )
 def test_optuna_errors(tmp_path, old, new, key):

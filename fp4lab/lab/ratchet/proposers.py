@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from fp4lab.lab import repo
-from fp4lab.lab.specs.program import Program, SearchParam, safe_relative_path
+from fp4lab.lab.specs import search_space
+from fp4lab.lab.specs.program import Program, safe_relative_path
 
 MAX_DIFF_BYTES = 200 * 1024
 MAX_FILES_BYTES = 100_000
@@ -205,26 +206,11 @@ def _check_params(params: Any, program: Program) -> dict[str, Any]:
     for name, value in params.items():
         if name not in program.search_space:
             raise ProposalError(f"params.{name}: not a [search_space] key; allowed: {allowed}")
-        checked[name] = _check_value(name, value, program.search_space[name])
+        try:
+            checked[name] = search_space.checked_value(f"params.{name}", value, program.search_space[name])
+        except ValueError as exc:
+            raise ProposalError(str(exc)) from None
     return checked
-
-
-def _check_value(name: str, value: Any, p: SearchParam) -> Any:
-    if p.type == "categorical":
-        for choice in p.choices:
-            # 1 == True == 1.0 in Python; a choice matches only a value of the same kind.
-            if value == choice and isinstance(value, bool) == isinstance(choice, bool) \
-                    and isinstance(value, str) == isinstance(choice, str):
-                return choice
-        raise ProposalError(f"params.{name}: {value!r} is not one of the choices {p.choices!r}")
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if p.type == "int" and not is_int:
-        raise ProposalError(f"params.{name}: {value!r} must be an integer")
-    if p.type == "float" and not (is_int or isinstance(value, float)):
-        raise ProposalError(f"params.{name}: {value!r} must be a number")
-    if not (math.isfinite(value) and p.low <= value <= p.high):
-        raise ProposalError(f"params.{name}: {value!r} is outside [{p.low}, {p.high}]")
-    return float(value) if p.type == "float" else value
 
 
 def _touched_paths(diff: str, root: Path) -> tuple[str, ...]:
@@ -288,23 +274,15 @@ class OptunaProposer:
         if not program.search_space:
             raise ValueError(f"{program.path}: the optuna proposer needs a [search_space]; "
                              "add one or use another proposer")
-        optuna = _optuna()
-        from optuna.storages import JournalStorage
-        from optuna.storages.journal import JournalFileBackend
-
-        Path(storage_path).parent.mkdir(parents=True, exist_ok=True)
         self.program, self.seed = program, seed
-        self.study = optuna.create_study(
-            storage=JournalStorage(JournalFileBackend(str(storage_path))), study_name=study_name,
-            sampler=optuna.samplers.TPESampler(seed=seed), direction=program.direction, load_if_exists=True)
+        self.study = search_space.open_study(study_name, storage_path, direction=program.direction, seed=seed)
 
     def propose(self, context: Context) -> Proposal:
         # A fresh process would replay the seeded sampler from its first draw and propose the same
         # start-up points again; seeding with the number of trials so far continues the sequence.
-        optuna = _optuna()
-        self.study.sampler = optuna.samplers.TPESampler(seed=self.seed * 1_000_003 + len(self.study.get_trials(deepcopy=False)))
+        self.study.sampler = search_space.sampler(self.seed, len(self.study.get_trials(deepcopy=False)))
         trial = self.study.ask()
-        params = {name: _suggest(trial, name, p) for name, p in self.program.search_space.items()}
+        params = search_space.suggest(trial, self.program.search_space)
         return self._proposal(trial.number, params)
 
     def observe(self, proposal: Proposal, value: float | None, healthy: bool) -> None:
@@ -476,21 +454,6 @@ def make_proposer(name: str, program: Program, *, state_dir: Path, seed: int = 0
 
 
 # ----------------------------------------------------------------------------------------- helpers
-
-
-def _optuna():
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna
-
-
-def _suggest(trial, name: str, p: SearchParam) -> Any:
-    if p.type == "float":
-        return trial.suggest_float(name, p.low, p.high, log=p.log)
-    if p.type == "int":
-        return trial.suggest_int(name, p.low, p.high, log=p.log)
-    return trial.suggest_categorical(name, p.choices)
 
 
 def _parse_answer(text: str, who: str) -> Any:

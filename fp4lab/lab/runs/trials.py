@@ -30,33 +30,15 @@ from fp4lab.lab.repo import git_state
 from fp4lab.lab.runs import slurm
 from fp4lab.lab.runs.job import hand_back_preemption, train_recorded
 from fp4lab.lab.runs.sbatch import config_toml
+from fp4lab.lab.specs import search_space
 from fp4lab.lab.specs.sweep_spec import SpecError, SweepSpec, load_spec, make_run
 from fp4lab.train.atomic import write_atomic
 
 
 def open_study(spec: SweepSpec, jobs_dir: str | Path, slot: int = 0):
-    import optuna
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    path = Path(spec.optuna_storage(jobs_dir))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sampler = optuna.samplers.TPESampler(seed=spec.seed * 1_000_003 + slot)
-    return optuna.create_study(study_name=spec.name, storage=JournalStorage(JournalFileBackend(str(path))),
-                               sampler=sampler, direction=spec.optuna.direction, load_if_exists=True)
-
-
-def suggest(trial, spec: SweepSpec) -> dict[str, Any]:
-    params = {}
-    for name, p in spec.optuna.search_space.items():
-        if p.type == "categorical":
-            params[name] = trial.suggest_categorical(name, p.choices)
-        elif p.type == "int":
-            params[name] = trial.suggest_int(name, int(p.low), int(p.high), log=p.log)
-        else:
-            params[name] = trial.suggest_float(name, float(p.low), float(p.high), log=p.log)
-    return params
+    """The sweep's study, with this job's sampler (seeded by the spec's seed and the job's slot)."""
+    return search_space.open_study(spec.name, spec.optuna_storage(jobs_dir), direction=spec.optuna.direction,
+                                   seed=spec.seed, offset=slot)
 
 
 def trial_counts(spec: SweepSpec, jobs_dir: str | Path) -> dict[str, int]:
@@ -92,7 +74,7 @@ def run_trial(spec_path: str | Path, *, jobs_dir: str | Path, catalog_path: str 
     number, params = _resumable(study, task, resume)
     if number is None:
         trial = study.ask()
-        params = suggest(trial, spec)
+        params = search_space.suggest(trial, spec.optuna.search_space)
         number = trial.number
         if task is not None:
             trial.set_user_attr("task", task)

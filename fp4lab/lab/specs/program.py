@@ -45,7 +45,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fp4lab.lab.records.logscan import VERDICTS
-from fp4lab.lab.specs.sweep_spec import SearchParam, SlurmSpec, _slurm
+from fp4lab.lab.specs.search_space import SearchParam, search_param
+from fp4lab.lab.specs.sweep_spec import SlurmSpec, _slurm
 from fp4lab.train.config import ConfigError, DataConfig, TrainConfig
 
 # metric names a kind = "fp4lab" program may give -> the summary.json key the run writes.
@@ -209,7 +210,7 @@ def parse_program(text: str, path: str | Path = "program.md") -> Program:
     if not isinstance(space, dict):
         raise fail("[search_space]", "must be a table: name = {type = ..., low, high} "
                    "or {type = \"categorical\", choices = [...]}")
-    search_space = {name: _search_param(name, param, fail) for name, param in space.items()}
+    search_space = {name: search_param(f"[search_space].{name}", param, fail) for name, param in space.items()}
     if run.kind == "fp4lab":
         _check_fp4lab(run, search_space, fail)
     else:
@@ -325,38 +326,6 @@ def _known_keys(table: dict, allowed, where: str, fail) -> None:
         if key not in allowed:
             raise fail(f"{where}.{key}" if where else key, f"unknown key; allowed{' in ' + where if where else ''}: "
                        f"{', '.join(allowed)}")
-
-
-def _search_param(name: str, param: Any, fail) -> SearchParam:
-    where = f"[search_space].{name}"
-    if not isinstance(param, dict):
-        raise fail(where, "must be a table {type = \"float\"|\"int\"|\"categorical\", low, high, log, choices}")
-    _known_keys(param, tuple(SearchParam.model_fields), where, fail)
-    if "type" not in param:
-        raise fail(f"{where}.type", "missing; add type = \"float\", \"int\" or \"categorical\"")
-    if param["type"] not in ("float", "int", "categorical"):
-        raise fail(f"{where}.type", f"{param['type']!r} is not supported; allowed: float, int, categorical")
-    try:
-        p = SearchParam.model_validate(param)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        raise fail(f"{where}.{error['loc'][0]}", f"{error.get('input')!r}: {error['msg'].lower()}") from None
-    if p.type == "categorical":
-        if not p.choices or p.low is not None or p.high is not None or p.log:
-            raise fail(where, "type = \"categorical\" takes choices = [non-empty list] and no low/high/log")
-        for i, choice in enumerate(p.choices):
-            if not isinstance(choice, (str, int, float, bool)) or p.choices.index(choice) != i:
-                raise fail(f"{where}.choices[{i}]", f"{choice!r}: choices are distinct strings, numbers or booleans")
-        return p
-    if p.choices is not None or p.low is None or p.high is None:
-        raise fail(where, f"type = {p.type!r} takes low and high (and optional log), not choices")
-    if p.type == "int" and not (_is_int(p.low) and _is_int(p.high)):
-        raise fail(where, f"type = \"int\" needs integer low and high, got {p.low!r}, {p.high!r}")
-    if not (math.isfinite(p.low) and math.isfinite(p.high) and p.low < p.high):
-        raise fail(where, f"low = {p.low} must be below high = {p.high}")
-    if p.log and p.low <= 0:
-        raise fail(where, f"log = true needs low > 0, got {p.low}")
-    return p
 
 
 def _check_fp4lab(run: RunTarget, search_space: dict[str, SearchParam], fail) -> None:
@@ -481,6 +450,6 @@ def _is_int(value: Any) -> bool:
 
 
 __all__ = [
-    "FP4LAB_METRICS", "Health", "NoiseGate", "Program", "ProgramError", "RunTarget", "SearchParam", "StopRules",
+    "FP4LAB_METRICS", "Health", "NoiseGate", "Program", "ProgramError", "RunTarget", "StopRules",
     "load_program", "metric_from_output", "parse_program", "safe_relative_path",
 ]

@@ -31,13 +31,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from fp4lab.lab.specs.search_space import SearchParam, probe_values, search_param
 from fp4lab.train.config import ConfigError, DataConfig, RESULT_NEUTRAL, TrainConfig
 
 METHODS = ("grid", "random", "optuna")
 # Summary keys (train.loop's summary.json) an optuna objective may name.
 OBJECTIVES = ("final_val_loss", "best_val_loss", "final_loss", "best_loss", "tokens_per_s", "train_seconds")
 DIRECTIONS = ("minimize", "maximize")
-PARAM_TYPES = ("float", "int", "categorical")
 SCAN_KEYS = {
     "spike_sigma": float,
     "spike_window": int,
@@ -81,14 +81,6 @@ class RunSpec:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-class SearchParam(_Strict):
-    type: Literal["float", "int", "categorical"]
-    low: float | int | None = None
-    high: float | int | None = None
-    log: bool = False
-    choices: list[Any] | None = None
 
 
 class OptunaSpec(_Strict):
@@ -257,40 +249,24 @@ def _optuna(table: Any, base: dict, train_fields, data_fields, fail) -> OptunaSp
     space = table.get("search_space")
     if not isinstance(space, dict) or not space:
         raise fail("optuna.search_space", "must be a non-empty table: name = {type = ..., low, high} or {type = \"categorical\", choices = [...]}")
+    checked = {}
     for pname, param in space.items():
         where = f"optuna.search_space.{pname}"
         _check_axis_name(pname, train_fields, data_fields, where, fail)
-        if not isinstance(param, dict):
-            raise fail(where, "must be a table {type = \"float\"|\"int\"|\"categorical\", low, high, log, choices}")
-        _known_keys(param, tuple(SearchParam.model_fields), where, fail)
+        checked[pname] = search_param(where, param, fail)
     for key, allowed in (("objective", OBJECTIVES), ("direction", DIRECTIONS)):
         if key in table and table[key] not in allowed:
             raise fail(f"optuna.{key}", f"{table[key]!r} is not supported; allowed: {', '.join(allowed)}")
-    spec = _pydantic(OptunaSpec, table, "optuna", fail)
+    spec = _pydantic(OptunaSpec, {**table, "search_space": checked}, "optuna", fail)
     if spec.n_trials < 1:
         raise fail("optuna.n_trials", f"{spec.n_trials} must be >= 1")
     if spec.storage is not None and (not spec.storage or not spec.storage.isprintable()):
         raise fail("optuna.storage", "must be a journal file path (default jobs/<sweep>/optuna.journal)")
     for pname, p in spec.search_space.items():
         where = f"optuna.search_space.{pname}"
-        if p.type == "categorical":
-            if not p.choices or p.low is not None or p.high is not None or p.log:
-                raise fail(where, "type = \"categorical\" takes choices = [non-empty list] and no low/high/log")
-            probes = p.choices
+        for i, value in enumerate(probe_values(p)):
             if pname == "recipe":
-                for i, choice in enumerate(p.choices):
-                    _check_recipe(choice, f"{where}.choices[{i}]", fail)
-        else:
-            if p.choices is not None or p.low is None or p.high is None:
-                raise fail(where, f"type = {p.type!r} takes low and high (and optional log), not choices")
-            if p.type == "int" and not (_is_int(p.low) and _is_int(p.high)):
-                raise fail(where, "type = \"int\" needs integer low and high")
-            if not p.low < p.high:
-                raise fail(where, f"low = {p.low} must be below high = {p.high}")
-            if p.log and p.low <= 0:
-                raise fail(where, f"log = true needs low > 0, got {p.low}")
-            probes = [p.low, p.high]
-        for value in probes:
+                _check_recipe(value, f"{where}.choices[{i}]", fail)
             _validate_config(_merge(base, {pname: value}), where, fail)
     return spec
 
@@ -528,6 +504,6 @@ def _is_number(value: Any) -> bool:
 
 
 __all__ = [
-    "OptunaSpec", "RunSpec", "SearchParam", "SlurmSpec", "SpecError", "SweepSpec",
+    "OptunaSpec", "RunSpec", "SlurmSpec", "SpecError", "SweepSpec",
     "canonical_json", "expand", "load_spec", "make_run", "run_id", "spec_from_dict", "time_limit_seconds",
 ]
