@@ -22,12 +22,12 @@ import time
 import pytest
 import torch
 
-from fp4lab.numerics import e2m1, fake_quantize_factored, hadamard, hadamard_signs, quantize
+from fp4lab.numerics import BLOCK_SIZE, e2m1, fake_quantize_factored, hadamard, hadamard_signs, quantize
 from fp4lab.numerics.qtensor import QTensor
 
 MX_MODES = ("floor", "ceil", "even", "rceil")
 FORMAT_MODES = [("mxfp4", m) for m in MX_MODES] + [("nvfp4", None)]
-BLOCK = {"mxfp4": 32, "nvfp4": 16}
+BLOCK = BLOCK_SIZE
 SIGNS = {  # name -> (size, kind)
     "none": None,
     "fixed16": (16, "fixed"),

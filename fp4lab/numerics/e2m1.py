@@ -88,11 +88,6 @@ def encode_grid(values: torch.Tensor) -> torch.Tensor:
     return _with_sign(code, values)
 
 
-def encode_stochastic(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """E2M1 codes of `round_stochastic(x, generator)`."""
-    return encode_grid(round_stochastic(x, generator))
-
-
 def decode(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8, one per element) to float32 values."""
     table = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32, device=codes.device)

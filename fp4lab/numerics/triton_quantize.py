@@ -45,9 +45,9 @@ import triton
 import triton.language as tl
 
 from fp4lab.numerics.fast import triton_available
+from fp4lab.numerics.quantize import BLOCK_SIZE
 
 FORMATS = ("mxfp4", "nvfp4")
-BLOCK = {"mxfp4": 32, "nvfp4": 16}
 _MX_MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}
 _MX_ADAPTIVE = 4  # rceil with the adaptive finer scale (scales.mx_exponent)
 _TRANSFORM_SIZES = (16, 32)
@@ -604,7 +604,7 @@ def decode_fused(
     """
     rows, cols, tile = _check_decode(codes, scales, fmt, shape, tile, out_dtype)
     out = torch.empty((rows, cols), dtype=out_dtype, device=codes.device)
-    th, tw = tile or (1, BLOCK[fmt])
+    th, tw = tile or (1, BLOCK_SIZE[fmt])
     br, bc = max(_TILE_DECODE[0], th), max(_TILE_DECODE[1], tw)
     warps = min(8, _TILE_DECODE[2] * max(1, br * bc // (_TILE_DECODE[0] * _TILE_DECODE[1])))
     _decode_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](
@@ -776,7 +776,7 @@ def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientatio
     if not (emit_values or emit_codes):
         raise ValueError("quantize_fused: emit_values=False writes codes only; pass emit_codes=True with it")
     blocked = out_shape[1]
-    multiple = max(BLOCK[fmt], transform)
+    multiple = max(BLOCK_SIZE[fmt], transform)
     if blocked % multiple:
         what = "rows" if transpose else "last dim"
         raise ValueError(f"quantize_fused: the {what} of x (shape {list(x.shape)}) must be a multiple of {multiple} ({fmt} block, transform)")
@@ -807,7 +807,7 @@ def _check_tile(x: torch.Tensor, tile, spec: _Orientation, transpose: bool) -> t
 def _check_decode(codes, scales, fmt, shape, tile, out_dtype) -> tuple[int, int, tuple[int, int] | None]:
     if fmt not in FORMATS:
         raise ValueError(f"decode_fused: fmt={fmt!r} is not supported; allowed: 'mxfp4', 'nvfp4'")
-    block = BLOCK[fmt]
+    block = BLOCK_SIZE[fmt]
     if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 2 and all(isinstance(n, int) and n > 0 for n in shape)):
         raise ValueError(f"decode_fused: shape={shape!r} must be (rows, cols) of positive ints")
     rows, cols = shape

@@ -65,7 +65,7 @@ from itertools import chain
 
 import torch
 
-from fp4lab.numerics import QTensor, hadamard, quantize
+from fp4lab.numerics import BLOCK_SIZE, QTensor, hadamard, quantize
 
 V_FORMATS = ("fp32", "nvfp4")
 # H16 spans exactly one NVFP4 scale block, so an outlier is spread only within its own block, and any
@@ -74,7 +74,7 @@ V_FORMATS = ("fp32", "nvfp4")
 # higher (0.25 vs 0.20).
 HADAMARD_SIZE = 16
 MIN_QUANTIZED_NUMEL = 4096
-NVFP4_BLOCK = 16
+NVFP4_BLOCK = BLOCK_SIZE["nvfp4"]
 # The NVFP4 v state keys. torch's load_state_dict casts every state tensor of a float parameter to the
 # parameter's dtype (uint8 codes included); load_state_dict below puts the saved tensors back as saved.
 V_KEYS = ("v_codes", "v_scales", "v_tensor_scale", "v_mean")

@@ -35,11 +35,11 @@ from collections.abc import Iterable
 
 import torch
 
-from fp4lab.numerics import quantize
+from fp4lab.numerics import BLOCK_SIZE, quantize
 
 LR_SCALINGS = ("original", "moonlight")
 NS_FORMATS = ("bf16", "nvfp4")
-NVFP4_BLOCK = 16
+NVFP4_BLOCK = BLOCK_SIZE["nvfp4"]
 KELLER_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 # torch.optim.Muon's and Keller's guard against dividing a zero gradient by its zero norm.
 NS_EPS = 1e-7

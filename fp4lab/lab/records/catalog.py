@@ -87,6 +87,7 @@ checkpoint, resumed by the next `fp4lab sweep`."""
 
 TERMINAL_STATES = frozenset({"completed", "failed", "cancelled", "timeout", "preempted", "interrupted"})
 IN_FLIGHT_STATES = frozenset({"submitted", "running"})
+FAILED_STATES = frozenset({"failed", "cancelled", "timeout"})  # ended without a result: a re-run skips them unless asked
 EXECUTORS = ("local", "slurm")
 
 RunState = Literal["pending", "submitted", "running", "completed", "failed", "cancelled", "timeout", "preempted", "interrupted"]

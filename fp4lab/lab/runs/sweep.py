@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.records.catalog import IN_FLIGHT_STATES, Catalog, live_owner, sweeps_of, utc_now
+from fp4lab.lab.records.catalog import FAILED_STATES, IN_FLIGHT_STATES, Catalog, live_owner, sweeps_of, utc_now
 from fp4lab.lab.records.logscan import ScanThresholds, scan
 from fp4lab.lab.repo import git_state
 from fp4lab.lab.runs import slurm
@@ -89,7 +89,7 @@ def register_runs(plan: SweepPlan, catalog: Catalog, executor: str) -> None:
 
 
 # Why a run is not started again (needed_runs), by state; "in flight" needs a live owner or a Slurm job.
-SKIP_REASONS = {"completed": "done", "failed": "failed", "cancelled": "failed", "timeout": "failed", "in flight": "in flight"}
+SKIP_REASONS = {"completed": "done", **dict.fromkeys(FAILED_STATES, "failed"), "in flight": "in flight"}
 
 
 def needed_runs(plan: SweepPlan, catalog: Catalog, *, retry_failed: bool) -> tuple[list[RunSpec], dict[str, list[RunSpec]]]:
@@ -122,7 +122,7 @@ def refresh(catalog: Catalog, thresholds: ScanThresholds, sweep: str | None = No
     summary.json exists is finished (scanned and recorded); a Slurm job that ended without one was
     cancelled, timed out or failed; one with metrics and a live job is running."""
     records = catalog.records(sweep=sweep)
-    jobs = slurm.job_states([r for r in records if r["state"] in ("submitted", "running", "preempted") and r["slurm_job_id"]])
+    jobs = slurm.job_states([r for r in records if r["state"] in IN_FLIGHT_STATES | {"preempted"} and r["slurm_job_id"]])
     for record in records:
         if record["state"] == "preempted":
             job_state = jobs.get(slurm.job_key(record))
@@ -131,7 +131,7 @@ def refresh(catalog: Catalog, thresholds: ScanThresholds, sweep: str | None = No
             elif job_state in slurm.STATE_OF_SLURM and job_state != "PREEMPTED":
                 catalog.update(record["id"], state=slurm.STATE_OF_SLURM[job_state])  # e.g. scancel: the trainer checkpointed on TERM
             continue
-        if record["state"] not in ("submitted", "running", "pending") or (record["sweep"] or "").startswith("ratchet/"):
+        if record["state"] not in IN_FLIGHT_STATES | {"pending"} or (record["sweep"] or "").startswith("ratchet/"):
             continue  # ratchet iterations are the ratchet's to record
         run_dir = catalog.resolve(record["paths"].get("run_dir")) or Path(record["config"].get("out_dir", ""))
         job_state = jobs.get(slurm.job_key(record))
