@@ -333,16 +333,21 @@ def test_threshold_overrides(tmp_path):
     losses[200] += 1.6  # ~8.5 sigma of the (still falling) window, below 2x its median
     run = write_run(tmp_path / "r", losses)
     assert scan(run, now=OLD).first_step.get("loss_spike") == 200
-    loose = ScanThresholds().with_overrides(["spike_k=50", "spike_ratio=none"])
-    assert loose.spike_k == 50.0 and loose.spike_ratio is None
+    loose = ScanThresholds().with_overrides(["spike_sigma=50", "spike_ratio=none"])
+    assert loose.spike_sigma == 50.0 and loose.spike_ratio is None
+    assert ScanThresholds().with_overrides({"spike_k": 50, "grad_spike_k": 3}) == ScanThresholds(spike_sigma=50.0, grad_spike_sigma=3.0)  # old names
     assert scan(run, loose, now=OLD).verdict == "converged"
     assert ScanThresholds().with_overrides({"max_logit_tau": "30", "unstable_kinds": "loss_spike,max_logit"}) == ScanThresholds(
         max_logit_tau=30.0, unstable_kinds=("loss_spike", "max_logit")
     )
     with pytest.raises(ValueError, match="unknown threshold"):
-        ScanThresholds().with_overrides({"spike_sigma": 3})
+        ScanThresholds().with_overrides({"spike_sigmaa": 3})
     with pytest.raises(ValueError, match="not a number"):
-        ScanThresholds().with_overrides(["spike_k=high"])
+        ScanThresholds().with_overrides(["spike_sigma=high"])
+    with pytest.raises(ValueError, match="not an integer"):
+        ScanThresholds().with_overrides({"spike_window": 2.5})
+    with pytest.raises(ValueError, match="must be a finite number >= 0"):
+        ScanThresholds().with_overrides({"spike_sigma": -1})
     with pytest.raises(ValueError, match="unstable_kinds"):
         ScanThresholds(unstable_kinds=("boom",))
 

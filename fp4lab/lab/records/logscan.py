@@ -45,7 +45,7 @@ into one event whose detail gives the number of steps and the peak). Defaults ar
     earlier spike and follows a falling curve, so Megatron's one line per 100 iterations is checked
     from iteration 500 on (a 2.5x jump at iteration 2,500 is caught; the sigma rule needs 3,200).
   - sigma, for dense logs: once the trailing window of the previous `spike_window` (128) finite
-    losses holds `spike_min_count` (32) values, loss_t > mean + `spike_k` (6) x std of the window
+    losses holds `spike_min_count` (32) values, loss_t > mean + `spike_sigma` (6) x std of the window
     (OLMo-core's StabilityMonitor rule; skipped while std < 1e-10).
 - `grad_spike`: the mean + k x std rule on grad_norm (OLMo-core checks both); informational.
 - `entropy_collapse`: on a probe step, one layer's mean attention entropy (nats; mean over heads)
@@ -134,18 +134,22 @@ ANSI_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 TERMINAL_STATUSES = ("completed", "diverged", "time_limit", "preempted", "stopped")
 
 
+# Earlier names of thresholds, still accepted in overrides (--threshold, [scan] tables of old specs).
+RENAMED_THRESHOLDS = {"spike_k": "spike_sigma", "grad_spike_k": "grad_spike_sigma"}
+
+
 @dataclass(frozen=True)
 class ScanThresholds:
     """Every rule's knobs. Override with `dataclasses.replace`, or `with_overrides({...})` (which also
     takes the strings a CLI or sweep spec passes and rejects unknown names)."""
 
     spike_window: int = 128  # trailing window of previous finite losses (OLMo-core: 128)
-    spike_k: float = 6.0  # loss > mean + k * std of the window (OLMo-core: 6)
+    spike_sigma: float = 6.0  # loss > mean + sigma * std of the window (OLMo-core: 6)
     spike_min_count: int = 32  # no spike test until the window holds this many values
     spike_ratio: float | None = 2.0  # loss > ratio * median of the recent losses; None turns the rule off
     spike_ratio_baseline: int = 5  # the ratio rule's baseline: median of this many previous finite losses
     spike_ratio_min_count: int = 4  # ... tested once this many are logged (sparse logs: Megatron logs every 100)
-    grad_spike_k: float | None = 6.0  # same mean + k * std rule on grad_norm; None: off
+    grad_spike_sigma: float | None = 6.0  # same mean + sigma * std rule on grad_norm; None: off
     entropy_floor: float = 0.05  # nats; a layer's mean attention entropy below this collapses
     entropy_drop_factor: float | None = 0.2  # ... or below factor * median of its earlier probes
     entropy_min_probes: int = 3  # earlier probes of that layer needed for the relative rule
@@ -156,6 +160,10 @@ class ScanThresholds:
     unstable_kinds: tuple[str, ...] = ("loss_spike",)  # events that make a finished run "unstable"
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{f.name}: {value!r} must be a finite number >= 0")
         if self.spike_window < 1 or self.spike_min_count < 2 or self.spike_min_count > self.spike_window:
             raise ValueError("need spike_window >= 1 and 2 <= spike_min_count <= spike_window")
         if not 1 <= self.spike_ratio_min_count <= self.spike_ratio_baseline:
@@ -176,30 +184,42 @@ class ScanThresholds:
                     raise ValueError(f"threshold override {item!r}: expected NAME=VALUE")
                 pairs[name.strip()] = value.strip()
             overrides = pairs
-        fields = {f.name: f for f in dataclasses.fields(self)}
-        changes = {}
-        for name, value in overrides.items():
-            key = name.replace("-", "_")
-            if key not in fields:
-                raise ValueError(f"unknown threshold {name!r}; valid: {', '.join(fields)}")
-            changes[key] = _coerce(key, value, default=getattr(ScanThresholds, key, None))
+        changes = dict(threshold_value(name, value) for name, value in overrides.items())
+        if "spike_window" in changes and "spike_min_count" not in changes:  # a short window must not demand more history than it holds
+            changes["spike_min_count"] = min(self.spike_min_count, max(2, int(changes["spike_window"])))
         return dataclasses.replace(self, **changes)
 
 
-def _coerce(name: str, value: Any, default: Any) -> Any:
-    if not isinstance(value, str):
-        return tuple(value) if name == "unstable_kinds" else value
-    text = value.strip()
+def threshold_value(name: str, value: Any) -> tuple[str, Any]:
+    """(field, value) of one override: the name checked (earlier names accepted, `-` for `_`) and the
+    value converted to the field's type; ValueError naming the problem otherwise."""
+    key = name.replace("-", "_")
+    key = RENAMED_THRESHOLDS.get(key, key)
+    fields = [f.name for f in dataclasses.fields(ScanThresholds)]
+    if key not in fields:
+        raise ValueError(f"unknown threshold {name!r}; allowed: {', '.join(fields)}")
+    return key, _coerce(key, value)
+
+
+_INT_THRESHOLDS = ("spike_window", "spike_min_count", "spike_ratio_baseline", "spike_ratio_min_count", "entropy_min_probes", "stall_steps")
+
+
+def _coerce(name: str, value: Any) -> Any:
     if name == "unstable_kinds":
-        return tuple(k.strip() for k in text.split(",") if k.strip())
-    if text.lower() in ("none", "off", "null", ""):
-        return None
-    try:
-        if name in ("spike_window", "spike_min_count", "spike_ratio_baseline", "spike_ratio_min_count", "entropy_min_probes", "stall_steps"):
-            return int(text)
-        return float(text)
-    except ValueError:
-        raise ValueError(f"threshold {name}: {value!r} is not a number") from None
+        return tuple(k.strip() for k in value.split(",") if k.strip()) if isinstance(value, str) else tuple(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("none", "off", "null", ""):
+            return None
+        try:
+            return int(text) if name in _INT_THRESHOLDS else float(text)
+        except ValueError:
+            raise ValueError(f"threshold {name}: {value!r} is not a number") from None
+    if name in _INT_THRESHOLDS and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if name not in _INT_THRESHOLDS and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"threshold {name}: {value!r} is not {'an integer' if name in _INT_THRESHOLDS else 'a number'}")
 
 
 @dataclass
@@ -786,13 +806,13 @@ class _Detector:
             self.losses_seen += 1
         if loss is not None and math.isfinite(loss):
             self.last_finite_loss, self.last_finite_step = loss, step
-            self._spike("loss_spike", self.losses, step, loss, th.spike_k, th.spike_ratio)
+            self._spike("loss_spike", self.losses, step, loss, th.spike_sigma, th.spike_ratio)
             self.losses.append(loss)
             self.recent_losses.append(loss)
             self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
             self._plateau(step)
-        if grad is not None and math.isfinite(grad) and th.grad_spike_k is not None:
-            self._spike("grad_spike", self.grads, step, grad, th.grad_spike_k, None)
+        if grad is not None and math.isfinite(grad) and th.grad_spike_sigma is not None:
+            self._spike("grad_spike", self.grads, step, grad, th.grad_spike_sigma, None)
             self.grads.append(grad)
         if val is not None:
             self.final_val_loss = val

@@ -44,26 +44,10 @@ STATE_OF_STATUS = {
     "interrupted": "interrupted",
 }
 # Spec [scan] keys -> log scanner thresholds.
-SCAN_KEYS = {
-    "spike_sigma": "spike_k",
-    "spike_window": "spike_window",
-    "spike_ratio": "spike_ratio",
-    "spike_ratio_baseline": "spike_ratio_baseline",
-    "spike_ratio_min_count": "spike_ratio_min_count",
-    "entropy_floor": "entropy_floor",
-    "entropy_drop_factor": "entropy_drop_factor",
-    "max_logit_tau": "max_logit_tau",
-    "stall_seconds": "stall_seconds",
-}
-
-
 def thresholds_from_table(table: dict[str, Any], where: str) -> ScanThresholds:
     """Log scanner thresholds from a spec's [scan] table (documented in docs/SWEEPS.md)."""
-    overrides = {SCAN_KEYS[k]: v for k, v in table.items() if k in SCAN_KEYS}
-    if "spike_window" in overrides:  # a short window must not demand more history than it holds
-        overrides["spike_min_count"] = min(ScanThresholds().spike_min_count, max(2, int(overrides["spike_window"])))
     try:
-        return ScanThresholds().with_overrides(overrides)
+        return ScanThresholds().with_overrides(table)
     except ValueError as exc:
         raise ValueError(f"{where}: [scan]: {exc}") from None
 

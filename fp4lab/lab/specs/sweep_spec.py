@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from fp4lab.lab.records.logscan import ScanThresholds, threshold_value
 from fp4lab.lab.specs.search_space import SearchParam, probe_values, search_param
 from fp4lab.train.config import ConfigError, DataConfig, RESULT_NEUTRAL, TrainConfig
 
@@ -38,17 +39,6 @@ METHODS = ("grid", "random", "optuna")
 # Summary keys (train.loop's summary.json) an optuna objective may name.
 OBJECTIVES = ("final_val_loss", "best_val_loss", "final_loss", "best_loss", "tokens_per_s", "train_seconds")
 DIRECTIONS = ("minimize", "maximize")
-SCAN_KEYS = {
-    "spike_sigma": float,
-    "spike_window": int,
-    "spike_ratio": float,
-    "spike_ratio_baseline": int,
-    "spike_ratio_min_count": int,
-    "entropy_floor": float,
-    "entropy_drop_factor": float,
-    "max_logit_tau": float,
-    "stall_seconds": float,
-}
 TOP_KEYS = ("name", "description", "base", "axes", "method", "samples", "seed", "optuna", "slurm", "scan")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # #SBATCH values: sbatch (not bash) parses these lines, so they may only hold characters that need no
@@ -303,16 +293,20 @@ def _slurm(table: Any, fail) -> SlurmSpec:
     return slurm
 
 
-def _scan(table: Any, fail) -> dict[str, float | int]:
+def _scan(table: Any, fail) -> dict[str, Any]:
+    """[scan]: overrides of the log scanner's thresholds (logscan.ScanThresholds), checked by the same
+    code as `fp4lab scan --threshold NAME=VALUE`."""
     if not isinstance(table, dict):
         raise fail("scan", "must be a table")
-    _known_keys(table, tuple(SCAN_KEYS), "scan", fail)
     for key, value in table.items():
-        kind = SCAN_KEYS[key]
-        ok = _is_int(value) if kind is int else (_is_number(value))
-        if not ok or value < 0 or (kind is int and value < 1):
-            what = "an integer >= 1" if kind is int else "a finite number >= 0"
-            raise fail(f"scan.{key}", f"{value!r} must be {what}")
+        try:
+            threshold_value(key, value)
+        except ValueError as exc:
+            raise fail(f"scan.{key}", str(exc)) from None
+    try:
+        ScanThresholds().with_overrides(table)
+    except ValueError as exc:  # values that do not fit together
+        raise fail(f"scan.{next(iter(table))}" if len(table) == 1 else "scan", str(exc)) from None
     return dict(table)
 
 
