@@ -353,9 +353,10 @@ class Ratchet:
     def _propose(self, records: list[dict[str, Any]], number: int) -> Proposal | None:
         """The next proposal, or None when the proposer failed (that iteration is recorded as invalid)."""
         proposer = self.proposer()
-        orphan = self._orphan_trial(records)
-        if orphan is not None:  # asked before a crash, never recorded: run that trial now
-            return proposer.resume_trial(orphan)
+        recorded = {(r["extra"].get("proposal") or {}).get("trial") for r in records} - {None}
+        unrecorded = proposer.unrecorded(recorded)
+        if unrecorded is not None:  # asked before a crash, never recorded: run it now
+            return unrecorded
         context = Context(self.program, files=editable_files(self.program, self.worktree),
                           history=[_history_row(r) for r in records[-20:]],
                           best={"metric": self._best(records)[0]}, current_params=self._current_params(),
@@ -368,13 +369,6 @@ class Ratchet:
                                  "proposal": {"source": self.proposer_name, "error": str(exc)}})
             return None
         return proposal
-
-    def _orphan_trial(self, records: list[dict[str, Any]]) -> int | None:
-        """An optuna trial that was asked but belongs to no iteration (the ratchet died in between)."""
-        if self.proposer_name != "optuna":
-            return None
-        known = {(r["extra"].get("proposal") or {}).get("trial") for r in records} - {None}
-        return self.proposer().pending_trial(in_flight=known)
 
     def _seen(self, fingerprint: str, number: int) -> bool:
         return any((r["extra"].get("proposal") or {}).get("fingerprint") == fingerprint
@@ -552,8 +546,8 @@ class Ratchet:
             if extra.get("phase") == "decided":
                 self._complete(extra["iteration"])
                 trial = (extra.get("proposal") or {}).get("trial")
-                if trial is not None and self.proposer_name == "optuna":  # the tell may not have happened
-                    self.proposer().tell_trial(trial, extra.get("metric"), bool(extra.get("healthy")))
+                if trial is not None:  # the tell may not have happened
+                    self.proposer().observe_again(trial, extra.get("metric"), bool(extra.get("healthy")))
         running = [r["extra"] for r in self._records() if r["extra"].get("phase") == "running"]
         name = f"iter-{running[0]['iteration']:04d}.interrupted.patch" if running else "stray-before-start.patch"
         repo.save_and_reset(self.worktree, self.state_dir / "patches" / name)

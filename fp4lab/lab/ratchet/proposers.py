@@ -38,7 +38,7 @@ import signal
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fp4lab.lab import repo
 from fp4lab.lab.specs import search_space
@@ -267,6 +267,34 @@ def _normalise_diff(diff: str) -> str:
 # --------------------------------------------------------------------------------------- proposers
 
 
+class Proposer(Protocol):
+    """What the ratchet asks of a proposer. `unrecorded` and `observe_again` let a proposer that keeps
+    its own state (a study) recover after the ratchet died between asking, recording and telling."""
+
+    def propose(self, context: Context) -> Proposal: ...
+
+    def observe(self, proposal: Proposal, value: float | None, healthy: bool) -> None: ...
+
+    def unrecorded(self, recorded_trials: set[int]) -> Proposal | None:
+        """A proposal made before a crash that no iteration records (to run now), if any."""
+
+    def observe_again(self, trial: int, value: float | None, healthy: bool) -> None:
+        """Repeat the outcome of an iteration whose telling a crash may have cut off (idempotent)."""
+
+
+class StatelessProposer:
+    """A proposer that learns only from the context it is given: nothing to recover after a crash."""
+
+    def unrecorded(self, recorded_trials: set[int]) -> Proposal | None:
+        return None
+
+    def observe_again(self, trial: int, value: float | None, healthy: bool) -> None:
+        pass
+
+    def observe(self, proposal: Proposal, value: float | None, healthy: bool) -> None:
+        """Nothing to learn here: the history reaches the proposer through the context."""
+
+
 class OptunaProposer:
     """TPE over [search_space]; the study lives in an optuna journal file (JournalFileBackend)."""
 
@@ -288,6 +316,13 @@ class OptunaProposer:
     def observe(self, proposal: Proposal, value: float | None, healthy: bool) -> None:
         if proposal.trial is not None:
             self.tell_trial(proposal.trial, value, healthy)
+
+    def unrecorded(self, recorded_trials: set[int]) -> Proposal | None:
+        orphan = self.pending_trial(in_flight=recorded_trials)
+        return None if orphan is None else self.resume_trial(orphan)
+
+    def observe_again(self, trial: int, value: float | None, healthy: bool) -> None:
+        self.tell_trial(trial, value, healthy)
 
     def tell_trial(self, number: int, value: float | None, healthy: bool) -> None:
         """Complete trial `number` with `value`, or fail it (unhealthy, crashed, NaN). Telling a finished
@@ -325,7 +360,7 @@ class OptunaProposer:
                         source="optuna", trial=number)
 
 
-class LLMProposer:
+class LLMProposer(StatelessProposer):
     """One chat completion per proposal from an OpenAI-compatible server (`openai` package)."""
 
     def __init__(self, program: Program, base_url: str, model: str, api_key: str | None, timeout_s: float = 60,
@@ -349,9 +384,6 @@ class LLMProposer:
         ]
         answer = self._complete(messages)
         return validate_proposal(_parse_answer(answer, "llm answer"), self.program, context.tree(), "llm")
-
-    def observe(self, proposal: Proposal, value: float | None, healthy: bool) -> None:
-        """Nothing to learn here: the history reaches the model through the context."""
 
     def _complete(self, messages: list[dict]) -> str:
         import openai
@@ -388,7 +420,7 @@ class LLMProposer:
         return text.replace(self._api_key, "***") if self._api_key else text
 
 
-class CommandProposer:
+class CommandProposer(StatelessProposer):
     """Runs a program (argv, no shell) with the context JSON on stdin; its stdout is the proposal."""
 
     def __init__(self, program: Program, argv: list[str] | str, timeout_s: float = 300, cwd: Path | None = None):
@@ -417,9 +449,6 @@ class CommandProposer:
             raise AgentError(f"{name} exited with code {process.returncode}: {_last_line(stderr) or 'no stderr'}")
         return validate_proposal(_parse_answer(stdout, f"{name} output"), self.program, context.tree(), "command")
 
-    def observe(self, proposal: Proposal, value: float | None, healthy: bool) -> None:
-        """Nothing to learn here: the history reaches the command through the context."""
-
 
 def llm_proposer_from_env(program: Program, base_url: str | None = None, model: str | None = None,
                           api_key: str | None = None, **options: Any) -> LLMProposer:
@@ -436,7 +465,7 @@ def llm_proposer_from_env(program: Program, base_url: str | None = None, model: 
 
 def make_proposer(name: str, program: Program, *, state_dir: Path, seed: int = 0, base_url: str | None = None,
                   model: str | None = None, api_key: str | None = None, command: list[str] | str | None = None,
-                  timeout_s: float | None = None, study_name: str | None = None):
+                  timeout_s: float | None = None, study_name: str | None = None) -> Proposer:
     """A proposer by name. The optuna study is state_dir/optuna.journal, named after what defines the
     objective in program.md (metric, direction, [run], [search_space]), so editing those starts afresh."""
     if name == "optuna":
