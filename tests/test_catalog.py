@@ -394,9 +394,12 @@ def test_writer_sigkilled_at_random_moments(cat):
     orphans_seen = 0
     for round_ in range(6):
         proc = child(LOOPING_WRITER, str(cat.path), f"k{round_}", stdout=subprocess.PIPE, text=True)
-        first = proc.stdout.readline().strip()  # wait until it is writing
-        assert first, "the writer died before its first upsert"
-        committed.append(first)
+        for _ in range(rng.randint(2, 4)):  # let it commit a few records first (it prints each once committed)
+            line = proc.stdout.readline().strip()
+            assert line, "the writer died on its own"
+            committed.append(line)
+        # Then kill it at a random moment of the writes that follow. The pause only picks that moment:
+        # every assertion below holds wherever the kill lands.
         time.sleep(rng.uniform(0.0, 0.3))
         proc.kill()
         rest, _ = proc.communicate(timeout=30)
@@ -409,7 +412,7 @@ def test_writer_sigkilled_at_random_moments(cat):
         # besides those, at most the one record each writer committed but was killed before printing
         unconfirmed.add(f"k{round_}-{len(rest.split()) + 1:05d}")
         assert set(runs) <= set(committed) | unconfirmed
-    assert len(committed) > 12
+    assert len(committed) >= 12  # at least 2 confirmed per round, however fast the machine writes
     cat.upsert({"id": "after"})
     assert temp_files(cat.path) == []
     print(f"\n6 kills, {len(committed)} committed records kept, {orphans_seen} kills left an orphaned temp file")
@@ -437,7 +440,9 @@ def test_lock_timeout_gives_a_clear_error(cat):
             CatalogLockTimeout, match=r"could not lock catalog .*sweep_catalog.json within 0.3 s"
         ) as err:
             impatient.upsert({"id": "b"})
-        assert 0.25 < time.perf_counter() - start < 5
+        # A floor only: it gave up after waiting out its timeout, not at once. No ceiling: on a loaded
+        # machine giving up takes longer, which is not a fault.
+        assert time.perf_counter() - start >= 0.3
         assert isinstance(err.value, TimeoutError) and str(impatient.lock_path) in str(err.value)
         assert impatient.get("a") is not None  # reads take no lock
         assert cat.path.read_bytes() == before
@@ -458,7 +463,7 @@ def test_killed_lock_holder_releases_the_lock(cat):
     assert [r["id"] for r in cat.records()] == ["b"]
 
 
-def test_upsert_speed(cat):
+def test_each_update_rewrites_the_catalog_once_and_changes_only_its_record(cat, monkeypatch):
     for i in range(100):  # a catalog of 100 runs with realistic configs
         cat.upsert(
             {
@@ -467,13 +472,27 @@ def test_upsert_speed(cat):
                 "summary": {"loss_at_steps": {s: 1.0 for s in range(0, 1000, 50)}},
             }
         )
+    before = load(cat.path)["runs"]
+    replaced: list[Path] = []
+    real_replace = os.replace
+
+    def counted_replace(src, dst, *args, **kwargs):
+        replaced.append(Path(dst))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", counted_replace)
     n = 50
     start = time.perf_counter()
     for i in range(n):
         cat.update(f"r{i}", state="completed")
     per_write = (time.perf_counter() - start) / n
+    # printed, not asserted: a wall-clock bound fails on a loaded machine, not on slow code
     print(f"\nupdate on a 100-run catalog ({cat.path.stat().st_size // 1024} KiB): {per_write * 1e3:.2f} ms")
-    assert per_write < 0.5
+    assert replaced == [cat.path] * n  # one atomic rewrite per update, no second pass
+    after = load(cat.path)["runs"]
+    assert [after[f"r{i}"]["state"] for i in range(n)] == ["completed"] * n
+    assert {k: v for k, v in after.items() if int(k[1:]) >= n} == {k: v for k, v in before.items() if int(k[1:]) >= n}
+    assert temp_files(cat.path) == []
 
 
 def test_import_loads_neither_torch_nor_filelock():

@@ -26,7 +26,7 @@ SCORE = textwrap.dedent("""
     calls = os.environ.get("CALLS_FILE")
     if calls:
         with open(calls, "a") as f:
-            f.write("call\\n")
+            f.write(f"call {os.getpid()}\\n")  # its pid: the test checks that exactly these processes end
         if len(Path(calls).read_text().splitlines()) == int(os.environ.get("BLOCK_AT", "0")):
             while Path(calls + ".block").exists():  # held here until the test removes the file
                 time.sleep(0.1)
@@ -83,6 +83,31 @@ def repo(tmp_path):
     git(root, "add", "-A")
     git(root, "commit", "-q", "-m", "initial")
     return root
+
+
+def recorded_pids(calls: Path) -> list[int]:
+    """The pids score.py wrote into CALLS_FILE, one line ("call PID") per run."""
+    return [int(line.split()[1]) for line in calls.read_text().splitlines()]
+
+
+def process_running(pid: int, name: str) -> bool:
+    """Whether `pid` is still a live process running `name`: not gone, not a zombie (a dead child no one
+    has reaped yet), and not a new process that reuses the pid. Reads /proc; no process-table scan."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    state = stat.rpartition(")")[2].split()[0]  # the field after "(comm)"
+    return state not in ("Z", "X") and name.encode() in cmdline
+
+
+def wait_until_ended(pid: int, name: str, timeout: float = 60.0) -> None:
+    """Wait for a process that was sent SIGKILL to end: the kernel ends it soon, not at once."""
+    deadline = time.monotonic() + timeout
+    while process_running(pid, name):
+        assert time.monotonic() < deadline, f"process {pid} ({name}) still runs {timeout:.0f} s after its ratchet was killed"
+        time.sleep(0.05)
 
 
 def ratchet_tsv(root: Path, tag: str) -> list[dict[str, str]]:
@@ -158,8 +183,8 @@ def test_a_killed_ratchet_continues_where_it_stopped(repo, tmp_path, workers):
     assert blocked and (workers == 2 or blocked == [2])
     for number in blocked:  # the interrupted change is still applied in its tree
         assert git(Path(records[number]["extra"]["tree_dir"]), "status", "--porcelain")
-    time.sleep(0.5)
-    assert subprocess.run(["pgrep", "-f", "score.py"], capture_output=True).returncode != 0  # the run died with it
+    for pid in recorded_pids(calls):  # every run the killed ratchet started dies with it (none is left blocked)
+        wait_until_ended(pid, "score.py")
 
     Path(f"{calls}.block").unlink()
     second = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
@@ -315,11 +340,27 @@ def test_parallel_workers_keep_only_changes_that_land_as_the_measured_tree(repo)
     assert git(repo, "status", "--porcelain") == ""
 
 
+# Holds the run whose `slow_when` is true until the other worker's change has been kept (the ratchet
+# branch has moved past main), so the order of the two decisions is fixed, not left to timing.
+WAIT_FOR_A_KEEP = """
+def wait_for_a_keep(repo, branch):
+    import subprocess
+    for _ in range(1800):  # 90 s: less than the run's own 2-minute timeout, so a hang ends with this message
+        ahead = subprocess.run(["git", "-C", repo, "rev-list", "--count", f"main..{branch}"], capture_output=True, text=True)
+        if ahead.returncode == 0 and int(ahead.stdout) > 0:
+            return
+        time.sleep(0.05)
+    sys.exit(f"held: nothing was kept on {branch} while this run waited")
+"""
+
+
 def run_two_workers(repo: Path, tmp_path: Path, proposer_source: str, *, slow_when: str, tag: str):
-    """Two iterations with two workers and a command proposer; score.py sleeps 2 s when `slow_when`."""
+    """Two iterations with two workers and a command proposer; score.py, when `slow_when`, waits until the
+    other iteration has been kept."""
     proposer = tmp_path / "propose.py"
     proposer.write_text(proposer_source)
-    score = (repo / "score.py").read_text().replace("seed = int(", f"time.sleep(2.0 if {slow_when} else 0.0)\nseed = int(")
+    hold = f"if {slow_when}:\n    wait_for_a_keep({str(repo)!r}, {f'ratchet/{tag}'!r})\n"
+    score = (repo / "score.py").read_text().replace("seed = int(", WAIT_FOR_A_KEEP + hold + "seed = int(")
     (repo / "score.py").write_text(score)
     git(repo, "commit", "-q", "-am", "slow when better")
     catalog = repo / "sweep_catalog.json"

@@ -208,13 +208,15 @@ def test_usr1_is_forwarded_and_the_job_requeued(tmp_path):
     env = {**os.environ, "FAKE_OUT": str(out), "FAKE_SLEEP": "1", "SLURM_JOB_ID": "123",
            "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
     proc = subprocess.Popen(["bash", str(scripts[0])], env=env, stdout=subprocess.PIPE, text=True)
-    for _ in range(200):
+    # The fake trainer writes FAKE_OUT once its USR1 trap is set, and the batch shell has set its traps
+    # before starting it. The shell forwards USR1 only once it holds the trainer's pid ($CHILD), which it
+    # may not yet when FAKE_OUT appears (a USR1 before that only marks the requeue), so USR1 is sent
+    # until the trainer has had one; the loop ends with the script at the latest (FAKE_SLEEP: 20 s).
+    while proc.poll() is None and not (tmp_path / "argv.sig").exists():
         if out.exists():
-            break
+            proc.send_signal(signal.SIGUSR1)
         time.sleep(0.02)
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGUSR1)
-    stdout, _ = proc.communicate(timeout=10)
+    stdout, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert (tmp_path / "argv.sig").read_text() == "usr1\n"
     assert (tmp_path / "scontrol.args").read_text() == "requeue 123\n"

@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -684,8 +683,6 @@ def test_kernels_under_triton_interpreter():
     (normal magnitudes: the interpreter's float casts mishandle subnormals, the GPU's do not)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    started = time.monotonic()
     code = INTERPRETED_CHECK.format(tests=os.path.dirname(__file__))
     done = subprocess.run([sys.executable, "-c", code], env=env, timeout=300, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert time.monotonic() - started < 60
