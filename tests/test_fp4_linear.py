@@ -84,14 +84,30 @@ def test_nvfp4_with_one_d_weights_requantizes_w_transposed_for_dgrad():
 
 
 def test_random_hadamard_signs_are_paired_and_redrawn_each_call():
-    recipe = uniform(OperandSpec("fp32"), wgrad_dy=OperandSpec("fp32", transform="rht16"), wgrad_x=OperandSpec("fp32", transform="rht16"))
-    layer = make(recipe)
-    _, _, dy = run(layer)
-    first = layer.weight.grad.clone()
-    layer.weight.grad = None
+    # Paired: both Wgrad operands get the same random signs, so with fp32 operands R^T R = I and the
+    # product is the exact one, whatever was drawn.
+    rht_fp32 = OperandSpec("fp32", transform="rht16")
+    layer = make(uniform(FP32, wgrad_dy=rht_fp32, wgrad_x=rht_fp32))
     x, _, dy = run(layer)
-    torch.testing.assert_close(layer.weight.grad, first, rtol=1e-5, atol=1e-4)  # product unchanged
-    assert layer._generator is not None
+    exact = dy.reshape(-1, 96).T @ x.detach().reshape(-1, 128)
+    torch.testing.assert_close(layer.weight.grad, exact, rtol=1e-5, atol=1e-4)
+    # Redrawn: with nvfp4 operands the signs decide the rounding. The same inputs twice give different
+    # gradients, and each call's is the emulation with the next 16 signs of the layer's generator (seed
+    # 7; rtn draws nothing else), the same vector on both operands.
+    rht = OperandSpec("nvfp4", transform="rht16")
+    layer = make(uniform(FP32, wgrad_dy=rht, wgrad_x=rht))
+    replay = torch.Generator().manual_seed(7)
+    grads, drawn = [], []
+    for _ in range(2):
+        layer.weight.grad = None
+        x, _, dy = run(layer)  # run() draws the same x and dy every time
+        signs = hadamard_signs(16, "random", replay)
+        dyt, xt = dy.reshape(-1, 96).T.contiguous(), x.detach().reshape(-1, 128).T.contiguous()
+        assert torch.equal(layer.weight.grad, dq(hadamard(dyt, 16, signs), "nvfp4") @ dq(hadamard(xt, 16, signs), "nvfp4").T)
+        grads.append(layer.weight.grad.clone())
+        drawn.append(signs)
+    assert not torch.equal(drawn[0], drawn[1])
+    assert not torch.equal(grads[0], grads[1])  # same inputs, new signs
 
 
 def test_backward_saves_quantized_operands():
