@@ -38,7 +38,7 @@ def cli(run_cli, monkeypatch, tmp_path):
 def test_dry_run_writes_scripts_and_registers_runs(cli, tmp_path):
     (tmp_path / "mini.toml").write_text(SPEC)
     out = cli("sweep", "mini.toml", "--dry-run")
-    assert out.returncode in (0, None), out.stderr
+    assert out.returncode == 0, out.stderr
     assert "2 runs, 2 to run" in out.stdout
     manifest = json.loads((tmp_path / "jobs" / "mini" / "manifest.json").read_text())
     ids = [r["id"] for r in manifest["runs"]]
@@ -51,7 +51,7 @@ def test_dry_run_writes_scripts_and_registers_runs(cli, tmp_path):
 def test_local_sweep_runs_scans_records_and_skips_completed_runs(cli, tmp_path):
     (tmp_path / "mini.toml").write_text(SPEC)
     out = cli("sweep", "mini.toml", "--workers", "2")
-    assert out.returncode in (0, None), out.stderr
+    assert out.returncode == 0, out.stderr
     records = Catalog(tmp_path / "sweep_catalog.json").records(sweep="mini")
     assert {r["recipe"] for r in records} == {"bf16", "nvfp4"}
     for record in records:
@@ -64,7 +64,8 @@ def test_local_sweep_runs_scans_records_and_skips_completed_runs(cli, tmp_path):
     again = cli("sweep", "mini.toml")
     assert "0 to run, skipped: 2 done" in again.stdout
     status = cli("status", "mini")
-    assert status.returncode in (0, None) and status.stdout.count("completed") == 2
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.count("completed") == 2
 
 
 def test_sweep_errors_are_one_line(cli, tmp_path):
@@ -105,12 +106,12 @@ def _study(tmp_path):
 def test_optuna_sweep_asks_trains_and_tells_every_trial(cli, tmp_path):
     (tmp_path / "opt.toml").write_text(OPTUNA_SPEC)
     out = cli("sweep", "opt.toml", "--dry-run")
-    assert out.returncode in (0, None), out.stderr
+    assert out.returncode == 0, out.stderr
     script = (tmp_path / "jobs" / "opt" / "trials_0.sbatch").read_text()
     assert "#SBATCH --array=0-2" in script and "-m fp4lab.cli trial" in script and '--slot "$SLOT"' in script
     assert (tmp_path / "jobs" / "opt" / "spec.toml").read_text() == OPTUNA_SPEC
     out = cli("sweep", "opt.toml", "--workers", "2")
-    assert out.returncode in (0, None), out.stderr
+    assert out.returncode == 0, out.stderr
     records = Catalog(tmp_path / "sweep_catalog.json").records(sweep="opt")
     assert sorted(r["extra"]["trial"] for r in records) == [0, 1, 2]
     trials = {t.number: t for t in _study(tmp_path).get_trials()}
@@ -125,7 +126,7 @@ def test_optuna_sweep_asks_trains_and_tells_every_trial(cli, tmp_path):
     logs = sorted(p.name for p in (tmp_path / "jobs" / "opt" / "logs").glob("*.local.log"))
     assert logs == ["trial-slot0.local.log", "trial-slot1.local.log", "trial-slot2.local.log"]  # one per trial
     scanned = cli("scan", *(str(tmp_path / "jobs" / "opt" / "logs" / name) for name in logs), "--json")
-    assert scanned.returncode in (0, None), scanned.stdout
+    assert scanned.returncode == 0, scanned.stdout + scanned.stderr
     assert [r["status"] for r in json.loads(scanned.stdout)] == ["converged"] * 3
     again = cli("sweep", "opt.toml")
     assert "already holds every trial" in again.stdout and len(_study(tmp_path).get_trials()) == 3
@@ -133,11 +134,13 @@ def test_optuna_sweep_asks_trains_and_tells_every_trial(cli, tmp_path):
 
 def test_optuna_sweep_resumes_a_trial_a_killed_sweep_left_running(cli, tmp_path):
     (tmp_path / "opt.toml").write_text(OPTUNA_SPEC.replace("n_trials = 3", "n_trials = 2"))
-    assert cli("sweep", "opt.toml", "--dry-run").returncode in (0, None)
+    planned = cli("sweep", "opt.toml", "--dry-run")
+    assert planned.returncode == 0, planned.stderr
     orphan = _study(tmp_path).ask()  # what a local trial process killed mid-run leaves: a RUNNING trial
     orphan.suggest_float("lr", 0.005, 0.05, log=True)
     orphan.suggest_int("ns_steps", 3, 6)
-    assert cli("sweep", "opt.toml").returncode in (0, None)
+    out = cli("sweep", "opt.toml")
+    assert out.returncode == 0, out.stderr
     trials = _study(tmp_path).get_trials()
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]  # the orphan was finished, one new trial
     records = Catalog(tmp_path / "sweep_catalog.json").records(sweep="opt")
@@ -151,7 +154,8 @@ def test_optuna_trial_that_diverges_is_told_fail(cli, tmp_path):
     spec = OPTUNA_SPEC.replace("n_trials = 3", "n_trials = 1").replace(
         "lr = { type = \"float\", low = 0.005, high = 0.05, log = true }", "lr = { type = \"float\", low = 1e30, high = 1e31 }")
     (tmp_path / "opt.toml").write_text(spec.replace("[base]\n", "[base]\noptimizer = \"adamw\"\nadam_lr = 1e30\ngrad_clip = 1e30\n"))
-    assert cli("sweep", "opt.toml").returncode in (0, None)
+    out = cli("sweep", "opt.toml")
+    assert out.returncode == 0, out.stderr
     (record,) = Catalog(tmp_path / "sweep_catalog.json").records(sweep="opt")
     assert record["verdict"].startswith("diverged"), record["verdict"]
     assert [t.state.name for t in _study(tmp_path).get_trials()] == ["FAIL"]
@@ -159,12 +163,13 @@ def test_optuna_trial_that_diverges_is_told_fail(cli, tmp_path):
 
 def test_train_with_catalog_records_its_own_start_and_end(cli, tmp_path):
     (tmp_path / "mini.toml").write_text(SPEC)
-    assert cli("sweep", "mini.toml", "--dry-run").returncode in (0, None)
+    planned = cli("sweep", "mini.toml", "--dry-run")
+    assert planned.returncode == 0, planned.stderr
     catalog = Catalog(tmp_path / "sweep_catalog.json")
     first = catalog.records(sweep="mini")[0]
     config = tmp_path / "jobs" / "mini" / f"{first['id']}.toml"
     out = cli("train", "--config", str(config), "--catalog", "sweep_catalog.json")
-    assert out.returncode in (0, None), out.stderr
+    assert out.returncode == 0, out.stderr
     record = catalog.get(first["id"])
     assert record["state"] == "completed" and record["attempts"] == 1 and record["verdict"] == "converged"
     assert record["summary"]["final_val_loss"] > 0 and record["started_at"] <= record["finished_at"]
