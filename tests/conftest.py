@@ -1,19 +1,63 @@
-"""Shared test fixtures."""
+"""Shared test fixtures, and the markers that skip tests needing what this machine may lack:
 
+- `cuda`: an NVIDIA GPU;
+- `slurm`: the local single-node Slurm cluster (`sudo scripts/local-slurm.sh start`; CI starts it).
+
+Both are decided once per session and applied to each marked test, so `pytest -rs` lists every
+skipped test on its own line and the summary counts them all (a module-level skip would count a whole
+module as one)."""
+
+import shutil
+import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+SLURM_UP_STATES = {"idle", "mixed", "allocated", "completing"}  # node states in which jobs can run
+SLURM_COMMANDS = ("sinfo", "sbatch", "squeue", "scontrol", "scancel")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slurm: needs the local Slurm cluster (scripts/local-slurm.sh); skipped without it")
+
+
+def slurm_node_state() -> str | None:
+    """The local node's state as sinfo reports it ("idle", "down*", ...), None when sinfo has no answer."""
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    return out.stdout.split()[0]
+
+
+def slurm_unavailable() -> str | None:
+    """Why the local Slurm cluster cannot run this session's jobs; None when it can."""
+    missing = [command for command in SLURM_COMMANDS if shutil.which(command) is None]
+    if missing:
+        return f"Slurm is not installed (no {', '.join(missing)} on PATH)"
+    state = slurm_node_state()
+    if state not in SLURM_UP_STATES:
+        return f"the local Slurm node is not up (sinfo state: {state or 'no answer'})"
+    return None
+
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` need an NVIDIA GPU: without one they are reported as skipped."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA (an NVIDIA GPU)")
-    for item in items:
-        if "cuda" in item.keywords:
+    """Tests marked `cuda` need an NVIDIA GPU, tests marked `slurm` the local cluster: without them
+    each such test is reported as skipped, with the reason."""
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA (an NVIDIA GPU)")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
+    needs_slurm = [item for item in items if item.get_closest_marker("slurm") is not None]
+    reason = slurm_unavailable() if needs_slurm else None
+    if reason is not None:
+        skip = pytest.mark.skip(reason=f"needs the local Slurm cluster: {reason}; run `sudo scripts/local-slurm.sh start`")
+        for item in needs_slurm:
             item.add_marker(skip)
 
 

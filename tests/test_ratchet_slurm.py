@@ -10,11 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from fp4lab.lab.records.catalog import Catalog
 from tests.test_ratchet import git, repo  # noqa: F401 (the fixture)
-from tests.test_slurm_local import UP_STATES, _node_state  # skips this module too when Slurm is down
 
-assert _node_state() in UP_STATES
+pytestmark = pytest.mark.slurm  # each test is skipped without the local cluster (tests/conftest.py)
 
 SLURM = '\n[slurm]\ncpus_per_task = 1\ntime = "00:05:00"\n'
 

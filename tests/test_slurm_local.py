@@ -2,7 +2,7 @@
 time-limit warning, and submitit (AutoExecutor, map_array, Checkpointable requeue).
 
 Needs the local single-node cluster: `sudo scripts/local-slurm.sh start` (CI starts it before pytest).
-Without it the whole module is skipped. The slow parts are Slurm's own clocks: time limits and
+Without it each test is skipped (the `slurm` marker, tests/conftest.py). The slow parts are Slurm's own clocks: time limits and
 `--signal=SIG@N` warnings are checked about every 30 s, and a requeued job waits `cred_expire` (10 s in
 our slurm.conf) before it runs again. The two requeue tests therefore overlap: the sbatch one is
 submitted when the module starts and checked at the end.
@@ -12,37 +12,20 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import cloudpickle  # submitit's dependency
 import pytest
+import submitit
 
-UP_STATES = {"idle", "mixed", "allocated", "completing"}
+pytestmark = pytest.mark.slurm
+
 MAX_ARRAY_SIZE = 64  # scripts/local-slurm.sh writes MaxArraySize=64: indices 0..63
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
             "DEADLINE"}
-
-
-def _node_state() -> str | None:
-    try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0 or not out.stdout.strip():
-        return None
-    return out.stdout.split()[0]
-
-
-if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
-    pytest.skip("Slurm is not installed (no sinfo/sbatch); run `sudo scripts/local-slurm.sh start`",
-                allow_module_level=True)
-_STATE = _node_state()
-if _STATE not in UP_STATES:
-    pytest.skip(f"the local Slurm node is not up (sinfo state: {_STATE or 'no answer'}); "
-                "run `sudo scripts/local-slurm.sh start`", allow_module_level=True)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -209,9 +192,6 @@ def test_scancel_stops_a_running_job(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- submitit
-
-submitit = pytest.importorskip("submitit")
-import cloudpickle  # submitit's dependency
 
 # Ship this module's functions to the job by value: the job need not be able to import `tests`.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
