@@ -1,4 +1,5 @@
-"""The package's shape, as docs/ARCHITECTURE.md states it: layers import one way only, and no module
+"""The package's shape, as docs/ARCHITECTURE.md states it: layers import one way only (the input
+checking kit `fp4lab.validation` below them all), and no module
 imports itself back through others (lazy imports inside functions count: they are cycles all the same)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from pathlib import Path
 import fp4lab
 
 ROOT = Path(fp4lab.__file__).parent
-LAYERS = {"numerics": 0, "nn": 1, "optim": 2, "train": 3, "lab": 4, "bench": 4, "cli": 5}
+LAYERS = {"validation": -1, "numerics": 0, "nn": 1, "optim": 2, "train": 3, "lab": 4, "bench": 4, "cli": 5}
 
 
 def module_name(path: Path) -> str:

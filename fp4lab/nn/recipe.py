@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from fp4lab.validation import Checks
+
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 OPERAND_FORMATS = ("bf16", "fp32", "mxfp4", "nvfp4", "nvfp4_cta")
@@ -406,10 +408,12 @@ def _build_block(entry: Any, index: int, base: LinearRecipe, where: str) -> Bloc
     return BlockOverride(selector, tuple(value) if selector == "range" else value, linear)
 
 
+def _checks(where: str) -> Checks:
+    return Checks(lambda message: RecipeError(f"{where}: {message}"))
+
+
 def _reject_unknown(table: dict, allowed, where: str, prefix: str) -> None:
-    for key in table:
-        if key not in allowed:
-            raise RecipeError(f"{where}: unknown key {prefix}{key}; allowed: {', '.join(allowed)}")
+    _checks(where).known_keys(table, allowed, prefix.rstrip("."))
 
 
 def _table(table: dict, key: str, where: str) -> dict:
@@ -428,9 +432,7 @@ def _list(table: dict, key: str, where: str) -> list:
 
 def _choice(table: dict, key: str, allowed, default, where: str, prefix: str):
     value = table.get(key, default)
-    if value is not default and value not in allowed:
-        raise RecipeError(f"{where}: {prefix}{key} = {value!r} is not allowed; allowed: {', '.join(map(str, allowed))}")
-    return value
+    return value if value is default else _checks(where).choice(prefix + key, value, allowed)
 
 
 def _typed(table: dict, key: str, kind: type, default, where: str, prefix: str):
@@ -441,19 +443,11 @@ def _typed(table: dict, key: str, kind: type, default, where: str, prefix: str):
 
 
 def _number(table: dict, key: str, default: float, where: str, prefix: str) -> float:
-    value = table.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise RecipeError(f"{where}: {prefix}{key} must be a positive number, got {value!r}")
-    return float(value)
+    return float(_checks(where).number(prefix + key, table.get(key, default), positive=True))
 
 
 def _positive(table: dict, key: str, default, where: str, prefix: str, allow_zero: bool = False):
-    value = table.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (value == 0 and not allow_zero):
-        raise RecipeError(f"{where}: {prefix}{key} must be a positive integer, got {value!r}")
-    return value
+    return _checks(where).integer(prefix + key, table.get(key, default), minimum=0 if allow_zero else 1, optional=True)
 
 
 def _tile(table: dict, where: str, prefix: str) -> tuple[int, int] | None:

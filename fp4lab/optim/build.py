@@ -16,7 +16,6 @@ Parameters with requires_grad=False are left out (a frozen part of a model has n
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 from fp4lab.optim.adamw import V_FORMATS, AdamW
 from fp4lab.optim.muon import KELLER_COEFFICIENTS, LR_SCALINGS, NS_FORMATS, Muon
 from fp4lab.optim.qk_clip import UpdateCap
+from fp4lab.validation import Checks, is_number
 
 OPTIMIZER_NAMES = ("muon", "adamw")
 _BLOCK_PARAM = re.compile(r"layers\.\d+\.")
@@ -69,16 +69,14 @@ class OptimizerConfig:
     fused: bool = False
 
     def __post_init__(self) -> None:
-        _choice("name", self.name, OPTIMIZER_NAMES)
-        _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
-        _choice("ns_format", self.ns_format, NS_FORMATS)
-        _choice("adam_v_format", self.adam_v_format, V_FORMATS)
+        _check.choice("OptimizerConfig.name", self.name, OPTIMIZER_NAMES)
+        _check.choice("OptimizerConfig.lr_scaling", self.lr_scaling, LR_SCALINGS)
+        _check.choice("OptimizerConfig.ns_format", self.ns_format, NS_FORMATS)
+        _check.choice("OptimizerConfig.adam_v_format", self.adam_v_format, V_FORMATS)
         for field in ("lr", "adam_lr", "eps"):
-            if not _finite_number(getattr(self, field)) or getattr(self, field) <= 0:
-                raise ValueError(f"OptimizerConfig.{field}={getattr(self, field)!r} must be a finite number > 0")
-        if not _finite_number(self.weight_decay) or self.weight_decay < 0:
-            raise ValueError(f"OptimizerConfig.weight_decay={self.weight_decay!r} must be a finite number >= 0")
-        if not _finite_number(self.momentum) or not 0 <= self.momentum < 1:
+            _check.number(f"OptimizerConfig.{field}", getattr(self, field), positive=True)
+        _check.number("OptimizerConfig.weight_decay", self.weight_decay, positive=False)
+        if not is_number(self.momentum) or not 0 <= self.momentum < 1:
             raise ValueError(f"OptimizerConfig.momentum={self.momentum!r} must be in [0, 1)")
         if not isinstance(self.nesterov, bool):  # a config value, so ValueError like every other field
             raise ValueError(  # noqa: TRY004
@@ -99,19 +97,11 @@ class OptimizerConfig:
             )
 
 
-def _choice(field: str, value, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(
-            f"OptimizerConfig.{field}={value!r} is not supported; allowed: {', '.join(map(repr, allowed))}"
-        )
-
-
-def _finite_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+_check = Checks(ValueError, quote_choices=True)
 
 
 def _tuple_of(x, n: int) -> bool:
-    return isinstance(x, (tuple, list)) and len(x) == n and all(_finite_number(v) for v in x)
+    return isinstance(x, (tuple, list)) and len(x) == n and all(is_number(v) for v in x)
 
 
 def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:

@@ -3,13 +3,13 @@ JSON/TOML. Torch-free: the orchestrator validates run configs without importing 
 
 from __future__ import annotations
 
-import math
 import tomllib
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterable
 
+from fp4lab.validation import Checks
 
 MODEL_PRESETS = ("tiny", "125m", "350m", "1b")
 OPTIMIZERS = ("muon", "adamw")
@@ -109,29 +109,29 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.data, dict):
             self.data = _data_config(self.data)
-        _choice("model", self.model, MODEL_PRESETS)
-        _choice("optimizer", self.optimizer, OPTIMIZERS, optional=True)
-        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        _choice("qk_clip", self.qk_clip, QK_CLIPS, optional=True)
-        _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
-        _choice("device", self.device, DEVICES)
-        _choice("compute", self.compute, COMPUTES)
-        _choice("compile", self.compile, COMPILES)
-        _choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
+        _check.choice("model", self.model, MODEL_PRESETS)
+        _check.choice("optimizer", self.optimizer, OPTIMIZERS, optional=True)
+        _check.choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _check.choice("qk_clip", self.qk_clip, QK_CLIPS, optional=True)
+        _check.choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        _check.choice("device", self.device, DEVICES)
+        _check.choice("compute", self.compute, COMPUTES)
+        _check.choice("compile", self.compile, COMPILES)
+        _check.choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         for name in ("seq_len", "batch_size", "steps", "ns_steps", "eval_every", "eval_batches", "probe_every", "checkpoint_every"):
-            _integer(name, getattr(self, name), minimum=1)
-        _integer("warmup_steps", self.warmup_steps, minimum=0)
-        _integer("seed", self.seed, minimum=0)
+            _check.integer(name, getattr(self, name), minimum=1)
+        _check.integer("warmup_steps", self.warmup_steps, minimum=0)
+        _check.integer("seed", self.seed, minimum=0)
         for name in ("lr", "adam_lr", "grad_clip"):
-            _number(name, getattr(self, name), positive=True)
-        _number("weight_decay", self.weight_decay, positive=False)
-        _number("min_lr_ratio", self.min_lr_ratio, positive=False)
+            _check.number(name, getattr(self, name), positive=True)
+        _check.number("weight_decay", self.weight_decay, positive=False)
+        _check.number("min_lr_ratio", self.min_lr_ratio, positive=False)
         if self.min_lr_ratio > 1:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         if self.max_minutes is not None:
-            _number("max_minutes", self.max_minutes, positive=True)
+            _check.number("max_minutes", self.max_minutes, positive=True)
         if self.qk_clip_tau is not None:
-            _number("qk_clip_tau", self.qk_clip_tau, positive=True)
+            _check.number("qk_clip_tau", self.qk_clip_tau, positive=True)
         if not isinstance(self.recipe, str) or not self.recipe:
             raise ConfigError(f"recipe={self.recipe!r} must be a recipe name or a path to a .toml file")
 
@@ -171,19 +171,4 @@ def _data_config(values: dict[str, Any]) -> DataConfig:
     return DataConfig(**values)
 
 
-def _choice(name: str, value: Any, allowed: tuple[str, ...], optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if value not in allowed:
-        raise ConfigError(f"{name}={value!r} is not supported; allowed: {', '.join(allowed)}")
-
-
-def _integer(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
-
-
-def _number(name: str, value: Any, positive: bool) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (positive and value == 0):
-        raise ConfigError(f"{name}={value!r} must be a finite number {'> 0' if positive else '>= 0'}")
+_check = Checks(ConfigError)

@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fp4lab.lab.records.logscan import VERDICTS
 from fp4lab.lab.specs.search_space import SearchParam, search_param
 from fp4lab.lab.specs.sweep_spec import SlurmSpec, _slurm
+from fp4lab.validation import known_keys
 from fp4lab.train.config import ConfigError, DataConfig, TrainConfig
 
 # metric names a kind = "fp4lab" program may give -> the summary.json key the run writes.
@@ -183,7 +184,7 @@ def parse_program(text: str, path: str | Path = "program.md") -> Program:
         message = re.sub(r"at line (\d+)", lambda m: f"at line {int(m[1]) + first_line}", str(exc))
         raise ProgramError(f"{path}: the ```toml ratchet block is not valid TOML: {message}; fix that line") from None
 
-    _known_keys(header, TOP_KEYS, "", fail)
+    known_keys(header, TOP_KEYS, "", fail)
     for key in ("metric", "direction", "run"):
         if key not in header:
             example = {"metric": 'metric = "val_loss"', "direction": 'direction = "minimize"',
@@ -306,7 +307,7 @@ def _model(model: type[BaseModel], table: Any, name: str, fail):
     where = f"[{name}]"
     if not isinstance(table, dict):
         raise fail(where, f"must be a table ([{name}] with key = value lines)")
-    _known_keys(table, tuple(model.model_fields), where, fail)
+    known_keys(table, tuple(model.model_fields), where, fail)
     try:
         return model.model_validate(table)
     except ValidationError as exc:
@@ -321,13 +322,6 @@ def _model(model: type[BaseModel], table: Any, name: str, fail):
         raise fail(loc, f"{value!r}: {error['msg'].lower()}") from None
 
 
-def _known_keys(table: dict, allowed, where: str, fail) -> None:
-    for key in table:
-        if key not in allowed:
-            raise fail(f"{where}.{key}" if where else key, f"unknown key; allowed{' in ' + where if where else ''}: "
-                       f"{', '.join(allowed)}")
-
-
 def _check_fp4lab(run: RunTarget, search_space: dict[str, SearchParam], fail) -> None:
     from fp4lab.nn.recipe import RecipeError, load_recipe
 
@@ -336,12 +330,12 @@ def _check_fp4lab(run: RunTarget, search_space: dict[str, SearchParam], fail) ->
             raise fail(f"[run].{key}", "only applies to kind = \"command\"; remove it or set kind = \"command\"")
     train_fields = [f.name for f in dataclasses.fields(TrainConfig)]
     data_fields = [f.name for f in dataclasses.fields(DataConfig)]
-    _known_keys(run.base, train_fields, "[run].base", fail)
+    known_keys(run.base, train_fields, "[run].base", fail)
     if "data" in run.base:
         if not isinstance(run.base["data"], dict):
             raise fail("[run].base.data",
                        "must be a table of DataConfig fields, e.g. data = { source = \"synthetic\" }")
-        _known_keys(run.base["data"], data_fields, "[run].base.data", fail)
+        known_keys(run.base["data"], data_fields, "[run].base.data", fail)
     if "out_dir" in run.base:
         raise fail("[run].base.out_dir", "is chosen by the ratchet for every run; remove it")
     for key, budget in BUDGET_FIELDS.items():
@@ -443,10 +437,6 @@ def _glob(pattern: str) -> re.Pattern:
             out.append(re.escape(char))
         i += 1
     return re.compile("".join(out))
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 __all__ = [

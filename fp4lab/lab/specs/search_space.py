@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from fp4lab.validation import is_int, known_keys
+
 TYPES = ("float", "int", "categorical")
 # Seeds of concurrent samplers: seed * SEED_STRIDE + offset (a job's slot, or the trials so far) keeps
 # every (seed, offset) pair distinct for offsets below the stride.
@@ -37,9 +39,7 @@ def search_param(where: str, param: Any, fail) -> SearchParam:
     """One validated parameter of a search space; `where` names it in errors (`optuna.search_space.lr`)."""
     if not isinstance(param, dict):
         raise fail(where, "must be a table {type = \"float\"|\"int\"|\"categorical\", low, high, log, choices}")
-    unknown = [key for key in param if key not in SearchParam.model_fields]
-    if unknown:
-        raise fail(f"{where}.{unknown[0]}", f"unknown key; allowed: {', '.join(SearchParam.model_fields)}")
+    known_keys(param, SearchParam.model_fields, where, fail)
     if "type" not in param:
         raise fail(f"{where}.type", "missing; add type = \"float\", \"int\" or \"categorical\"")
     if param["type"] not in TYPES:
@@ -58,7 +58,7 @@ def search_param(where: str, param: Any, fail) -> SearchParam:
         return p
     if p.choices is not None or p.low is None or p.high is None:
         raise fail(where, f"type = {p.type!r} takes low and high (and optional log), not choices")
-    if p.type == "int" and not (_is_int(p.low) and _is_int(p.high)):
+    if p.type == "int" and not (is_int(p.low) and is_int(p.high)):
         raise fail(where, f"type = \"int\" needs integer low and high, got {p.low!r}, {p.high!r}")
     if not (math.isfinite(p.low) and math.isfinite(p.high) and p.low < p.high):
         raise fail(where, f"low = {p.low} must be below high = {p.high}")
@@ -80,10 +80,10 @@ def checked_value(name: str, value: Any, p: SearchParam) -> Any:
         if i is None:
             raise ValueError(f"{name}: {value!r} is not one of the choices {p.choices!r}")
         return p.choices[i]
-    is_int = _is_int(value)
-    if p.type == "int" and not is_int:
+    integral = is_int(value)
+    if p.type == "int" and not integral:
         raise ValueError(f"{name}: {value!r} must be an integer")
-    if p.type == "float" and not (is_int or isinstance(value, float)):
+    if p.type == "float" and not (integral or isinstance(value, float)):
         raise ValueError(f"{name}: {value!r} must be a number")
     if not (math.isfinite(value) and p.low <= value <= p.high):
         raise ValueError(f"{name}: {value!r} is outside [{p.low}, {p.high}]")
@@ -130,7 +130,3 @@ def _index(choices: list[Any], value: Any) -> int | None:
         if value == choice and isinstance(value, bool) == isinstance(choice, bool) and isinstance(value, str) == isinstance(choice, str):
             return i
     return None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fp4lab.lab.records.logscan import ScanThresholds, threshold_value
 from fp4lab.lab.specs.search_space import SearchParam, probe_values, search_param
+from fp4lab.validation import is_int, known_keys
 from fp4lab.train.config import ConfigError, DataConfig, RESULT_NEUTRAL, TrainConfig
 
 METHODS = ("grid", "random", "optuna")
@@ -155,7 +156,7 @@ def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepS
     def fail(where: str, message: str) -> SpecError:
         return SpecError(f"{path}: {where}: {message}")
 
-    _known_keys(table, TOP_KEYS, "", fail)
+    known_keys(table, TOP_KEYS, "", fail)
     name = table.get("name")
     if not isinstance(name, str) or not NAME_PATTERN.match(name):
         raise fail("name", f"{name!r} must be 1-64 letters, digits, . _ - (it names jobs/<name> and runs/<name>)")
@@ -170,11 +171,11 @@ def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepS
     if not isinstance(base, dict):
         raise fail("base", "must be a table of TrainConfig fields ([base])")
     train_fields, data_fields = _train_fields()
-    _known_keys(base, train_fields, "base", fail)
+    known_keys(base, train_fields, "base", fail)
     if "data" in base:
         if not isinstance(base["data"], dict):
             raise fail("base.data", "must be a table ([base.data]) of DataConfig fields")
-        _known_keys(base["data"], data_fields, "base.data", fail)
+        known_keys(base["data"], data_fields, "base.data", fail)
     if "out_dir" in base:
         raise fail("base.out_dir", "is set by the sweep to runs/<sweep>/<id>; remove it")
     _check_recipe(base.get("recipe"), "base.recipe", fail)
@@ -204,12 +205,12 @@ def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepS
         raise fail("samples", f"only applies to method = \"random\" (this spec has method = {method!r})")
     if method == "grid" and "seed" in table:
         raise fail("seed", "only applies to method = \"random\" or \"optuna\" (this spec has method = \"grid\")")
-    if method == "optuna" and (not _is_int(seed) or seed < 0):
+    if method == "optuna" and (not is_int(seed) or seed < 0):
         raise fail("seed", f"{seed!r} must be an integer >= 0 (the Optuna sampler's seed)")
     if method == "random":
-        if not _is_int(samples) or samples < 1:
+        if not is_int(samples) or samples < 1:
             raise fail("samples", f"{samples!r}: method = \"random\" needs samples = an integer >= 1")
-        if not _is_int(seed) or seed < 0:
+        if not is_int(seed) or seed < 0:
             raise fail("seed", f"{seed!r} must be an integer >= 0")
         total = math.prod(len(v) for v in axes.values())
         if samples > total:
@@ -235,7 +236,7 @@ def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepS
 def _optuna(table: Any, base: dict, train_fields, data_fields, fail) -> OptunaSpec:
     if not isinstance(table, dict):
         raise fail("optuna", "must be a table")
-    _known_keys(table, tuple(OptunaSpec.model_fields), "optuna", fail)
+    known_keys(table, tuple(OptunaSpec.model_fields), "optuna", fail)
     space = table.get("search_space")
     if not isinstance(space, dict) or not space:
         raise fail("optuna.search_space", "must be a non-empty table: name = {type = ..., low, high} or {type = \"categorical\", choices = [...]}")
@@ -264,13 +265,13 @@ def _optuna(table: Any, base: dict, train_fields, data_fields, fail) -> OptunaSp
 def _slurm(table: Any, fail) -> SlurmSpec:
     if not isinstance(table, dict):
         raise fail("slurm", "must be a table")
-    _known_keys(table, tuple(SlurmSpec.model_fields), "slurm", fail)
+    known_keys(table, tuple(SlurmSpec.model_fields), "slurm", fail)
     slurm = _pydantic(SlurmSpec, table, "slurm", fail)
     for key, (pattern, allowed) in SBATCH_PATTERNS.items():
         value = getattr(slurm, key)
         if value is None:
             continue
-        if key == "time" and _is_int(value):
+        if key == "time" and is_int(value):
             if value < 1:
                 raise fail("slurm.time", f"{value} minutes must be >= 1")
             continue
@@ -314,7 +315,7 @@ def time_limit_seconds(value: str | int | None) -> int | None:
     """Slurm --time in seconds: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
     if value is None:
         return None
-    if _is_int(value):
+    if is_int(value):
         return value * 60
     days, _, rest = value.rpartition("-")
     parts = [int(p) for p in rest.split(":")]
@@ -443,13 +444,6 @@ def _check_axis_name(name: str, train_fields, data_fields, where: str, fail) -> 
         raise fail(where, f"unknown field {name!r}; allowed: {', '.join(allowed)}")
 
 
-def _known_keys(table: dict, allowed, where: str, fail) -> None:
-    for key in table:
-        if key not in allowed:
-            path = f"{where}.{key}" if where else key
-            raise fail(path, f"unknown key; allowed{' in [' + where + ']' if where else ''}: {', '.join(allowed)}")
-
-
 def _pydantic(model, table: dict, where: str, fail):
     try:
         return model.model_validate(table)
@@ -486,15 +480,7 @@ def _short(value: Any) -> str:
 
 
 def _as_float(value: Any) -> Any:
-    return float(value) if _is_int(value) else value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if is_int(value) else value
 
 
 __all__ = [
