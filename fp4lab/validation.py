@@ -20,7 +20,9 @@ Pure Python, imports nothing from fp4lab: every layer may use it.
 from __future__ import annotations
 
 import math
+import tomllib
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 
@@ -62,6 +64,20 @@ class Checks:
 
     def known_keys(self, table: Mapping[str, Any], allowed: Iterable[str], where: str = "") -> None:
         known_keys(table, allowed, where, lambda place, message: self.error(f"{place}: {message}"))
+
+
+def read_toml(path: Path, error: Callable[[str], Exception], what: str) -> dict[str, Any]:
+    """The table of a TOML file; error("<what> '<path>' does not exist") or error("<path>: not valid
+    TOML: ...") (or not UTF-8) otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{what} {str(path)!r} does not exist")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise error(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text: {exc}") from None
 
 
 def known_keys(table: Mapping[str, Any], allowed: Iterable[str], where: str, fail: Callable[[str, str], Exception]) -> None:

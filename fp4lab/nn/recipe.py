@@ -17,12 +17,11 @@ docs/RECIPES.md documents every key.
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from fp4lab.validation import Checks
+from fp4lab.validation import Checks, read_toml
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -238,10 +237,7 @@ def _resolve(name_or_path: str, referrer: Path | None = None, seen: tuple[Path, 
     if path.resolve() in seen:
         chain = " -> ".join(str(p.name) for p in (*seen, path))
         raise RecipeError(f"{path}: extends forms a cycle ({chain})")
-    try:
-        table = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise RecipeError(f"{path}: not valid TOML: {exc}") from None
+    table = read_toml(path, RecipeError, "recipe file")
     parent = table.pop("extends", None)
     if parent is None:
         return table, path

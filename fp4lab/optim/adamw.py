@@ -66,6 +66,8 @@ from itertools import chain
 import torch
 
 from fp4lab.numerics import BLOCK_SIZE, QTensor, hadamard, quantize
+from fp4lab.optim.plumbing import closure_loss, dense_grads
+from fp4lab.validation import Checks
 
 V_FORMATS = ("fp32", "nvfp4")
 # H16 spans exactly one NVFP4 scale block, so an outlier is spread only within its own block, and any
@@ -75,6 +77,7 @@ V_FORMATS = ("fp32", "nvfp4")
 HADAMARD_SIZE = 16
 MIN_QUANTIZED_NUMEL = 4096
 NVFP4_BLOCK = BLOCK_SIZE["nvfp4"]
+_check = Checks(ValueError, quote_choices=True)
 # The NVFP4 v state keys. torch's load_state_dict casts every state tensor of a float parameter to the
 # parameter's dtype (uint8 codes included); load_state_dict below puts the saved tensors back as saved.
 V_KEYS = ("v_codes", "v_scales", "v_tensor_scale", "v_mean")
@@ -141,29 +144,17 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
+        # Checked before it is added, on what torch would store (the defaults filled in).
+        _check.choice("AdamW: v_format", param_group.get("v_format", self.defaults["v_format"]), V_FORMATS)
         super().add_param_group(param_group)
-        v_format = self.param_groups[-1]["v_format"]
-        if v_format not in V_FORMATS:
-            self.param_groups.pop()
-            raise ValueError(
-                f"AdamW: v_format={v_format!r} is not supported; allowed: {', '.join(map(repr, V_FORMATS))}"
-            )
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                if grad.is_sparse:
-                    raise RuntimeError("AdamW does not support sparse gradients")
+            for p, grad in dense_grads(group, "AdamW"):
                 state = self.state[p]
                 quantized = group["v_format"] == "nvfp4" and quantized_v(p)
                 if not state:

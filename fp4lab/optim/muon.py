@@ -36,6 +36,7 @@ from collections.abc import Iterable
 import torch
 
 from fp4lab.numerics import BLOCK_SIZE, quantize
+from fp4lab.optim.plumbing import closure_loss, dense_grads
 
 LR_SCALINGS = ("original", "moonlight")
 NS_FORMATS = ("bf16", "nvfp4")
@@ -182,19 +183,11 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
             params, updates = [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                if grad.is_sparse:
-                    raise RuntimeError("Muon does not support sparse gradients")
+            for p, grad in dense_grads(group, "Muon"):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)

@@ -3,13 +3,12 @@ JSON/TOML. Torch-free: the orchestrator validates run configs without importing 
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from fp4lab.validation import Checks
+from fp4lab.validation import Checks, read_toml
 
 MODEL_PRESETS = ("tiny", "125m", "350m", "1b")
 OPTIMIZERS = ("muon", "adamw")
@@ -153,14 +152,7 @@ class TrainConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> TrainConfig:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            values = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-        return cls.from_dict(values, str(path))
+        return cls.from_dict(read_toml(path, ConfigError, "config file"), str(path))
 
 
 def _data_config(values: dict[str, Any]) -> DataConfig:

@@ -24,7 +24,6 @@ import json
 import math
 import random
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fp4lab.lab.records.logscan import ScanThresholds, threshold_value
 from fp4lab.lab.specs.search_space import SearchParam, probe_values, search_param
-from fp4lab.validation import is_int, known_keys
+from fp4lab.validation import is_int, known_keys, read_toml
 from fp4lab.train.config import ConfigError, DataConfig, RESULT_NEUTRAL, TrainConfig
 
 METHODS = ("grid", "random", "optuna")
@@ -138,16 +137,7 @@ class SweepSpec:
 
 def load_spec(path: str | Path) -> SweepSpec:
     """Read and validate a sweep spec; raises SpecError (one line) on any problem."""
-    path = Path(path)
-    if not path.is_file():
-        raise SpecError(f"sweep spec {str(path)!r} does not exist")
-    try:
-        table = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"{path}: not valid TOML: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise SpecError(f"{path}: not UTF-8 text: {exc}") from None
-    return spec_from_dict(table, path)
+    return spec_from_dict(read_toml(path, SpecError, "sweep spec"), Path(path))
 
 
 def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepSpec:
