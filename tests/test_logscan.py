@@ -211,9 +211,15 @@ def test_max_logit_event(tmp_path):
     assert scan(run, ScanThresholds(unstable_kinds=("max_logit",)), now=OLD).verdict == "unstable"
 
 
-@pytest.mark.parametrize("status", ["time_limit", "preempted", "stopped"])
+@pytest.mark.parametrize("status", ["time_limit", "preempted", "stopped", "interrupted"])
 def test_timeout_statuses(tmp_path, status):
-    assert scan(write_run(tmp_path / "r", curve(50), status=status), now=OLD).verdict == "timeout"
+    # every status a stopped run's summary can hold (train.config.STOPPED_STATUSES); a fresh log is not "running"
+    from fp4lab.train.config import STOPPED_STATUSES
+
+    assert status in STOPPED_STATUSES
+    run = write_run(tmp_path / "r", curve(50), status=status)
+    assert scan(run, now=OLD).verdict == "timeout"
+    assert scan(run, now=(run / "metrics.jsonl").stat().st_mtime + 1).verdict == "timeout"
 
 
 def test_running_crashed_and_stalled(tmp_path):

@@ -25,6 +25,10 @@ COMPILES = ("auto", "on", "off")
 # Replay each step's forward and backward from a CUDA graph ("auto": on the fast path on CUDA when
 # nothing on the path draws from a torch.Generator); it changes nothing but the launch cost.
 CUDA_GRAPHS = ("auto", "on", "off")
+# A run's summary.json "status": it ended as designed, or it stopped early with a checkpoint to
+# resume from (time budget, Slurm's preemption signals, Ctrl-C, a `stop_after` call).
+ENDED_STATUSES = ("completed", "diverged")
+STOPPED_STATUSES = ("time_limit", "preempted", "stopped", "interrupted")
 # The one list of fields that do not change what a run computes: where it writes, how long a segment
 # may take, how often it checkpoints, and the device and launch mechanics. A resumed run may change
 # them; a sweep's run id leaves them out; the report groups runs regardless of them.

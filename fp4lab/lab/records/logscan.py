@@ -103,6 +103,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp4lab.train.config import ENDED_STATUSES, STOPPED_STATUSES
 from fp4lab.train.jsonl import read_metrics_file
 
 __all__ = [
@@ -131,7 +132,7 @@ CRASH_MARKERS = re.compile(
 TIMEOUT_MARKERS = re.compile(r"DUE TO TIME LIMIT|DUE TO PREEMPTION")
 # Colour codes (torchtitan colours every field) are removed before a line is matched.
 ANSI_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-TERMINAL_STATUSES = ("completed", "diverged", "time_limit", "preempted", "stopped")
+TERMINAL_STATUSES = ENDED_STATUSES + STOPPED_STATUSES
 
 
 # Earlier names of thresholds, still accepted in overrides (--threshold, [scan] tables of old specs).
@@ -419,7 +420,7 @@ def scan(
     now = time.time() if now is None else now
     age = now - log.stat().st_mtime
     status = summary.get("status") if summary else None
-    if kind == "fp4lab" and summary and status in ("time_limit", "preempted", "stopped"):
+    if kind == "fp4lab" and summary and status in STOPPED_STATUSES:
         completed = summary.get("steps_completed")
         if isinstance(completed, int) and detector.last_step is not None and detector.last_step + 1 > completed:
             summary, status = None, None  # stale: written by an earlier segment of a resumed run
@@ -459,7 +460,7 @@ def scan(
     elif text.crash is not None and text.timeout is None:
         verdict = "crashed"
         reasons.append(f"crash marker in log: {text.crash!r}")
-    elif running is not True and (status in ("time_limit", "preempted", "stopped") or text.timeout is not None):
+    elif running is not True and (status in STOPPED_STATUSES or text.timeout is not None):
         verdict = "timeout"
         reasons.append(f"summary status {status}" if status else f"marker in log: {text.timeout!r}")
     elif kind == "fp4lab" and not finished and not live:
