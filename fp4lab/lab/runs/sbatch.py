@@ -23,7 +23,7 @@ SIGTERM (scancel, preemption) is forwarded without requeueing. FP4LAB_NO_REQUEUE
 
 Quoting rule: every value written into the shell body (paths, the interpreter, ids) is passed
 through shlex.quote. #SBATCH lines are parsed by sbatch, not bash; their values are validated
-(spec.SBATCH_PATTERNS, and the path check here) so they contain no whitespace, quotes, `$`, `#`,
+(sweep_spec.SBATCH_PATTERNS, and the path check here) so they contain no whitespace, quotes, `$`, `#`,
 backticks, `;`, newlines or NUL, and are written bare. Comments carry only printable text (values
 JSON-escaped). [slurm].setup lines are shell commands by design and are written verbatim, one entry
 per line; entries with newlines, CR or NUL are rejected when the spec loads.
