@@ -335,3 +335,11 @@ def test_an_unexpected_error_is_not_dressed_up_as_a_user_error(run_cli, monkeypa
     monkeypatch.setattr(torch, "load", broken)
     with pytest.raises(TypeError, match="a bug"):
         run_cli("numerics", "--tensor", str(path))
+
+
+def test_sweep_dry_run_shows_problems_as_written(run_cli, in_tmp):
+    # A problem names the user's path; brackets in it are text, not rich markup.
+    (in_tmp / "tokens.toml").write_text(SPEC.replace('source = "synthetic"', 'source = "data/[train]/tokens.bin"'))
+    out = run_cli("sweep", "tokens.toml", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "would fail: " in out.stdout and "data/[train]/tokens.bin" in out.stdout
