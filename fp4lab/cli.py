@@ -312,7 +312,7 @@ def train(
 def _print_summary_block(summary: dict, out_dir, file=None) -> None:
     """The block ending a run's output; `fp4lab scan` reads its status from the worker logs."""
     print("---", file=file)
-    for key in ("status", "diverged_step", "steps_completed", "final_loss", "best_loss", "final_val_loss", "tokens_per_s", "train_seconds", "peak_memory_mb"):
+    for key in ("status", "diverged_step", "steps_completed", "final_train_loss", "best_train_loss", "final_val_loss", "tokens_per_s", "train_seconds", "peak_memory_mb"):
         value = summary.get(key)
         print(f"{key}: {value:.6g}" if isinstance(value, float) else f"{key}: {value}", file=file)
     print(f"out_dir: {out_dir}", file=file)
@@ -481,7 +481,7 @@ def scan(
     logs: Annotated[list[Path], typer.Argument(help="Run folders, metrics.jsonl files, fp4lab's jobs/<sweep>/logs/*.local.log, or text logs of other trainers.")],
     preset: Annotated[Optional[LogPreset], typer.Option(help="Format of text logs (default: the preset matching the most lines).")] = None,
     regex: Annotated[Optional[str], typer.Option(help="Regex with named groups step and loss (optional grad_norm, val_loss).")] = None,
-    threshold: Annotated[Optional[list[str]], typer.Option(help="NAME=VALUE threshold override, repeatable (e.g. spike_k=5).")] = None,
+    threshold: Annotated[Optional[list[str]], typer.Option(help="NAME=VALUE threshold override, repeatable (e.g. spike_sigma=5).")] = None,
     running: Annotated[Optional[bool], typer.Option("--running/--not-running", help="Whether the job is alive (default: judge by the log's age).")] = None,
     events: Annotated[bool, typer.Option("--events", help="Print every event under its run's line.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of one line per log.")] = False,
@@ -659,7 +659,9 @@ def _sweep_plan(plan, todo, skipped: dict, problems: list[str], runs_catalog) ->
 
 
 def _exit_on_failures(runs_catalog, plan) -> None:
-    failed = [r for r in runs_catalog.records(sweep=plan.spec.name) if r["state"] in ("failed", "cancelled", "timeout")]
+    from fp4lab.lab.records.catalog import FAILED_STATES
+
+    failed = [r for r in runs_catalog.records(sweep=plan.spec.name) if r["state"] in FAILED_STATES]
     if failed:
         print(f"sweep: {len(failed)} run(s) of {plan.spec.name!r} failed; see their errors above (fp4lab status {plan.spec.name})", file=sys.stderr)
         raise typer.Exit(1)

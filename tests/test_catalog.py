@@ -394,23 +394,25 @@ def test_writer_sigkilled_at_random_moments(cat):
     orphans_seen = 0
     for round_ in range(6):
         proc = child(LOOPING_WRITER, str(cat.path), f"k{round_}", stdout=subprocess.PIPE, text=True)
+        printed = []
         for _ in range(rng.randint(2, 4)):  # let it commit a few records first (it prints each once committed)
             line = proc.stdout.readline().strip()
             assert line, "the writer died on its own"
-            committed.append(line)
+            printed.append(line)
         # Then kill it at a random moment of the writes that follow. The pause only picks that moment:
         # every assertion below holds wherever the kill lands.
         time.sleep(rng.uniform(0.0, 0.3))
         proc.kill()
         rest, _ = proc.communicate(timeout=30)
-        committed += rest.split()
+        printed += rest.split()
+        committed += printed
         orphans_seen += bool(temp_files(cat.path))
 
         runs = load(cat.path)["runs"]  # valid JSON, never a partial file
         missing = set(committed) - set(runs)
         assert not missing, f"committed records lost after kill {round_}: {sorted(missing)[:5]}"
         # besides those, at most the one record each writer committed but was killed before printing
-        unconfirmed.add(f"k{round_}-{len(rest.split()) + 1:05d}")
+        unconfirmed.add(f"k{round_}-{len(printed):05d}")  # ids count from 00000
         assert set(runs) <= set(committed) | unconfirmed
     assert len(committed) >= 12  # at least 2 confirmed per round, however fast the machine writes
     cat.upsert({"id": "after"})

@@ -75,8 +75,8 @@ def test_converged_run_folder(tmp_path):
     result = scan(run, now=OLD)
     assert result.verdict == "converged" and result.status == "converged" and result.events == []
     assert result.counts["lines"] == 300 and result.counts["skipped_lines"] == 0 and result.counts["steps"] == 300
-    assert result.last_step == 299 and result.final_loss == pytest.approx(curve(300)[-1])
-    assert result.best_loss == pytest.approx(min(curve(300))) and result.final_val_loss == pytest.approx(curve(300)[-1] + 0.1)
+    assert result.last_step == 299 and result.final_train_loss == pytest.approx(curve(300)[-1])
+    assert result.best_train_loss == pytest.approx(min(curve(300))) and result.final_val_loss == pytest.approx(curve(300)[-1] + 0.1)
     assert result.source == "fp4lab" and result.summary_status == "completed"
     # the metrics file itself also works (summary.json beside it is read)
     assert scan(run / "metrics.jsonl", now=OLD).verdict == "converged"
@@ -149,7 +149,7 @@ def test_nan_tokens_diverged(tmp_path):
     assert all(json.loads(line, parse_constant=_refuse) for line in text.splitlines())
     result = scan(run, now=OLD)
     assert result.verdict == "diverged@50" and result.verdict_step == 50 and result.first_step["nan"] == 50
-    assert result.final_loss is None and result.best_loss is not None
+    assert result.final_train_loss is None and result.best_train_loss is not None
     json.dumps(result.to_dict(), allow_nan=False)  # strict JSON
     assert result.to_dict()["events"][0]["value"] == "nan"
 
@@ -279,7 +279,7 @@ def test_nanogpt_log(tmp_path):
     result = scan(log, preset="nanogpt", now=OLD)
     assert result.source == "nanogpt" and result.verdict == "converged"
     assert result.counts["steps"] == 5 and result.last_step == 40
-    assert result.final_loss == pytest.approx(2.5391) and result.best_loss == pytest.approx(2.5391)
+    assert result.final_train_loss == pytest.approx(2.5391) and result.best_train_loss == pytest.approx(2.5391)
     assert result.final_val_loss == pytest.approx(2.5512)
     assert scan(log, now=OLD).source == "nanogpt"  # detected without a preset
     assert scan(log, now=log.stat().st_mtime + 1).verdict == "running"  # fresh text log
@@ -292,7 +292,7 @@ def test_megatron_log(tmp_path):
     log.write_text(MEGATRON)
     result = scan(log, preset="megatron", now=OLD)
     assert result.verdict == "converged" and result.counts["steps"] == 3 and result.last_step == 30
-    assert result.final_loss == pytest.approx(5.9) and result.final_val_loss == pytest.approx(6.4)
+    assert result.final_train_loss == pytest.approx(5.9) and result.final_val_loss == pytest.approx(6.4)
     assert scan(log, now=OLD).source == "megatron"
     # Megatron drops "lm loss" from the line when it is NaN and counts a nan iteration instead
     nan_line = (
@@ -301,7 +301,7 @@ def test_megatron_log(tmp_path):
     )
     log.write_text(MEGATRON + nan_line)
     result = scan(log, now=OLD)
-    assert result.verdict == "diverged@40" and result.final_loss is None
+    assert result.verdict == "diverged@40" and result.final_train_loss is None
     assert result.last_finite_loss == pytest.approx(5.9) and result.last_finite_step == 30
     line = format_result(result)
     assert "last finite loss 5.9000 at step 30, diverged step 40" in line and "| loss " not in line
@@ -407,9 +407,9 @@ def test_real_fp4lab_run_is_converged(tmp_path):
     result = scan(tmp_path / "run")
     assert result.verdict == "converged", result.to_dict()
     assert result.counts["steps"] == 8 and result.counts["skipped_lines"] == 0 and result.last_step == 7
-    assert result.final_loss == pytest.approx(summary["final_loss"])
+    assert result.final_train_loss == pytest.approx(summary["final_train_loss"])
     assert result.final_val_loss == pytest.approx(summary["final_val_loss"])
-    assert result.best_loss == pytest.approx(summary["best_loss"])
+    assert result.best_train_loss == pytest.approx(summary["best_train_loss"])
     json.dumps(result.to_dict(), allow_nan=False)
 
 
@@ -477,7 +477,7 @@ def test_megatron_loss_vanishing_from_its_lines(tmp_path):
     assert result.verdict == "loss_vanished@700" and result.verdict_step == 700
     event = [e for e in result.events if e.kind == "loss_missing"]
     assert len(event) == 1 and event[0].steps == 4  # iterations 700..1000
-    assert result.final_loss is None and result.last_finite_step == 600
+    assert result.final_train_loss is None and result.last_finite_step == 600
     assert result.last_finite_loss == pytest.approx(float(f"{losses[600]:.6E}"))
     line = format_result(result)
     assert f"last finite loss {result.last_finite_loss:.4f} at step 600, loss missing from step 700" in line
@@ -520,7 +520,7 @@ def test_torchtitan_log_with_colour_codes(tmp_path):
     result = scan(log, now=OLD)
     assert result.source == "torchtitan" and result.verdict == "converged"
     assert result.counts["steps"] == 40 and result.last_step == 40 and result.final_val_loss == pytest.approx(5.1234)
-    assert result.final_loss == pytest.approx(round(losses[-1], 4))
+    assert result.final_train_loss == pytest.approx(round(losses[-1], 4))
     log.write_text("\n".join([*rows, torchtitan_line(41, math.nan)]) + "\n")
     assert scan(log, preset="torchtitan", now=OLD).verdict == "diverged@41"
 
@@ -540,10 +540,10 @@ def test_fp4lab_local_worker_log(tmp_path):
     assert result.source == "fp4lab" and result.verdict == "converged" and not result.live
     assert result.last_step == 8 and result.final_val_loss is not None and result.summary_status == "completed"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert result.final_loss == pytest.approx(summary["final_loss"], abs=1e-4)
+    assert result.final_train_loss == pytest.approx(summary["final_train_loss"], abs=1e-4)
 
     progress = "".join(f"step {s}/60 loss {5.0 - 0.02 * s:.4f} lr 0.02 tok/s 14694\n" for s in range(3, 58, 3))
-    block = "---\nstatus: {}\ndiverged_step: {}\nsteps_completed: 57\nfinal_loss: 3.86\nout_dir: runs/x\n"
+    block = "---\nstatus: {}\ndiverged_step: {}\nsteps_completed: 57\nfinal_train_loss: 3.86\nout_dir: runs/x\n"
     log.write_text(progress + block.format("diverged", 57))
     diverged = scan(log, now=OLD)
     assert diverged.verdict == "diverged@57" and diverged.last_finite_step == 57

@@ -103,7 +103,7 @@ def test_example_parses(tmp_path):
 def test_defaults_and_train_metric_names():
     minimal = 'metric = "best_train_loss"\ndirection = "minimize"\n[run]\nkind = "fp4lab"\nsteps = 5\n'
     program = parse_program(document(minimal))
-    assert program.metric == "best_loss"  # the key train.loop writes to summary.json
+    assert program.metric == "best_train_loss"  # the key train.loop writes to summary.json
     health = program.health
     assert health.no_nan and health.entropy_floor is None and health.require_verdict == ("converged",)
     assert program.edit_files == () and program.search_space == {}

@@ -29,6 +29,16 @@ CUDA_GRAPHS = ("auto", "on", "off")
 # resume from (time budget, Slurm's preemption signals, Ctrl-C, a `stop_after` call).
 ENDED_STATUSES = ("completed", "diverged")
 STOPPED_STATUSES = ("time_limit", "preempted", "stopped", "interrupted")
+# summary.json keys under their earlier names, still read from runs written before the rename.
+RENAMED_SUMMARY_KEYS = {"final_loss": "final_train_loss", "best_loss": "best_train_loss"}
+
+
+def summary_value(summary: dict[str, Any], key: str) -> Any:
+    """summary[key] of a run's summary.json, also from a summary written under the earlier names."""
+    key = RENAMED_SUMMARY_KEYS.get(key, key)
+    if key in summary:
+        return summary[key]
+    return next((summary[old] for old, new in RENAMED_SUMMARY_KEYS.items() if new == key and old in summary), None)
 # The one list of fields that do not change what a run computes: where it writes, how long a segment
 # may take, how often it checkpoints, and the device and launch mechanics. A resumed run may change
 # them; a sweep's run id leaves them out; the report groups runs regardless of them.

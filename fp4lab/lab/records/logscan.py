@@ -103,7 +103,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4lab.train.config import ENDED_STATUSES, STOPPED_STATUSES
+from fp4lab.train.config import ENDED_STATUSES, STOPPED_STATUSES, summary_value
 from fp4lab.train.jsonl import read_metrics_file
 
 __all__ = [
@@ -259,8 +259,8 @@ class ScanResult:
     first_step: dict[str, int] = field(default_factory=dict)  # kind -> first step of that kind
     counts: dict[str, int] = field(default_factory=dict)  # lines, skipped_lines, steps, and flagged steps per kind
     last_step: int | None = None
-    final_loss: float | None = None  # the loss of the last training step (None when NaN/Inf or missing there)
-    best_loss: float | None = None
+    final_train_loss: float | None = None  # the loss of the last training step (None when NaN/Inf or missing there)
+    best_train_loss: float | None = None
     final_val_loss: float | None = None
     last_finite_loss: float | None = None  # the last finite loss and its step: where a diverged run stood
     last_finite_step: int | None = None
@@ -280,8 +280,8 @@ class ScanResult:
             "first_step": dict(self.first_step),
             "counts": dict(self.counts),
             "last_step": self.last_step,
-            "final_loss": _finite(self.final_loss),
-            "best_loss": _finite(self.best_loss),
+            "final_train_loss": _finite(self.final_train_loss),
+            "best_train_loss": _finite(self.best_train_loss),
             "final_val_loss": _finite(self.final_val_loss),
             "last_finite_loss": _finite(self.last_finite_loss),
             "last_finite_step": self.last_finite_step,
@@ -486,8 +486,8 @@ def scan(
         counts[kind_name] = detector.flagged.get(kind_name, 0)
     final_loss, best_loss, final_val = detector.final_loss, detector.best_loss, detector.final_val_loss
     if kind == "fp4lab" and summary:  # a folder whose metrics were lost still has its summary
-        final_loss = final_loss if detector.steps else summary.get("final_loss")
-        best_loss = best_loss if best_loss is not None else _finite(summary.get("best_loss"))
+        final_loss = final_loss if detector.steps else summary_value(summary, "final_train_loss")
+        best_loss = best_loss if best_loss is not None else _finite(summary_value(summary, "best_train_loss"))
         final_val = final_val if final_val is not None else _finite(summary.get("final_val_loss"))
     last_step = detector.last_step
     if last_step is None and summary and isinstance(summary.get("steps_completed"), int) and summary["steps_completed"] > 0:
@@ -501,8 +501,8 @@ def scan(
         first_step=first_step,
         counts=counts,
         last_step=last_step,
-        final_loss=_finite(final_loss),
-        best_loss=_finite(best_loss),
+        final_train_loss=_finite(final_loss),
+        best_train_loss=_finite(best_loss),
         final_val_loss=_finite(final_val),
         last_finite_loss=detector.last_finite_loss,
         last_finite_step=detector.last_finite_step,
@@ -535,11 +535,11 @@ def format_result(result: ScanResult) -> str:
             parts.append(f"last finite loss {result.last_finite_loss:.4f} at step {result.last_finite_step}, {what} step {result.verdict_step}")
         else:
             parts.append(f"no finite loss; {what} step {result.verdict_step}")
-    elif result.final_loss is not None:
-        best = f" (best {result.best_loss:.4f})" if result.best_loss is not None and result.best_loss != result.final_loss else ""
-        parts.append(f"loss {result.final_loss:.4f}{best}")
-    elif result.best_loss is not None:
-        parts.append(f"best loss {result.best_loss:.4f}")
+    elif result.final_train_loss is not None:
+        best = f" (best {result.best_train_loss:.4f})" if result.best_train_loss is not None and result.best_train_loss != result.final_train_loss else ""
+        parts.append(f"loss {result.final_train_loss:.4f}{best}")
+    elif result.best_train_loss is not None:
+        parts.append(f"best loss {result.best_train_loss:.4f}")
     if result.final_val_loss is not None:
         parts.append(f"val {result.final_val_loss:.4f}")
     if result.events:

@@ -31,7 +31,7 @@ from fp4lab.lab.runs import slurm
 from fp4lab.lab.records.catalog import Catalog, live_owner, this_owner, utc_now
 from fp4lab.lab.records.logscan import ScanThresholds, scan
 from fp4lab.lab.specs.sweep_spec import RunSpec
-from fp4lab.train.config import TrainConfig
+from fp4lab.train.config import TrainConfig, summary_value
 from fp4lab.train.jsonl import read_metrics_file
 
 # Summary status of a finished training process -> catalog state.
@@ -138,8 +138,8 @@ def finish_run(run: RunSpec, catalog: Catalog, thresholds: ScanThresholds, *, re
         fields["verdict"] = "crashed"
     if summary:
         fields["summary"] = {
-            "final_train_loss": summary.get("final_loss"),
-            "best_train_loss": summary.get("best_loss"),
+            "final_train_loss": summary_value(summary, "final_train_loss"),
+            "best_train_loss": summary_value(summary, "best_train_loss"),
             "final_val_loss": summary.get("final_val_loss"),
             "best_val_loss": summary.get("best_val_loss"),
             "tokens_per_s": summary.get("tokens_per_s"),

@@ -33,6 +33,7 @@ from fp4lab.lab.runs.sbatch import config_toml
 from fp4lab.lab.specs import search_space
 from fp4lab.lab.specs.sweep_spec import SpecError, SweepSpec, load_spec, make_run
 from fp4lab.train.atomic import write_atomic
+from fp4lab.train.config import summary_value
 
 
 def open_study(spec: SweepSpec, jobs_dir: str | Path, slot: int = 0):
@@ -121,7 +122,7 @@ def _objective(out_dir: str, key: str) -> float | None:
     path = Path(out_dir) / "summary.json"
     if not path.exists():
         return None
-    value = json.loads(path.read_text()).get(key)
+    value = summary_value(json.loads(path.read_text()), key)
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 

@@ -55,10 +55,10 @@ FP4LAB_METRICS = {
     "final_val_loss": "final_val_loss",
     "val_loss": "final_val_loss",
     "best_val_loss": "best_val_loss",
-    "final_train_loss": "final_loss",
-    "final_loss": "final_loss",
-    "best_train_loss": "best_loss",
-    "best_loss": "best_loss",
+    "final_train_loss": "final_train_loss",
+    "final_loss": "final_train_loss",  # the earlier name
+    "best_train_loss": "best_train_loss",
+    "best_loss": "best_train_loss",  # the earlier name
     "tokens_per_s": "tokens_per_s",
 }
 TOP_KEYS = ("metric", "direction", "run", "health", "edit", "search_space", "stop", "noise", "slurm")

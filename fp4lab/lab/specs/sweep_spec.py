@@ -33,11 +33,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from fp4lab.lab.records.logscan import ScanThresholds, threshold_value
 from fp4lab.lab.specs.search_space import SearchParam, probe_values, search_param
 from fp4lab.validation import is_int, known_keys, read_toml
-from fp4lab.train.config import ConfigError, DataConfig, RESULT_NEUTRAL, TrainConfig
+from fp4lab.train.config import RENAMED_SUMMARY_KEYS, RESULT_NEUTRAL, ConfigError, DataConfig, TrainConfig
 
 METHODS = ("grid", "random", "optuna")
 # Summary keys (train.loop's summary.json) an optuna objective may name.
-OBJECTIVES = ("final_val_loss", "best_val_loss", "final_loss", "best_loss", "tokens_per_s", "train_seconds")
+OBJECTIVES = ("final_val_loss", "best_val_loss", "final_train_loss", "best_train_loss", "tokens_per_s", "train_seconds")
 DIRECTIONS = ("minimize", "maximize")
 TOP_KEYS = ("name", "description", "base", "axes", "method", "samples", "seed", "optuna", "slurm", "scan")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -235,6 +235,8 @@ def _optuna(table: Any, base: dict, train_fields, data_fields, fail) -> OptunaSp
         where = f"optuna.search_space.{pname}"
         _check_axis_name(pname, train_fields, data_fields, where, fail)
         checked[pname] = search_param(where, param, fail)
+    if table.get("objective") in RENAMED_SUMMARY_KEYS:  # a spec written before the rename
+        table = {**table, "objective": RENAMED_SUMMARY_KEYS[table["objective"]]}
     for key, allowed in (("objective", OBJECTIVES), ("direction", DIRECTIONS)):
         if key in table and table[key] not in allowed:
             raise fail(f"optuna.{key}", f"{table[key]!r} is not supported; allowed: {', '.join(allowed)}")
