@@ -257,7 +257,7 @@ def train(
     """Train a small Llama-style model with one FP4 recipe; resumes from the run folder's checkpoint."""
     from fp4lab.lab.records.catalog import CatalogError
     from fp4lab.nn.recipe import RecipeError
-    from fp4lab.train.config import ConfigError, TrainConfig
+    from fp4lab.train.config import CheckpointMismatch, ConfigError, TrainConfig
 
     flags = {
         "recipe": recipe, "model": model, "steps": steps, "batch_size": batch_size, "seq_len": seq_len,
@@ -299,6 +299,8 @@ def train(
             summary = train_recorded(config, Catalog(catalog))
         else:
             summary = run(train_config)
+    except CheckpointMismatch as exc:
+        fail(f"{str(exc).splitlines()[0]}: --fresh starts over, --out trains into another folder")
     except (ConfigError, RecipeError, ValueError, CatalogError) as exc:
         fail(str(exc).splitlines()[0])
     if summary["status"] == "interrupted":
@@ -599,7 +601,7 @@ def sweep(
         try:
             launched = runner.launch(plan, todo, runs_catalog)
         except SubmissionError as exc:
-            fail(f"sweep: Slurm submission failed: {exc}")
+            fail(f"sweep: Slurm submission failed: {exc} (--executor local runs it here)")
         console.print(f"submitted Slurm jobs {', '.join(launched.job_ids) or '(none: the study is complete)'}; "
                       f"follow them with: fp4lab status {plan.spec.name}")
         return

@@ -65,10 +65,10 @@ def test_ratchet_executor_choices_are_what_the_ratchet_accepts():
 
     # The executor is checked first: an accepted one gets as far as the workers check.
     for executor in cli.RATCHET_EXECUTORS:
-        with pytest.raises(RatchetError, match="--workers"):
+        with pytest.raises(RatchetError, match="workers must be >= 1"):
             Ratchet(None, tag="t", executor=executor, workers=0)
     for executor in set(cli.SWEEP_EXECUTORS) - set(cli.RATCHET_EXECUTORS):
-        with pytest.raises(RatchetError, match="--executor"):
+        with pytest.raises(RatchetError, match="executor .* is not supported; allowed: local, slurm"):
             Ratchet(None, tag="t", executor=executor, workers=0)
 
 

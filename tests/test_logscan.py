@@ -372,7 +372,7 @@ def test_no_loss_is_an_alarm_not_converged(tmp_path):
     other.write_text("hello\nworld\n")
     result = scan(other, now=OLD)
     assert result.verdict == "no_loss" and result.source == "unknown"
-    assert "no line of 2 matches a known log format" in result.reasons[0] and "--preset" in result.reasons[0]
+    assert "no line of 2 matches a known log format" in result.reasons[0] and "name a preset or give a regex" in result.reasons[0]
     assert "no line of 2 matches" in format_result(result)
     empty = tmp_path / "empty.log"
     empty.write_text("")

@@ -100,7 +100,7 @@ def test_default_out_dir(catalog_path, tmp_path, monkeypatch):
 
 def test_unknown_tag_and_missing_catalog_are_value_errors(catalog_path, tmp_path):
     with pytest.raises(
-        ValueError, match=r"no ratchet iterations for tag 'nope'.*--tag nope.*tags here: other, t1\)"
+        ValueError, match=r"no ratchet iterations for tag 'nope'.*run the ratchet with tag 'nope'.*tags here: other, t1\)"
     ) as info:
         ratchet_report(catalog_path, "nope", tmp_path / "out")
     assert "\n" not in str(info.value) and str(catalog_path) in str(info.value)

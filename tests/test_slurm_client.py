@@ -145,7 +145,7 @@ def test_submit_script_failure_says_sbatch_s_reason(fake_slurm, tmp_path):
 
 
 def test_submit_script_without_sbatch_says_so(no_slurm, tmp_path):
-    with pytest.raises(slurm.SubmissionError, match="sbatch is not on PATH.*--executor local"):
+    with pytest.raises(slurm.SubmissionError, match="sbatch is not on PATH.*run the sweep locally"):
         slurm.submit_script(tmp_path / "run.sbatch")
 
 

@@ -40,7 +40,7 @@ from fp4lab.nn.recipe import Recipe, load_recipe
 from fp4lab.optim.build import OptimizerConfig, build_optimizer
 from fp4lab.optim.qk_clip import qk_clip_
 from fp4lab.train.checkpoint import MetricsLog, finite_or_none, load_checkpoint, save_checkpoint, write_json
-from fp4lab.train.config import RESULT_NEUTRAL, ConfigError, TrainConfig
+from fp4lab.train.config import RESULT_NEUTRAL, CheckpointMismatch, ConfigError, TrainConfig
 from fp4lab.train.data import BatchSampler, load_dataset, val_batches
 
 CHECKPOINT = "checkpoint.pt"
@@ -322,7 +322,7 @@ def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' but CUDA is not available here; use --device cpu")
+        raise ConfigError("device='cuda' but CUDA is not available here; use device='cpu'")
     return torch.device(name)
 
 
@@ -429,15 +429,15 @@ def _restore(path: Path, config: TrainConfig, model: Llama, optimizer) -> RunSta
     defaults = TrainConfig().to_dict()  # a checkpoint older than a field ran with its default
     changed = [k for k in current if k not in RESULT_NEUTRAL and saved.get(k, defaults[k]) != current[k]]
     if changed == ["steps"]:
-        raise ConfigError(
+        raise CheckpointMismatch(
             f"{path} belongs to a run of {saved['steps']} steps, not {current['steps']}: its learning-rate schedule "
             f"spans all {saved['steps']} steps, so it cannot be extended exactly; train {current['steps']} steps "
-            "from scratch with --fresh (or into another folder with --out)"
+            "from scratch, in this folder or another out_dir"
         )
     if changed:
-        raise ConfigError(
+        raise CheckpointMismatch(
             f"{path} was written by a run with a different {', '.join(changed)}; resume with the same "
-            "settings, or pass another --out (or delete the checkpoint) to start afresh"
+            "settings, or start afresh, in this folder or another out_dir"
         )
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])

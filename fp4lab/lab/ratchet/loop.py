@@ -93,11 +93,11 @@ class Ratchet:
                  seed: int = 0, proposer_options: dict[str, Any] | None = None, executor: str = "local",
                  workers: int = 1, on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         if executor not in ("local", "slurm"):
-            raise RatchetError(f"--executor {executor!r} is not supported; allowed: local, slurm")
+            raise RatchetError(f"executor {executor!r} is not supported; allowed: local, slurm")
         if workers < 1:
-            raise RatchetError(f"--workers must be >= 1, got {workers}")
+            raise RatchetError(f"workers must be >= 1, got {workers}")
         if not tag or not all(c.isalnum() or c in "._-" for c in tag) or tag.startswith((".", "-")):
-            raise RatchetError(f"--tag {tag!r}: use letters, digits, '.', '_' or '-' (it names the branch ratchet/<tag>)")
+            raise RatchetError(f"tag {tag!r}: use letters, digits, '.', '_' or '-' (it names the branch ratchet/<tag>)")
         self.program, self.tag, self.seed = program, tag, seed
         try:
             self.repo_root = repo.repo_root(program.path.resolve().parent)
@@ -122,7 +122,7 @@ class Ratchet:
         [stop] rule fires. Returns the summary (best metric, kept iterations, branch)."""
         target = iterations if iterations is not None else self.program.stop.iterations
         if target is None:
-            raise RatchetError(f"{self.program.path}: no iteration budget: pass --iterations N or set [stop].iterations")
+            raise RatchetError(f"{self.program.path}: no iteration budget: give a number of iterations, or set [stop].iterations")
         self.proposer()  # a misconfigured proposer fails here, before anything runs
         self._prepare_worktree()
         interrupted = self._recover()
@@ -516,19 +516,19 @@ class Ratchet:
         branch_exists = bool(repo.git(self.repo_root, "branch", "--list", self.branch))
         if registered:
             if repo.git(self.worktree, "rev-parse", "--abbrev-ref", "HEAD") != self.branch:
-                raise RatchetError(f"{self.worktree} is not on {self.branch}; remove it (git worktree remove) or use another --tag")
+                raise RatchetError(f"{self.worktree} is not on {self.branch}; remove it (git worktree remove) or use another tag")
             return
         if self.worktree.exists():
-            raise RatchetError(f"{self.worktree} exists but is not a git worktree of {self.repo_root}; move it away or use another --tag")
+            raise RatchetError(f"{self.worktree} exists but is not a git worktree of {self.repo_root}; move it away or use another tag")
         if branch_exists:
             if not self._records():
                 raise RatchetError(f"branch {self.branch} exists but {self.catalog.path} has no iteration of it; "
-                                   f"pick another --tag (or delete the branch)")
+                                   f"pick another tag (or delete the branch)")
             repo.git(self.repo_root, "worktree", "add", str(self.worktree), self.branch)
         else:
             if self._records():
                 raise RatchetError(f"{self.catalog.path} has iterations of {self.sweep} but branch {self.branch} is gone; "
-                                   f"pick another --tag")
+                                   f"pick another tag")
             self.state_dir.mkdir(parents=True, exist_ok=True)
             repo.git(self.repo_root, "worktree", "add", "-b", self.branch, str(self.worktree), "HEAD")
             dirty = repo.git(self.repo_root, "status", "--porcelain", "--untracked-files=no")

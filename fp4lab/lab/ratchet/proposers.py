@@ -458,7 +458,7 @@ def llm_proposer_from_env(program: Program, base_url: str | None = None, model: 
     base_url = base_url or env.get("FP4LAB_LLM_BASE_URL") or env.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
     model = model or env.get("FP4LAB_LLM_MODEL")
     if not model:
-        raise ValueError(f"no LLM model given: pass --model or set FP4LAB_LLM_MODEL to a model {base_url} serves")
+        raise ValueError(f"no LLM model given: name one, or set FP4LAB_LLM_MODEL to a model {base_url} serves")
     api_key = api_key or env.get("FP4LAB_LLM_API_KEY") or env.get("OPENAI_API_KEY")
     return LLMProposer(program, base_url, model, api_key, **options)
 
@@ -477,7 +477,7 @@ def make_proposer(name: str, program: Program, *, state_dir: Path, seed: int = 0
         return llm_proposer_from_env(program, base_url, model, api_key, **options)
     if name == "command":
         if not command:
-            raise ValueError("the command proposer needs a command (argv), e.g. --command 'python propose.py'")
+            raise ValueError("the command proposer needs a command (argv), e.g. 'python propose.py'")
         return CommandProposer(program, command, **options)
     raise ValueError(f"unknown proposer {name!r}; allowed: {', '.join(PROPOSERS)}")
 

@@ -517,9 +517,9 @@ def _no_loss_reason(counts: dict[str, int], source: str, live: bool) -> str:
     if not counts["lines"]:
         where = "the log is empty"
     elif source == "unknown":
-        where = f"no line of {counts['lines']} matches a known log format ({', '.join(PRESETS)}); pass --preset or --regex"
+        where = f"no line of {counts['lines']} matches a known log format ({', '.join(PRESETS)}); name a preset or give a regex"
     else:
-        where = f"no loss value parsed from {counts['lines']} line(s) read as {source}; check --preset / --regex"
+        where = f"no loss value parsed from {counts['lines']} line(s) read as {source}; check the preset or regex"
     return where + ("; if the job just started, scan again after its first log interval" if live else "")
 
 

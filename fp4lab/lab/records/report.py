@@ -918,7 +918,7 @@ def ratchet_report(catalog_path: str | os.PathLike[str], tag: str, out_dir: str 
 
     catalog_path = Path(catalog_path)
     if not catalog_path.exists():
-        raise ValueError(f"{catalog_path}: no catalog there; run fp4lab ratchet --tag {tag} first or give --catalog")
+        raise ValueError(f"{catalog_path}: no catalog there; run the ratchet with tag {tag!r} first, or read the catalog it wrote")
     try:
         catalog = Catalog(catalog_path)
         records = catalog.records(sweep=f"ratchet/{tag}")
@@ -926,7 +926,7 @@ def ratchet_report(catalog_path: str | os.PathLike[str], tag: str, out_dir: str 
     except CatalogError as exc:
         raise ValueError(f"{catalog_path}: {str(exc).splitlines()[0]}") from None
     if not records:
-        raise ValueError(f"{catalog_path}: no ratchet iterations for tag {tag!r}; run fp4lab ratchet --tag {tag} "
+        raise ValueError(f"{catalog_path}: no ratchet iterations for tag {tag!r}; run the ratchet with tag {tag!r} "
                          f"first (tags here: {', '.join(tags) or 'none'})")  # fmt: skip
     rows, metric_name, sigma = _ratchet_rows([dict(r) for r in records])
     frame = pd.DataFrame(rows, columns=list(RATCHET_COLUMNS))

@@ -62,8 +62,8 @@ def record_start(catalog: Catalog, run_id: str) -> dict[str, Any]:
     with catalog.transaction() as tx:
         record = tx.get(run_id)
         if record is None:
-            raise ValueError(f"{catalog.path}: no run {run_id}; --catalog records runs written by `fp4lab sweep` "
-                             f"(jobs/<sweep>/<id>.toml): run the sweep, or train without --catalog")
+            raise ValueError(f"{catalog.path}: no run {run_id}; a catalog records the runs of sweeps "
+                             f"(jobs/<sweep>/<id>.toml): run the sweep, or train without a catalog")
         owner, parent = record.get("owner"), this_owner().rpartition(":")[0] + f":{os.getppid()}"
         if live_owner(record, this_owner(), parent) is not None:
             raise RunInFlight(f"run {run_id} is being trained by process {owner} (state {record['state']}); "

@@ -67,7 +67,7 @@ def submit_script(script: Path) -> str:
     try:
         done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
-        raise SubmissionError("sbatch is not on PATH: run on a Slurm login node, or use --executor local") from None
+        raise SubmissionError("sbatch is not on PATH: run on a Slurm login node, or run the sweep locally") from None
     except subprocess.TimeoutExpired:
         raise SubmissionError(f"sbatch {script} did not answer in 60 s (slurmctld down?)") from None
     if done.returncode != 0:

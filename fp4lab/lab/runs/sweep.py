@@ -171,7 +171,7 @@ def preflight(plan: SweepPlan, executor: str) -> list[str]:
                                                           "fix the path in the spec or create the token file")
         if executor == "local" and str(run.config.get("device", "")).startswith("cuda") and not _cuda_available():
             problems.setdefault("cuda", f"run {run.id} ({run.name}): device {run.config['device']!r} but this machine has "
-                                        "no CUDA device; set device = \"cpu\" in the spec, or submit with --executor slurm")
+                                        "no CUDA device; set device = \"cpu\" in the spec, or submit the sweep to Slurm")
     return list(problems.values())
 
 
