@@ -59,13 +59,13 @@ def toml_text(table: dict[str, Any], comments: Iterable[str] = ()) -> str:
     return head + tomli_w.dumps(present(table))
 
 
-class CheckpointMismatch(ValueError):
-    """The run folder's checkpoint belongs to a different run: resuming it would not continue that run.
-    Starting afresh (deleting the checkpoint) or training into another out_dir are the ways out."""
-
-
 class ConfigError(ValueError):
     """A config value that does not validate; the message names the field and the allowed values."""
+
+
+class CheckpointMismatch(ConfigError):
+    """The run folder's checkpoint belongs to a different run: resuming it would not continue that run.
+    Starting afresh (deleting the checkpoint) or training into another out_dir are the ways out."""
 
 
 @dataclass
