@@ -146,6 +146,8 @@ def test_run_folders_are_found_relative_to_the_catalog(cli, tmp_path):
     catalog = Catalog(tmp_path / "results" / "c.json")
     record = catalog.records()[0]
     assert record["paths"]["run_dir"] == f"../runs/s/{record['id']}"
+    assert record["paths"]["checkpoint"] == f"../runs/s/{record['id']}/checkpoint.pt"  # every path, the one rule
+    assert catalog.resolve(record["paths"]["checkpoint"]).is_file()
     os.chdir(tmp_path / "results")  # status and report from another folder find the same runs
     assert "6" in cli("status", "--catalog", "c.json").stdout
     assert not build_report("c.json", sweep="s").notes

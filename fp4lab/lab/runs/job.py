@@ -146,7 +146,7 @@ def finish_run(run: RunSpec, catalog: Catalog, thresholds: ScanThresholds, *, re
             "peak_memory_mb": summary.get("peak_memory_mb"),
             "loss_at_steps": loss_at_steps(run_dir / "metrics.jsonl"),
         }
-        fields["paths"] = {"checkpoint": str(run_dir / "checkpoint.pt")}
+        fields["paths"] = {"checkpoint": catalog.relative(run_dir / "checkpoint.pt")}
     return catalog.update(run.id, **fields)
 
 
