@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fp4lab.lab.records.logscan import VERDICTS
 from fp4lab.lab.specs.search_space import SearchParam, search_param
-from fp4lab.lab.specs.sweep_spec import SlurmSpec, _slurm
+from fp4lab.lab.specs.sweep_spec import SlurmSpec, slurm_table
 from fp4lab.validation import known_keys
 from fp4lab.train.config import ConfigError, DataConfig, TrainConfig
 
@@ -255,7 +255,7 @@ def parse_program(text: str, path: str | Path = "program.md") -> Program:
     if not 0 < noise.confidence < 1:
         raise fail("[noise].confidence", f"{noise.confidence} must be between 0 and 1, e.g. 0.95")
 
-    slurm = _slurm(header.get("slurm", {}), lambda where, message: fail(f"[{where.replace('.', '].', 1)}", message))
+    slurm = slurm_table(header.get("slurm", {}), lambda where, message: fail(f"[{where.replace('.', '].', 1)}", message))
     return Program(path=path, goal=goal, metric=metric, direction=direction, run=run, health=health,
                    edit_files=edit.files, search_space=search_space, stop=stop, noise=noise, header=header,
                    slurm=slurm)

@@ -217,7 +217,7 @@ def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepS
     elif "optuna" in table:
         raise fail("optuna", f"only applies to method = \"optuna\" (this spec has method = {method!r})")
 
-    slurm = _slurm(table.get("slurm", {}), fail)
+    slurm = slurm_table(table.get("slurm", {}), fail)
     scan = _scan(table.get("scan", {}), fail)
     return SweepSpec(name=name, description=description, path=path, base=base, axes=axes, method=method,
                      samples=samples, seed=seed if method != "grid" else 0, optuna=optuna, slurm=slurm, scan=scan)
@@ -254,7 +254,8 @@ def _optuna(table: Any, base: dict, train_fields, data_fields, fail) -> OptunaSp
     return spec
 
 
-def _slurm(table: Any, fail) -> SlurmSpec:
+def slurm_table(table: Any, fail) -> SlurmSpec:
+    """A validated [slurm] table (sweep specs and program.md share it); fail(where, message) for errors."""
     if not isinstance(table, dict):
         raise fail("slurm", "must be a table")
     known_keys(table, tuple(SlurmSpec.model_fields), "slurm", fail)
@@ -476,6 +477,6 @@ def _as_float(value: Any) -> Any:
 
 
 __all__ = [
-    "OptunaSpec", "RunSpec", "SlurmSpec", "SpecError", "SweepSpec",
+    "OptunaSpec", "RunSpec", "SlurmSpec", "SpecError", "SweepSpec", "slurm_table",
     "canonical_json", "expand", "load_spec", "make_run", "run_id", "spec_from_dict", "time_limit_seconds",
 ]
