@@ -229,3 +229,13 @@ def test_metric_from_output():
     assert metric_from_output("score: inf\n", regex) is None
     assert metric_from_output("score: 1.2.3\n", regex) is None
     assert metric_from_output("x score: 4\n", regex) is None  # ^ anchors at line starts
+
+
+def test_the_shipped_program_keeps_only_runs_whose_attention_entropy_stays_above_0_1():
+    # OptiTrain-FP4's keep rule ("entropy > 0.1"): a run whose attention entropy falls below it is unhealthy.
+    from pathlib import Path
+
+    from fp4lab.lab.specs.program import load_program
+
+    program = load_program(Path(__file__).resolve().parents[1] / "program.md")
+    assert program.health.entropy_floor == 0.1 and program.health.require_verdict == ("converged",)

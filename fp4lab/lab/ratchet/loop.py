@@ -63,7 +63,7 @@ from fp4lab.lab.specs.program import Program, metric_from_output
 from fp4lab.lab.runs.sbatch import config_toml
 from fp4lab.lab.specs.sweep_spec import RunSpec
 from fp4lab.train.atomic import write_atomic
-from fp4lab.train.config import toml_text
+from fp4lab.train.config import summary_value, toml_text
 
 PARAMS_FILE = "ratchet.toml"
 TSV_COLUMNS = ("iteration", "commit", "metric", "best", "status", "healthy", "source", "fingerprint", "description")
@@ -442,7 +442,7 @@ class Ratchet:
         overrides = {k: v for k, v in (("entropy_floor", health.entropy_floor), ("max_logit_tau", health.max_logit)) if v is not None}
         result = scan(out, ScanThresholds().with_overrides(overrides), running=False)
         verdict = result.verdict
-        value = summary.get(self.program.metric)
+        value = summary_value(summary, self.program.metric)
         value = float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
         status = verdict.split("@")[0]
         healthy = status in health.require_verdict and summary.get("status") == "completed"
