@@ -1,0 +1,156 @@
+"""Every built-in recipe's linears, GEMM by GEMM: Fprop, Dgrad and Wgrad of FP4Linear (reference path)
+equal, bit for bit, an emulation written here from the recipe's operand specs alone.
+
+The emulation takes each GEMM operand in the orientation the recipe names ([rows, contraction]:
+x and W for Fprop, dY and W^T for Dgrad, dY^T and x^T for Wgrad), applies its transform (the Hadamard
+with the sign vector its prefix names: h = TE's fixed signs, hplain = none, rht = random), quantizes it
+along its last (contraction) dim with the spec's format, scale mode, rounding, tile, adaptive and CTA
+tile, decodes it to float32 and takes the float32 product `a @ b.T`. Nothing in it comes from the layer.
+
+Random bits are replayed from a generator seeded like the layer's: the layer draws, in this order, the
+random sign vectors of the GEMMs (fprop, dgrad, wgrad; rht transforms only), then in the forward pass
+fprop_x, wgrad_x, fprop_w, and in the backward pass dgrad_dy, dgrad_w (unless Dgrad decodes Fprop's
+weight), wgrad_dy; only stochastically rounded operands draw (one uniform per element).
+
+The products are bit-exact because the layer's reference GEMMs are the same float32 `a @ b.T` on the
+same decoded values. One layout detail is mirrored: where Fprop and Dgrad share one 2D-tiled weight
+encoding (Q(W^T) = Q(W)^T), the layer's Dgrad reads Q(W) in its row-major layout, so the emulation hands
+its Q(W^T) to the GEMM in that layout too (same values, same BLAS call, same summation order).
+
+Full-Stack FP4's LoRA-SVD linear (fullstack): the FP4 GEMMs act on the residual W - U V^T (recomputed
+here as the layer computes it); the BF16 low-rank branch is not part of any recipe operand and is added
+back with the same torch ops (its gradient by autograd), which keeps the comparison bit-exact: the two
+contributions are summed once, and a float sum of two terms does not depend on their order.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from fp4lab.nn.fp4_linear import FP4Linear
+from fp4lab.nn.recipe import LinearRecipe, OperandSpec, list_recipes, load_recipe
+from fp4lab.numerics import hadamard, hadamard_signs, quantize
+
+M_BATCH, M_TOKENS, K, N = 2, 128, 256, 96  # M = 256 tokens: two 128-row CTA tiles; all sizes / 16, 32, 128
+SEED = 11
+
+
+def _cases():
+    cases = []
+    for name in list_recipes():
+        recipe = load_recipe(name)
+        seen: list[LinearRecipe] = []
+        for label, linear in [("linear", recipe.linear)] + [(f"blocks[{i}]", b.linear) for i, b in enumerate(recipe.blocks)]:
+            if linear in seen:
+                continue
+            seen.append(linear)
+            # As fp4lab.nn.build: block linears carry the recipe's LoRA-SVD rank unless high precision.
+            rank = 0 if linear.is_high_precision else recipe.lora_svd_rank
+            cases.append(pytest.param(linear, rank, id=f"{name}:{label}"))
+    return cases
+
+
+def _signs(spec: OperandSpec, generator: torch.Generator) -> torch.Tensor | None:
+    if spec.transform == "none":
+        return None
+    kind, size = re.fullmatch(r"(h|hplain|rht)(\d+)", spec.transform).groups()
+    return hadamard_signs(int(size), {"h": "fixed", "hplain": "none", "rht": "random"}[kind], generator)
+
+
+def _operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator: torch.Generator) -> torch.Tensor:
+    """The float32 values a GEMM reads for operand t [rows, contraction] under `spec`."""
+    t = t.to(torch.float32).contiguous()
+    if signs is not None:
+        t = hadamard(t, signs.numel(), signs)
+    if spec.format == "fp32":
+        return t
+    if spec.format == "bf16":
+        return t.to(torch.bfloat16).to(torch.float32)
+    q = quantize(
+        t,
+        spec.format,
+        rounding=spec.rounding,
+        tile=spec.tile,
+        scale_mode=spec.scale_mode,
+        adaptive=spec.adaptive,
+        cta_tile=spec.cta_tile,
+        generator=generator if spec.rounding == "sr" else None,
+    )
+    return q.dequantize()
+
+
+def _emulate(linear: LinearRecipe, x2: torch.Tensor, w: torch.Tensor, dy2: torch.Tensor, seed: int):
+    """(y, dx, dW) of the three GEMMs, each operand quantized along its contraction dim per `linear`."""
+    g = torch.Generator().manual_seed(seed)
+    signs = {gemm: _signs(linear.operand(f"{gemm}_{first}"), g) for gemm, first in (("fprop", "x"), ("dgrad", "dy"), ("wgrad", "dy"))}
+    fx = _operand(x2, linear.fprop_x, signs["fprop"], g)  # [M, K] along K
+    wx = _operand(x2.T, linear.wgrad_x, signs["wgrad"], g)  # [K, M] along M
+    fw = _operand(w, linear.fprop_w, signs["fprop"], g)  # [N, K] along K
+    ddy = _operand(dy2, linear.dgrad_dy, signs["dgrad"], g)  # [M, N] along N
+    dw = _operand(w.T, linear.dgrad_w, signs["dgrad"], g) if not _one_weight_encoding(linear) else None  # [K, N] along N
+    wdy = _operand(dy2.T, linear.wgrad_dy, signs["wgrad"], g)  # [N, M] along M
+    if dw is None:
+        # Dgrad decodes Fprop's 2D-tiled encoding: no draw of its own. Its values are Q(W^T) all the
+        # same (checked here from the recipe, with a fresh RTN quantization of W^T), given to the GEMM
+        # in Q(W)'s row-major layout as the layer keeps it.
+        dw = _operand(w.T, linear.dgrad_w, signs["dgrad"], torch.Generator().manual_seed(0))
+        assert torch.equal(dw, fw.T), "a shared 2D weight encoding must be transposable"
+        dw = fw.T
+    y = fx @ fw.T
+    dx = ddy @ dw.T
+    dW = wdy @ wx.T  # noqa: N806
+    return y, dx, dW
+
+
+def _one_weight_encoding(linear: LinearRecipe) -> bool:
+    """Fprop and Dgrad read one weight encoding where both weights use one deterministic 2D-tiled spec."""
+    spec = linear.fprop_w
+    return spec.tile is not None and spec == linear.dgrad_w and spec.transform == "none" and spec.rounding == "rtn"
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    # Row magnitudes spread over ~2^6, so per-tensor, per-CTA and per-block scales all differ.
+    x = torch.randn(M_BATCH, M_TOKENS, K, generator=g) * torch.exp2(torch.randint(-3, 4, (M_BATCH, M_TOKENS, 1), generator=g).float())
+    dy = torch.randn(M_BATCH, M_TOKENS, N, generator=g) * torch.exp2(torch.randint(-3, 4, (M_BATCH, M_TOKENS, 1), generator=g).float())
+    return x, dy
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype == torch.float32 and a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize(("linear", "lora_rank"), _cases())
+def test_each_gemm_is_the_bit_exact_emulation_of_its_recipe(linear: LinearRecipe, lora_rank: int):
+    torch.manual_seed(0)
+    layer = FP4Linear(K, N, linear, seed=SEED, lora_rank=lora_rank)
+    assert not layer.tensor_cores  # the fp32 reference path
+    if lora_rank:
+        layer.realign_low_rank()
+    x, dy = _inputs()
+    x.requires_grad_(True)
+    y = layer(x)
+    y.backward(dy)
+
+    x2, dy2 = x.detach().reshape(-1, K), dy.reshape(-1, N)
+    w = layer.weight.detach()
+    low_rank, low_rank_dx = torch.zeros(()), torch.zeros(())
+    if lora_rank:
+        u, v = layer.lora_u.to(torch.float32), layer.lora_v.to(torch.float32)
+        w = w - u @ v.T  # the residual the FP4 GEMMs see, as the layer forms it
+        xr = x2.detach().requires_grad_(True)
+        low = xr.to(torch.bfloat16).to(torch.float32) @ v @ u.T
+        low.backward(dy2)
+        low_rank, low_rank_dx = low.detach(), xr.grad
+    y_ref, dx_ref, dw_ref = _emulate(linear, x2, w, dy2, SEED)
+    if lora_rank:
+        y_ref, dx_ref = low_rank + y_ref, low_rank_dx + dx_ref
+
+    assert _bits_equal(y.detach().reshape(-1, N), y_ref), "Fprop"
+    assert _bits_equal(x.grad.reshape(-1, K), dx_ref), "Dgrad"
+    assert _bits_equal(layer.weight.grad, dw_ref), "Wgrad"
+    if not linear.is_high_precision:  # the emulation is not trivially right: an FP4 GEMM is not exact
+        assert not torch.equal(y_ref, x2 @ w.T + low_rank)
