@@ -14,8 +14,9 @@ weight), wgrad_dy; only stochastically rounded operands draw (one uniform per el
 
 The products are bit-exact because the layer's reference GEMMs are the same float32 `a @ b.T` on the
 same decoded values. One layout detail is mirrored: where Fprop and Dgrad share one 2D-tiled weight
-encoding (Q(W^T) = Q(W)^T), the layer's Dgrad reads Q(W) in its row-major layout, so the emulation hands
-its Q(W^T) to the GEMM in that layout too (same values, same BLAS call, same summation order).
+encoding (docs/RECIPES.md; Q(W^T) = Q(W)^T, checked), the layer's Dgrad reads Q(W) in its row-major
+layout, so the emulation hands the GEMM Q(W)^T in that layout too (same values, same BLAS call, same
+summation order as the layer's).
 
 Full-Stack FP4's LoRA-SVD linear (fullstack): the FP4 GEMMs act on the residual W - U V^T (recomputed
 here as the layer computes it); the BF16 low-rank branch is not part of any recipe operand and is added
@@ -34,7 +35,9 @@ from fp4lab.nn.fp4_linear import FP4Linear
 from fp4lab.nn.recipe import LinearRecipe, OperandSpec, list_recipes, load_recipe
 from fp4lab.numerics import hadamard, hadamard_signs, quantize
 
-M_BATCH, M_TOKENS, K, N = 2, 128, 256, 96  # M = 256 tokens: two 128-row CTA tiles; all sizes / 16, 32, 128
+# M = 256 tokens, K = 256, N = 160: every operand spans two 128-row CTA tiles (the last one short for
+# N); all sizes are multiples of the 16 and 32 blocks, the 16x16 and 32x32 tiles and the transforms.
+M_BATCH, M_TOKENS, K, N = 2, 128, 256, 160
 SEED = 11
 
 
@@ -93,11 +96,11 @@ def _emulate(linear: LinearRecipe, x2: torch.Tensor, w: torch.Tensor, dy2: torch
     dw = _operand(w.T, linear.dgrad_w, signs["dgrad"], g) if not _one_weight_encoding(linear) else None  # [K, N] along N
     wdy = _operand(dy2.T, linear.wgrad_dy, signs["wgrad"], g)  # [N, M] along M
     if dw is None:
-        # Dgrad decodes Fprop's 2D-tiled encoding: no draw of its own. Its values are Q(W^T) all the
-        # same (checked here from the recipe, with a fresh RTN quantization of W^T), given to the GEMM
-        # in Q(W)'s row-major layout as the layer keeps it.
-        dw = _operand(w.T, linear.dgrad_w, signs["dgrad"], torch.Generator().manual_seed(0))
-        assert torch.equal(dw, fw.T), "a shared 2D weight encoding must be transposable"
+        # Dgrad decodes Fprop's 2D-tiled encoding (docs/RECIPES.md): no draw of its own, Q(W)^T in
+        # Q(W)'s row-major layout, as the layer keeps it. For round to nearest those are the values of
+        # Q(W^T) along N all the same (the transpose identity), checked here from the recipe.
+        if linear.dgrad_w.rounding == "rtn":
+            assert torch.equal(_operand(w.T, linear.dgrad_w, None, g), fw.T), "the transpose identity of 2D tiles"
         dw = fw.T
     y = fx @ fw.T
     dx = ddy @ dw.T
@@ -106,16 +109,21 @@ def _emulate(linear: LinearRecipe, x2: torch.Tensor, w: torch.Tensor, dy2: torch
 
 
 def _one_weight_encoding(linear: LinearRecipe) -> bool:
-    """Fprop and Dgrad read one weight encoding where both weights use one deterministic 2D-tiled spec."""
-    spec = linear.fprop_w
-    return spec.tile is not None and spec == linear.dgrad_w and spec.transform == "none" and spec.rounding == "rtn"
+    """docs/RECIPES.md: where fprop_w and dgrad_w are one 2D-tiled spec, Dgrad decodes Fprop's weight
+    encoding. (Not with a transform: a Hadamard along K for Fprop and along N for Dgrad cannot share.)"""
+    return linear.fprop_w.tile is not None and linear.fprop_w == linear.dgrad_w and linear.fprop_w.transform == "none"
 
 
 def _inputs():
     g = torch.Generator().manual_seed(1)
-    # Row magnitudes spread over ~2^6, so per-tensor, per-CTA and per-block scales all differ.
-    x = torch.randn(M_BATCH, M_TOKENS, K, generator=g) * torch.exp2(torch.randint(-3, 4, (M_BATCH, M_TOKENS, 1), generator=g).float())
-    dy = torch.randn(M_BATCH, M_TOKENS, N, generator=g) * torch.exp2(torch.randint(-3, 4, (M_BATCH, M_TOKENS, 1), generator=g).float())
+
+    def spread(*shape):  # powers of two in [1/8, 8]
+        return torch.exp2(torch.randint(-3, 4, shape, generator=g).float())
+
+    # Magnitudes vary by token and by feature, so per-tensor, per-CTA and per-block scales differ along
+    # both axes of every operand (quantizing along the wrong axis, or with the wrong outer scale, shows).
+    x = torch.randn(M_BATCH, M_TOKENS, K, generator=g) * spread(M_BATCH, M_TOKENS, 1) * spread(K)
+    dy = torch.randn(M_BATCH, M_TOKENS, N, generator=g) * spread(M_BATCH, M_TOKENS, 1) * spread(N)
     return x, dy
 
 
@@ -154,3 +162,8 @@ def test_each_gemm_is_the_bit_exact_emulation_of_its_recipe(linear: LinearRecipe
     assert _bits_equal(layer.weight.grad, dw_ref), "Wgrad"
     if not linear.is_high_precision:  # the emulation is not trivially right: an FP4 GEMM is not exact
         assert not torch.equal(y_ref, x2 @ w.T + low_rank)
+    specs = [linear.operand(name) for name in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")]
+    if any((s.is_fp4 and s.rounding == "sr") or s.transform.startswith("rht") for s in specs):
+        # ... and the replayed generator state matters: another state gives other gradients.
+        _, dx_other, dw_other = _emulate(linear, x2, w, dy2, SEED + 1)
+        assert not (torch.equal(dx_other, dx_ref - low_rank_dx) and torch.equal(dw_other, dw_ref))
