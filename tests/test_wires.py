@@ -226,3 +226,35 @@ def test_fp4_attention_blocks_qkv_along_head_dim_and_ds_along_keys(fmt):
         same = torch.allclose(q.grad, dq, rtol=1e-5, atol=1e-7) and torch.allclose(k.grad, dk, rtol=1e-5, atol=1e-7)
         assert same == axis_ok, ("key-axis dS" if axis_ok else "query-axis dS", (q.grad - dq).abs().max())
     torch.testing.assert_close(v.grad, bf(p).transpose(-1, -2) @ bf(grad_out), rtol=0, atol=0)
+
+
+# --- per-operand spec keys reach the quantizer ------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mxfp4-rceil-adaptive-tile", "nvfp4-cta32"])
+def test_fp4_linear_operand_options_reach_the_quantizer(kind):
+    """scale_mode, adaptive, tile and cta_tile of a recipe's operand spec: FP4Linear's forward equals
+    x and W quantized along K with exactly those options (and differs without them on this input)."""
+    from fp4lab.nn.fp4_linear import FP4Linear
+    from fp4lab.nn.recipe import LinearRecipe, OperandSpec
+    from fp4lab.numerics import fake_quantize
+
+    if kind == "nvfp4-cta32":
+        x_opts = w_opts = {"cta_tile": 32}
+        x_spec = w_spec = OperandSpec("nvfp4_cta", cta_tile=32)
+        fmt, plain = "nvfp4_cta", {}
+    else:
+        x_opts, w_opts = {"scale_mode": "rceil", "adaptive": True}, {"scale_mode": "rceil", "adaptive": True, "tile": (32, 32)}
+        x_spec = OperandSpec("mxfp4", scale_mode="rceil", adaptive=True)
+        w_spec = OperandSpec("mxfp4", scale_mode="rceil", adaptive=True, tile=(32, 32))
+        fmt, plain = "mxfp4", {"scale_mode": "floor"}
+    layer = FP4Linear(64, 64, LinearRecipe(x_spec, w_spec, x_spec, w_spec, x_spec, x_spec), seed=0)
+    torch.manual_seed(0)
+    x = torch.randn(128, 64) * torch.logspace(-3, 2, 128)[:, None]
+    with torch.no_grad():
+        layer.weight.mul_(torch.logspace(-2, 1, 64)[:, None])
+        out = layer(x)
+        expected = fake_quantize(x, fmt, **x_opts) @ fake_quantize(layer.weight, fmt, **w_opts).T
+        without = fake_quantize(x, fmt, **plain) @ fake_quantize(layer.weight, fmt, **plain).T
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert not torch.equal(out, without)
