@@ -27,6 +27,7 @@ MODEL_PRESETS = ("tiny", "125m", "350m", "1b")  # fp4lab.train.config.MODEL_PRES
 OPTIMIZERS = ("muon", "adamw")  # fp4lab.train.config.OPTIMIZERS
 LR_SCHEDULES = ("cosine", "constant", "wsd")  # fp4lab.train.config.LR_SCHEDULES
 QK_CLIPS = ("none", "kimi", "update_cap")  # fp4lab.train.config.QK_CLIPS
+NS_POLYNOMIALS = ("quintic", "cubic")  # fp4lab.train.config.NS_POLYNOMIALS, fp4lab.optim.muon.NS_POLYNOMIALS
 DEVICES = ("cpu", "cuda", "auto")  # fp4lab.train.config.DEVICES
 COMPUTES = ("auto", "reference", "fast")  # fp4lab.train.config.COMPUTES
 COMPILES = ("auto", "on", "off")  # fp4lab.train.config.COMPILES
@@ -44,6 +45,7 @@ ModelPreset = Literal[MODEL_PRESETS]
 Optimizer = Literal[OPTIMIZERS]
 LrSchedule = Literal[LR_SCHEDULES]
 QkClip = Literal[QK_CLIPS]
+NsPolynomial = Literal[NS_POLYNOMIALS]
 Device = Literal[DEVICES]
 Compute = Literal[COMPUTES]
 Compile = Literal[COMPILES]
@@ -238,6 +240,7 @@ def train(
     lr_schedule: Annotated[Optional[LrSchedule], typer.Option(help="Learning-rate schedule (default cosine).")] = None,
     warmup_steps: Annotated[Optional[int], typer.Option(help="Linear warmup steps (default 20).")] = None,
     ns_steps: Annotated[Optional[int], typer.Option(help="Newton-Schulz steps K of Muon (default 5).")] = None,
+    ns_polynomial: Annotated[Optional[NsPolynomial], typer.Option(help="Muon's Newton-Schulz polynomial: quintic (Keller Jordan's) or cubic 0.5(3I - XX^T)X (default: the recipe's, else quintic).")] = None,
     qk_clip: Annotated[Optional[QkClip], typer.Option(help="QK-Clip: kimi (rescale W_q and W_k), update_cap (OptiTrain-FP4's update cap) or none (default: the recipe's).")] = None,
     qk_clip_tau: Annotated[Optional[float], typer.Option(help="QK-Clip threshold tau (default: the recipe's, 100).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed of init, data order and every random stream (default 0).")] = None,
@@ -262,7 +265,7 @@ def train(
     flags = {
         "recipe": recipe, "model": model, "steps": steps, "batch_size": batch_size, "seq_len": seq_len,
         "optimizer": optimizer, "lr": lr, "adam_lr": adam_lr, "weight_decay": weight_decay,
-        "lr_schedule": lr_schedule, "warmup_steps": warmup_steps, "ns_steps": ns_steps, "qk_clip": qk_clip,
+        "lr_schedule": lr_schedule, "warmup_steps": warmup_steps, "ns_steps": ns_steps, "ns_polynomial": ns_polynomial, "qk_clip": qk_clip,
         "qk_clip_tau": qk_clip_tau, "seed": seed, "eval_every": eval_every, "probe_every": probe_every,
         "checkpoint_every": checkpoint_every, "max_minutes": max_minutes, "device": device,
         "compute": compute, "compile": compile, "cuda_graphs": cuda_graphs,
@@ -1094,7 +1097,7 @@ def recipes_show(
         + f"\noptimizer: {opt.name or '(from the train config)'}, QK-Clip {opt.qk_clip}"
         + (f" tau={opt.qk_clip_tau:g}" if opt.qk_clip == "kimi" else "")
         + (f" alpha={opt.update_cap_alpha:g} (Q/K {opt.update_cap_alpha_qk:g})" if opt.qk_clip == "update_cap" else "")
-        + f", Newton-Schulz in {opt.ns_format}, AdamW v in {opt.adam_v_format}"
+        + f", Newton-Schulz {opt.ns_polynomial} in {opt.ns_format}, AdamW v in {opt.adam_v_format}"
     )
 
 

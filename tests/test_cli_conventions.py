@@ -51,8 +51,12 @@ def test_choice_values_are_the_library_constants():
     from fp4lab.train import config, data
 
     assert cli.MODEL_PRESETS == config.MODEL_PRESETS == tuple(model.PRESETS)
-    for name in ("OPTIMIZERS", "LR_SCHEDULES", "QK_CLIPS", "DEVICES", "COMPUTES", "COMPILES", "CUDA_GRAPHS"):
+    for name in ("OPTIMIZERS", "LR_SCHEDULES", "QK_CLIPS", "NS_POLYNOMIALS", "DEVICES", "COMPUTES", "COMPILES", "CUDA_GRAPHS"):
         assert getattr(cli, name) == getattr(config, name), name
+    from fp4lab.nn import recipe
+    from fp4lab.optim import muon
+
+    assert cli.NS_POLYNOMIALS == recipe.NS_POLYNOMIALS == tuple(muon.NS_POLYNOMIALS)
     assert cli.TOKEN_DTYPES == tuple(data.TOKEN_DTYPES)
     assert cli.DISTRIBUTIONS == survey.DISTRIBUTIONS
     assert cli.LOG_PRESETS == tuple(logscan.PRESETS)
@@ -80,6 +84,7 @@ CHOICES = [  # (command path, option, allowed values, arguments the command need
     (["train"], "--optimizer", cli.OPTIMIZERS, []),
     (["train"], "--lr-schedule", cli.LR_SCHEDULES, []),
     (["train"], "--qk-clip", cli.QK_CLIPS, []),
+    (["train"], "--ns-polynomial", cli.NS_POLYNOMIALS, []),
     (["train"], "--token-dtype", cli.TOKEN_DTYPES, []),
     (["train"], "--device", cli.DEVICES, []),
     (["train"], "--compute", cli.COMPUTES, []),

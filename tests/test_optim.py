@@ -406,3 +406,28 @@ def test_fused_config_batches_muon_and_fuses_adamw():
     assert not plain.optimizers["muon"].batched and type(plain.optimizers["adamw"]) is not torch.optim.AdamW
     nvfp4_v = build_optimizer(params.items(), OptimizerConfig(fused=True, adam_v_format="nvfp4"))
     assert type(nvfp4_v.optimizers["adamw"]) is not torch.optim.AdamW  # torch has no NVFP4 state
+
+
+def test_the_cubic_newton_schulz_is_selectable_and_is_the_classic_iteration(tmp_path):
+    from fp4lab.nn.recipe import load_recipe
+    from fp4lab.optim.muon import NS_POLYNOMIALS, newton_schulz
+    from fp4lab.train.config import TrainConfig
+    from fp4lab.train.loop import _optimizer_config
+
+    g = torch.randn(48, 96, generator=torch.Generator().manual_seed(3))
+    cubic = newton_schulz(g, NS_POLYNOMIALS["cubic"], steps=3).float()
+    x = g.bfloat16() / g.bfloat16().norm()
+    for _ in range(3):  # 0.5 (3 I - X X^T) X, in the same bf16 arithmetic up to one rounding of b * XX^T
+        x = (1.5 * x.float() - 0.5 * (x @ x.T).float() @ x.float()).bfloat16()
+    assert torch.allclose(cubic, x.float(), rtol=0, atol=2e-2)
+    # the cubic drives every singular value to 1; Keller's quintic leaves them spread around 1
+    s_cubic = torch.linalg.svdvals(newton_schulz(g, NS_POLYNOMIALS["cubic"], steps=40).float())
+    s_quintic = torch.linalg.svdvals(newton_schulz(g, NS_POLYNOMIALS["quintic"], steps=40).float())
+    assert (s_cubic - 1).abs().max() < 0.02 and (s_quintic - 1).abs().max() > 0.1
+    # the wire: a run's ns_polynomial (else its recipe's) reaches Muon
+    recipe = load_recipe("nvfp4")
+    assert _optimizer_config(TrainConfig(ns_polynomial="cubic"), recipe, fused=False).ns_coefficients == NS_POLYNOMIALS["cubic"]
+    assert _optimizer_config(TrainConfig(), recipe, fused=False).ns_coefficients == NS_POLYNOMIALS["quintic"]
+    (tmp_path / "cubic.toml").write_text('extends = "nvfp4"\nname = "cubic"\n[optimizer]\nns_polynomial = "cubic"\n')
+    from_recipe = _optimizer_config(TrainConfig(), load_recipe(str(tmp_path / "cubic.toml")), fused=False)
+    assert from_recipe.ns_coefficients == NS_POLYNOMIALS["cubic"]

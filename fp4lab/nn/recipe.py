@@ -51,6 +51,7 @@ ATTENTION_FORMATS = ("bf16", "nvfp4", "mxfp4")
 OPTIMIZERS = ("adamw", "muon")
 QK_CLIPS = ("none", "kimi", "update_cap")
 NS_FORMATS = ("bf16", "nvfp4")
+NS_POLYNOMIALS = ("quintic", "cubic")  # optim.muon.NS_POLYNOMIALS
 ADAM_V_FORMATS = ("fp32", "nvfp4")
 
 
@@ -159,6 +160,7 @@ class OptimizerRecipe:
     update_cap_alpha: float = 0.05
     update_cap_alpha_qk: float = 0.02
     ns_format: str = "bf16"
+    ns_polynomial: str = "quintic"
     adam_v_format: str = "fp32"
 
 
@@ -299,6 +301,7 @@ def _build(resolved: tuple[dict, Path], reference: str) -> Recipe:
             update_cap_alpha=_number(optimizer, "update_cap_alpha", 0.05, where, "optimizer."),
             update_cap_alpha_qk=_number(optimizer, "update_cap_alpha_qk", 0.02, where, "optimizer."),
             ns_format=_choice(optimizer, "ns_format", NS_FORMATS, "bf16", where, "optimizer."),
+            ns_polynomial=_choice(optimizer, "ns_polynomial", NS_POLYNOMIALS, "quintic", where, "optimizer."),
             adam_v_format=_choice(optimizer, "adam_v_format", ADAM_V_FORMATS, "fp32", where, "optimizer."),
         ),
         path=where,

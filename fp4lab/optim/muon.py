@@ -42,6 +42,10 @@ LR_SCALINGS = ("original", "moonlight")
 NS_FORMATS = ("bf16", "nvfp4")
 NVFP4_BLOCK = BLOCK_SIZE["nvfp4"]
 KELLER_COEFFICIENTS = (3.4445, -4.775, 2.0315)
+# (a, b, c) of X <- a X + b (X X^T) X + c (X X^T)^2 X by name: Keller Jordan's quintic (fast, leaves
+# singular values in roughly [0.7, 1.2]), and the classic cubic X <- 0.5 (3 I - X X^T) X that
+# OptiTrain-FP4 writes, which converges to exactly 1 but slowly for small singular values.
+NS_POLYNOMIALS = {"quintic": KELLER_COEFFICIENTS, "cubic": (1.5, -0.5, 0.0)}
 # torch.optim.Muon's and Keller's guard against dividing a zero gradient by its zero norm.
 NS_EPS = 1e-7
 

@@ -14,6 +14,7 @@ MODEL_PRESETS = ("tiny", "125m", "350m", "1b")
 OPTIMIZERS = ("muon", "adamw")
 LR_SCHEDULES = ("cosine", "constant", "wsd")
 QK_CLIPS = ("none", "kimi", "update_cap")
+NS_POLYNOMIALS = ("quintic", "cubic")  # optim.muon.NS_POLYNOMIALS
 LR_SCALINGS = ("original", "moonlight")
 DEVICES = ("cpu", "cuda", "auto")
 # "reference": fp32 activations and fp32 GEMMs on decoded operands (the exact emulation CI checks).
@@ -92,7 +93,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    """One training run. `None` for optimizer / qk_clip / qk_clip_tau means: what the recipe says."""
+    """One training run. `None` for optimizer / ns_polynomial / qk_clip / qk_clip_tau means: what the recipe says."""
 
     recipe: str = "bf16"
     model: str = "tiny"
@@ -111,6 +112,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
     ns_steps: int = 5
+    ns_polynomial: str | None = None
     qk_clip: str | None = None
     qk_clip_tau: float | None = None
     seed: int = 0
@@ -131,6 +133,7 @@ class TrainConfig:
         _check.choice("optimizer", self.optimizer, OPTIMIZERS, optional=True)
         _check.choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _check.choice("qk_clip", self.qk_clip, QK_CLIPS, optional=True)
+        _check.choice("ns_polynomial", self.ns_polynomial, NS_POLYNOMIALS, optional=True)
         _check.choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         _check.choice("device", self.device, DEVICES)
         _check.choice("compute", self.compute, COMPUTES)

@@ -39,6 +39,7 @@ from fp4lab.nn.model import Llama, ModelConfig, count_parameters, preset
 from fp4lab.nn.recipe import Recipe, load_recipe
 from fp4lab.optim.build import OptimizerConfig, build_optimizer
 from fp4lab.optim.qk_clip import qk_clip_
+from fp4lab.optim.muon import NS_POLYNOMIALS
 from fp4lab.train.checkpoint import MetricsLog, finite_or_none, load_checkpoint, save_checkpoint, write_json
 from fp4lab.train.config import RESULT_NEUTRAL, CheckpointMismatch, ConfigError, TrainConfig
 from fp4lab.train.data import BatchSampler, load_dataset, val_batches
@@ -339,6 +340,7 @@ def _optimizer_config(config: TrainConfig, recipe: Recipe, fused: bool) -> Optim
         adam_lr=config.adam_lr,
         weight_decay=config.weight_decay,
         ns_steps=config.ns_steps,
+        ns_coefficients=NS_POLYNOMIALS[config.ns_polynomial or opt.ns_polynomial],
         lr_scaling=config.lr_scaling,
         ns_format=opt.ns_format,
         adam_v_format=opt.adam_v_format,
