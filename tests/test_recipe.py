@@ -9,7 +9,7 @@ from fp4lab.nn.recipe import OPERANDS, RecipeError, list_recipes, load_recipe
 
 NAMED = (
     "bf16 nvfp4 nvfp4-all nvfp4-last4-bf16 mxfp4 mxfp4-rowsr mxfp4-rowsr-h32 nvfp4-global nvfp4-cta "
-    "hybrid-depth hybrid-operand optitrain fullstack nvfp4-no-rht"
+    "hybrid-depth hybrid-operand hybrid-operand-h16 nvfp4-cta-h16 optitrain fullstack nvfp4-no-rht"
 ).split()
 
 
@@ -58,6 +58,13 @@ def test_hybrids():
     assert operand.dgrad_dy.scale_mode is None and operand.dgrad_dy.rounding == "sr"
     assert operand.fprop_x.format == operand.wgrad_dy.format == "mxfp4"
     assert operand.wgrad_x.transform == "h32" and not operand.shares_weight_encoding
+    # the paper's other variants: plain H16 on the operand hybrid's Wgrad pair, fixed H16 on CTA-local's
+    plain = load_recipe("hybrid-operand-h16").linear
+    assert plain.wgrad_x.transform == plain.wgrad_dy.transform == "hplain16"
+    assert (plain.fprop_x, plain.dgrad_dy, plain.dgrad_w) == (operand.fprop_x, operand.dgrad_dy, operand.dgrad_w)
+    cta_h16, cta = load_recipe("nvfp4-cta-h16").linear, load_recipe("nvfp4-cta").linear
+    assert cta_h16.wgrad_x.transform == cta_h16.wgrad_dy.transform == "h16" and cta.wgrad_x.transform == "none"
+    assert (cta_h16.fprop_x, cta_h16.dgrad_dy, cta_h16.wgrad_x.format) == (cta.fprop_x, cta.dgrad_dy, "nvfp4_cta")
 
 
 def test_optimizer_and_fullstack_switches():
