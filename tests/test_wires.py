@@ -161,6 +161,10 @@ def test_recipe_switches_reach_the_model(tmp_path):
     assert plain.output.recipe.fprop_x.format == "bf16"
     assert all((a.quant.format, a.quant.ds_rounding) == ("nvfp4", "sr") for a in plain.attentions())
     assert all(a.quant is None for a in build_model(preset("tiny", 256, 64), load_recipe("nvfp4-all"), seed=0).attentions())
+    fp32_head = tmp_path / "fp32_head.toml"
+    fp32_head.write_text('extends = "nvfp4-all"\nname = "fp32-head"\n[model]\nhead = "fp32"\n')
+    head = build_model(preset("tiny", 256, 64), load_recipe(str(fp32_head)), seed=0).output.recipe
+    assert {head.operand(name).format for name in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")} == {"fp32"}
 
 
 def test_nvfp4_optimizer_states_are_stored_packed_and_used():
