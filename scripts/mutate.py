@@ -1,0 +1,293 @@
+"""Mutation checks (issue 12): break each wire on purpose and check that a named test catches it.
+
+Each mutation is a real text edit of fp4lab/ source (an exact old text, found exactly once, replaced by
+a new text) plus the pytest node ids expected to fail under it. For each mutation the script copies the
+repository's committed tree (`git archive HEAD`; `--working-tree` copies the files as they are instead)
+into a fresh temporary folder, applies the edit there, and runs only the named tests there, with that
+copy first on PYTHONPATH. The shared working tree is never edited.
+
+    python scripts/mutate.py              # every mutation; exit 1 if any is missed
+    python scripts/mutate.py --list       # names, files and tests
+    python scripts/mutate.py qk-clip-call-removed ds-query-axis   # chosen mutations
+    python scripts/mutate.py --no-baseline   # skip checking that the named tests pass unmutated
+
+A mutation counts as caught when pytest exits with status 1 (some named test failed); a clean pass is
+a miss; anything else (collection error, timeout) is reported as an error and also fails the run.
+docs/NUMERICS.md ("Mutation checks") lists the mutations and the test that catches each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+W = "tests/test_wires.py::"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    edits: tuple[tuple[str, str, str], ...]  # (file, exact old text, new text)
+    tests: tuple[str, ...]
+
+
+def m(name: str, what: str, edits, tests) -> Mutation:
+    if isinstance(edits[0], str):
+        edits = (edits,)
+    return Mutation(name, what, tuple(edits), tuple(tests))
+
+
+LOOP = "fp4lab/train/loop.py"
+ATTN = "fp4lab/nn/attention.py"
+LIN = "fp4lab/nn/fp4_linear.py"
+BUILD = "fp4lab/nn/build.py"
+RECIPE = "fp4lab/nn/recipe.py"
+OPT = "fp4lab/optim/build.py"
+KIMI_LOOP = W + "test_loop_steps_in_the_documented_order_with_qk_clip_and_update_cap[bf16-kimi]"
+CAP_LOOP = W + "test_loop_steps_in_the_documented_order_with_qk_clip_and_update_cap[optitrain-None]"
+FULLSTACK = W + "test_fullstack_loop_refreshes_lora_svd_and_keeps_nvfp4_optimizer_states"
+SWITCHES = W + "test_recipe_switches_reach_the_model"
+OPT_STATES = W + "test_nvfp4_optimizer_states_are_stored_packed_and_used"
+ATTN_AXES = W + "test_fp4_attention_blocks_qkv_along_head_dim_and_ds_along_keys"
+OPTIONS = W + "test_fp4_linear_operand_options_reach_the_quantizer"
+LINEAR_EXACT = "tests/test_fp4_linear.py::test_mxfp4_rowsr_h32_gemms_are_bit_exact_emulations"
+LINEAR_1D = "tests/test_fp4_linear.py::test_nvfp4_with_one_d_weights_requantizes_w_transposed_for_dgrad"
+
+QK_CALL = 'record["qk_clipped_heads"] = _apply_qk_clip(model, tau, bool(recipe.lora_svd_rank))'
+STEP_CALL = "grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed)"
+
+MUTATIONS = [
+    # --- optimizer hooks of the training loop ------------------------------------------------------
+    m("qk-clip-call-removed", "the loop never calls Kimi QK-Clip",
+      (LOOP, QK_CALL, 'record["qk_clipped_heads"] = 0'),
+      [KIMI_LOOP, W + "test_kimi_qk_clip_in_the_loop_changes_the_weights_and_counts_heads"]),
+    m("qk-clip-before-step", "QK-Clip moved before the optimizer step",
+      [(LOOP, STEP_CALL, "clip_hits = _apply_qk_clip(model, tau, bool(recipe.lora_svd_rank)) if qk_clip == \"kimi\" else 0\n"
+                         "            " + STEP_CALL),
+       (LOOP, QK_CALL, 'record["qk_clipped_heads"] = clip_hits')],
+      [KIMI_LOOP]),
+    m("qk-clip-stale-logits", "max logits recorded on probe steps only: QK-Clip reads a stale S_max",
+      (LOOP, 'record_max_logits=probing or qk_clip == "kimi"', "record_max_logits=probing"),
+      [KIMI_LOOP]),
+    m("qk-clip-no-lora-realign", "QK-Clip no longer re-aligns the LoRA-SVD factors of wq, wk",
+      (LOOP, "if hit and realign:", "if False:"),
+      [FULLSTACK]),
+    m("update-cap-unwired", "the recipe's update cap never reaches the optimizer",
+      (LOOP, "cap = (opt.update_cap_alpha, opt.update_cap_alpha_qk) if", "cap = None if"),
+      [CAP_LOOP]),
+    m("update-cap-alphas-swapped", "update_cap_alpha and update_cap_alpha_qk swapped",
+      (LOOP, "cap = (opt.update_cap_alpha, opt.update_cap_alpha_qk)", "cap = (opt.update_cap_alpha_qk, opt.update_cap_alpha)"),
+      [CAP_LOOP]),
+    m("update-cap-qk-alpha-ignored", "wq / wk capped with alpha, not alpha_qk",
+      (OPT, "alpha_qk if _QK_PARAM.match(n) else alpha", "alpha"),
+      ["tests/test_optim.py::test_update_cap_is_wired_to_block_matrices_with_alpha_qk_on_wq_wk"]),
+    m("update-cap-not-applied", "CombinedOptimizer snapshots but never applies the cap",
+      (OPT, "            self.cap.apply()", "            pass"),
+      ["tests/test_optim.py::test_update_cap_is_wired_to_block_matrices_with_alpha_qk_on_wq_wk", CAP_LOOP]),
+    m("lora-refresh-removed", "the loop never refreshes the LoRA-SVD factors (they stay zero)",
+      (LOOP, "                _realign_low_rank(model)\n", "                pass\n"),
+      [FULLSTACK, W + "test_lora_svd_refresh_follows_lora_svd_every"]),
+    m("lora-refresh-once", "LoRA-SVD refreshed at step 0 only, not every lora_svd_every steps",
+      (LOOP, "step % recipe.lora_svd_every == 0", "step == 0"),
+      [W + "test_lora_svd_refresh_follows_lora_svd_every"]),
+    # --- NVFP4 optimizer states ----------------------------------------------------------------------
+    m("ns-format-unwired", "the recipe's optimizer.ns_format never reaches Muon",
+      (LOOP, "ns_format=opt.ns_format,", 'ns_format="bf16",'), [FULLSTACK]),
+    m("adam-v-format-unwired", "the recipe's optimizer.adam_v_format never reaches AdamW",
+      (LOOP, "adam_v_format=opt.adam_v_format,", 'adam_v_format="fp32",'), [FULLSTACK]),
+    m("muon-ns-format-dropped", "build_optimizer builds Muon with bf16 Newton-Schulz whatever ns_format says",
+      (OPT, "ns_format=cfg.ns_format,", 'ns_format="bf16",'), [OPT_STATES, FULLSTACK]),
+    m("adamw-v-never-packed", "AdamW keeps v in fp32 although v_format is nvfp4",
+      ("fp4lab/optim/adamw.py", 'quantized = group["v_format"] == "nvfp4" and quantized_v(p)', "quantized = False"),
+      ["tests/test_optim_adamw.py::test_nvfp4_state_dict_round_trip_keeps_dtypes_and_resumes_bit_identically", OPT_STATES]),
+    m("adamw-v-not-stored", "AdamW's updated v is never encoded back into the packed state",
+      ("fp4lab/optim/adamw.py", "state.update(encode_v(exp_avg_sq))", "pass"),
+      ["tests/test_optim_adamw.py::test_stored_v_tracks_an_fp32_adamw_run"]),
+    m("muon-ns-not-quantized", "Muon's nvfp4 Newton-Schulz skips the rounding of each iterate",
+      ("fp4lab/optim/muon.py", 'x = quantize(x, "nvfp4").dequantize(torch.bfloat16)', "x = x"),
+      ["tests/test_optim.py::test_nvfp4_newton_schulz_rounds_each_iterate_along_the_long_side"]),
+    # --- recipe switches ---------------------------------------------------------------------------
+    m("attention-format-ignored", "attention.format: every FP4 attention runs nvfp4",
+      (BUILD, "AttentionQuant(recipe.attention.format, recipe.attention.ds_rounding, generator)",
+       'AttentionQuant("nvfp4", recipe.attention.ds_rounding, generator)'), [SWITCHES]),
+    m("attention-ds-rounding-ignored", "attention.ds_rounding: dS always stochastically rounded",
+      (BUILD, "AttentionQuant(recipe.attention.format, recipe.attention.ds_rounding, generator)",
+       'AttentionQuant(recipe.attention.format, "sr", generator)'), [SWITCHES]),
+    m("attention-fp4-off", "attention.format nvfp4/mxfp4 never switches FP4 attention on",
+      (BUILD, 'if recipe.attention.format != "bf16":', "if False:"), [SWITCHES]),
+    m("embedding-format-ignored", "model.embedding = fp32 still rounds the embedding to bf16",
+      (BUILD, 'embedding_dtype = torch.bfloat16 if recipe.embedding == "bf16" else torch.float32',
+       "embedding_dtype = torch.bfloat16"), [SWITCHES]),
+    m("head-fp4-ignored", "model.head = fp4 leaves the head in bf16",
+      (RECIPE, 'return self.linear if self.head == "fp4" else', 'return self.linear if False else'), [SWITCHES]),
+    m("head-fp32-ignored", "model.head = fp32 gives a bf16 head",
+      (RECIPE, 'format="fp32" if self.head == "fp32" else "bf16"', 'format="bf16"'),
+      ["tests/test_recipe.py", SWITCHES]),
+    m("lora-rank-ignored", "model.lora_svd_rank never reaches the linears",
+      (BUILD, "lora_rank = recipe.lora_svd_rank if block_index", "lora_rank = 0 if block_index"),
+      [FULLSTACK, SWITCHES]),
+    m("block-overrides-ignored", "[[blocks]] overrides (depth hybrids) are ignored",
+      (RECIPE, "                chosen = override.linear", "                pass"),
+      ["tests/test_recipe.py::test_nvfp4_is_the_te_recipe_with_bf16_ends_scaled_to_depth"]),
+    # --- per-operand spec keys ---------------------------------------------------------------------
+    m("operand-rounding-ignored", "an operand's rounding = sr quantizes to nearest",
+      (LIN, '        "rounding": spec.rounding,\n', '        "rounding": "rtn",\n'), [LINEAR_EXACT]),
+    m("operand-scale-mode-ignored", "an MXFP4 operand's scale_mode falls back to the default",
+      (LIN, '        "scale_mode": spec.scale_mode,\n', '        "scale_mode": None,\n'), [LINEAR_EXACT]),
+    m("operand-tile-ignored", "a weight's 2D tile is quantized 1x16 instead",
+      (LIN, '        "tile": spec.tile,\n', '        "tile": None,\n'),
+      ["tests/test_fp4_linear.py", OPTIONS]),
+    m("operand-adaptive-ignored", "adaptive = true (rceil) scales as plain rceil",
+      (LIN, '        "adaptive": spec.adaptive,\n', '        "adaptive": False,\n'), ["tests/test_fp4_linear.py", OPTIONS]),
+    m("operand-cta-tile-ignored", "an nvfp4_cta operand's cta_tile falls back to the default",
+      (LIN, '        "cta_tile": spec.cta_tile,\n', '        "cta_tile": None,\n'), ["tests/test_fp4_linear.py", OPTIONS]),
+    m("operand-transform-ignored", "transform = h16 / rht16 never applies the Hadamard",
+      (LIN, '        if spec.transform == "none":\n            return None', "        return None"),
+      [LINEAR_EXACT, "tests/test_fp4_linear.py::test_random_hadamard_signs_are_paired_and_redrawn_each_call"]),
+    m("operand-spec-swapped", "Dgrad's dy quantized with the wgrad_dy spec",
+      (LIN, 'dy_hat = layer.consume("dgrad_dy", dy, signs["dgrad"], g)', 'dy_hat = layer.consume("wgrad_dy", dy, signs["dgrad"], g)'),
+      [LINEAR_EXACT]),
+    # --- quantization axes: linears ----------------------------------------------------------------
+    m("axis-fprop-x", "Fprop's x blocked along tokens (M), not K",
+      (LIN, 'x_hat = layer.consume("fprop_x", x2, signs["fprop"], g)',
+       'x_hat = layer.consume("fprop_x", x2.T.contiguous(), signs["fprop"], g).T'), [LINEAR_EXACT]),
+    m("axis-fprop-w", "Fprop's W blocked along N, not K",
+      (LIN, 'w_enc, w_hat = None, layer.consume("fprop_w", weight, signs["fprop"], g)',
+       'w_enc, w_hat = None, layer.consume("fprop_w", weight.T.contiguous(), signs["fprop"], g).T'), [LINEAR_EXACT]),
+    m("axis-dgrad-dy", "Dgrad's dy blocked along tokens (M), not N",
+      (LIN, 'dy_hat = layer.consume("dgrad_dy", dy, signs["dgrad"], g)',
+       'dy_hat = layer.consume("dgrad_dy", dy.T.contiguous(), signs["dgrad"], g).T'), [LINEAR_EXACT]),
+    m("axis-dgrad-w", "Dgrad's W^T blocked along K, not N",
+      (LIN, 'wt_hat = layer.consume("dgrad_w", weight.T.contiguous(), signs["dgrad"], g)',
+       'wt_hat = layer.consume("dgrad_w", weight, signs["dgrad"], g).T'), [LINEAR_1D]),
+    m("axis-wgrad-dy", "Wgrad's dy^T blocked along N, not tokens",
+      (LIN, 'grad_w = layer.consume("wgrad_dy", dyt, signs["wgrad"], g) @',
+       'grad_w = _pad_last(layer.consume("wgrad_dy", dy, signs["wgrad"], g).T, dyt.shape[-1]) @'), [LINEAR_EXACT]),
+    m("axis-wgrad-x", "Wgrad's x^T blocked along K, not tokens",
+      (LIN, 'xt_enc = encode_operand(xt, recipe.wgrad_x, signs["wgrad"], g)',
+       'xt_enc = decode_operand(encode_operand(xt.T.contiguous(), recipe.wgrad_x, signs["wgrad"], g)).T.contiguous()'),
+      [LINEAR_EXACT]),
+    m("axis-tensor-core-operands-swapped", "tensor-core Dgrad / Wgrad dy operands built with each other's spec",
+      (LIN, 'layer.operand_pair(("dgrad_dy", "wgrad_dy"), dy,', 'layer.operand_pair(("wgrad_dy", "dgrad_dy"), dy,'),
+      ["tests/test_tensor_cores.py"]),
+    # --- quantization axes: FP4 attention -----------------------------------------------------------
+    m("ds-query-axis", "FP4 attention's dS blocked along the query dim, not the key dim",
+      (ATTN, "grad_scores = _fake_quant(grad_scores, quant.format, quant.ds_rounding, quant.generator)",
+       "grad_scores = _fake_quant(grad_scores.transpose(-1, -2), quant.format, quant.ds_rounding, "
+       "quant.generator).transpose(-1, -2)"), [ATTN_AXES]),
+    m("ds-unquantized", "FP4 attention never quantizes dS",
+      (ATTN, "if quant.ds_rounding is not None:", "if False:"),
+      ["tests/test_attention.py::test_fp4_attention_stochastic_ds_gradients_average_to_their_expectation", ATTN_AXES]),
+    m("qkv-seq-axis", "FP4 attention's Q, K, V blocked along the sequence, not head_dim",
+      (ATTN, '(_fake_quant(t, quant.format, "rtn", None) for t in (q, k, v))',
+       '(_fake_quant(t.transpose(-1, -2), quant.format, "rtn", None).transpose(-1, -2) for t in (q, k, v))'),
+      ["tests/test_attention.py::test_fp4_attention_reuses_quantized_qkv_and_rounds_values_to_fp4", ATTN_AXES]),
+    m("pv-fp32", "FP4 attention's PV / dO V^T products run in fp32, not on BF16 operands",
+      (ATTN, "return a.to(torch.bfloat16).float() @ b.to(torch.bfloat16).float()", "return a @ b"), [ATTN_AXES]),
+]
+
+
+def copy_tree(dest: Path, working_tree: bool) -> None:
+    if working_tree:
+        for name in ("fp4lab", "tests", "pyproject.toml"):
+            src = ROOT / name
+            if src.is_dir():
+                shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+            elif src.exists():
+                shutil.copy2(src, dest / name)
+        return
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD", "fp4lab", "tests", "pyproject.toml"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
+def apply(dest: Path, mutation: Mutation) -> None:
+    for file, old, new in mutation.edits:
+        path = dest / file
+        text = path.read_text()
+        count = text.count(old)
+        if count != 1:
+            raise ValueError(f"the old text occurs {count} times in {file} (expected once): {old!r}")
+        path.write_text(text.replace(old, new))
+
+
+def run_tests(dest: Path, tests, timeout: float) -> tuple[int, str, float]:
+    env = os.environ | {"PYTHONPATH": str(dest), "PYTHONDONTWRITEBYTECODE": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return 124, "timeout", time.monotonic() - start
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    tail = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else [done.stderr.strip()[-300:]]
+    return done.returncode, "; ".join(lines[:2] or tail), time.monotonic() - start
+
+
+def check_import(dest: Path) -> None:
+    env = os.environ | {"PYTHONPATH": str(dest)}
+    where = subprocess.run([sys.executable, "-c", "import fp4lab; print(fp4lab.__file__)"], cwd=dest, env=env,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    if not Path(where).resolve().is_relative_to(dest.resolve()):
+        raise SystemExit(f"the copy's fp4lab is not the one imported ({where}); cannot run mutations")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and their tests")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the named tests")
+    parser.add_argument("--working-tree", action="store_true", help="mutate a copy of the working tree, not of HEAD")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
+    args = parser.parse_args()
+    known = {mu.name: mu for mu in MUTATIONS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        parser.error(f"unknown mutations {unknown}; see --list")
+    chosen = [known[n] for n in args.names] if args.names else MUTATIONS
+    if args.list:
+        for mu in chosen:
+            print(f"{mu.name}: {mu.what}\n    {', '.join(sorted({f for f, _, _ in mu.edits}))}\n    " + "\n    ".join(mu.tests))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="fp4lab-mutate-") as tmp:
+        base = Path(tmp) / "base"
+        base.mkdir()
+        copy_tree(base, args.working_tree)
+        check_import(base)
+        if not args.no_baseline:
+            tests = list(dict.fromkeys(t for mu in chosen for t in mu.tests))
+            rc, detail, seconds = run_tests(base, tests, args.timeout * 2)
+            print(f"baseline ({len(tests)} test selections, unmutated): rc {rc} in {seconds:.0f}s {detail}", flush=True)
+            if rc != 0:
+                print("the named tests must pass on the unmutated tree first")
+                return 1
+        failed = []
+        for mu in chosen:
+            work = Path(tmp) / mu.name
+            shutil.copytree(base, work, ignore=shutil.ignore_patterns("__pycache__"))
+            try:
+                apply(work, mu)
+            except ValueError as error:
+                rc, detail, seconds = 3, str(error), 0.0
+            else:
+                rc, detail, seconds = run_tests(work, mu.tests, args.timeout)
+            verdict = {1: "caught", 0: "MISSED"}.get(rc, f"ERROR (pytest exit {rc})")
+            if rc != 1:
+                failed.append(mu.name)
+            print(f"{verdict:8} {mu.name:36} {seconds:5.0f}s  {detail}", flush=True)
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"\n{len(chosen) - len(failed)}/{len(chosen)} mutations caught" + (f"; not caught: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
