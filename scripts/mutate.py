@@ -100,6 +100,8 @@ MUTATIONS = [
       (LOOP, "step % recipe.lora_svd_every == 0", "step == 0"),
       [W + "test_lora_svd_refresh_follows_lora_svd_every"]),
     # --- NVFP4 optimizer states ----------------------------------------------------------------------
+    m("ns-polynomial-unwired", "the recipe's optimizer.ns_polynomial (optitrain: cubic) never reaches Muon",
+      (LOOP, "        ns_coefficients=NS_POLYNOMIALS[config.ns_polynomial or opt.ns_polynomial],\n", ""), [CAP_LOOP]),
     m("ns-format-unwired", "the recipe's optimizer.ns_format never reaches Muon",
       (LOOP, "ns_format=opt.ns_format,", 'ns_format="bf16",'), [FULLSTACK]),
     m("adam-v-format-unwired", "the recipe's optimizer.adam_v_format never reaches AdamW",

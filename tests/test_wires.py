@@ -23,6 +23,7 @@ from fp4lab.nn.recipe import load_recipe
 from fp4lab.numerics import quantize
 from fp4lab.optim.adamw import quantized_v
 from fp4lab.optim.build import OptimizerConfig, build_optimizer
+from fp4lab.optim.muon import NS_POLYNOMIALS
 from fp4lab.optim.qk_clip import qk_clip_
 from fp4lab.train.config import TrainConfig
 from fp4lab.train.data import BatchSampler, DataConfig, load_dataset
@@ -51,6 +52,7 @@ def reference_training(config: TrainConfig):
     optimizer = build_optimizer(model.named_parameters(), OptimizerConfig(
         name=config.optimizer or opt.name or "muon", lr=config.lr, adam_lr=config.adam_lr,
         weight_decay=config.weight_decay, ns_steps=config.ns_steps, lr_scaling=config.lr_scaling,
+        ns_coefficients=NS_POLYNOMIALS[config.ns_polynomial or opt.ns_polynomial],
         ns_format=opt.ns_format, adam_v_format=opt.adam_v_format,
         update_cap=(opt.update_cap_alpha, opt.update_cap_alpha_qk) if qk_clip == "update_cap" else None,
     ))
