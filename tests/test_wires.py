@@ -31,11 +31,11 @@ from fp4lab.train.loop import lr_factor, run
 
 
 def small(tmp_path: Path, name: str = "run", **overrides) -> TrainConfig:
-    values = dict(
-        recipe="bf16", data=DataConfig(source="synthetic"), seq_len=64, batch_size=4, steps=3,
-        warmup_steps=1, eval_every=100, eval_batches=1, probe_every=100, checkpoint_every=100,
-        out_dir=str(tmp_path / name),
-    )
+    values = {
+        "recipe": "bf16", "data": DataConfig(source="synthetic"), "seq_len": 64, "batch_size": 4, "steps": 3,
+        "warmup_steps": 1, "eval_every": 100, "eval_batches": 1, "probe_every": 100, "checkpoint_every": 100,
+        "out_dir": str(tmp_path / name),
+    }
     return TrainConfig(**(values | overrides))
 
 
@@ -122,7 +122,7 @@ def test_fullstack_loop_refreshes_lora_svd_and_keeps_nvfp4_optimizer_states(tmp_
     """fullstack: LoRA-SVD factors refreshed at step 0 (non-zero, W's top directions), Kimi QK-Clip
     re-aligning them, Muon NVFP4 Newton-Schulz and AdamW's NVFP4 v: all as the hand-written loop."""
     config = small(tmp_path, recipe="fullstack", qk_clip="kimi", qk_clip_tau=0.02, steps=2)
-    model, optimizer, clipped = reference_training(config)
+    model, _, clipped = reference_training(config)
     checkpoint = loop_checkpoint(config)
     state = checkpoint["model"]
     factors = [k for k in state if k.endswith(("lora_u", "lora_v"))]
@@ -219,7 +219,7 @@ def test_fp4_attention_blocks_qkv_along_head_dim_and_ds_along_keys(fmt):
     out.backward(grad_out)
 
     qq, kq, vq = (_fq(x.detach(), fmt) for x in (q, k, v))
-    bf = lambda x: x.to(torch.bfloat16).float()  # noqa: E731
+    bf = lambda x: x.to(torch.bfloat16).float()
     scores = qq @ kq.transpose(-1, -2) / math.sqrt(d)
     scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
     p = torch.softmax(scores, dim=-1)
