@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -18,7 +16,8 @@ from fp4lab import cli
 from fp4lab.cli import app
 from fp4lab.lab.records.catalog import Catalog
 
-from .test_ratchet import PROGRAM, SCORE, git
+from .test_cli import cli_in_fresh_process
+from .test_ratchet import make_repo
 from .test_report import _add_run
 from .test_report_ratchet import _iteration, _params
 from .test_sweep import OPTUNA_SPEC, SPEC
@@ -162,15 +161,8 @@ def test_version(run_cli):
 
 
 def test_version_does_not_import_torch():
-    probe = (
-        "import sys, runpy; sys.argv = ['fp4lab', '--version']\n"
-        "try:\n    runpy.run_module('fp4lab.cli', run_name='__main__')\n"
-        "except SystemExit as e:\n    assert e.code in (0, None), e.code\n"
-        "print('TORCH' if 'torch' in sys.modules else 'LIGHT')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [f"fp4lab {version('fp4lab')}", "LIGHT"]
+    printed, heavy = cli_in_fresh_process("--version")
+    assert printed == f"fp4lab {version('fp4lab')}" and "torch" not in heavy
 
 
 # --- --json -------------------------------------------------------------------------------------------
@@ -287,17 +279,7 @@ def test_report_ratchet_json(run_cli, tmp_path):
 
 @pytest.fixture
 def ratchet_repo(tmp_path, monkeypatch):
-    root = tmp_path / "project"
-    root.mkdir()
-    git(root, "init", "-q", "-b", "main")
-    git(root, "config", "user.name", "Test User")
-    git(root, "config", "user.email", "test@example.invalid")
-    (root / "score.py").write_text(SCORE)
-    (root / "offset.txt").write_text("0.5\n")
-    (root / "goal.md").write_text(PROGRAM.format(python=sys.executable))
-    (root / ".gitignore").write_text("sweep_catalog.json*\n")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", "initial")
+    root = make_repo(tmp_path, "goal.md")
     monkeypatch.chdir(root)
     return root
 

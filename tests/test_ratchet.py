@@ -69,8 +69,8 @@ def git(cwd: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True, text=True).stdout.rstrip("\n")
 
 
-@pytest.fixture
-def repo(tmp_path):
+def make_repo(tmp_path, program_name: str = "program.md"):
+    """A committed git project with score.py, its offset and the program (named `program_name`)."""
     root = tmp_path / "project"
     root.mkdir()
     git(root, "init", "-q", "-b", "main")
@@ -78,11 +78,16 @@ def repo(tmp_path):
     git(root, "config", "user.email", "test@example.invalid")
     (root / "score.py").write_text(SCORE)
     (root / "offset.txt").write_text("0.5\n")
-    (root / "program.md").write_text(PROGRAM.format(python=sys.executable))
+    (root / program_name).write_text(PROGRAM.format(python=sys.executable))
     (root / ".gitignore").write_text("sweep_catalog.json*\n")
     git(root, "add", "-A")
     git(root, "commit", "-q", "-m", "initial")
     return root
+
+
+@pytest.fixture
+def repo(tmp_path):
+    return make_repo(tmp_path)
 
 
 def recorded_pids(calls: Path) -> list[int]:
