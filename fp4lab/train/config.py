@@ -43,7 +43,10 @@ def summary_value(summary: dict[str, Any], key: str) -> Any:
 # The one list of fields that do not change what a run computes: where it writes, how long a segment
 # may take, how often it checkpoints, and the device and launch mechanics. A resumed run may change
 # them; a sweep's run id leaves them out; the report groups runs regardless of them.
-RESULT_NEUTRAL = ("out_dir", "device", "max_minutes", "checkpoint_every", "compile", "cuda_graphs")
+# Capturing GEMM operands only copies tensors a step already made (fp4lab.train.capture).
+RESULT_NEUTRAL = (
+    "out_dir", "device", "max_minutes", "checkpoint_every", "compile", "cuda_graphs", "capture_steps", "capture_layers",
+)
 
 
 def toml_text(table: dict[str, Any], comments: Iterable[str] = ()) -> str:
@@ -125,6 +128,10 @@ class TrainConfig:
     compute: str = "auto"
     compile: str = "auto"
     cuda_graphs: str = "auto"
+    # Save the real operands of the GEMMs (x, W, dY) of the FP4 linears whose names match one of the
+    # fnmatch patterns `capture_layers`, at the steps `capture_steps`, for `fp4lab numerics --capture`.
+    capture_steps: list[int] = field(default_factory=list)
+    capture_layers: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.data, dict):
@@ -155,6 +162,24 @@ class TrainConfig:
             _check.number("qk_clip_tau", self.qk_clip_tau, positive=True)
         if not isinstance(self.recipe, str) or not self.recipe:
             raise ConfigError(f"recipe={self.recipe!r} must be a recipe name or a path to a .toml file")
+        self._check_capture()
+
+    def _check_capture(self) -> None:
+        if not isinstance(self.capture_steps, (list, tuple)):
+            raise ConfigError(f"capture_steps={self.capture_steps!r} must be a list of step numbers, e.g. [0, 100]")
+        if not isinstance(self.capture_layers, (list, tuple)):
+            raise ConfigError(f"capture_layers={self.capture_layers!r} must be a list of layer-name patterns, e.g. [\"layers.0.*\"]")
+        self.capture_steps, self.capture_layers = list(self.capture_steps), list(self.capture_layers)
+        for index, step in enumerate(self.capture_steps):
+            _check.integer(f"capture_steps[{index}]", step, minimum=0)
+            if step >= self.steps:
+                raise ConfigError(f"capture_steps has step {step}, but the run's steps are 0..{self.steps - 1}")
+        for pattern in self.capture_layers:
+            if not isinstance(pattern, str) or not pattern:
+                raise ConfigError(f"capture_layers has {pattern!r}; each must be a layer-name pattern such as \"layers.*.feed_forward.w2\"")
+        if bool(self.capture_steps) != bool(self.capture_layers):
+            given, missing = ("capture_steps", "capture_layers") if self.capture_steps else ("capture_layers", "capture_steps")
+            raise ConfigError(f"{given} is set but {missing} is empty; set both to capture GEMM operands (or neither)")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

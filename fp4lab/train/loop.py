@@ -7,6 +7,8 @@ orchestrator reads into `config.out_dir`:
                     logit per layer and head, saturated / flushed fractions per FP4 operand)
     checkpoint.pt   model, optimizer, step, and every random stream (SR and Hadamard generators
                     included): a run started again in the same out_dir resumes bit for bit
+    captures/       step-<n>/<layer>.pt: the GEMM operands of the capture_steps and capture_layers
+                    (fp4lab.train.capture), for `fp4lab numerics --capture`
     summary.json    status (completed | diverged | time_limit | preempted | interrupted | stopped), the
                     step a divergence happened, final and best losses, throughput, peak memory
 
@@ -38,8 +40,9 @@ from fp4lab.nn.build import attention_generators, build_model, cuda_graph_blocke
 from fp4lab.nn.model import Llama, ModelConfig, count_parameters, preset
 from fp4lab.nn.recipe import Recipe, load_recipe
 from fp4lab.optim.build import OptimizerConfig, build_optimizer
-from fp4lab.optim.qk_clip import qk_clip_
 from fp4lab.optim.muon import NS_POLYNOMIALS
+from fp4lab.optim.qk_clip import qk_clip_
+from fp4lab.train.capture import OperandCapture
 from fp4lab.train.checkpoint import MetricsLog, finite_or_none, load_checkpoint, save_checkpoint, write_json
 from fp4lab.train.config import RESULT_NEUTRAL, CheckpointMismatch, ConfigError, TrainConfig
 from fp4lab.train.data import BatchSampler, load_dataset, val_batches
@@ -98,6 +101,9 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
     sampler = BatchSampler(data.train, config.batch_size, config.seq_len, config.seed)
     evaluation = val_batches(data.val, config.batch_size, config.seq_len, config.eval_batches)
     qk_clip, tau = _qk_clip(config, recipe)
+    capture = None
+    if config.capture_steps:
+        capture = OperandCapture(config, model, recipe, model_config.n_layers, compiled(config, device))
 
     state = RunState()
     checkpoint_path = out / CHECKPOINT
@@ -130,7 +136,11 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
             tic = time.perf_counter()
             x, y = (t.to(device) for t in sampler.batch(step))
             lr = optimizer.param_groups[0]["lr"]
-            loss = train_step(x, y, eager=probing)
+            capturing = capture is not None and step in capture.steps
+            with capture.recording() if capturing else contextlib.nullcontext():
+                loss = train_step(x, y, eager=probing or capturing)
+            if capturing:
+                capture.write(step)
             grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed)
             # Read back only now, so the GPU never waits for the host mid-step. A NaN/Inf step has
             # updated the weights, but the run ends here without a checkpoint.
