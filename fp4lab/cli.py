@@ -34,6 +34,9 @@ COMPILES = ("auto", "on", "off")  # fp4lab.train.config.COMPILES
 CUDA_GRAPHS = ("auto", "on", "off")  # fp4lab.train.config.CUDA_GRAPHS
 TOKEN_DTYPES = ("uint16", "uint32")  # fp4lab.train.data.TOKEN_DTYPES
 DISTRIBUTIONS = ("normal", "student-t", "outlier")  # fp4lab.numerics.survey.DISTRIBUTIONS
+GEMM_FORMATS = (  # tuple(fp4lab.train.gemm_error.FORMATS)
+    "bf16", "mxfp4", "mxfp4-h32", "mxfp4-rceil", "nvfp4", "nvfp4-h16", "nvfp4-rht16", "nvfp4_cta", "nvfp4_cta-h16",
+)
 LOG_PRESETS = ("nanogpt", "megatron", "torchtitan", "fp4lab")  # fp4lab.lab.records.logscan.PRESETS
 SWEEP_EXECUTORS = ("local", "slurm", "sbatch")  # fp4lab.lab.runs.executors.EXECUTORS
 RATCHET_EXECUTORS = ("local", "slurm")  # what fp4lab.lab.ratchet.loop.Ratchet accepts
@@ -151,9 +154,27 @@ def numerics(
     ] = None,
     shape: Annotated[str, typer.Option(help="ROWSxCOLS of a synthesized tensor.")] = "512x1024",
     seed: Annotated[int, typer.Option(help="Seed for synthesis, stochastic rounding and random signs.")] = 0,
+    capture: Annotated[
+        Optional[Path], typer.Option(help="A run folder trained with capture_steps (or one capture .pt file): the Dgrad and Wgrad output error of each format on its captured real operands.")
+    ] = None,
+    gemm_format: Annotated[
+        Optional[list[str]], typer.Option("--format", help=f"With --capture: an operand format to compare, one of {', '.join(GEMM_FORMATS)} (repeatable; default all, or none when --recipe is given).")
+    ] = None,
+    recipe: Annotated[
+        Optional[list[str]], typer.Option(help="With --capture: a recipe whose own Dgrad and Wgrad operand specs to compare (repeatable).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")] = False,
 ) -> None:
-    """Quantization error of one tensor under every FP4 format x scale mode x rounding x transform."""
+    """Quantization error of one tensor under every FP4 format x scale mode x rounding x transform;
+    with --capture, the error of the backward GEMM outputs on the real operands a run captured."""
+    if capture is not None:
+        if tensor is not None or dist is not None or key is not None:
+            fail("numerics: --capture reads its own tensors; drop --tensor, --key and --dist")
+        _numerics_capture(capture, gemm_format, recipe or [], seed, as_json)
+        return
+    if gemm_format or recipe:
+        fail("numerics: --format and --recipe compare GEMM outputs on captured tensors; pass --capture RUN too")
+
     from fp4lab.numerics.survey import survey_cases
 
     if tensor is not None and dist is not None:
@@ -175,6 +196,83 @@ def numerics(
         task = progress.add_task("quantizing", total=len(survey_cases()))
         rows = list(survey(x, seed=seed, on_case=lambda: progress.advance(task)))
     _print_numerics(rows, title=f"FP4 quantization error of {source}, shape {list(x.shape)}, seed {seed}")
+
+
+def _numerics_capture(source: Path, formats: list[str] | None, recipes: list[str], seed: int, as_json: bool) -> None:
+    """`numerics --capture`: a thin wrapper of fp4lab.train.gemm_error."""
+    from fp4lab.nn.recipe import RecipeError, load_recipe
+    from fp4lab.train.capture import CaptureError, capture_files
+    from fp4lab.train.gemm_error import FORMATS, candidates, measure, summarize
+    from fp4lab.validation import Checks
+
+    for name in formats or []:
+        Checks(UserError).choice("numerics: --format", name, GEMM_FORMATS)
+    try:
+        loaded = [load_recipe(name) for name in recipes]
+    except RecipeError as exc:
+        fail(f"numerics: --recipe: {str(exc).splitlines()[0]}")
+    chosen = candidates(formats if formats is not None else ([] if recipes else list(FORMATS)), loaded)
+    try:
+        files = capture_files(source)
+        if as_json:
+            rows = measure(files, chosen, seed)
+        else:
+            from rich.progress import Progress
+
+            with Progress(transient=True, disable=not sys.stderr.isatty()) as progress:
+                task = progress.add_task("GEMMs on captured operands", total=len(files))
+                rows = measure(files, chosen, seed, on_capture=lambda: progress.advance(task))
+    except CaptureError as exc:
+        fail(f"numerics: --capture: {exc}")
+    summary = summarize(rows, chosen)
+    if as_json:
+        described = [{"name": c.name, "kind": c.kind, "operands": c.describe()} for c in chosen]
+        _print_json({"source": str(source), "seed": seed, "candidates": described, "captures": [str(f) for f in files],
+                     "rows": [row.as_dict() for row in rows], "summary": summary})
+        return
+    _print_gemm_errors(rows, summary, chosen, title=f"Backward GEMM output error on the operands captured in {source}")
+
+
+def _print_gemm_errors(rows, summary: dict, chosen, title: str) -> None:
+    from rich.table import Table
+
+    by_key = {(r.step, r.layer, r.candidate, r.gemm): r for r in rows}
+    table = Table(title=title, caption="rel = ||Y_q - Y|| / ||Y|| against the fp32 product of the same exact tensors; "
+                  "bold: the lowest Dgrad error of that capture among FP4 candidates")
+    for name in ("step", "layer", "candidate"):
+        table.add_column(name, no_wrap=True)
+    for name in ("Dgrad rel%", "Dgrad cos", "Wgrad rel%", "Wgrad cos"):
+        table.add_column(name, justify="right", no_wrap=True)
+    fp4 = [c.name for c in chosen if c.quantizes_fp4()] or [c.name for c in chosen]
+    captures = list(dict.fromkeys((r.step, r.layer) for r in rows))
+    for step, layer in captures:
+        best = min(fp4, key=lambda name: by_key[(step, layer, name, "dgrad")].rel)
+        for candidate in chosen:
+            d, w = (by_key[(step, layer, candidate.name, gemm)] for gemm in ("dgrad", "wgrad"))
+            table.add_row(str(step), layer, candidate.name, f"{100 * d.rel:.2f}", f"{d.cosine:.5f}", f"{100 * w.rel:.2f}",
+                          f"{w.cosine:.5f}", style="bold" if candidate.name == best else None)
+        table.add_section()
+    means = Table(title=f"Mean over {len(captures)} captures; E/E_best: geometric mean of the error energy over the best FP4 candidate's",
+                  caption="bold: the lowest mean error of that GEMM among FP4 candidates")
+    for name in ("candidate", "operands"):
+        means.add_column(name)
+    for name in ("Dgrad rel%", "Dgrad E/E_best", "Wgrad rel%", "Wgrad E/E_best"):
+        means.add_column(name, justify="right", no_wrap=True)
+    for candidate in chosen:
+        cells = []
+        for gemm in ("dgrad", "wgrad"):
+            stats = summary["candidates"][candidate.name][gemm]
+            text = f"{100 * stats['mean_rel']:.2f}"
+            cells += [f"[bold]{text}[/]" if summary["best"][gemm] == candidate.name else text, f"{stats['energy_vs_best']:.3f}"]
+        means.add_row(candidate.name, candidate.describe(), *cells)
+    console = _console()
+    console.print(table)
+    console.print(means)
+    pair = summary.get("mx_vs_cta")
+    if pair:
+        console.print(f"E_MX / E_CTA (Dgrad error energy, {pair['mx']} over {pair['cta']}, geometric mean over the same tensors): "
+                      f"{pair['energy_ratio_geomean']:.3f}; {pair['cta']} lower in {pair['cta_lower']} of {pair['captures']} captures",
+                      markup=False)
 
 
 def _print_numerics(rows, title: str) -> None:
