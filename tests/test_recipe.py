@@ -9,7 +9,8 @@ from fp4lab.nn.recipe import OPERANDS, RecipeError, list_recipes, load_recipe
 
 NAMED = (
     "bf16 nvfp4 nvfp4-all nvfp4-last4-bf16 mxfp4 mxfp4-rowsr mxfp4-rowsr-h32 nvfp4-global nvfp4-cta "
-    "hybrid-depth hybrid-operand hybrid-operand-h16 nvfp4-cta-h16 optitrain fullstack nvfp4-no-rht"
+    "hybrid-depth hybrid-operand hybrid-operand-h16 nvfp4-cta-h16 optitrain optitrain-rht16 fullstack nvfp4-no-rht "
+    "fp8 fp8-rowwise"
 ).split()
 
 
@@ -67,10 +68,21 @@ def test_hybrids():
     assert (cta_h16.fprop_x, cta_h16.dgrad_dy, cta_h16.wgrad_x.format) == (cta.fprop_x, cta.dgrad_dy, "nvfp4_cta")
 
 
+def test_fp8_recipes_are_te_hybrid_and_torchao_rowwise():
+    fp8 = load_recipe("fp8").linear
+    elements = {name: (fp8.operand(name).element, fp8.operand(name).scaling) for name in OPERANDS}
+    assert elements == {name: ("e5m2" if name.endswith("_dy") else "e4m3", "tensor") for name in OPERANDS}
+    assert not fp8.is_high_precision and not fp8.fprop_x.is_fp4 and fp8.fprop_x.is_quantized
+    assert fp8.dgrad_dy.describe() == "fp8 e5m2 tensor"
+    rowwise = load_recipe("fp8-rowwise").linear
+    assert {(rowwise.operand(n).element, rowwise.operand(n).scaling) for n in OPERANDS} == {("e4m3", "row")}
+
+
 def test_optimizer_and_fullstack_switches():
     optitrain = load_recipe("optitrain")
     assert optitrain.optimizer.name == "muon" and optitrain.optimizer.qk_clip == "update_cap"
-    assert optitrain.linear.wgrad_dy.transform == "rht16" and optitrain.linear.wgrad_dy.transform_signs == "random"
+    assert optitrain.linear.wgrad_dy.transform == "rhtfull" and optitrain.linear.wgrad_dy.transform_signs == "random"
+    assert optitrain.linear.wgrad_dy.full_transform and load_recipe("optitrain-rht16").linear.wgrad_x.transform == "rht16"
     full = load_recipe("fullstack")
     assert full.lora_svd_rank > 0 and full.attention.format == "nvfp4"
     assert full.optimizer.ns_format == "nvfp4" and full.optimizer.adam_v_format == "nvfp4"
@@ -104,7 +116,16 @@ def test_user_recipe_extends_a_builtin(tmp_path):
 @pytest.mark.parametrize(
     "text, fragment",
     [
-        ('[linear.all]\nformat = "fp8"\n', "linear.fprop_x.format='fp8' is not supported; allowed: bf16, fp32, mxfp4, nvfp4, nvfp4_cta"),
+        ('[linear.all]\nformat = "fp6"\n', "linear.fprop_x.format='fp6' is not supported; allowed: bf16, fp32, mxfp4, nvfp4, nvfp4_cta, fp8"),
+        ('[linear.all]\nformat = "fp8"\nelement = "e3m4"\n', "linear.fprop_x.element='e3m4' is not supported; allowed: e4m3, e5m2"),
+        ('[linear.all]\nformat = "fp8"\nscaling = "block"\n', "linear.fprop_x.scaling='block' is not supported; allowed: tensor, row"),
+        ('[linear.all]\nformat = "fp8"\nrounding = "sr"\n', "linear.fprop_x is fp8; rounding, scale_mode, tile, adaptive and cta_tile apply to FP4"),
+        ('[linear.weight]\nformat = "fp8"\ntile = [16, 16]\n', "linear.fprop_w is fp8; rounding, scale_mode, tile,"),
+        ('[linear.all]\nformat = "nvfp4"\nelement = "e4m3"\n', "linear.fprop_x is nvfp4; element and scaling apply to format = \"fp8\" only"),
+        ('[linear.grad_output]\nscaling = "row"\n', "linear.dgrad_dy is bf16; element and scaling apply to format = \"fp8\" only"),
+        ('[linear.fprop]\nformat = "nvfp4"\ntransform = "rhtfull"\n[linear.fprop_w]\nformat = "nvfp4"\ntile = [16, 16]\ntransform = "rhtfull"\n',
+         "linear.fprop_w.tile cannot be combined with transform = 'rhtfull'"),
+        ('[linear.wgrad_dy]\nformat = "nvfp4"\ntransform = "rhtfull"\n', "the two operands of wgrad need the same transform"),
         ('[linear.all]\nformat = "nvfp4"\nsaturate = true\n', "linear.fprop_x.saturate: unknown key; allowed in linear.fprop_x: format,"),
         ('[linear.wgrad_dy]\nformat = "nvfp4"\ntransform = "h16"\n', "the two operands of wgrad need the same transform"),
         ('[linear.fprop_x]\nformat = "nvfp4"\ntile = [16, 16]\n', "tile applies to weights"),

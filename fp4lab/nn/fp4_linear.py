@@ -40,34 +40,52 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4lab.numerics import BLOCK_SIZE, fake_quantize, fake_quantize_factored, hadamard, hadamard_signs, quantize
+from fp4lab.nn.recipe import GEMMS, OPERANDS, LinearRecipe, OperandSpec
+from fp4lab.numerics import (
+    BLOCK_SIZE,
+    Fp8Tensor,
+    fake_quantize,
+    fake_quantize_factored,
+    fp8_quantize,
+    hadamard,
+    hadamard_full,
+    hadamard_signs,
+    quantize,
+)
 from fp4lab.numerics.fast import triton_available
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.survey import error_stats
-from fp4lab.nn.recipe import GEMMS, OPERANDS, LinearRecipe, OperandSpec
 
-def encode_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator) -> QTensor | torch.Tensor:
+
+def transform_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None) -> torch.Tensor:
+    """t with the spec's Hadamard along its last dim: blockwise, or over the whole dim zero-padded to
+    the length of the sign vector (a full transform), or t itself without one."""
+    if signs is None:
+        return t
+    return hadamard_full(t, signs) if spec.full_transform else hadamard(t, spec.transform_size, signs)
+
+
+def encode_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator) -> QTensor | Fp8Tensor | torch.Tensor:
     """The representation of a 2D operand (quantized along its last dim) that a GEMM consumes."""
-    if signs is not None:
-        t = hadamard(t, spec.transform_size, signs)
+    t = transform_operand(t, spec, signs)
     if spec.format == "fp32":
         return t
     if spec.format == "bf16":
         return t.to(torch.bfloat16)
+    if spec.format == "fp8":
+        return fp8_quantize(t, spec.element, spec.scaling)
     return quantize(t, spec.format, **_quantize_options(spec, generator))
 
 
-def decode_operand(encoded: QTensor | torch.Tensor) -> torch.Tensor:
-    return encoded.dequantize() if isinstance(encoded, QTensor) else encoded.to(torch.float32)
+def decode_operand(encoded: QTensor | Fp8Tensor | torch.Tensor) -> torch.Tensor:
+    return encoded.dequantize() if isinstance(encoded, (QTensor, Fp8Tensor)) else encoded.to(torch.float32)
 
 
 def operand_values(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator) -> torch.Tensor:
     """`decode_operand(encode_operand(...))` without packing, for operands consumed at once."""
     if not spec.is_fp4:
         return decode_operand(encode_operand(t, spec, signs, generator))
-    if signs is not None:
-        t = hadamard(t, spec.transform_size, signs)
-    return fake_quantize(t, spec.format, **_quantize_options(spec, generator))
+    return fake_quantize(transform_operand(t, spec, signs), spec.format, **_quantize_options(spec, generator))
 
 
 def _quantize_options(spec: OperandSpec, generator) -> dict:
@@ -106,7 +124,10 @@ def _kernel_options(spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tens
 
 
 def contraction_multiple(recipe: LinearRecipe, gemm: str) -> int:
-    """The contraction length of `gemm` must be a multiple of this (blocks, tiles and transform)."""
+    """The contraction length of `gemm` must be a multiple of this (blocks, tiles and transform); 1
+    under a full transform, which pads the dim itself (`transform_length`)."""
+    if recipe.operand(GEMMS[gemm][0]).full_transform:
+        return 1
     multiple = 1
     for name in GEMMS[gemm]:
         spec = recipe.operand(name)
@@ -114,6 +135,14 @@ def contraction_multiple(recipe: LinearRecipe, gemm: str) -> int:
             multiple = math.lcm(multiple, BLOCK_SIZE[spec.format], *(spec.tile or ()))
         multiple = math.lcm(multiple, max(spec.transform_size, 1))
     return multiple
+
+
+def transform_length(recipe: LinearRecipe, gemm: str, length: int) -> int:
+    """The padded contraction length N of a full transform of `gemm` over `length` elements: the next
+    power of two, and at least the operands' FP4 block, so the padded operands divide into blocks (the
+    recipe allows no tiles with a full transform)."""
+    blocks = [BLOCK_SIZE[recipe.operand(name).format] for name in GEMMS[gemm] if recipe.operand(name).is_fp4]
+    return max(1 << (length - 1).bit_length(), *blocks, 1)
 
 
 @dataclass(frozen=True)
@@ -197,12 +226,13 @@ def gemm_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None,
     """What a tensor-core GEMM reads for a 2D operand quantized along its last dim. `encoded` (a QTensor
     of the same operand, made for a probe) is used instead of quantizing again, so the random bits
     drawn are the same either way."""
-    if signs is not None:
-        t = hadamard(t.to(torch.float32), spec.transform_size, signs)
+    t = transform_operand(t.to(torch.float32), spec, signs) if signs is not None else t
     if spec.format == "fp32":
         return GemmOperand(t.to(torch.float32))
     if spec.format == "bf16":
         return GemmOperand(t.to(torch.bfloat16))
+    if spec.format == "fp8":  # E4M3 / E5M2 values are exact in bf16; the scale goes to the epilogue
+        encoded = encoded if encoded is not None else encode_operand(t, spec, None, generator)
     parts = encoded.factored() if encoded is not None else fake_quantize_factored(t, spec.format, **_quantize_options(spec, generator))
     values = parts.values.to(torch.bfloat16) if parts.bf16_exact else parts.values
     return GemmOperand(values, parts.outer)
@@ -261,7 +291,7 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
     def _forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: FP4Linear, out_dtype: torch.dtype) -> torch.Tensor:
         recipe, g = layer.recipe, layer.generator_for(x.device)
         x2 = x.reshape(-1, x.shape[-1])
-        signs = {gemm: layer.draw_signs(recipe, gemm, g) for gemm in GEMMS}
+        signs = layer.draw_all_signs(g, x2.shape[0])
 
         # x and x^T (Fprop, Wgrad) from one read of x; W and W^T (Fprop, Dgrad) from one read of W,
         # unless 2D tiles make W^T's encoding the transpose of W's.
@@ -299,7 +329,7 @@ class _FP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: FP4Linear) -> torch.Tensor:
         recipe, g = layer.recipe, layer.generator_for(x.device)
-        signs = {gemm: layer.draw_signs(recipe, gemm, g) for gemm in GEMMS}
+        signs = layer.draw_all_signs(g, x.numel() // x.shape[-1])
 
         def x_operands():
             # Wgrad's x^T is encoded now, from the exact activation, and saved in that (packed) form.
@@ -431,10 +461,21 @@ class FP4Linear(nn.Module):
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
         return self._generator
 
-    def draw_signs(self, recipe: LinearRecipe, gemm: str, generator: torch.Generator) -> torch.Tensor | None:
+    def draw_all_signs(self, generator: torch.Generator, tokens: int) -> dict[str, torch.Tensor | None]:
+        """The sign vectors of one forward and backward, in the order fprop, dgrad, wgrad (random ones
+        drawn from `generator` in that order); the GEMMs contract over in_features, out_features and
+        the `tokens` of this call."""
+        lengths = {"fprop": self.in_features, "dgrad": self.out_features, "wgrad": tokens}
+        return {gemm: self.draw_signs(self.recipe, gemm, generator, lengths[gemm]) for gemm in GEMMS}
+
+    def draw_signs(self, recipe: LinearRecipe, gemm: str, generator: torch.Generator, length: int) -> torch.Tensor | None:
+        """The sign vector of `gemm`, whose contraction dim has `length` elements: a transform block
+        long, or for a full transform the padded length (`transform_length`)."""
         spec = recipe.operand(GEMMS[gemm][0])
         if spec.transform == "none":
             return None
+        if spec.full_transform:
+            return hadamard_signs(transform_length(recipe, gemm, length), "random", generator).to(generator.device)
         if spec.transform_signs == "random":
             return hadamard_signs(spec.transform_size, "random", generator).to(generator.device)
         key = (spec.transform, generator.device)
@@ -446,7 +487,7 @@ class FP4Linear(nn.Module):
         """The float32 values a GEMM reads for `operand` (probed through the packed encoding, which
         draws the same random bits, so probing never changes training)."""
         spec = self.recipe.operand(operand)
-        if self.probe and spec.is_fp4:
+        if self.probe and spec.is_quantized:
             encoded = encode_operand(t, spec, signs, generator)
             self.record(operand, t, encoded, signs)
             return decode_operand(encoded)
@@ -464,7 +505,7 @@ class FP4Linear(nn.Module):
                 options["emit_codes"] = True
             return self._fused(t, [(name, options, False)])[0]
         encoded = None
-        if self.probe and spec.is_fp4:
+        if self.probe and spec.is_quantized:
             encoded = encode_operand(t, spec, signs, generator)
             self.record(name, t, encoded, signs)
         return gemm_operand(t, spec, signs, generator, encoded)
@@ -534,9 +575,9 @@ class FP4Linear(nn.Module):
         return SIBLING_OPERANDS.get(x, key, make)
 
     def record(self, operand: str, exact: torch.Tensor, encoded, signs: torch.Tensor | None) -> None:
-        if not self.probe or not isinstance(encoded, QTensor):
+        if not self.probe or not isinstance(encoded, (QTensor, Fp8Tensor)):
             return
-        transformed = hadamard(exact, signs.numel(), signs) if signs is not None else exact
+        transformed = transform_operand(exact, self.recipe.operand(operand), signs)
         stats = error_stats(transformed, encoded)
         self.quant_stats[operand] = (stats.saturated, stats.flushed)
 

@@ -25,14 +25,19 @@ from fp4lab.validation import Checks, read_toml
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
-OPERAND_FORMATS = ("bf16", "fp32", "mxfp4", "nvfp4", "nvfp4_cta")
+OPERAND_FORMATS = ("bf16", "fp32", "mxfp4", "nvfp4", "nvfp4_cta", "fp8")
 FP4_FORMATS = ("mxfp4", "nvfp4", "nvfp4_cta")
+QUANTIZED_FORMATS = (*FP4_FORMATS, "fp8")
+FP8_ELEMENTS = ("e4m3", "e5m2")  # numerics.fp8.FP8_ELEMENTS
+FP8_SCALINGS = ("tensor", "row")  # numerics.fp8.FP8_SCALINGS
+FP8_KEYS = ("element", "scaling")
 MX_SCALE_MODES = ("floor", "ceil", "even", "rceil")
 ROUNDINGS = ("rtn", "sr")
 HADAMARD_SIZES = (16, 32, 64, 128)
+# rhtfull: random signs over the whole contraction dim, zero-padded to a power of two (OptiTrain-FP4).
 TRANSFORMS = ("none",) + tuple(
     f"{kind}{size}" for kind in ("h", "hplain", "rht") for size in HADAMARD_SIZES
-)
+) + ("rhtfull",)
 OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
 GEMMS = {"fprop": ("fprop_x", "fprop_w"), "dgrad": ("dgrad_dy", "dgrad_w"), "wgrad": ("wgrad_dy", "wgrad_x")}
 WEIGHT_OPERANDS = ("fprop_w", "dgrad_w")
@@ -63,7 +68,9 @@ class RecipeError(ValueError):
 class OperandSpec:
     """How one GEMM operand is represented. `transform` is applied along the contraction dim:
     hN = fixed-sign Hadamard (TE's signs), hplainN = unsigned Hadamard, rhtN = random signs drawn
-    per GEMM call from the layer's generator."""
+    per GEMM call from the layer's generator; rhtfull = random signs over the whole contraction dim,
+    zero-padded to a power of two. `element` and `scaling` are fp8's (E4M3 / E5M2, per-tensor or
+    per-row current scale)."""
 
     format: str = "bf16"
     scale_mode: str | None = None
@@ -72,20 +79,38 @@ class OperandSpec:
     tile: tuple[int, int] | None = None
     adaptive: bool = False
     cta_tile: int | None = None
+    element: str | None = None
+    scaling: str | None = None
 
     @property
     def is_fp4(self) -> bool:
         return self.format in FP4_FORMATS
 
     @property
-    def transform_size(self) -> int:
+    def is_quantized(self) -> bool:
+        """FP4 or FP8: the GEMM reads an encoding, not the value rounded to bf16 / fp32."""
+        return self.format in QUANTIZED_FORMATS
+
+    @property
+    def full_transform(self) -> bool:
+        """The transform spans the whole contraction dim (its length is known per GEMM call)."""
+        return self.transform.endswith("full")
+
+    @property
+    def transform_size(self) -> int | None:
+        """The Hadamard block: 0 without a transform, None for a full-dimension one."""
+        if self.full_transform:
+            return None
         return 0 if self.transform == "none" else int(self.transform.lstrip("hplainrt"))
 
     @property
     def transform_signs(self) -> str:
-        return {"h": "fixed", "hplain": "none", "rht": "random"}[self.transform.rstrip("0123456789")]
+        kind = self.transform.removesuffix("full").rstrip("0123456789")
+        return {"h": "fixed", "hplain": "none", "rht": "random"}[kind]
 
     def describe(self) -> str:
+        if self.format == "fp8":
+            return " ".join([self.format, self.element, self.scaling] + ([self.transform] if self.transform != "none" else []))
         if not self.is_fp4:
             return self.format
         parts = [self.format]
@@ -115,7 +140,7 @@ class LinearRecipe:
 
     @property
     def is_high_precision(self) -> bool:
-        return not any(self.operand(name).is_fp4 for name in OPERANDS)
+        return not any(self.operand(name).is_quantized for name in OPERANDS)
 
     @property
     def is_plain_bf16(self) -> bool:
@@ -355,11 +380,19 @@ def _build_operand(table: dict, where: str, key: str, operand: str) -> OperandSp
         tile=_tile(table, where, prefix),
         adaptive=_typed(table, "adaptive", bool, False, where, prefix),
         cta_tile=_positive(table, "cta_tile", None, where, prefix) if "cta_tile" in table else None,
+        element=_choice(table, "element", FP8_ELEMENTS, None, where, prefix),
+        scaling=_choice(table, "scaling", FP8_SCALINGS, None, where, prefix),
     )
+    if spec.full_transform and spec.tile is not None:
+        raise RecipeError(f"{where}: {prefix}tile cannot be combined with transform = {spec.transform!r} (its padded length is known per call)")
+    if fmt != "fp8" and any(k in table for k in FP8_KEYS):
+        raise RecipeError(f"{where}: {key} is {fmt}; element and scaling apply to format = \"fp8\" only")
     if not spec.is_fp4:
         options = [k for k in ("scale_mode", "tile", "cta_tile") if table.get(k) is not None]
         if spec.rounding != "rtn" or spec.adaptive or options:
             raise RecipeError(f"{where}: {key} is {fmt}; rounding, scale_mode, tile, adaptive and cta_tile apply to FP4 formats only")
+        if fmt == "fp8":
+            return replace(spec, element=spec.element or "e4m3", scaling=spec.scaling or "tensor")
         return spec
     block = 32 if fmt == "mxfp4" else 16
     if fmt == "mxfp4" and spec.scale_mode is None:

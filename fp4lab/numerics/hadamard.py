@@ -3,6 +3,7 @@
 Each block of `size` elements along the last dim is multiplied by R = diag(signs) @ H / sqrt(size),
 H the Sylvester-ordered Hadamard matrix. R is orthonormal, so applying it to both operands of a
 GEMM along their shared contraction dim leaves the product unchanged: (A R)(B R)^T = A B^T.
+`hadamard_full` is the same transform over the whole (zero-padded) last dim.
 
 `hadamard` computes the product as a fast Walsh-Hadamard butterfly in a fixed order of float32
 operations (not as a matrix product, whose summation order depends on the BLAS), so a GPU kernel
@@ -15,6 +16,7 @@ import math
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
 HADAMARD_SIZES = (16, 32, 64, 128)
 SIGN_KINDS = ("fixed", "random", "none")
@@ -34,8 +36,10 @@ def _sylvester(size: int) -> torch.Tensor:
 
 def hadamard_signs(size: int, kind: str = "fixed", generator: torch.Generator | None = None) -> torch.Tensor:
     """A float32 +-1 sign vector of length `size`: "fixed" (TE's, repeated), "random" (drawn from
-    `generator`: draw once and pass the same vector to both GEMM operands) or "none" (all +1)."""
-    _check_size(size)
+    `generator`: draw once and pass the same vector to both GEMM operands) or "none" (all +1). `size`
+    is a block size of HADAMARD_SIZES, or for "random" and "none" any power of two (`hadamard_full`)."""
+    if kind == "fixed" or not _is_power_of_two(size):
+        _check_size(size)
     if kind == "fixed":
         return torch.tensor(TE_SIGNS, dtype=torch.float32).repeat(size // len(TE_SIGNS))
     if kind == "random":
@@ -86,7 +90,33 @@ def hadamard(x: torch.Tensor, size: int, signs: torch.Tensor | str = "fixed", *,
             f"hadamard: the last dim of x (shape {list(x.shape)}) must be a multiple of size={size}"
         )
     s = _sign_vector(size, signs).to(device=x.device, dtype=torch.float32)
-    y = x.to(torch.float32).reshape(-1, size)
+    return _butterfly(x.to(torch.float32), size, s, inverse).reshape(x.shape).to(x.dtype)
+
+
+def hadamard_full(x: torch.Tensor, signs: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """The full-dimension random Hadamard transform U = diag(signs) H_N / sqrt(N) (OptiTrain-FP4's
+    "pad to power of 2 & multiply by U = 1/sqrt(N) * H * D"): x's last dim is zero-padded to
+    N = signs.numel(), a power of two, and every row of N is transformed by the butterfly of `hadamard`
+    (the same float32 operations, so for N in HADAMARD_SIZES the two agree bit for bit). Returns the
+    padded [..., N] result in float32; the zeros add nothing to a product of two operands transformed
+    with the same signs. inverse=True applies U^T and keeps the N columns (slice off the padding)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0:
+        raise ValueError("hadamard_full: x must be a floating-point torch.Tensor with at least one dim")
+    n = signs.numel() if isinstance(signs, torch.Tensor) else 0
+    if not _is_power_of_two(n) or n < x.shape[-1]:
+        raise ValueError(
+            f"hadamard_full: signs must be a vector of N values +-1, N a power of two >= the last dim of x "
+            f"({x.shape[-1]}); draw it with hadamard_signs(N, 'random', generator)"
+        )
+    s = _check_signs(signs, n).to(device=x.device, dtype=torch.float32)
+    y = F.pad(x.to(torch.float32), (0, n - x.shape[-1]))
+    return _butterfly(y, n, s, inverse).reshape(*x.shape[:-1], n)
+
+
+def _butterfly(x: torch.Tensor, size: int, s: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """diag(s) H / sqrt(size) (or its transpose) on every float32 block of `size`, in the fixed order
+    `hadamard` documents; x is only ever read."""
+    y = x.reshape(-1, size)
     if not inverse:
         y = y * s
     y = y.contiguous()
@@ -104,8 +134,11 @@ def hadamard(x: torch.Tensor, size: int, signs: torch.Tensor | str = "fixed", *,
         h *= 2
     if inverse:
         y = y * s
-    y = y * (1.0 / math.sqrt(size))  # one float32 rounding of the scale, one of each product
-    return y.reshape(x.shape).to(x.dtype)
+    return y * (1.0 / math.sqrt(size))  # one float32 rounding of the scale, one of each product
+
+
+def _is_power_of_two(n) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
 
 
 def _check_size(size: int) -> None:

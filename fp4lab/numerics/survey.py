@@ -1,7 +1,8 @@
 """Quantization error of one tensor under every format x scale mode x rounding x transform.
 
 This is what `fp4lab numerics` prints: a researcher's first look at how a real tensor (an
-activation, a gradient, a weight) survives each FP4 contract.
+activation, a gradient, a weight) survives each FP4 contract, beside the FP8 baselines (E4M3 / E5M2
+with a per-tensor or per-row current scale, rounded to nearest only).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fp4lab.numerics.hadamard import hadamard, hadamard_signs
+from fp4lab.numerics.fp8 import Fp8Tensor, fp8_quantize
+from fp4lab.numerics.hadamard import hadamard, hadamard_full, hadamard_signs
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.quantize import quantize
 
@@ -26,9 +28,14 @@ SCALE_CONTRACTS = (
     ("mxfp4", "mxfp4", "ceil"),
     ("mxfp4", "mxfp4", "even"),
     ("mxfp4", "mxfp4", "rceil"),
+    ("fp8", "fp8", "e4m3 tensor"),
+    ("fp8", "fp8", "e4m3 row"),
+    ("fp8", "fp8", "e5m2 tensor"),
+    ("fp8", "fp8", "e5m2 row"),
 )
 ROUNDING_MODES = ("rtn", "sr")
-TRANSFORMS = ("none", "H16", "H32", "RHT16")
+# RHTfull: random signs over the whole last dim, zero-padded to a power of two (OptiTrain-FP4).
+TRANSFORMS = ("none", "H16", "H32", "RHT16", "RHTfull")
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,7 @@ class SurveyRow:
 
 
 def error_stats(
-    x: torch.Tensor, q: QTensor, *, original: torch.Tensor | None = None, reconstructed: torch.Tensor | None = None
+    x: torch.Tensor, q: QTensor | Fp8Tensor, *, original: torch.Tensor | None = None, reconstructed: torch.Tensor | None = None
 ) -> ErrorStats:
     """Error of `q`, a quantization of `x`. Saturation and flushing are counted where they happen
     (against x); error and bias compare `reconstructed` with `original` (default: q.dequantize()
@@ -71,7 +78,11 @@ def error_stats(
     norm = original.norm().item()
     rel = err.norm().item() / norm if norm > 0 else 0.0
     mean_abs = original.abs().mean().item()
-    clipped = ((q.codes() & 0x7) == 0x7) & (decoded.abs() < x.abs()) & (decoded != 0)
+    if isinstance(q, Fp8Tensor):  # the largest FP8 magnitude, where the clamp before the cast lands
+        top = q.data.to(torch.float32).abs() == q.max_value
+    else:
+        top = (q.codes() & 0x7) == 0x7
+    clipped = top & (decoded.abs() < x.abs()) & (decoded != 0)
     flushed = (decoded == 0) & (x != 0)
     return ErrorStats(
         rel_rms=rel,
@@ -106,6 +117,7 @@ def survey_cases() -> list[tuple[str, str, str | None, str, str]]:
         for label, fmt, mode in SCALE_CONTRACTS
         for rounding in ROUNDING_MODES
         for transform in TRANSFORMS
+        if fmt != "fp8" or rounding == "rtn"  # FP8 casts round to nearest even only
     ]
 
 
@@ -118,19 +130,33 @@ def survey(x: torch.Tensor, *, seed: int = 0, on_case: Callable[[], None] | None
     x2d = x.to(torch.float32).reshape(-1, x.shape[-1])
     for label, fmt, mode, rounding, transform in survey_cases():
         g = torch.Generator().manual_seed(seed)
-        size, signs = _transform(transform, g)
-        xt = hadamard(x2d, size, signs) if size else x2d
-        q = quantize(xt, fmt, rounding=rounding, scale_mode=mode, generator=g)
-        back = hadamard(q.dequantize(), size, signs, inverse=True) if size else None
+        size, signs = _transform(transform, g, x2d.shape[-1])
+        if transform == "RHTfull":
+            xt = hadamard_full(x2d, signs)
+        else:
+            xt = hadamard(x2d, size, signs) if size else x2d
+        if fmt == "fp8":
+            element, scaling = mode.split()
+            q = fp8_quantize(xt, element, scaling)
+        else:
+            q = quantize(xt, fmt, rounding=rounding, scale_mode=mode, generator=g)
+        back = None
+        if transform == "RHTfull":  # undo U and drop the zero padding
+            back = hadamard_full(q.dequantize(), signs, inverse=True)[:, : x2d.shape[-1]]
+        elif size:
+            back = hadamard(q.dequantize(), size, signs, inverse=True)
         stats = error_stats(xt, q, original=x2d, reconstructed=back)
         yield SurveyRow(label, mode or "-", rounding, transform, stats)
         if on_case is not None:
             on_case()
 
 
-def _transform(name: str, g: torch.Generator) -> tuple[int, torch.Tensor | str]:
+def _transform(name: str, g: torch.Generator, length: int) -> tuple[int, torch.Tensor | str]:
     if name == "none":
         return 0, "none"
+    if name == "RHTfull":
+        size = 1 << (length - 1).bit_length()
+        return size, hadamard_signs(size, "random", g)
     if name.startswith("RHT"):
         size = int(name[3:])
         return size, hadamard_signs(size, "random", g)
