@@ -58,6 +58,41 @@ def test_paired_transforms_leave_the_products_unchanged():
     torch.testing.assert_close(layer.weight.grad, dy.reshape(-1, 96).T @ x.detach().reshape(-1, 128), rtol=1e-5, atol=1e-4)
 
 
+def test_paired_full_transforms_leave_the_products_unchanged_on_padded_dims():
+    """rhtfull on every GEMM: K = 100, N = 72 and 2 x 37 tokens are zero-padded to 128, 128 and 128
+    (no block multiple needed), and with fp32 operands the products are the exact ones up to rounding."""
+    layer = make(uniform(OperandSpec("fp32", transform="rhtfull")), in_features=100, out_features=72)
+    sizes = {gemm: s.numel() for gemm, s in layer.draw_all_signs(torch.Generator().manual_seed(0), 74).items()}
+    assert sizes == {"fprop": 128, "dgrad": 128, "wgrad": 128}
+    x, y, dy = run(layer, tokens=37)
+    w = layer.weight.detach()
+    torch.testing.assert_close(y, x.detach() @ w.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, dy @ w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.weight.grad, dy.reshape(-1, 72).T @ x.detach().reshape(-1, 100), rtol=1e-5, atol=1e-4)
+
+
+def test_full_transform_pads_to_at_least_the_fp4_block_and_redraws_its_signs():
+    recipe = uniform(OperandSpec("bf16"), wgrad_dy=OperandSpec("mxfp4", transform="rhtfull", scale_mode="floor"),
+                     wgrad_x=OperandSpec("nvfp4", transform="rhtfull"))
+    layer = make(recipe, in_features=40, out_features=24)
+    g = torch.Generator().manual_seed(0)
+    first, second = layer.draw_all_signs(g, 5)["wgrad"], layer.draw_all_signs(g, 5)["wgrad"]
+    assert first.numel() == second.numel() == 32 and not torch.equal(first, second)
+    assert layer.draw_all_signs(g, 33)["wgrad"].numel() == 64 and layer.draw_all_signs(g, 33)["fprop"] is None
+
+
+def test_fp8_operands_are_probed_and_decode_as_their_quantizer():
+    from fp4lab.numerics import fp8_quantize
+
+    layer = make(load_recipe("fp8").linear)
+    layer.probe = True
+    x, y, _ = run(layer)
+    assert set(layer.quant_stats) == {"fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x"}
+    x2, w = x.detach().reshape(-1, 128), layer.weight.detach()
+    expected = fp8_quantize(x2, "e4m3").dequantize() @ fp8_quantize(w, "e4m3").dequantize().T
+    assert torch.equal(y.detach().reshape(-1, 96), expected)
+
+
 def test_mxfp4_rowsr_h32_gemms_are_bit_exact_emulations():
     recipe = load_recipe("mxfp4-rowsr-h32").linear
     layer = make(recipe)
@@ -182,6 +217,7 @@ def test_bad_shapes_are_rejected_with_the_fix():
         FP4Linear(48, 64, load_recipe("mxfp4").linear)
     with pytest.raises(ValueError, match="lora_rank"):
         FP4Linear(64, 64, load_recipe("mxfp4").linear, lora_rank=65)
+    FP4Linear(48, 40, uniform(OperandSpec("mxfp4", scale_mode="floor", transform="rhtfull")))  # the transform pads
 
 
 def test_probing_never_changes_training():

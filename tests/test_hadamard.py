@@ -1,4 +1,4 @@
-"""Blockwise Hadamard transforms: orthonormality, TE's fixed signs, random signs, GEMM invariance."""
+"""Hadamard transforms, blockwise and full-dimension: orthonormality, TE's signs, random signs, GEMM invariance."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp4lab.numerics import HADAMARD_SIZES, TE_SIGNS, hadamard, hadamard_matrix, hadamard_signs
+from fp4lab.numerics import HADAMARD_SIZES, TE_SIGNS, hadamard, hadamard_full, hadamard_matrix, hadamard_signs
 from tests._refs import randn
 
 TE_SIGN_VECTOR = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]  # TE get_wgrad_sign_vector
@@ -199,3 +199,59 @@ def test_hadamard_never_writes_into_its_input(inverse):
     before = x.clone()
     hadamard(x, 32, "fixed", inverse=inverse)
     assert torch.equal(x, before)
+
+
+# Full-dimension transform (OptiTrain-FP4's U = H D / sqrt(N) over the zero-padded dim).
+
+
+@pytest.mark.parametrize("n, length", [(2, 1), (8, 5), (256, 200), (512, 512), (2048, 1500)])
+def test_full_transform_is_the_dense_u_on_the_zero_padded_rows(n, length):
+    x = randn((6, length), seed=n)
+    s = random_signs(n, n)
+    padded = torch.nn.functional.pad(x.double(), (0, n - length))
+    dense = padded @ (s.double()[:, None] * torch.from_numpy(sylvester(n))) / np.sqrt(n)
+    y = hadamard_full(x, s)
+    assert y.shape == (6, n) and y.dtype == torch.float32
+    assert torch.allclose(y.double(), dense, rtol=0, atol=1e-5 * dense.abs().max().item())
+    back = hadamard_full(y, s, inverse=True)[:, :length]
+    assert torch.allclose(back, x, rtol=0, atol=1e-5 * x.abs().max().item())
+
+
+@pytest.mark.parametrize("n", [4, 16, 64, 256, 1024])
+def test_full_transform_is_exact_where_the_arithmetic_is(n):
+    """Small integers and N = 4^k: every butterfly sum and the 1/sqrt(N) = 2^-k product are exact, so
+    the butterfly equals the dense product bit for bit."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(-8, 9, (3, n - 1), generator=g).float()
+    s = random_signs(n, 1)
+    dense = (torch.nn.functional.pad(x, (0, 1)).double() @ (s.double()[:, None] * torch.from_numpy(sylvester(n)))) / np.sqrt(n)
+    assert torch.equal(hadamard_full(x, s), dense.float())
+
+
+@pytest.mark.parametrize("size", HADAMARD_SIZES)
+def test_full_transform_of_one_block_is_the_blockwise_transform_bit_for_bit(size):
+    x, s = randn((5, size), seed=size), random_signs(size, 3)
+    assert torch.equal(hadamard_full(x, s), hadamard(x, size, s))
+    assert torch.equal(hadamard_full(x, s, inverse=True), hadamard(x, size, s, inverse=True))
+
+
+def test_full_transform_with_one_sign_vector_preserves_the_gemm():
+    a, b = randn((32, 300), seed=1), randn((24, 300), seed=2)
+    s = random_signs(512, 4)
+    product = hadamard_full(a, s) @ hadamard_full(b, s).T
+    assert torch.allclose(product, a @ b.T, rtol=0, atol=1e-4 * (a.abs() @ b.abs().T).max().item())
+
+
+@pytest.mark.parametrize("signs", [torch.ones(48), torch.ones(64), "fixed", torch.full((512,), 2.0)])
+def test_full_transform_needs_a_power_of_two_sign_vector_covering_the_dim(signs):
+    with pytest.raises(ValueError, match="hadamard_full: signs|hadamard: signs"):
+        hadamard_full(torch.zeros(2, 100), signs)
+
+
+def test_random_signs_of_any_power_of_two_and_only_block_sizes_for_fixed():
+    assert hadamard_signs(4096, "random", torch.Generator().manual_seed(0)).shape == (4096,)
+    assert torch.equal(hadamard_signs(2, "none"), torch.ones(2))
+    with pytest.raises(ValueError, match="size"):
+        hadamard_signs(4096, "fixed")
+    with pytest.raises(ValueError, match="size"):
+        hadamard_signs(48, "random")

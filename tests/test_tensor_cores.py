@@ -15,9 +15,9 @@ import torch
 
 from fp4lab.nn.fp4_linear import FP4Linear, GemmOperand, gemm_operand, tensor_core_mm
 from fp4lab.nn.recipe import LinearRecipe, OperandSpec, load_recipe
-from fp4lab.numerics import fake_quantize
+from fp4lab.numerics import fake_quantize, fp8_quantize
 
-FP4_RECIPES = ("nvfp4-all", "nvfp4", "mxfp4", "mxfp4-rowsr-h32", "nvfp4-cta", "hybrid-operand", "optitrain", "nvfp4-global")
+FP4_RECIPES = ("nvfp4-all", "nvfp4", "mxfp4", "mxfp4-rowsr-h32", "nvfp4-cta", "hybrid-operand", "optitrain", "nvfp4-global", "fp8", "fp8-rowwise")
 U = 2.0**-24
 
 
@@ -49,6 +49,8 @@ def reference_values(t: torch.Tensor, spec: OperandSpec, generator) -> torch.Ten
                    "adaptive": spec.adaptive, "cta_tile": spec.cta_tile,
                    "generator": generator if spec.rounding == "sr" else None}
         return fake_quantize(t, spec.format, **options)
+    if spec.format == "fp8":
+        return fp8_quantize(t, spec.element, spec.scaling).dequantize()
     return t.to(torch.bfloat16).float() if spec.format == "bf16" else t
 
 
@@ -92,9 +94,10 @@ RTN_MX_H32 = LinearRecipe(
 
 @pytest.mark.parametrize(
     "recipe, fused",
-    [(load_recipe(name).linear, False) for name in ("nvfp4-all", "mxfp4-rowsr-h32", "nvfp4-cta", "optitrain")]
-    + [(RTN_H16, True), (RTN_MX_H32, True), (load_recipe("mxfp4").linear, True)],
-    ids=["nvfp4-all", "mxfp4-rowsr-h32", "nvfp4-cta", "optitrain", "fused-nvfp4-h16", "fused-mxfp4-h32", "fused-mxfp4"],
+    [(load_recipe(name).linear, False) for name in ("nvfp4-all", "mxfp4-rowsr-h32", "nvfp4-cta", "optitrain", "fp8", "fp8-rowwise")]
+    + [(RTN_H16, True), (RTN_MX_H32, True), (load_recipe("mxfp4").linear, True), (load_recipe("optitrain-rht16").linear, True)],
+    ids=["nvfp4-all", "mxfp4-rowsr-h32", "nvfp4-cta", "optitrain", "fp8", "fp8-rowwise", "fused-nvfp4-h16", "fused-mxfp4-h32",
+         "fused-mxfp4", "fused-optitrain-rht16"],
 )
 def test_fp4_linear_tensor_cores_match_reference(recipe, fused, device):
     """Forward and both gradients of one layer: the tensor-core Function against the reference one,
@@ -300,3 +303,5 @@ def test_kernel_coverage_follows_what_the_fused_quantizer_supports():
     assert not kernel_covers(OperandSpec("nvfp4_cta"))
     assert not kernel_covers(OperandSpec("mxfp4", transform="h64"))
     assert not kernel_covers(OperandSpec("bf16"))
+    assert not kernel_covers(OperandSpec("fp8", element="e4m3", scaling="tensor"))
+    assert not kernel_covers(OperandSpec("nvfp4", transform="rhtfull"))
