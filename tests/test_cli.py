@@ -87,9 +87,11 @@ def test_numerics_json_on_a_state_dict_entry(run_cli, tmp_path):
     report = json.loads(out.stdout)
     assert report["shape"] == [64, 128]
     rows = report["rows"]
-    assert len(rows) == 6 * 2 * 4  # scale contracts x roundings x transforms
-    assert {r["format"] for r in rows} == {"nvfp4", "nvfp4_cta", "mxfp4"}
-    assert {r["transform"] for r in rows} == {"none", "H16", "H32", "RHT16"}
+    assert len(rows) == (6 * 2 + 4) * 5  # (FP4 scale contracts x roundings + FP8 contracts, RTN only) x transforms
+    assert {r["format"] for r in rows} == {"nvfp4", "nvfp4_cta", "mxfp4", "fp8"}
+    assert {r["transform"] for r in rows} == {"none", "H16", "H32", "RHT16", "RHTfull"}
+    fp8 = {r["scale_mode"]: r["rel_rms"] for r in rows if r["format"] == "fp8" and r["transform"] == "none"}
+    assert fp8["e4m3 row"] < fp8["e5m2 row"] < min(r["rel_rms"] for r in rows if r["format"] == "nvfp4")
     for row in rows:
         assert 0.0 < row["rel_rms"] < 0.3
         assert row["snr_db"] == pytest.approx(-20 * math.log10(row["rel_rms"]))
