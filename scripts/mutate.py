@@ -61,6 +61,7 @@ ATTN_AXES = W + "test_fp4_attention_blocks_qkv_along_head_dim_and_ds_along_keys"
 OPTIONS = W + "test_fp4_linear_operand_options_reach_the_quantizer"
 LINEAR_EXACT = "tests/test_fp4_linear.py::test_mxfp4_rowsr_h32_gemms_are_bit_exact_emulations"
 LINEAR_1D = "tests/test_fp4_linear.py::test_nvfp4_with_one_d_weights_requantizes_w_transposed_for_dgrad"
+GEMMS_EXACT = "tests/test_recipe_gemms.py::test_each_gemm_is_the_bit_exact_emulation_of_its_recipe"
 
 QK_CALL = 'record["qk_clipped_heads"] = _apply_qk_clip(model, tau, bool(recipe.lora_svd_rank))'
 STEP_CALL = "grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed)"
@@ -158,6 +159,60 @@ MUTATIONS = [
     m("operand-spec-swapped", "Dgrad's dy quantized with the wgrad_dy spec",
       (LIN, 'dy_hat = layer.consume("dgrad_dy", dy, signs["dgrad"], g)', 'dy_hat = layer.consume("wgrad_dy", dy, signs["dgrad"], g)'),
       [LINEAR_EXACT]),
+    # --- fp8 operands and the full-dimension RHT (issue 12 item 4) -----------------------------------
+    m("fp8-element-ignored", "an fp8 operand's element = e5m2 is cast to E4M3",
+      (LIN, "return fp8_quantize(t, spec.element, spec.scaling)", 'return fp8_quantize(t, "e4m3", spec.scaling)'),
+      [GEMMS_EXACT + "[fp8:linear]"]),
+    m("fp8-scaling-ignored", "an fp8 operand's scaling = row gets one scale per tensor",
+      (LIN, "return fp8_quantize(t, spec.element, spec.scaling)", 'return fp8_quantize(t, spec.element, "tensor")'),
+      [GEMMS_EXACT + "[fp8-rowwise:linear]", GEMMS_EXACT + "[full-rht-padded]"]),
+    m("fp8-dtypes-swapped", "fp8's e4m3 and e5m2 name each other's torch dtype",
+      ("fp4lab/numerics/fp8.py", 'FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}',
+       'FP8_DTYPES = {"e4m3": torch.float8_e5m2, "e5m2": torch.float8_e4m3fn}'),
+      ["tests/test_fp8.py", GEMMS_EXACT + "[fp8:linear]"]),
+    m("fp8-row-amax-over-columns", "fp8 per-row scales take their amax down the columns",
+      ("fp4lab/numerics/fp8.py", "magnitude.amax(dim=-1, keepdim=True)", "magnitude.amax(dim=0, keepdim=True)"),
+      ["tests/test_fp8.py", GEMMS_EXACT + "[fp8-rowwise:linear]"]),
+    m("fp8-outer-not-inverted", "the tensor-core path multiplies an fp8 GEMM by the scales, not their reciprocals",
+      ("fp4lab/numerics/fp8.py", "FactoredValues(self.data.to(torch.float32), 1.0 / self.scale, True)",
+       "FactoredValues(self.data.to(torch.float32), self.scale, True)"),
+      ["tests/test_tensor_cores.py::test_fp4_linear_tensor_cores_match_reference[cpu-fp8]",
+       "tests/test_tensor_cores.py::test_tensor_core_gemm_equals_fp32_emulation[cpu-fprop-fp8-rowwise]"]),
+    m("fp8-not-probed", "probes skip fp8 operands (is_fp4 where is_quantized is meant)",
+      (LIN, "        if self.probe and spec.is_quantized:\n            encoded = encode_operand(t, spec, signs, generator)\n"
+            "            self.record(operand,",
+       "        if self.probe and spec.is_fp4:\n            encoded = encode_operand(t, spec, signs, generator)\n"
+       "            self.record(operand,"),
+      ["tests/test_fp4_linear.py::test_fp8_operands_are_probed_and_decode_as_their_quantizer"]),
+    m("fp8-counts-as-high-precision", "an all-fp8 linear counts as high precision (no LoRA-SVD, no FP8 checks)",
+      (RECIPE, "return not any(self.operand(name).is_quantized for name in OPERANDS)",
+       "return not any(self.operand(name).is_fp4 for name in OPERANDS)"),
+      ["tests/test_recipe.py::test_fp8_recipes_are_te_hybrid_and_torchao_rowwise"]),
+    m("fp8-keys-accepted-elsewhere", "element / scaling silently accepted on non-fp8 operands",
+      (RECIPE, 'if fmt != "fp8" and any(k in table for k in FP8_KEYS):', "if False:"),
+      ["tests/test_recipe.py::test_bad_recipes_name_file_and_key"]),
+    m("full-rht-signs-unsigned", "rhtfull draws no random signs (plain H over the padded dim)",
+      (LIN, 'return hadamard_signs(transform_length(recipe, gemm, length), "random", generator)',
+       'return hadamard_signs(transform_length(recipe, gemm, length), "none")'),
+      [GEMMS_EXACT + "[optitrain:linear]", GEMMS_EXACT + "[full-rht-padded]"]),
+    m("full-rht-pad-not-zero", "the full RHT pads the contraction dim with ones, not zeros",
+      ("fp4lab/numerics/hadamard.py", "y = F.pad(x.to(torch.float32), (0, n - x.shape[-1]))",
+       "y = F.pad(x.to(torch.float32), (0, n - x.shape[-1]), value=1.0)"),
+      ["tests/test_fp4_linear.py::test_paired_full_transforms_leave_the_products_unchanged_on_padded_dims"]),
+    m("full-rht-normalized-by-unpadded-length", "the full RHT divides by sqrt(length), not sqrt(N)",
+      ("fp4lab/numerics/hadamard.py", "return _butterfly(y, n, s, inverse).reshape(*x.shape[:-1], n)",
+       "return _butterfly(y, n, s, inverse).reshape(*x.shape[:-1], n) * math.sqrt(n / x.shape[-1])"),
+      ["tests/test_fp4_linear.py::test_paired_full_transforms_leave_the_products_unchanged_on_padded_dims",
+       GEMMS_EXACT + "[full-rht-padded]"]),
+    m("full-rht-no-block-floor", "the full RHT pads a short dim to a power of two below the FP4 block",
+      (LIN, "return max(1 << (length - 1).bit_length(), *blocks, 1)", "return max(1 << (length - 1).bit_length(), 1)"),
+      ["tests/test_fp4_linear.py::test_full_transform_pads_to_at_least_the_fp4_block_and_redraws_its_signs"]),
+    m("full-rht-wgrad-length-from-features", "Wgrad's full RHT sized from in_features, not the call's tokens",
+      (LIN, '"wgrad": tokens}', '"wgrad": self.in_features}'),
+      ["tests/test_fp4_linear.py::test_full_transform_pads_to_at_least_the_fp4_block_and_redraws_its_signs"]),
+    m("optitrain-blockwise-rht", "optitrain's Wgrad uses the blockwise RHT16 again",
+      ("fp4lab/recipes/optitrain.toml", 'transform = "rhtfull"', 'transform = "rht16"'),
+      ["tests/test_recipe.py::test_optimizer_and_fullstack_switches"]),
     # --- quantization axes: linears ----------------------------------------------------------------
     m("axis-fprop-x", "Fprop's x blocked along tokens (M), not K",
       (LIN, 'x_hat = layer.consume("fprop_x", x2, signs["fprop"], g)',
