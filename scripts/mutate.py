@@ -52,13 +52,15 @@ LIN = "fp4lab/nn/fp4_linear.py"
 BUILD = "fp4lab/nn/build.py"
 RECIPE = "fp4lab/nn/recipe.py"
 OPT = "fp4lab/optim/build.py"
+MUON = "fp4lab/optim/muon.py"
 KIMI_LOOP = W + "test_loop_steps_in_the_documented_order_with_qk_clip_and_update_cap[bf16-kimi]"
 CAP_LOOP = W + "test_loop_steps_in_the_documented_order_with_qk_clip_and_update_cap[optitrain-None]"
 FULLSTACK = W + "test_fullstack_loop_refreshes_lora_svd_and_keeps_nvfp4_optimizer_states"
 SWITCHES = W + "test_recipe_switches_reach_the_model"
 OPT_STATES = W + "test_nvfp4_optimizer_states_are_stored_packed_and_used"
-ATTN_AXES = W + "test_fp4_attention_blocks_qkv_along_head_dim_and_ds_along_keys"
+ATTN_EXACT = "tests/test_attention.py::test_fp4_attention_is_bit_exact_to_an_emulation_with_every_operand_on_its_contraction_axis"
 OPTIONS = W + "test_fp4_linear_operand_options_reach_the_quantizer"
+NS_EXACT = "tests/test_optim.py::test_nvfp4_newton_schulz_is_three_nvfp4_gemms_blocked_along_their_contraction_axes"
 LINEAR_EXACT = "tests/test_fp4_linear.py::test_mxfp4_rowsr_h32_gemms_are_bit_exact_emulations"
 LINEAR_1D = "tests/test_fp4_linear.py::test_nvfp4_with_one_d_weights_requantizes_w_transposed_for_dgrad"
 GEMMS_EXACT = "tests/test_recipe_gemms.py::test_each_gemm_is_the_bit_exact_emulation_of_its_recipe"
@@ -115,9 +117,18 @@ MUTATIONS = [
     m("adamw-v-not-stored", "AdamW's updated v is never encoded back into the packed state",
       ("fp4lab/optim/adamw.py", "state.update(encode_v(exp_avg_sq))", "pass"),
       ["tests/test_optim_adamw.py::test_stored_v_tracks_an_fp32_adamw_run"]),
-    m("muon-ns-not-quantized", "Muon's nvfp4 Newton-Schulz skips the rounding of each iterate",
-      ("fp4lab/optim/muon.py", 'x = quantize(x, "nvfp4").dequantize(torch.bfloat16)', "x = x"),
-      ["tests/test_optim.py::test_nvfp4_newton_schulz_rounds_each_iterate_along_the_long_side"]),
+    m("ns-gram-bf16", "Muon's nvfp4 Newton-Schulz: A = X X^T left a bf16 GEMM",
+      (MUON, "gram = _nvfp4_matmul(x, x.T).bfloat16()", "gram = x @ x.T"), [NS_EXACT]),
+    m("ns-gram-short-axis", "Muon's nvfp4 Newton-Schulz: X blocked along the short side for X X^T",
+      (MUON, "_nvfp4_matmul(x, x.T)", "(_nvfp4_decoded(x.T).T @ _nvfp4_decoded(x.T))"), [NS_EXACT]),
+    m("ns-square-bf16", "Muon's nvfp4 Newton-Schulz: A A left a bf16 GEMM",
+      (MUON, "_nvfp4_matmul(gram, gram)", "(gram @ gram).float()"), [NS_EXACT]),
+    m("ns-square-assumes-symmetric", "Muon's nvfp4 Newton-Schulz: the right A of A A blocked along its rows",
+      (MUON, "_nvfp4_matmul(gram, gram)", "(_nvfp4_decoded(gram) @ _nvfp4_decoded(gram))"), [NS_EXACT]),
+    m("ns-bx-bf16", "Muon's nvfp4 Newton-Schulz: B X left a bf16 GEMM",
+      (MUON, "_nvfp4_matmul(gram_update, x)", "(gram_update @ x).float()"), [NS_EXACT]),
+    m("ns-bx-x-long-axis", "Muon's nvfp4 Newton-Schulz: X blocked along the long side for B X (not re-quantized)",
+      (MUON, "_nvfp4_matmul(gram_update, x)", "(_nvfp4_decoded(gram_update) @ _nvfp4_decoded(x))"), [NS_EXACT]),
     # --- recipe switches ---------------------------------------------------------------------------
     m("attention-format-ignored", "attention.format: every FP4 attention runs nvfp4",
       (BUILD, "AttentionQuant(recipe.attention.format, recipe.attention.ds_rounding, generator)",
@@ -237,19 +248,36 @@ MUTATIONS = [
       (LIN, 'layer.operand_pair(("dgrad_dy", "wgrad_dy"), dy,', 'layer.operand_pair(("wgrad_dy", "dgrad_dy"), dy,'),
       ["tests/test_tensor_cores.py"]),
     # --- quantization axes: FP4 attention -----------------------------------------------------------
-    m("ds-query-axis", "FP4 attention's dS blocked along the query dim, not the key dim",
-      (ATTN, "grad_scores = _fake_quant(grad_scores, quant.format, quant.ds_rounding, quant.generator)",
-       ("grad_scores = _fake_quant(grad_scores.transpose(-1, -2), quant.format, quant.ds_rounding, "
-        "quant.generator).transpose(-1, -2)")), [ATTN_AXES]),
+    m("ds-query-axis", "FP4 attention's dS for dQ blocked along the query dim, not the key dim",
+      (ATTN, "ds_keys = _quant_ds(grad_scores, quant)",
+       "ds_keys = _quant_ds(grad_scores.transpose(-1, -2), quant).transpose(-1, -2)"), [ATTN_EXACT]),
     m("ds-unquantized", "FP4 attention never quantizes dS",
-      (ATTN, "if quant.ds_rounding is not None:", "if False:"),
-      ["tests/test_attention.py::test_fp4_attention_stochastic_ds_gradients_average_to_their_expectation", ATTN_AXES]),
-    m("qkv-seq-axis", "FP4 attention's Q, K, V blocked along the sequence, not head_dim",
-      (ATTN, '(_fake_quant(t, quant.format, "rtn", None) for t in (q, k, v))',
-       '(_fake_quant(t.transpose(-1, -2), quant.format, "rtn", None).transpose(-1, -2) for t in (q, k, v))'),
-      ["tests/test_attention.py::test_fp4_attention_reuses_quantized_qkv_and_rounds_values_to_fp4", ATTN_AXES]),
+      (ATTN, "if quant.ds_rounding is None:", "if True:"),
+      ["tests/test_attention.py::test_fp4_attention_stochastic_ds_gradients_average_to_their_expectation", ATTN_EXACT]),
+    m("qk-seq-axis", "FP4 attention's forward Q, K blocked along the sequence, not head_dim",
+      (ATTN, 'q_q, k_q = _fake_quant(q, quant.format, "rtn", None), _fake_quant(k, quant.format, "rtn", None)',
+       "q_q, k_q = _fake_quant_seq(q, quant.format), _fake_quant_seq(k, quant.format)"),
+      ["tests/test_attention.py::test_fp4_attention_saves_fp4_q_k_and_the_unrounded_v", ATTN_EXACT]),
     m("pv-fp32", "FP4 attention's PV / dO V^T products run in fp32, not on BF16 operands",
-      (ATTN, "return a.to(torch.bfloat16).float() @ b.to(torch.bfloat16).float()", "return a @ b"), [ATTN_AXES]),
+      (ATTN, "return a.to(torch.bfloat16).float() @ b.to(torch.bfloat16).float()", "return a @ b"), [ATTN_EXACT]),
+    m("dst-key-axis", "FP4 attention's dS^T for dK blocked along the key dim, not the query dim",
+      (ATTN, "ds_queries = _quant_ds(grad_scores.transpose(-1, -2), quant)",
+       "ds_queries = _quant_ds(grad_scores, quant).transpose(-1, -2)"), [ATTN_EXACT]),
+    m("dst-reuses-ds", "FP4 attention's dK reads dQ's key-blocked dS, transposed, not its own dS^T",
+      (ATTN, "ds_queries = _quant_ds(grad_scores.transpose(-1, -2), quant)", "ds_queries = ds_keys.transpose(-1, -2)"),
+      [ATTN_EXACT]),
+    m("dq-k-head-dim-axis", "FP4 attention's dQ reads K blocked along head_dim (not re-quantized along keys)",
+      (ATTN, "k_keys = _fake_quant_seq(k_q, quant.format)", "k_keys = k_q"), [ATTN_EXACT]),
+    m("dk-q-head-dim-axis", "FP4 attention's dK reads Q blocked along head_dim (not re-quantized along queries)",
+      (ATTN, "q_queries = _fake_quant_seq(q_q, quant.format)", "q_queries = q_q"), [ATTN_EXACT]),
+    m("pv-v-fp4", "FP4 attention's PV reads an FP4-rounded V",
+      (ATTN, "out = _bf16_matmul(probs, v.repeat_interleave(group, dim=1), quant)",
+       'out = _bf16_matmul(probs, _fake_quant(v, quant.format, "rtn", None).repeat_interleave(group, dim=1), quant)'),
+      [ATTN_EXACT]),
+    m("dp-v-fp4", "FP4 attention's dO V^T reads an FP4-rounded V",
+      (ATTN, "grad_probs = _bf16_matmul(grad_out, v.repeat_interleave(group, dim=1)",
+       'grad_probs = _bf16_matmul(grad_out, _fake_quant(v, quant.format, "rtn", None).repeat_interleave(group, dim=1)'),
+      [ATTN_EXACT]),
 ]
 
 

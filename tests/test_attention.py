@@ -17,17 +17,18 @@ from fp4lab.nn.attention import (
     max_attention_logits,
     rope_tables,
 )
+from fp4lab.numerics import quantize
 
 DIM, N_HEADS, N_KV_HEADS, HEAD_DIM = 128, 4, 2, 32
 
 # FP4 attention vs exact attention: relative Frobenius error of (output, dQ, dK, dV) on `qkv_and_grad()`
 # (unit Gaussians, B=2, 4/2 heads, T=64, d=32), measured with this code (max over 5 SR seeds; 3 other input
-# seeds agree within 0.02). The output error is the Q/K/V rounding alone (one FP4 rounding of a Gaussian
-# costs 0.095 nvfp4, 0.115 mxfp4); dS adds to dQ, dK only.
-#   nvfp4  SR dS 0.145 0.214 0.217 0.109 | RTN dS 0.145 0.195 0.198 0.109 | exact dS 0.145 0.172 0.176 0.109
-#   mxfp4  SR dS 0.173 0.283 0.283 0.137 | RTN dS 0.173 0.248 0.251 0.137 | exact dS 0.173 0.210 0.212 0.137
+# seeds agree within 0.015). The output error is the Q/K rounding alone (V stays BF16); dS and the
+# backward re-quantization of K and Q (along the sequence) add to dQ, dK only.
+#   nvfp4  SR dS 0.107 0.212 0.214 0.109 | RTN dS 0.107 0.190 0.190 0.109 | exact dS 0.107 0.171 0.168 0.109
+#   mxfp4  SR dS 0.132 0.259 0.268 0.137 | RTN dS 0.132 0.225 0.234 0.137 | exact dS 0.132 0.181 0.186 0.137
 # The bounds below leave about 20 % headroom over the SR row.
-FP4_ERROR_BOUND = {"nvfp4": (0.18, 0.26, 0.26, 0.14), "mxfp4": (0.21, 0.34, 0.34, 0.17)}
+FP4_ERROR_BOUND = {"nvfp4": (0.13, 0.26, 0.26, 0.13), "mxfp4": (0.16, 0.31, 0.32, 0.17)}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -245,16 +246,106 @@ def test_fp4_attention_stochastic_ds_gradients_average_to_their_expectation():
         assert averaged < 0.5 * relative_error(rtn[i], expectation[i]), name
 
 
-def test_fp4_attention_reuses_quantized_qkv_and_rounds_values_to_fp4():
+def test_fp4_attention_saves_fp4_q_k_and_the_unrounded_v():
     q, k, v, _ = qkv_and_grad(batch=1, seq=32)
     out = fp4_attention(q, k, v, AttentionQuant("mxfp4", "rtn"))
     assert out.grad_fn is not None
-    q_q, k_q, v_q = out.grad_fn.saved_tensors
+    q_q, k_q, v_saved = out.grad_fn.saved_tensors
     # mxfp4 values are E2M1 times a power of two: at most 2 significant bits.
-    for saved, original in ((q_q, q), (k_q, k), (v_q, v)):
+    for saved, original in ((q_q, q), (k_q, k)):
         assert saved.shape == original.shape and not torch.equal(saved, original)
         mantissa, _ = torch.frexp(saved)
         assert torch.all((mantissa * 4).frac() == 0)
+    assert v_saved is v  # nothing consumes an FP4 V: it is never quantized
+
+
+# An independent emulation of FP4 attention from its description (fp4_attention's docstring): each FP4
+# GEMM's operands quantized along that GEMM's contraction axis, decoded, fp32 products; PV, P^T dO and
+# dO V^T on BF16 operands; the backward re-quantizes the forward's Qq, Kq; SR draws dS then dS^T.
+# Each entry of EMULATION_BREAKS is one way of getting an axis or a precision wrong; the test checks that
+# fp4_attention matches the faithful emulation bit for bit and differs from every broken one.
+EMULATION_BREAKS = (
+    "dq-ds-along-queries",  # dS for dQ blocked along queries
+    "dk-ds-along-keys",  # dS^T for dK blocked along keys (its own draw)
+    "dk-reuses-dq-ds",  # dK reads dQ's quantized dS, transposed: no second quantization
+    "dq-k-along-head-dim",  # K not re-quantized for dQ: Kq, blocked along head_dim
+    "dk-q-along-head-dim",  # Q not re-quantized for dK: Qq, blocked along head_dim
+    "dq-dk-from-exact-qk",  # the backward re-quantizes the exact Q, K, not the forward's Qq, Kq
+    "v-fp4-in-pv",  # V rounded to FP4 for PV (and dO V^T)
+    "v-fp4-in-dp",  # V rounded to FP4 for dO V^T only
+)
+
+
+def _fq(x: torch.Tensor, fmt: str, rounding: str = "rtn", generator: torch.Generator | None = None) -> torch.Tensor:
+    """x blocked along its last dim, encoded and decoded to fp32."""
+    return quantize(x.contiguous(), fmt, rounding=rounding, generator=generator).dequantize()
+
+
+def _fq_rows(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x [..., T, D] blocked along T (x^T blocked along its last dim), decoded, in x's layout."""
+    return _fq(x.transpose(-1, -2), fmt).transpose(-1, -2)
+
+
+def emulated_fp4_attention(q, k, v, grad_out, fmt: str, ds_rounding: str, seed: int, broken: str | None = None):
+    """(out, dq, dk, dv) of FP4 attention, written from its description; `broken` names a deliberate error."""
+    bf16 = lambda x: x.to(torch.bfloat16).float()
+    generator = torch.Generator().manual_seed(seed)
+    batch, n_heads, seq, head_dim = q.shape
+    group = n_heads // k.shape[1]
+    per_head = lambda x: x.repeat_interleave(group, dim=1)
+    q_q, k_q = _fq(q, fmt), _fq(k, fmt)
+    future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    p = torch.softmax((q_q @ per_head(k_q).transpose(-1, -2) / math.sqrt(head_dim)).masked_fill(future, -math.inf), -1)
+    v_pv = _fq(v, fmt) if broken == "v-fp4-in-pv" else v
+    v_dp = _fq(v, fmt) if broken in ("v-fp4-in-pv", "v-fp4-in-dp") else v
+    out = bf16(p) @ bf16(per_head(v_pv))
+    dv = bf16(p).transpose(-1, -2) @ bf16(grad_out)
+    dp = bf16(grad_out) @ bf16(per_head(v_dp)).transpose(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+
+    if broken == "dq-ds-along-queries":
+        ds_for_dq = _fq(ds.transpose(-1, -2), fmt, ds_rounding, generator).transpose(-1, -2)
+    else:
+        ds_for_dq = _fq(ds, fmt, ds_rounding, generator)
+    if broken == "dk-ds-along-keys":
+        ds_t_for_dk = _fq(ds, fmt, ds_rounding, generator).transpose(-1, -2)
+    elif broken == "dk-reuses-dq-ds":
+        ds_t_for_dk = ds_for_dq.transpose(-1, -2)
+    else:
+        ds_t_for_dk = _fq(ds.transpose(-1, -2), fmt, ds_rounding, generator)
+    q_src, k_src = (q, k) if broken == "dq-dk-from-exact-qk" else (q_q, k_q)
+    k_for_dq = k_q if broken == "dq-k-along-head-dim" else _fq_rows(k_src, fmt)
+    q_for_dk = q_q if broken == "dk-q-along-head-dim" else _fq_rows(q_src, fmt)
+    scale = 1.0 / math.sqrt(head_dim)
+    dq = ds_for_dq @ per_head(k_for_dq) * scale
+    dk = ds_t_for_dk @ q_for_dk * scale
+    fold = lambda x: x.view(batch, k.shape[1], group, seq, head_dim).sum(2)
+    return out, dq, fold(dk), fold(dv)
+
+
+def position_scaled_qkv(seed: int = 0):
+    """GQA inputs whose magnitudes vary along the sequence as well as head_dim, so every axis matters."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, h_kv, t, d = 1, 4, 2, 64, 32
+    scale = torch.logspace(-2, 1, t)[None, None, :, None]
+    q = torch.randn(b, h, t, d, generator=g) * scale * torch.logspace(-1, 1, d)
+    k = torch.randn(b, h_kv, t, d, generator=g) * scale.flip(2)
+    v = torch.randn(b, h_kv, t, d, generator=g) * torch.logspace(1, -1, d)
+    return q, k, v, torch.randn(b, h, t, d, generator=g) * scale
+
+
+@pytest.mark.parametrize(("fmt", "ds_rounding"), [("nvfp4", "sr"), ("nvfp4", "rtn"), ("mxfp4", "sr")])
+def test_fp4_attention_is_bit_exact_to_an_emulation_with_every_operand_on_its_contraction_axis(fmt, ds_rounding):
+    q, k, v, grad_out = position_scaled_qkv()
+    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    quant = AttentionQuant(fmt, ds_rounding, torch.Generator().manual_seed(7))
+    got = output_and_grads(lambda *t: fp4_attention(*t, quant), *inputs, grad_out)
+    want = emulated_fp4_attention(q, k, v, grad_out, fmt, ds_rounding, seed=7)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), (name, (a - b).abs().max().item())
+    for broken in EMULATION_BREAKS:
+        wrong = emulated_fp4_attention(q, k, v, grad_out, fmt, ds_rounding, seed=7, broken=broken)
+        assert not all(torch.equal(a, b) for a, b in zip(got, wrong)), f"{broken} is indistinguishable"
 
 
 def test_fp4_attention_needs_sequence_length_multiple_of_32():

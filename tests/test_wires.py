@@ -10,17 +10,14 @@ from the recipe's keys, and compare the checkpoint the loop writes bit for bit.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from fp4lab.nn.attention import AttentionQuant, fp4_attention
 from fp4lab.nn.build import build_model, fp4_linears
 from fp4lab.nn.model import preset
 from fp4lab.nn.recipe import load_recipe
-from fp4lab.numerics import quantize
 from fp4lab.optim.adamw import quantized_v
 from fp4lab.optim.build import OptimizerConfig, build_optimizer
 from fp4lab.optim.muon import NS_POLYNOMIALS
@@ -194,44 +191,6 @@ def test_nvfp4_optimizer_states_are_stored_packed_and_used():
     assert not torch.equal(emb, fp32["tok_embeddings.weight"])
     wq = "layers.0.attention.wq.weight"
     assert not torch.equal(quant[wq], fp32[wq])
-
-
-# --- FP4 attention's quantization axes --------------------------------------------------------------
-
-
-def _fq(t: torch.Tensor, fmt: str) -> torch.Tensor:
-    """t quantized (round to nearest) in blocks along its last dim, decoded to fp32."""
-    return quantize(t, fmt, rounding="rtn").dequantize()
-
-
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_fp4_attention_blocks_qkv_along_head_dim_and_ds_along_keys(fmt):
-    """An independent emulation: Q, K, V blocked along head_dim; dS (rtn) blocked along the key dim.
-    Blocking dS along the query dim instead gives other gradients on this input."""
-    torch.manual_seed(0)
-    b, h, t, d = 1, 2, 64, 32
-    scale = torch.logspace(-2, 1, t)[None, None, :, None]  # per-position magnitudes: the axis matters
-    q = (torch.randn(b, h, t, d) * scale).requires_grad_()
-    k = (torch.randn(b, h, t, d) * scale.flip(2)).requires_grad_()
-    v = torch.randn(b, h, t, d).requires_grad_()
-    grad_out = torch.randn(b, h, t, d) * scale
-    out = fp4_attention(q, k, v, AttentionQuant(fmt, "rtn"))
-    out.backward(grad_out)
-
-    qq, kq, vq = (_fq(x.detach(), fmt) for x in (q, k, v))
-    bf = lambda x: x.to(torch.bfloat16).float()
-    scores = qq @ kq.transpose(-1, -2) / math.sqrt(d)
-    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
-    p = torch.softmax(scores, dim=-1)
-    torch.testing.assert_close(out, bf(p) @ bf(vq), rtol=0, atol=0)
-    dp = bf(grad_out) @ bf(vq).transpose(-1, -2)
-    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
-    for axis_ok, ds_q in ((True, _fq(ds, fmt)), (False, _fq(ds.transpose(-1, -2), fmt).transpose(-1, -2))):
-        dq = ds_q @ kq / math.sqrt(d)
-        dk = ds_q.transpose(-1, -2) @ qq / math.sqrt(d)
-        same = torch.allclose(q.grad, dq, rtol=1e-5, atol=1e-7) and torch.allclose(k.grad, dk, rtol=1e-5, atol=1e-7)
-        assert same == axis_ok, ("key-axis dS" if axis_ok else "query-axis dS", (q.grad - dq).abs().max())
-    torch.testing.assert_close(v.grad, bf(p).transpose(-1, -2) @ bf(grad_out), rtol=0, atol=0)
 
 
 # --- per-operand spec keys reach the quantizer ------------------------------------------------------

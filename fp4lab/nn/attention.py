@@ -7,7 +7,7 @@
   `record_max_logits` stores the per-head max attention logit S_max^h (the QK-Clip trigger, Kimi K2),
   `probe` stores the per-head attention entropy (Zhai et al. 2023);
 - `quant`: FP4 attention after Full-Stack FP4 (arXiv 2607.04422), fake-quantized, with a
-  hand-written backward (`fp4_attention`).
+  hand-written backward (`fp4_attention`): QK^T, dS K and dS^T Q in FP4, V and PV, dO V^T in BF16.
 
 Tensors inside are laid out [batch, heads, seq, head_dim]; RoPE pairs dims (2i, 2i+1) as Meta's Llama
 and torchtitan do, so checkpoints keep torchtitan's layout.
@@ -54,13 +54,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class AttentionQuant:
     """How FP4 attention rounds (Full-Stack FP4, arXiv 2607.04422).
 
-    format:      "nvfp4" or "mxfp4" for Q, K, V (round to nearest, along head_dim) and dS (along the
-                 key dim); the PV, P^T dO and dO V^T products run on BF16 operands. None runs the same
-                 algorithm in exact fp32: the reference that checks the hand-written backward.
-    ds_rounding: "sr" (stochastic) or "rtn" for dS; None keeps dS unquantized (ablation, and the
-                 expectation SR averages to). SR is unbiased only below each block's saturation: the
-                 mean dQ, dK over draws keeps a relative bias of about 1.2 % with nvfp4 (E4M3 block
-                 scales rounded down) and 6 % with mxfp4 (floor scales clip values above 6 x scale).
+    format:      "nvfp4" or "mxfp4" for the operands of the three FP4 GEMMs, S = Q K^T, dQ = dS K and
+                 dK = dS^T Q, each quantized along its GEMM's contraction axis (`fp4_attention`); V
+                 stays BF16, as do the PV, P^T dO and dO V^T products. None runs the same algorithm in
+                 exact fp32: the reference that checks the hand-written backward.
+    ds_rounding: "sr" (stochastic) or "rtn" for dS (along keys, for dQ) and dS^T (along queries, for
+                 dK; its own draw); None keeps both unquantized (ablation, and the expectation SR
+                 averages to). SR is unbiased only below each block's saturation: the mean dQ, dK over
+                 draws keeps a relative bias of about 1.2 % with nvfp4 (E4M3 block scales rounded down)
+                 and 6 % with mxfp4 (floor scales clip values above 6 x scale).
     generator:   the random stream of dS's stochastic rounding, on the tensors' device (None: torch's
                  default generator).
     """
@@ -184,22 +186,39 @@ def attention_entropy(q: torch.Tensor, k: torch.Tensor, max_elements: int = PROB
 
 
 def fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: AttentionQuant) -> torch.Tensor:
-    """Causal attention with FP4 Q, K, V and dS (Full-Stack FP4), fake-quantized; output [B, H, T, D].
+    """Causal attention with FP4 QK^T, dS K and dS^T Q GEMMs (Full-Stack FP4), fake-quantized; [B, H, T, D].
 
-    q [B, H, T, D], k and v [B, H_kv, T, D]. Forward: Qq, Kq, Vq quantized once along head_dim
-    (round to nearest); S = Qq Kq^T / sqrt(D), causal; P = softmax(S) in fp32; O = P Vq with P and Vq
-    rounded to BF16 (fp32 accumulation). Backward (by hand, reusing Qq, Kq, Vq): dV = P^T dO and
-    dP = dO Vq^T on BF16 operands; dS = P * (dP - rowsum(dP * P)); dS quantized along the key dim;
-    dQ = dSq Kq / sqrt(D), dK = dSq^T Qq / sqrt(D). It materialises [B, H, T, T]: a research path.
+    q [B, H, T, D], k and v [B, H_kv, T, D]. Every FP4 GEMM quantizes each of its two operands along that
+    GEMM's own contraction axis, as an FP4 tensor-core GEMM requires; operands are decoded to fp32 and
+    multiplied with fp32 accumulation (dQ, dK then times 1/sqrt(D) in fp32). Sequence and head_dim positions are both contraction axes
+    somewhere, so both must be multiples of 32 (the mxfp4 block; nvfp4's is 16).
 
-    dK contracts dSq over queries while its blocks run along keys: that emulates the paper's math,
-    not a hardware FP4 GEMM, which would need dS^T quantized along the query dim.
+    forward   S  = Qq Kq^T / sqrt(D)   Q and K along head_dim (round to nearest); causal softmax P in fp32
+              O  = P V                 BF16 GEMM: P and V rounded to bf16
+    backward  dV = P^T dO              BF16 GEMM
+              dP = dO V^T              BF16 GEMM; dS = P * (dP - rowsum(dP * P)) in fp32
+              dQ = dS K / sqrt(D)      dS along keys (ds_rounding); K re-quantized along keys (RTN)
+              dK = dS^T Q / sqrt(D)    dS^T along queries (ds_rounding, a second draw after dQ's);
+                                       Q re-quantized along queries (RTN)
+
+    V is never quantized: nothing consumes an FP4 V (the paper keeps PV and dO V^T, the paths that
+    break training, in BF16), so V is only rounded to bf16 as the operand of those two GEMMs.
+
+    The backward re-quantization starts from the saved forward FP4 values Qq, Kq, not from the exact
+    Q, K ("unified tensor reuse": the backward sees the Q, K the forward computed S from, and a kernel
+    keeps them packed between the passes, 4.5 bits a value against bf16's 16). The cost is a second
+    rounding. Measured on `qkv_and_grad()` of tests/test_attention.py (nvfp4, RTN dS, mean of 4 input
+    seeds), the relative error of dQ and dK against exact attention is 0.193 when re-quantizing Qq, Kq
+    and 0.167 when re-quantizing the exact Q, K (2.6 points more; mxfp4 0.224 against 0.221); their
+    distance from the gradient of the forward's own function (the same dSq times Kq, Qq in fp32) is
+    0.093 against 0.131: the alignment the reuse buys. P is recomputed from Qq, Kq, bit-identical to the forward. It materialises
+    [B, H, T, T]: a research path.
     """
     seq, head_dim = q.shape[-2], q.shape[-1]
     if seq % FP4_BLOCK_MULTIPLE:
         raise ValueError(
             f"FP4 attention: sequence length {seq} must be a multiple of {FP4_BLOCK_MULTIPLE} "
-            "(dS is quantized in blocks along the key dim); pick a seq_len that is"
+            "(the dS K and dS^T Q GEMMs contract over it in FP4 blocks); pick a seq_len that is"
         )
     if head_dim % FP4_BLOCK_MULTIPLE:
         raise ValueError(f"FP4 attention: head_dim {head_dim} must be a multiple of {FP4_BLOCK_MULTIPLE}")
@@ -209,33 +228,34 @@ def fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: Atte
 class _FP4Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, quant: AttentionQuant):
-        q_q, k_q, v_q = (_fake_quant(t, quant.format, "rtn", None) for t in (q, k, v))
+        q_q, k_q = _fake_quant(q, quant.format, "rtn", None), _fake_quant(k, quant.format, "rtn", None)
         group = q.shape[1] // k.shape[1]
         probs = _causal_softmax(q_q, k_q.repeat_interleave(group, dim=1))
-        out = _bf16_matmul(probs, v_q.repeat_interleave(group, dim=1), quant)
-        ctx.save_for_backward(q_q, k_q, v_q)
+        out = _bf16_matmul(probs, v.repeat_interleave(group, dim=1), quant)
+        ctx.save_for_backward(q_q, k_q, v)
         ctx.quant = quant
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q_q, k_q, v_q = ctx.saved_tensors
+        q_q, k_q, v = ctx.saved_tensors
         quant: AttentionQuant = ctx.quant
         group = q_q.shape[1] // k_q.shape[1]
-        k_x, v_x = k_q.repeat_interleave(group, dim=1), v_q.repeat_interleave(group, dim=1)
         # Recomputed rather than saved: P is [B, H, T, T], and the recomputation is bit-identical.
-        probs = _causal_softmax(q_q, k_x)
+        probs = _causal_softmax(q_q, k_q.repeat_interleave(group, dim=1))
         grad_out = grad_out.float()
 
         grad_v = _bf16_matmul(probs.transpose(-1, -2), grad_out, quant)
-        grad_probs = _bf16_matmul(grad_out, v_x.transpose(-1, -2), quant)
+        grad_probs = _bf16_matmul(grad_out, v.repeat_interleave(group, dim=1).transpose(-1, -2), quant)
         grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
-        if quant.ds_rounding is not None:
-            grad_scores = _fake_quant(grad_scores, quant.format, quant.ds_rounding, quant.generator)
 
         scale = 1.0 / math.sqrt(q_q.shape[-1])
-        grad_q = grad_scores @ k_x * scale
-        grad_k = grad_scores.transpose(-1, -2) @ q_q * scale
+        ds_keys = _quant_ds(grad_scores, quant)
+        k_keys = _fake_quant_seq(k_q, quant.format)
+        grad_q = ds_keys @ k_keys.repeat_interleave(group, dim=1) * scale
+        ds_queries = _quant_ds(grad_scores.transpose(-1, -2), quant)
+        q_queries = _fake_quant_seq(q_q, quant.format)
+        grad_k = ds_queries @ q_queries * scale
         return grad_q, _sum_over_group(grad_k, group), _sum_over_group(grad_v, group), None
 
 
@@ -244,6 +264,18 @@ def _fake_quant(x: torch.Tensor, fmt: str | None, rounding: str, generator: torc
     if fmt is None:
         return x.float()
     return quantize(x, fmt, rounding=rounding, generator=generator).dequantize()
+
+
+def _fake_quant_seq(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
+    """x [B, H, T, D] quantized (round to nearest) in blocks along the sequence dim T; fp32, same layout."""
+    return _fake_quant(x.transpose(-1, -2), fmt, "rtn", None).transpose(-1, -2)
+
+
+def _quant_ds(grad_scores: torch.Tensor, quant: AttentionQuant) -> torch.Tensor:
+    """dS (or dS^T) quantized along its last dim with quant.ds_rounding; None leaves it in fp32."""
+    if quant.ds_rounding is None:
+        return grad_scores
+    return _fake_quant(grad_scores, quant.format, quant.ds_rounding, quant.generator)
 
 
 def _causal_softmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,11 @@
 Routing (the Muon convention of Keller Jordan's README and Moonlight's toy_train.py, arXiv 2502.16982):
 Muon takes the 2D hidden matrices of the transformer blocks, `layers.{i}.attention.{wq,wk,wv,wo}.weight`
 and `layers.{i}.feed_forward.{w1,w2,w3}.weight` (torchtitan's Llama names), in practice every 2D
-parameter under `layers.` that is not a LoRA adapter. AdamW takes the rest: `tok_embeddings.weight`, the
-output head `output.weight`, the norm gains, every 1D parameter, and the LoRA-SVD adapters
-`...lora_a` / `...lora_b` (Full-Stack FP4, arXiv 2607.04422), which are small low-rank factors, not hidden
-matrices. With `name="adamw"` AdamW takes everything, at `adam_lr`.
+parameter under `layers.`. AdamW takes the rest: `tok_embeddings.weight`, the output head `output.weight`,
+the norm gains and every 1D parameter. With `name="adamw"` AdamW takes everything, at `adam_lr`.
+The LoRA-SVD factors of Full-Stack FP4's linears (arXiv 2607.04422), `lora_u` and `lora_v` of FP4Linear,
+are buffers, not parameters: the training loop recomputes them from the weight's SVD every
+`lora_svd_every` steps, so no optimizer sees them.
 
 Weight decay applies to matrices and embeddings but not to 1D parameters (norm gains), as in nanoGPT's
 configure_optimizers: decaying a gain pulls the layer's output scale toward zero.
@@ -29,7 +30,6 @@ from fp4lab.validation import Checks, is_number
 
 OPTIMIZER_NAMES = ("muon", "adamw")
 _BLOCK_PARAM = re.compile(r"layers\.\d+\.")
-_LORA_SUFFIXES = (".lora_a", ".lora_b")
 _QK_PARAM = re.compile(r"layers\.\d+\.attention\.w[qk]\.weight$")
 
 
@@ -105,8 +105,8 @@ def _tuple_of(x, n: int) -> bool:
 
 
 def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
-    """Whether the Muon convention gives this parameter to Muon: 2D, inside a block, not a LoRA adapter."""
-    return p.ndim == 2 and _BLOCK_PARAM.match(name) is not None and not name.endswith(_LORA_SUFFIXES)
+    """Whether the Muon convention gives this parameter to Muon: 2D and inside a block."""
+    return p.ndim == 2 and _BLOCK_PARAM.match(name) is not None
 
 
 class CombinedOptimizer:

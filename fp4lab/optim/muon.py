@@ -22,10 +22,9 @@ check it). The class does not inherit from it: torch's step calls a private, mod
 function, and the NVFP4 mode needs its own loop, so `newton_schulz` below is the one loop both modes run.
 
 `ns_format="nvfp4"` follows Full-Stack FP4 (Ding et al., arXiv 2607.04422), which runs the Newton-Schulz
-iteration of its orthogonalized optimizer in NVFP4: every iterate X is quantized with
-`quantize(X, "nvfp4")` (round to nearest) and dequantized before the products that read it. See
-`newton_schulz` for the quantization axis. Only the iterates are rounded; the Gram and polynomial
-products stay in bf16 exactly as in the bf16 mode, so the two modes differ only by FP4 rounding.
+iteration of its orthogonalized optimizer natively in NVFP4: each of the three GEMMs of an iteration
+(X X^T, A A, B X) is an NVFP4 GEMM whose two operands are quantized with `quantize(., "nvfp4")` (round to
+nearest) along that GEMM's contraction axis. `newton_schulz` states the axes and the roundings.
 """
 
 from __future__ import annotations
@@ -41,6 +40,8 @@ from fp4lab.optim.plumbing import closure_loss, dense_grads
 LR_SCALINGS = ("original", "moonlight")
 NS_FORMATS = ("bf16", "nvfp4")
 NVFP4_BLOCK = BLOCK_SIZE["nvfp4"]
+# Each side of the matrix is the contraction axis of one NVFP4 GEMM of the iteration (newton_schulz).
+_NVFP4_SHAPE_RULE = f"NVFP4 Newton-Schulz contracts over both sides of a matrix: both must be multiples of {NVFP4_BLOCK}"
 KELLER_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 # (a, b, c) of X <- a X + b (X X^T) X + c (X X^T)^2 X by name: Keller Jordan's quintic (fast, leaves
 # singular values in roughly [0.7, 1.2]), and the classic cubic X <- 0.5 (3 I - X X^T) X that
@@ -64,16 +65,21 @@ def newton_schulz(
     Frobenius norm (which bounds the spectral norm by 1), then `steps` times
     A = X X^T;  B = b A + c A A;  X = a X + B X.
 
-    fmt="nvfp4" (Full-Stack FP4, arXiv 2607.04422) rounds each iterate X to NVFP4 right before it enters
-    the products, X the normalized input included; the final iterate, which becomes the update and
-    feeds no further product, is returned unrounded. Quantization axis: 1x16 blocks along the last dim
-    of the *wide* view, i.e. along the longer side of the matrix. That is the contraction dim of the
-    Gram product X X^T (an NVFP4 GEMM needs its blocks along K), it is the dim most likely to be a
-    multiple of 16 (kv projections can have a short side of 64 or less), and it keeps the rule the
-    same for tall and wide parameters. The same rounded X also feeds B X, whose contraction runs over
-    the short side; a hardware kernel would need a second, column-blocked copy for that GEMM, which
-    this reference does not model. Quantizing the bf16 iterate and dequantizing back to bf16 rounds
-    twice, the second time at 2^-9, far below the FP4 error.
+    fmt="nvfp4" (Full-Stack FP4, arXiv 2607.04422) makes each of the three GEMMs of an iteration an NVFP4
+    GEMM: both operands quantized (round to nearest, 1x16 blocks, E4M3 block scales, one fp32 tensor
+    scale each) along that GEMM's contraction axis, decoded to fp32, multiplied with fp32 accumulation.
+    With X [m, n] the wide view (m <= n):
+
+        A = X X^T    contracts n: X blocked along n, for both operands (the same encoding);
+        A A          contracts m: the left A blocked along its rows (last dim), the right A along its
+                     columns (A^T blocked along its last dim); A = X X^T is not assumed exactly symmetric;
+        B X          contracts m: B blocked along its last dim, X re-quantized along m (X^T blocked
+                     along its last dim), from the bf16 iterate.
+
+    A is rounded to bf16 (as the bf16 mode's A = X X^T is); B = b A + c (A A) and X = a X + (B X) are
+    evaluated in fp32 from the bf16 A and X and rounded once to bf16, so the iterate stays bf16 between
+    steps; the additions b A and a X are not GEMMs and read the unquantized bf16 values. Every side of
+    the matrix is a contraction axis of some GEMM, so both must be multiples of 16.
     """
     if g.ndim == 3 and fmt == "bf16":
         return _newton_schulz_batched(g, coefficients, steps, eps)
@@ -86,19 +92,29 @@ def newton_schulz(
     x = g.bfloat16()
     if tall:
         x = x.T
-    if fmt == "nvfp4" and x.size(1) % NVFP4_BLOCK:
-        raise ValueError(
-            f"newton_schulz: fmt='nvfp4' blocks the longer side of the matrix by {NVFP4_BLOCK}; "
-            f"shape {list(g.shape)} has none that is a multiple of {NVFP4_BLOCK}"
-        )
+    if fmt == "nvfp4" and any(side % NVFP4_BLOCK for side in g.shape):
+        raise ValueError(f"newton_schulz: {_NVFP4_SHAPE_RULE}; shape {list(g.shape)} is not (use fmt='bf16')")
     x.div_(x.norm().clamp(min=eps))
     for _ in range(steps):
         if fmt == "nvfp4":
-            x = quantize(x, "nvfp4").dequantize(torch.bfloat16)
-        gram = x @ x.T
-        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, gram_update, x, beta=a)
+            gram = _nvfp4_matmul(x, x.T).bfloat16()
+            gram_update = (b * gram.float() + c * _nvfp4_matmul(gram, gram)).bfloat16()
+            x = (a * x.float() + _nvfp4_matmul(gram_update, x)).bfloat16()
+        else:
+            gram = x @ x.T
+            gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, gram_update, x, beta=a)
     return x.T if tall else x
+
+
+def _nvfp4_matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """left [m, k] @ right [k, n] as an NVFP4 GEMM: each operand blocked along k, decoded, fp32 product."""
+    return _nvfp4_decoded(left) @ _nvfp4_decoded(right.T).T
+
+
+def _nvfp4_decoded(x: torch.Tensor) -> torch.Tensor:
+    """x quantized to NVFP4 (round to nearest) in 1x16 blocks along its last dim, decoded to fp32."""
+    return quantize(x.contiguous(), "nvfp4").dequantize()
 
 
 def _newton_schulz_batched(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
@@ -237,8 +253,8 @@ def _check_group(group: dict) -> None:
             )
         if torch.is_complex(p):
             raise ValueError(f"Muon: complex parameters are not supported (shape {list(p.shape)})")
-        if group["ns_format"] == "nvfp4" and max(p.shape) % NVFP4_BLOCK:
+        if group["ns_format"] == "nvfp4" and any(side % NVFP4_BLOCK for side in p.shape):
             raise ValueError(
-                f"Muon: ns_format='nvfp4' blocks the longer side of each matrix by {NVFP4_BLOCK}; a parameter of "
-                f"shape {list(p.shape)} has none that is a multiple of {NVFP4_BLOCK} (use ns_format='bf16')"
+                f"Muon: ns_format='nvfp4': {_NVFP4_SHAPE_RULE}; a parameter of shape {list(p.shape)} is not "
+                "(use ns_format='bf16', or give it to AdamW)"
             )
