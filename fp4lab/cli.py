@@ -346,6 +346,8 @@ def train(
     probe_every: Annotated[Optional[int], typer.Option(help="Attention and quantization probes every N steps (default 25).")] = None,
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Checkpoint every N steps (default 50).")] = None,
     max_minutes: Annotated[Optional[float], typer.Option(help="Stop cleanly (resumable) after this much wall time.")] = None,
+    capture_steps: Annotated[Optional[str], typer.Option(help="Comma-separated steps at which to save the GEMM operands (x, W, dY) of --capture-layers to <out>/captures, for numerics --capture.")] = None,
+    capture_layers: Annotated[Optional[str], typer.Option(help="Comma-separated fnmatch patterns of FP4 linear names whose operands --capture-steps saves, e.g. 'layers.0.attention.wq,layers.*.feed_forward.w2'.")] = None,
     device: Annotated[Optional[Device], typer.Option(help="Where to train (default cpu).")] = None,
     compute: Annotated[Optional[Compute], typer.Option(help="fast (bf16 activations, tensor-core GEMMs, fused kernels), reference (fp32, exact emulation) or auto (default: fast on CUDA).")] = None,
     compile: Annotated[Optional[Compile], typer.Option(help="torch.compile (default auto: on CUDA).")] = None,
@@ -367,6 +369,7 @@ def train(
         "qk_clip_tau": qk_clip_tau, "seed": seed, "eval_every": eval_every, "probe_every": probe_every,
         "checkpoint_every": checkpoint_every, "max_minutes": max_minutes, "device": device,
         "compute": compute, "compile": compile, "cuda_graphs": cuda_graphs,
+        "capture_steps": _comma_list(capture_steps, int, "--capture-steps"), "capture_layers": _comma_list(capture_layers, str, "--capture-layers"),
     }
     data_flags = {"source": data, "val_source": val_data, "token_dtype": token_dtype, "vocab_size": vocab_size}
     try:
@@ -410,6 +413,15 @@ def train(
     _print_summary_block(summary, train_config.out_dir)
     if summary["status"] == "interrupted":
         raise typer.Exit(130)
+
+
+def _comma_list(text: str | None, kind: type, option: str) -> list | None:
+    if text is None:
+        return None
+    try:
+        return [kind(item.strip()) for item in text.split(",") if item.strip()]
+    except ValueError:
+        fail(f"train: {option} {text!r} must be a comma-separated list of {kind.__name__}s")
 
 
 def _print_summary_block(summary: dict, out_dir, file=None) -> None:
