@@ -34,10 +34,10 @@ def small(out: Path, **overrides) -> TrainConfig:
     """Four steps of the tiny preset; steps 0 and 3 are probe steps, 1 and 2 are not."""
     recipe = out.parent / "cta-lora-rht.toml"
     recipe.write_text(RECIPE)
-    values = dict(
-        recipe=str(recipe), data=DataConfig(source="synthetic"), seq_len=32, batch_size=4, steps=4, warmup_steps=1,
-        eval_every=2, eval_batches=1, probe_every=4, checkpoint_every=4, out_dir=str(out),
-    )
+    values = {
+        "recipe": str(recipe), "data": DataConfig(source="synthetic"), "seq_len": 32, "batch_size": 4, "steps": 4,
+        "warmup_steps": 1, "eval_every": 2, "eval_batches": 1, "probe_every": 4, "checkpoint_every": 4, "out_dir": str(out),
+    }
     return TrainConfig(**(values | overrides))
 
 
