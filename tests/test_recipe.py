@@ -10,7 +10,7 @@ from fp4lab.nn.recipe import OPERANDS, RecipeError, list_recipes, load_recipe
 NAMED = (
     "bf16 nvfp4 nvfp4-all nvfp4-last4-bf16 mxfp4 mxfp4-rowsr mxfp4-rowsr-h32 nvfp4-global nvfp4-cta "
     "hybrid-depth hybrid-operand hybrid-operand-h16 nvfp4-cta-h16 optitrain optitrain-rht16 fullstack nvfp4-no-rht "
-    "fp8 fp8-rowwise fullstack-adamw"
+    "fp8 fp8-rowwise"
 ).split()
 
 
@@ -87,9 +87,6 @@ def test_optimizer_and_fullstack_switches():
     assert full.lora_svd_rank > 0 and full.attention.format == "nvfp4"
     assert full.optimizer.ns_format == "nvfp4" and full.optimizer.adam_v_format == "nvfp4"
     assert full.optimizer.name == "muon" and full.optimizer.ns_polynomial == "cubic"
-    full_adamw = load_recipe("fullstack-adamw")
-    assert full_adamw.optimizer.name == "adamw" and full_adamw.optimizer.adam_v_format == "nvfp4"
-    assert (full_adamw.linear, full_adamw.attention, full_adamw.lora_svd_rank) == (full.linear, full.attention, 8)
     assert load_recipe("bf16").linear.is_high_precision and load_recipe("bf16").head == "bf16"
 
 
