@@ -211,7 +211,8 @@ def _numerics_capture(source: Path, formats: list[str] | None, recipes: list[str
         loaded = [load_recipe(name) for name in recipes]
     except RecipeError as exc:
         fail(f"numerics: --recipe: {str(exc).splitlines()[0]}")
-    chosen = candidates(formats if formats is not None else ([] if recipes else list(FORMATS)), loaded)
+    names = list(dict.fromkeys(formats)) if formats is not None else ([] if recipes else list(FORMATS))
+    chosen = candidates(names, list({r.name: r for r in loaded}.values()))
     try:
         files = capture_files(source)
         if as_json:

@@ -245,3 +245,19 @@ def test_cli_gemm_formats_are_the_library_s():
     from fp4lab import cli
 
     assert cli.GEMM_FORMATS == tuple(FORMATS)
+
+
+def test_a_sweep_spec_sets_capture_and_the_run_id_ignores_it(tmp_path):
+    from fp4lab.lab.specs.sweep_spec import SpecError, expand, load_spec
+
+    base = 'name = "t"\n[base]\nsteps = 10\n[base.data]\nsource = "synthetic"\n'
+    plain = tmp_path / "plain.toml"
+    plain.write_text(base)
+    capturing = tmp_path / "capturing.toml"
+    capturing.write_text(base.replace("steps = 10\n", 'steps = 10\ncapture_steps = [9]\ncapture_layers = ["output"]\n'))
+    (run,), (reference,) = expand(load_spec(capturing)), expand(load_spec(plain))
+    assert run.config["capture_steps"] == [9] and run.config["capture_layers"] == ["output"]
+    assert run.id == reference.id  # the same run: capturing changes nothing it computes
+    capturing.write_text(base.replace("steps = 10\n", "steps = 10\ncapture_steps = [10]\ncapture_layers = [\"output\"]\n"))
+    with pytest.raises(SpecError, match="capture_steps has step 10"):
+        load_spec(capturing)
