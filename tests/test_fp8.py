@@ -25,12 +25,14 @@ def wide(rows: int, cols: int, seed: int) -> torch.Tensor:
     return x
 
 
-def torchao_cast(x: torch.Tensor, element: str, scaling: str):
+def torchao_cast(x: torch.Tensor, element: str, scaling: str, pow2: bool = False):
     dtype = DTYPES[element]
     if scaling == "tensor":
-        scale = float8_utils.tensor_to_scale(x, dtype)
+        scale = float8_utils.tensor_to_scale(x, dtype, round_scales_to_power_of_2=pow2)
     else:
-        scale = float8_utils.tensor_to_scale(x, dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
+        scale = float8_utils.tensor_to_scale(
+            x, dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1, round_scales_to_power_of_2=pow2
+        )
     data = float8_utils.to_fp8_saturated(x.to(torch.float32) * scale, dtype)
     return data, scale
 
@@ -42,16 +44,29 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("element", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("scaling", ["tensor", "row"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_scale_values_and_decode_match_torchao_bit_for_bit(element, scaling, dtype):
+@pytest.mark.parametrize("pow2", [False, True])
+def test_scale_values_and_decode_match_torchao_bit_for_bit(element, scaling, dtype, pow2):
     x = wide(64, 96, seed=3).to(dtype)
-    q = fp8_quantize(x, element, scaling)
-    data, scale = torchao_cast(x, element, scaling)
+    q = fp8_quantize(x, element, scaling, pow2=pow2)
+    data, scale = torchao_cast(x, element, scaling, pow2)
     assert q.scale.dtype == torch.float32 and q.scale.shape == scale.shape == ((64, 1) if scaling == "row" else ())
     assert torch.equal(bits(q.scale), bits(scale))
     assert q.data.dtype == DTYPES[element] and torch.equal(bits(q.data), bits(data))
     # torchao's decode: Float8TrainingTensor.to_original_precision divides by the scale (in fp32 here).
     assert torch.equal(bits(q.dequantize()), bits(data.to(torch.float32) / scale))
-    assert torch.equal(fp8_scale(x, element, scaling), q.scale)
+    assert torch.equal(fp8_scale(x, element, scaling, pow2=pow2), q.scale)
+    if pow2:
+        assert torch.equal(torch.frexp(q.scale).mantissa, torch.full_like(q.scale, 0.5))
+
+
+def test_power_of_two_scales_round_down_exactly_where_torchao_rounds_up():
+    """amax just above 448 * 2^-k makes 448 / amax an ulp below 2^k: for k >= 4 torchao's float32
+    exp2(floor(log2(s))) gives 2^k there (log2 rounds up to k), fp4lab the power of two below."""
+    x = torch.tensor([[448.0 * (1 + 2.0**-23)], [448.0 * 2.0**-5 * (1 + 2.0**-23)], [300.0]])
+    ours = fp8_scale(x, "e4m3", "row", pow2=True).flatten().tolist()
+    _, theirs = torchao_cast(x, "e4m3", "row", pow2=True)
+    assert ours == [0.5, 16.0, 1.0] and theirs.flatten().tolist() == [0.5, 32.0, 1.0]  # float32 log2(1 - 2^-23) < 0
+    assert (fp8_quantize(x, "e4m3", "row", pow2=True).data.float().abs() <= 448).all()
 
 
 def test_per_row_scales_differ_and_per_tensor_scaling_flushes_small_rows():

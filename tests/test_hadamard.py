@@ -224,7 +224,8 @@ def test_full_transform_is_exact_where_the_arithmetic_is(n):
     g = torch.Generator().manual_seed(n)
     x = torch.randint(-8, 9, (3, n - 1), generator=g).float()
     s = random_signs(n, 1)
-    dense = (torch.nn.functional.pad(x, (0, 1)).double() @ (s.double()[:, None] * torch.from_numpy(sylvester(n)))) / np.sqrt(n)
+    u = s.double()[:, None] * torch.from_numpy(sylvester(n))
+    dense = (torch.nn.functional.pad(x, (0, 1)).double() @ u) / np.sqrt(n)
     assert torch.equal(hadamard_full(x, s), dense.float())
 
 

@@ -75,7 +75,10 @@ def test_fp8_recipes_are_te_hybrid_and_torchao_rowwise():
     assert not fp8.is_high_precision and not fp8.fprop_x.is_fp4 and fp8.fprop_x.is_quantized
     assert fp8.dgrad_dy.describe() == "fp8 e5m2 tensor"
     rowwise = load_recipe("fp8-rowwise").linear
-    assert {(rowwise.operand(n).element, rowwise.operand(n).scaling) for n in OPERANDS} == {("e4m3", "row")}
+    assert {(rowwise.operand(n).element, rowwise.operand(n).scaling, rowwise.operand(n).pow2_scale) for n in OPERANDS} == {
+        ("e4m3", "row", True)
+    }
+    assert not fp8.fprop_x.pow2_scale and rowwise.wgrad_dy.describe() == "fp8 e4m3 row+pow2"
 
 
 def test_optimizer_and_fullstack_switches():
@@ -122,8 +125,10 @@ def test_user_recipe_extends_a_builtin(tmp_path):
         ('[linear.all]\nformat = "fp8"\nscaling = "block"\n', "linear.fprop_x.scaling='block' is not supported; allowed: tensor, row"),
         ('[linear.all]\nformat = "fp8"\nrounding = "sr"\n', "linear.fprop_x is fp8; rounding, scale_mode, tile, adaptive and cta_tile apply to FP4"),
         ('[linear.weight]\nformat = "fp8"\ntile = [16, 16]\n', "linear.fprop_w is fp8; rounding, scale_mode, tile,"),
-        ('[linear.all]\nformat = "nvfp4"\nelement = "e4m3"\n', "linear.fprop_x is nvfp4; element and scaling apply to format = \"fp8\" only"),
-        ('[linear.grad_output]\nscaling = "row"\n', "linear.dgrad_dy is bf16; element and scaling apply to format = \"fp8\" only"),
+        ('[linear.all]\nformat = "nvfp4"\nelement = "e4m3"\n', "linear.fprop_x is nvfp4; element, scaling and pow2_scale apply to format = \"fp8\""),
+        ('[linear.grad_output]\nscaling = "row"\n', "linear.dgrad_dy is bf16; element, scaling and pow2_scale apply to format = \"fp8\""),
+        ('[linear.all]\nformat = "mxfp4"\npow2_scale = false\n', "linear.fprop_x is mxfp4; element, scaling and pow2_scale apply"),
+        ('[linear.all]\nformat = "fp8"\npow2_scale = "yes"\n', "linear.fprop_x.pow2_scale must be a bool, got 'yes'"),
         ('[linear.fprop]\nformat = "nvfp4"\ntransform = "rhtfull"\n[linear.fprop_w]\nformat = "nvfp4"\ntile = [16, 16]\ntransform = "rhtfull"\n',
          "linear.fprop_w.tile cannot be combined with transform = 'rhtfull'"),
         ('[linear.wgrad_dy]\nformat = "nvfp4"\ntransform = "rhtfull"\n', "the two operands of wgrad need the same transform"),

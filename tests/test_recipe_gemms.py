@@ -8,7 +8,8 @@ random signs over the contraction dim zero-padded to the next power of two, at l
 quantizes it along its last (contraction) dim with the spec's format, scale mode, rounding, tile,
 adaptive and CTA tile, decodes it to float32 and takes the float32 product `a @ b.T`. FP8 operands are
 quantized by the formula written here (amax over the tensor or the row, scale = fp8_max / max(amax,
-1e-12) divided in float64, clamp, cast, divide), not by fp4lab's quantizer. Nothing in it comes from
+1e-12) divided in float64, optionally rounded down to a power of two, clamp, cast, divide), not by
+fp4lab's quantizer. Nothing in it comes from
 the layer.
 
 Random bits are replayed from a generator seeded like the layer's: the layer draws, in this order, the
@@ -50,8 +51,8 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # FP4, FP8 (per row, per tensor) and BF16 operands.
 FULL_RHT = LinearRecipe(
     fprop_x=OperandSpec("nvfp4", transform="rhtfull", rounding="sr"),
-    fprop_w=OperandSpec("fp8", transform="rhtfull", element="e4m3", scaling="row"),
-    dgrad_dy=OperandSpec("fp8", transform="rhtfull", element="e5m2", scaling="tensor"),
+    fprop_w=OperandSpec("fp8", transform="rhtfull", element="e4m3", scaling="row", pow2_scale=False),
+    dgrad_dy=OperandSpec("fp8", transform="rhtfull", element="e5m2", scaling="tensor", pow2_scale=True),
     dgrad_w=OperandSpec("bf16", transform="rhtfull"),
     wgrad_dy=OperandSpec("mxfp4", scale_mode="floor", transform="rhtfull"),
     wgrad_x=OperandSpec("nvfp4", transform="rhtfull"),
@@ -87,11 +88,13 @@ def _signs(specs: tuple[OperandSpec, OperandSpec], length: int, generator: torch
     return hadamard_signs(int(size), {"h": "fixed", "hplain": "none", "rht": "random"}[kind], generator)
 
 
-def _fp8(t: torch.Tensor, element: str, scaling: str) -> torch.Tensor:
+def _fp8(t: torch.Tensor, element: str, scaling: str, pow2: bool) -> torch.Tensor:
     dtype = FP8[element]
     top = torch.finfo(dtype).max
     amax = t.abs().amax(dim=-1, keepdim=True) if scaling == "row" else t.abs().max()
     scale = (top / torch.clamp(amax.double(), min=1e-12)).float()
+    if pow2:  # round down: in float64 the log2 of a float32 just below 2^k stays below k
+        scale = torch.exp2(torch.floor(torch.log2(scale.double()))).float()
     return torch.clamp(t * scale, -top, top).to(dtype).float() / scale
 
 
@@ -107,7 +110,7 @@ def _operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, gen
     if spec.format == "bf16":
         return t.to(torch.bfloat16).to(torch.float32)
     if spec.format == "fp8":
-        return _fp8(t, spec.element, spec.scaling)
+        return _fp8(t, spec.element, spec.scaling, spec.pow2_scale)
     q = quantize(
         t,
         spec.format,

@@ -17,7 +17,9 @@ from fp4lab.nn.fp4_linear import FP4Linear, GemmOperand, gemm_operand, tensor_co
 from fp4lab.nn.recipe import LinearRecipe, OperandSpec, load_recipe
 from fp4lab.numerics import fake_quantize, fp8_quantize
 
-FP4_RECIPES = ("nvfp4-all", "nvfp4", "mxfp4", "mxfp4-rowsr-h32", "nvfp4-cta", "hybrid-operand", "optitrain", "nvfp4-global", "fp8", "fp8-rowwise")
+FP4_RECIPES = (
+    "nvfp4-all", "nvfp4", "mxfp4", "mxfp4-rowsr-h32", "nvfp4-cta", "hybrid-operand", "optitrain", "nvfp4-global", "fp8", "fp8-rowwise",
+)
 U = 2.0**-24
 
 
@@ -50,7 +52,7 @@ def reference_values(t: torch.Tensor, spec: OperandSpec, generator) -> torch.Ten
                    "generator": generator if spec.rounding == "sr" else None}
         return fake_quantize(t, spec.format, **options)
     if spec.format == "fp8":
-        return fp8_quantize(t, spec.element, spec.scaling).dequantize()
+        return fp8_quantize(t, spec.element, spec.scaling, pow2=spec.pow2_scale).dequantize()
     return t.to(torch.bfloat16).float() if spec.format == "bf16" else t
 
 

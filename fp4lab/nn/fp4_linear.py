@@ -65,7 +65,9 @@ def transform_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | 
     return hadamard_full(t, signs) if spec.full_transform else hadamard(t, spec.transform_size, signs)
 
 
-def encode_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator) -> QTensor | Fp8Tensor | torch.Tensor:
+def encode_operand(
+    t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator
+) -> QTensor | Fp8Tensor | torch.Tensor:
     """The representation of a 2D operand (quantized along its last dim) that a GEMM consumes."""
     t = transform_operand(t, spec, signs)
     if spec.format == "fp32":
@@ -73,7 +75,7 @@ def encode_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | Non
     if spec.format == "bf16":
         return t.to(torch.bfloat16)
     if spec.format == "fp8":
-        return fp8_quantize(t, spec.element, spec.scaling)
+        return fp8_quantize(t, spec.element, spec.scaling, pow2=spec.pow2_scale)
     return quantize(t, spec.format, **_quantize_options(spec, generator))
 
 

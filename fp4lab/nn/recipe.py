@@ -30,7 +30,7 @@ FP4_FORMATS = ("mxfp4", "nvfp4", "nvfp4_cta")
 QUANTIZED_FORMATS = (*FP4_FORMATS, "fp8")
 FP8_ELEMENTS = ("e4m3", "e5m2")  # numerics.fp8.FP8_ELEMENTS
 FP8_SCALINGS = ("tensor", "row")  # numerics.fp8.FP8_SCALINGS
-FP8_KEYS = ("element", "scaling")
+FP8_KEYS = ("element", "scaling", "pow2_scale")
 MX_SCALE_MODES = ("floor", "ceil", "even", "rceil")
 ROUNDINGS = ("rtn", "sr")
 HADAMARD_SIZES = (16, 32, 64, 128)
@@ -69,8 +69,8 @@ class OperandSpec:
     """How one GEMM operand is represented. `transform` is applied along the contraction dim:
     hN = fixed-sign Hadamard (TE's signs), hplainN = unsigned Hadamard, rhtN = random signs drawn
     per GEMM call from the layer's generator; rhtfull = random signs over the whole contraction dim,
-    zero-padded to a power of two. `element` and `scaling` are fp8's (E4M3 / E5M2, per-tensor or
-    per-row current scale)."""
+    zero-padded to a power of two. `element`, `scaling` and `pow2_scale` are fp8's (E4M3 / E5M2,
+    per-tensor or per-row current scale, optionally rounded down to a power of two)."""
 
     format: str = "bf16"
     scale_mode: str | None = None
@@ -81,6 +81,7 @@ class OperandSpec:
     cta_tile: int | None = None
     element: str | None = None
     scaling: str | None = None
+    pow2_scale: bool | None = None
 
     @property
     def is_fp4(self) -> bool:
@@ -110,7 +111,8 @@ class OperandSpec:
 
     def describe(self) -> str:
         if self.format == "fp8":
-            return " ".join([self.format, self.element, self.scaling] + ([self.transform] if self.transform != "none" else []))
+            parts = [self.format, self.element, self.scaling + ("+pow2" if self.pow2_scale else "")]
+            return " ".join(parts + ([self.transform] if self.transform != "none" else []))
         if not self.is_fp4:
             return self.format
         parts = [self.format]
@@ -382,17 +384,19 @@ def _build_operand(table: dict, where: str, key: str, operand: str) -> OperandSp
         cta_tile=_positive(table, "cta_tile", None, where, prefix) if "cta_tile" in table else None,
         element=_choice(table, "element", FP8_ELEMENTS, None, where, prefix),
         scaling=_choice(table, "scaling", FP8_SCALINGS, None, where, prefix),
+        pow2_scale=_typed(table, "pow2_scale", bool, False, where, prefix) if "pow2_scale" in table else None,
     )
     if spec.full_transform and spec.tile is not None:
         raise RecipeError(f"{where}: {prefix}tile cannot be combined with transform = {spec.transform!r} (its padded length is known per call)")
     if fmt != "fp8" and any(k in table for k in FP8_KEYS):
-        raise RecipeError(f"{where}: {key} is {fmt}; element and scaling apply to format = \"fp8\" only")
+        raise RecipeError(f"{where}: {key} is {fmt}; element, scaling and pow2_scale apply to format = \"fp8\" only")
     if not spec.is_fp4:
         options = [k for k in ("scale_mode", "tile", "cta_tile") if table.get(k) is not None]
         if spec.rounding != "rtn" or spec.adaptive or options:
             raise RecipeError(f"{where}: {key} is {fmt}; rounding, scale_mode, tile, adaptive and cta_tile apply to FP4 formats only")
         if fmt == "fp8":
-            return replace(spec, element=spec.element or "e4m3", scaling=spec.scaling or "tensor")
+            defaults = {"element": spec.element or "e4m3", "scaling": spec.scaling or "tensor"}
+            return replace(spec, **defaults, pow2_scale=bool(spec.pow2_scale))
         return spec
     block = 32 if fmt == "mxfp4" else 16
     if fmt == "mxfp4" and spec.scale_mode is None:

@@ -5,13 +5,18 @@ The chain, torchao's `tensor_to_scale` and `hp_tensor_and_scale_to_float8` (floa
 
     amax   = max |x| over the tensor ("tensor") or over each row's last dim ("row", shape [..., 1])
     scale  = float32(fp8_max / max(amax, 1e-12))   divided in float64, rounded once to float32
+    pow2:    scale = 2^floor(log2(scale))          optional: rounded down to a power of two
     data   = fp8(clamp(x * scale, -fp8_max, fp8_max))   x * scale in float32, then round to nearest even
     decode = float32(data) / scale
 
-fp8_max is 448 for E4M3 (float8_e4m3fn) and 57344 for E5M2. The eps keeps an all-zero tensor (or row)
-finite: its scale is fp8_max * 1e12 and it decodes to zeros. A NaN or Inf poisons its whole tensor (or
-row), as a NaN poisons its FP4 block: a NaN amax gives a NaN scale, an Inf amax a zero scale, and
-either way every element of that tensor (row) decodes to NaN, so the loss shows it.
+fp8_max is 448 for E4M3 (float8_e4m3fn) and 57344 for E5M2. The power-of-two scale is torchao's
+`round_scales_to_power_of_2` (its rowwise recipe's default), rounded down exactly (the float32 exponent
+kept, the mantissa cleared): torchao's exp2(floor(log2(scale))) in float32 returns 2^k for a scale an
+ulp below 2^k once |k| >= 4 (its float32 log2 rounds up to k), where this returns 2^(k-1). The eps
+keeps an all-zero tensor (or row) finite: its scale is fp8_max * 1e12 and it decodes to zeros. A NaN
+or Inf poisons its whole tensor (or row), as a NaN poisons its FP4 block: a NaN amax gives a NaN scale,
+an Inf amax a zero scale, and either way every element of that tensor (row) decodes to NaN, so the loss
+shows it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_ELEMENTS = tuple(FP8_DTYPES)
 FP8_SCALINGS = ("tensor", "row")
 AMAX_EPS = 1e-12  # torchao.float8.float8_utils.EPS
+_F32_MANTISSA = (1 << 23) - 1
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -54,18 +60,22 @@ class Fp8Tensor:
         return FactoredValues(self.data.to(torch.float32), 1.0 / self.scale, True)
 
 
-def fp8_scale(x: torch.Tensor, element: str = "e4m3", scaling: str = "tensor") -> torch.Tensor:
+def fp8_scale(x: torch.Tensor, element: str = "e4m3", scaling: str = "tensor", *, pow2: bool = False) -> torch.Tensor:
     """The current scale of x (module docstring): 0-dim for "tensor", [..., 1] for "row"."""
     _check(x, element, scaling)
     magnitude = x.to(torch.float32).abs()
     amax = magnitude.max() if scaling == "tensor" else magnitude.amax(dim=-1, keepdim=True)
     fp8_max = torch.finfo(FP8_DTYPES[element]).max
-    return (fp8_max / amax.to(torch.float64).clamp(min=AMAX_EPS)).to(torch.float32)
+    scale = (fp8_max / amax.to(torch.float64).clamp(min=AMAX_EPS)).to(torch.float32)
+    if pow2:  # clearing a NaN's mantissa would make it Inf
+        scale = torch.where(torch.isnan(scale), scale, (scale.view(torch.int32) & ~_F32_MANTISSA).view(torch.float32))
+    return scale
 
 
-def fp8_quantize(x: torch.Tensor, element: str = "e4m3", scaling: str = "tensor") -> Fp8Tensor:
-    """x in FP8 with a current per-tensor or per-row scale (module docstring)."""
-    scale = fp8_scale(x, element, scaling)
+def fp8_quantize(x: torch.Tensor, element: str = "e4m3", scaling: str = "tensor", *, pow2: bool = False) -> Fp8Tensor:
+    """x in FP8 with a current per-tensor or per-row scale (module docstring); `pow2` rounds the
+    scale down to a power of two."""
+    scale = fp8_scale(x, element, scaling, pow2=pow2)
     dtype = FP8_DTYPES[element]
     fp8_max = torch.finfo(dtype).max
     # Clamp first: a cast does not saturate in every torch version; a NaN stays NaN.
