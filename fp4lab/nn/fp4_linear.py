@@ -14,7 +14,10 @@ The three GEMMs, their operands and the dim each operand is quantized along (its
 
 A transform (Hadamard) is applied to both operands of a GEMM along its contraction dim with one sign
 vector, so the unquantized product is unchanged. The token dim M is zero-padded to a multiple of the
-block and transform sizes for Wgrad (zeros add nothing to the product).
+block and transform sizes for Wgrad (zeros add nothing to the product). A full-dimension transform
+(rhtfull) pads each operand's contraction dim itself, to the power of two its sign vector spans
+(`transform_length`), so its GEMMs take any in_features, out_features and token count. FP8 operands
+are encoded with one current scale per tensor or per row (`numerics.fp8`).
 
 Two ways to run the same GEMMs (`FP4Linear.tensor_cores`):
 
@@ -23,7 +26,8 @@ Two ways to run the same GEMMs (`FP4Linear.tensor_cores`):
 - tensor cores (the CUDA fast path): each FP4 operand is decoded to its block values (E2M1 times the
   block scale: exact in bf16), the GEMM runs on bf16 tensor cores with fp32 accumulation and an fp32
   result, and NVFP4's outer scales, which vary only along the rows of an operand, multiply that result
-  (the epilogue, like the alpha of Blackwell's FP4 GEMMs). The products are the same exact numbers, so
+  (the epilogue, like the alpha of Blackwell's FP4 GEMMs); FP8 values (exact in bf16) and their per-tensor
+  or per-row decode scales are split the same way. The products are the same exact numbers, so
   the two ways agree up to fp32 summation order (and one rounding of each decoded NVFP4 value that
   the reference makes when it folds the outer scale in). The output takes the autocast dtype (bf16
   activations) and the weight gradient stays fp32. An all-bf16 recipe is a plain `F.linear` on bf16
