@@ -53,6 +53,11 @@ BUILD = "fp4lab/nn/build.py"
 RECIPE = "fp4lab/nn/recipe.py"
 OPT = "fp4lab/optim/build.py"
 MUON = "fp4lab/optim/muon.py"
+CAPTURE = "fp4lab/train/capture.py"
+GEMM_ERROR = "fp4lab/train/gemm_error.py"
+CAPTURE_FILES = "tests/test_capture.py::test_capture_writes_the_chosen_steps_and_layers_only"
+CAPTURE_REAL = "tests/test_capture.py::test_captured_tensors_are_the_step_s_real_operands"
+CAPTURE_EXACT = "tests/test_capture.py::test_diagnostic_equals_an_independent_quantized_product"
 KIMI_LOOP = W + "test_loop_steps_in_the_documented_order_with_qk_clip_and_update_cap[bf16-kimi]"
 CAP_LOOP = W + "test_loop_steps_in_the_documented_order_with_qk_clip_and_update_cap[optitrain-None]"
 FULLSTACK = W + "test_fullstack_loop_refreshes_lora_svd_and_keeps_nvfp4_optimizer_states"
@@ -281,6 +286,18 @@ MUTATIONS = [
       (ATTN, "grad_probs = _bf16_matmul(grad_out, v.repeat_interleave(group, dim=1)",
        'grad_probs = _bf16_matmul(grad_out, _fake_quant(v, quant.format, "rtn", None).repeat_interleave(group, dim=1)'),
       [ATTN_EXACT]),
+    # --- captured GEMM operands and the per-GEMM error on them ----------------------------------------
+    m("capture-step-off-by-one", "operands captured one step early (step + 1 matched against capture_steps)",
+      (LOOP, "capturing = capture is not None and step in capture.steps",
+       "capturing = capture is not None and step + 1 in capture.steps"), [CAPTURE_FILES, CAPTURE_REAL]),
+    m("capture-dy-of-input", "the dY tensor hook sits on the layer input, capturing dX",
+      (CAPTURE, "output.register_hook(grad_hook)", "x.register_hook(grad_hook)"), [CAPTURE_REAL]),
+    m("capture-master-weight", "LoRA-SVD layers capture the master weight, not the residual the FP4 GEMMs read",
+      (CAPTURE, "    if not linear.lora_rank:\n        return linear.weight", "    if True:\n        return linear.weight"),
+      [CAPTURE_REAL]),
+    m("gemm-error-dgrad-w-axis", "the diagnostic blocks Dgrad's W along K, not its contraction dim N",
+      (GEMM_ERROR, "wt_hat = operand_values(w.T.contiguous(), linear.dgrad_w, signs[\"dgrad\"], generator)",
+       "wt_hat = operand_values(w, linear.dgrad_w, signs[\"dgrad\"], generator).T"), [CAPTURE_EXACT]),
 ]
 
 
