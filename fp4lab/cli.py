@@ -35,7 +35,8 @@ CUDA_GRAPHS = ("auto", "on", "off")  # fp4lab.train.config.CUDA_GRAPHS
 TOKEN_DTYPES = ("uint16", "uint32")  # fp4lab.train.data.TOKEN_DTYPES
 DISTRIBUTIONS = ("normal", "student-t", "outlier")  # fp4lab.numerics.survey.DISTRIBUTIONS
 GEMM_FORMATS = (  # tuple(fp4lab.train.gemm_error.FORMATS)
-    "bf16", "mxfp4", "mxfp4-h32", "mxfp4-rceil", "nvfp4", "nvfp4-h16", "nvfp4-rht16", "nvfp4_cta", "nvfp4_cta-h16",
+    "bf16", "mxfp4", "mxfp4-h32", "mxfp4-rceil", "nvfp4", "nvfp4-h16", "nvfp4-rht16", "nvfp4-rhtfull", "nvfp4_cta",
+    "nvfp4_cta-h16", "fp8-e4m3", "fp8-e4m3-row",
 )
 LOG_PRESETS = ("nanogpt", "megatron", "torchtitan", "fp4lab")  # fp4lab.lab.records.logscan.PRESETS
 SWEEP_EXECUTORS = ("local", "slurm", "sbatch")  # fp4lab.lab.runs.executors.EXECUTORS
@@ -158,7 +159,7 @@ def numerics(
         Optional[Path], typer.Option(help="A run folder trained with capture_steps (or one capture .pt file): the Dgrad and Wgrad output error of each format on its captured real operands.")
     ] = None,
     gemm_format: Annotated[
-        Optional[list[str]], typer.Option("--format", help=f"With --capture: an operand format to compare, one of {', '.join(GEMM_FORMATS)} (repeatable; default all, or none when --recipe is given).")
+        Optional[list[str]], typer.Option("--format", help=f"With --capture: an operand format to compare, one of {', '.join(GEMM_FORMATS)} (repeatable; default bf16 and every FP4 one, or none when --recipe is given).")
     ] = None,
     recipe: Annotated[
         Optional[list[str]], typer.Option(help="With --capture: a recipe whose own Dgrad and Wgrad operand specs to compare (repeatable).")
@@ -202,7 +203,7 @@ def _numerics_capture(source: Path, formats: list[str] | None, recipes: list[str
     """`numerics --capture`: a thin wrapper of fp4lab.train.gemm_error."""
     from fp4lab.nn.recipe import RecipeError, load_recipe
     from fp4lab.train.capture import CaptureError, capture_files
-    from fp4lab.train.gemm_error import FORMATS, candidates, measure, summarize
+    from fp4lab.train.gemm_error import DEFAULT_FORMATS, candidates, measure, summarize
     from fp4lab.validation import Checks
 
     for name in formats or []:
@@ -211,7 +212,7 @@ def _numerics_capture(source: Path, formats: list[str] | None, recipes: list[str
         loaded = [load_recipe(name) for name in recipes]
     except RecipeError as exc:
         fail(f"numerics: --recipe: {str(exc).splitlines()[0]}")
-    names = list(dict.fromkeys(formats)) if formats is not None else ([] if recipes else list(FORMATS))
+    names = list(dict.fromkeys(formats)) if formats is not None else ([] if recipes else list(DEFAULT_FORMATS))
     chosen = candidates(names, list({r.name: r for r in loaded}.values()))
     try:
         files = capture_files(source)
@@ -239,22 +240,22 @@ def _print_gemm_errors(rows, summary: dict, chosen, title: str) -> None:
 
     by_key = {(r.step, r.layer, r.candidate, r.gemm): r for r in rows}
     table = Table(title=title, caption="rel = ||Y_q - Y|| / ||Y|| against the fp32 product of the same exact tensors; "
-                  "bold: the lowest Dgrad error of that capture among FP4 candidates")
+                  "bold: the lowest Dgrad error of that capture among quantized (FP4, FP8) candidates")
     for name in ("step", "layer", "candidate"):
         table.add_column(name, no_wrap=True)
     for name in ("Dgrad rel%", "Dgrad cos", "Wgrad rel%", "Wgrad cos"):
         table.add_column(name, justify="right", no_wrap=True)
-    fp4 = [c.name for c in chosen if c.quantizes_fp4()] or [c.name for c in chosen]
+    contenders = [c.name for c in chosen if c.quantized()] or [c.name for c in chosen]
     captures = list(dict.fromkeys((r.step, r.layer) for r in rows))
     for step, layer in captures:
-        best = min(fp4, key=lambda name: by_key[(step, layer, name, "dgrad")].rel)
+        best = min(contenders, key=lambda name: by_key[(step, layer, name, "dgrad")].rel)
         for candidate in chosen:
             d, w = (by_key[(step, layer, candidate.name, gemm)] for gemm in ("dgrad", "wgrad"))
             table.add_row(str(step), layer, candidate.name, f"{100 * d.rel:.2f}", f"{d.cosine:.5f}", f"{100 * w.rel:.2f}",
                           f"{w.cosine:.5f}", style="bold" if candidate.name == best else None)
         table.add_section()
-    means = Table(title=f"Mean over {len(captures)} captures; E/E_best: geometric mean of the error energy over the best FP4 candidate's",
-                  caption="bold: the lowest mean error of that GEMM among FP4 candidates")
+    means = Table(title=f"Mean over {len(captures)} captures; E/E_best: geometric mean of the error energy over the best quantized candidate's",
+                  caption="bold: the lowest mean error of that GEMM among quantized candidates")
     for name in ("candidate", "operands"):
         means.add_column(name)
     for name in ("Dgrad rel%", "Dgrad E/E_best", "Wgrad rel%", "Wgrad E/E_best"):

@@ -17,7 +17,15 @@ from fp4lab.train.capture import CaptureError, capture_files, load_capture
 from fp4lab.train.checkpoint import load_checkpoint
 from fp4lab.train.config import RESULT_NEUTRAL, ConfigError, TrainConfig
 from fp4lab.train.data import BatchSampler, DataConfig, load_dataset
-from fp4lab.train.gemm_error import FORMATS, backward_outputs, candidates, exact_outputs, measure, summarize
+from fp4lab.train.gemm_error import (
+    DEFAULT_FORMATS,
+    FORMATS,
+    backward_outputs,
+    candidates,
+    exact_outputs,
+    measure,
+    summarize,
+)
 from fp4lab.train.jsonl import read_json_line
 from fp4lab.train.loop import _restore, _set_probes, build_training, run
 
@@ -196,8 +204,9 @@ def test_cli_numerics_capture_table_and_json(runs, run_cli):
         assert word in result.stdout
     result = run_cli("numerics", "--capture", str(Path(captured.out_dir) / "captures" / "step-2"), "--json")
     document = json.loads(result.stdout)
-    assert result.returncode == 0 and [c["name"] for c in document["candidates"]] == list(FORMATS)
-    assert len(document["rows"]) == 5 * len(FORMATS) * 2 and {r["step"] for r in document["rows"]} == {2}
+    assert result.returncode == 0 and [c["name"] for c in document["candidates"]] == list(DEFAULT_FORMATS)
+    assert "fp8-e4m3" in FORMATS and "fp8-e4m3" not in DEFAULT_FORMATS
+    assert len(document["rows"]) == 5 * len(DEFAULT_FORMATS) * 2 and {r["step"] for r in document["rows"]} == {2}
     assert document["summary"]["mx_vs_cta"]["captures"] == 5
 
 

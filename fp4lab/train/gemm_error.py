@@ -30,7 +30,7 @@ from fp4lab.nn.recipe import GEMMS, OPERANDS, LinearRecipe, OperandSpec, Recipe
 from fp4lab.train.capture import CapturedGemm, CaptureError, load_capture
 
 # The built-in candidates: one spec for every operand, round to nearest, each along its contraction
-# dim. Data, so a new format or transform of the recipe language is one more entry.
+# dim (fp8: per-tensor or per-row current scaling, as in fp4lab's fp8 recipes). Data, so a new format or transform of the recipe language is one more entry.
 FORMATS: dict[str, OperandSpec] = {
     "bf16": OperandSpec("bf16"),
     "mxfp4": OperandSpec("mxfp4", scale_mode="floor"),
@@ -39,9 +39,15 @@ FORMATS: dict[str, OperandSpec] = {
     "nvfp4": OperandSpec("nvfp4"),
     "nvfp4-h16": OperandSpec("nvfp4", transform="h16"),
     "nvfp4-rht16": OperandSpec("nvfp4", transform="rht16"),
+    "nvfp4-rhtfull": OperandSpec("nvfp4", transform="rhtfull"),
     "nvfp4_cta": OperandSpec("nvfp4_cta"),
     "nvfp4_cta-h16": OperandSpec("nvfp4_cta", transform="h16"),
+    "fp8-e4m3": OperandSpec("fp8", element="e4m3", scaling="tensor"),
+    "fp8-e4m3-row": OperandSpec("fp8", element="e4m3", scaling="row"),
 }
+# Without --format: bf16 and the FP4 formats (FP8 is asked for by name: beside FP4 it would be every
+# table's best and its E/E_best column's reference).
+DEFAULT_FORMATS = tuple(name for name, spec in FORMATS.items() if spec.format != "fp8")
 # The paper's equal-tensor comparison of Dgrad error energy, E_MX / E_CTA.
 MX_VS_CTA = ("mxfp4", "nvfp4_cta")
 BACKWARD_GEMMS = ("dgrad", "wgrad")
@@ -67,10 +73,10 @@ class Candidate:
             return self.recipe.head_linear()
         return self.recipe.linear_for_block(meta["block"], meta["n_layers"])
 
-    def quantizes_fp4(self) -> bool:
-        """Whether any backward operand (of the recipe's body linear) is FP4."""
+    def quantized(self) -> bool:
+        """Whether any backward operand (of the recipe's body linear) is FP4 or FP8."""
         linear = LinearRecipe(*(self.spec,) * len(OPERANDS)) if self.spec is not None else self.recipe.linear
-        return any(linear.operand(name).is_fp4 for gemm in BACKWARD_GEMMS for name in GEMMS[gemm])
+        return any(linear.operand(name).is_quantized for gemm in BACKWARD_GEMMS for name in GEMMS[gemm])
 
     def describe(self) -> str:
         if self.spec is not None:
@@ -158,11 +164,11 @@ def measure(
 
 def summarize(rows: list[GemmError], chosen: list[Candidate]) -> dict:
     """Per candidate and GEMM: the mean rel error over captures, the geometric mean of its error energy
-    over the best FP4 candidate's (by mean rel error) on the same captures, and which candidate that is;
+    over the best quantized candidate's (by mean rel error) on the same captures, and which candidate that is;
     and the paper's E_MX / E_CTA on Dgrad where both formats were measured."""
     names = [c.name for c in chosen]
-    # bf16 beside FP4 is the baseline, not a contender: best is the lowest-error FP4 candidate.
-    contenders = [c.name for c in chosen if c.quantizes_fp4()] or names
+    # bf16 beside FP4 and FP8 is the baseline, not a contender: best is the lowest-error quantized candidate.
+    contenders = [c.name for c in chosen if c.quantized()] or names
     energy = {(r.candidate, r.gemm, r.step, r.layer): r.energy for r in rows}
     captures = list(dict.fromkeys((r.step, r.layer) for r in rows))
     summary: dict = {"candidates": {}, "best": {}}
