@@ -196,7 +196,7 @@ def numerics(
     with Progress(transient=True, disable=not sys.stderr.isatty()) as progress:
         task = progress.add_task("quantizing", total=len(survey_cases()))
         rows = list(survey(x, seed=seed, on_case=lambda: progress.advance(task)))
-    _print_numerics(rows, title=f"FP4 quantization error of {source}, shape {list(x.shape)}, seed {seed}")
+    _print_numerics(rows, title=f"Quantization error of {source}, shape {list(x.shape)}, seed {seed}")
 
 
 def _numerics_capture(source: Path, formats: list[str] | None, recipes: list[str], seed: int, as_json: bool) -> None:
@@ -1187,13 +1187,16 @@ def recipes_show(
         ]
         for gemm, label, operand in rows:
             spec = linear.operand(operand)
-            fp4 = spec.is_fp4
-            scale = (spec.scale_mode or "e4m3") + (" adaptive" if spec.adaptive else "") if fp4 else "-"
+            scale = "-"
+            if spec.is_fp4:
+                scale = (spec.scale_mode or "e4m3") + (" adaptive" if spec.adaptive else "")
             if spec.format == "nvfp4_cta":
                 scale += f" cta{spec.cta_tile or 128}"
+            if spec.format == "fp8":
+                scale = f"per {spec.scaling}" + (" pow2" if spec.pow2_scale else "")
             table.add_row(
-                blocks if first else "", gemm, label, spec.format, scale,
-                spec.rounding if fp4 else "-", spec.transform,
+                blocks if first else "", gemm, label, f"fp8 {spec.element}" if spec.format == "fp8" else spec.format,
+                scale, spec.rounding if spec.is_quantized else "-", spec.transform,
                 "x".join(map(str, spec.tile)) if spec.tile else "-",
             )
             first = False

@@ -135,6 +135,17 @@ def test_recipes_lists_and_shows_the_ledger(run_cli):
     assert any("sr" in r.split("│")[6] for r in rows) and sum("h32" in r for r in rows) == 2
 
 
+def test_recipes_show_names_the_fp8_element_and_scaling(run_cli):
+    shown = run_cli("recipes", "show", "fp8", "--layers", "2")
+    assert shown.returncode == 0, shown.stderr
+    cells = [[c.strip() for c in line.split("│")] for line in shown.stdout.splitlines() if "fp8" in line and "│" in line]
+    by_operand = {(row[2], row[3]): row for row in cells}
+    assert by_operand["fprop", "x"][4:7] == ["fp8 e4m3", "per tensor", "rtn"]
+    assert by_operand["dgrad", "dy"][4:6] == ["fp8 e5m2", "per tensor"]
+    rowwise = run_cli("recipes", "show", "fp8-rowwise", "--layers", "2")
+    assert "per row pow2" in rowwise.stdout
+
+
 @pytest.mark.parametrize(
     "args, fragment",
     [
