@@ -190,8 +190,9 @@ def fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: Atte
 
     q [B, H, T, D], k and v [B, H_kv, T, D]. Every FP4 GEMM quantizes each of its two operands along that
     GEMM's own contraction axis, as an FP4 tensor-core GEMM requires; operands are decoded to fp32 and
-    multiplied with fp32 accumulation (dQ, dK then times 1/sqrt(D) in fp32). Sequence and head_dim positions are both contraction axes
-    somewhere, so both must be multiples of 32 (the mxfp4 block; nvfp4's is 16).
+    multiplied with fp32 accumulation (dQ, dK then times 1/sqrt(D) in fp32). Sequence and head_dim
+    positions are both contraction axes somewhere, so both must be multiples of 32 (the mxfp4 block;
+    nvfp4's is 16).
 
     forward   S  = Qq Kq^T / sqrt(D)   Q and K along head_dim (round to nearest); causal softmax P in fp32
               O  = P V                 BF16 GEMM: P and V rounded to bf16
@@ -211,8 +212,8 @@ def fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: Atte
     seeds), the relative error of dQ and dK against exact attention is 0.193 when re-quantizing Qq, Kq
     and 0.167 when re-quantizing the exact Q, K (2.6 points more; mxfp4 0.224 against 0.221); their
     distance from the gradient of the forward's own function (the same dSq times Kq, Qq in fp32) is
-    0.093 against 0.131: the alignment the reuse buys. P is recomputed from Qq, Kq, bit-identical to the forward. It materialises
-    [B, H, T, T]: a research path.
+    0.093 against 0.131: the alignment the reuse buys. P is recomputed from Qq, Kq, bit-identical to
+    the forward. It materialises [B, H, T, T]: a research path.
     """
     seq, head_dim = q.shape[-2], q.shape[-1]
     if seq % FP4_BLOCK_MULTIPLE:
