@@ -44,6 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor
+else:  # a torch build without torch.distributed has no sharded weights
+    DTensor = ()
+
 from fp4lab.nn.recipe import GEMMS, OPERANDS, LinearRecipe, OperandSpec
 from fp4lab.numerics import (
     BLOCK_SIZE,
@@ -457,7 +462,12 @@ class FP4Linear(nn.Module):
     @torch.no_grad()
     def realign_low_rank(self) -> None:
         """Refresh the BF16 factors to the current top-`lora_rank` singular directions of W."""
-        u, s, vh = torch.linalg.svd(self.weight.to(torch.float32), full_matrices=False)
+        weight = self.weight
+        if isinstance(weight, DTensor):
+            # FSDP2 holds W sharded between steps; the SVD needs all of it (a collective: every rank
+            # calls this). Every rank decomposes the same matrix, so the replicated buffers agree.
+            weight = weight.full_tensor()
+        u, s, vh = torch.linalg.svd(weight.to(torch.float32), full_matrices=False)
         r = self.lora_rank
         self.lora_u.copy_((u[:, :r] * s[:r]).to(torch.bfloat16))
         self.lora_v.copy_(vh[:r].T.to(torch.bfloat16))

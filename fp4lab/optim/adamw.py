@@ -56,6 +56,15 @@ Measured limits of the NVFP4 v (round to nearest; fp32 weights, b2 = 0.95):
 State per parameter: "step" (float32 tensor, as torch), "exp_avg"; then "exp_avg_sq" (fp32 v) or the
 NVFP4 v as plain tensors, so checkpoints load with torch.load(weights_only=True): "v_codes" (uint8,
 packed E2M1), "v_scales" (uint8, E4M3 block scales), "v_tensor_scale" (float32), "v_mean" (float32, [..., 1]).
+
+**Sharded parameters (FSDP2).** For a DTensor parameter (fully_shard's `Shard(0)`) the step runs on the
+local shards; "exp_avg", "exp_avg_sq" and the NVFP4 pieces codes, scales and mean are DTensors placed
+like the parameter (so distributed checkpoints see them sharded), "v_tensor_scale" is a plain tensor,
+equal on every rank. The NVFP4 encoding reduces over three extents: the row mean and the Hadamard
+blocks run along the last dim, which every rank holds whole (a parameter sharded along its last dim
+is refused); the tensor scale comes from the amax of the whole tensor, which `encode_v` takes as the
+MAX over the shards (an all-reduce) rather than each shard's own. So a sharded step is bit-identical
+to the unsharded one (the tests check it), in both formats. `quantized_v` reads the global shape.
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ import torch
 
 from fp4lab.numerics import BLOCK_SIZE, QTensor, hadamard, quantize
 from fp4lab.optim.plumbing import closure_loss, dense_grads
+from fp4lab.optim.sharding import all_reduce_max_over_shards_, check_last_dim_whole, is_sharded, like_sharded, local
 from fp4lab.validation import Checks
 
 V_FORMATS = ("fp32", "nvfp4")
@@ -83,12 +93,25 @@ _check = Checks(ValueError, quote_choices=True)
 V_KEYS = ("v_codes", "v_scales", "v_tensor_scale", "v_mean")
 
 
-def encode_v(v: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Full-Stack FP4's NVFP4 encoding of a second moment v >= 0 (last dim a multiple of HADAMARD_SIZE)."""
+def encode_v(v: torch.Tensor, shard_of: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Full-Stack FP4's NVFP4 encoding of a second moment v >= 0 (last dim a multiple of HADAMARD_SIZE).
+
+    With `shard_of` (a DTensor parameter; v is this rank's shard of its second moment, a plain tensor)
+    the tensor scale is that of the whole tensor: the amax is all-reduced (MAX) over the shards."""
     s = v.to(torch.float32).sqrt()
     mean = s.mean(dim=-1, keepdim=True)
-    q = quantize(hadamard(s - mean, HADAMARD_SIZE), "nvfp4")
+    u = hadamard(s - mean, HADAMARD_SIZE)
+    tensor_amax = None if shard_of is None else all_reduce_max_over_shards_(_finite_amax(u), shard_of)
+    q = quantize(u, "nvfp4", tensor_amax=tensor_amax)
     return {"v_codes": q.data, "v_scales": q.scales, "v_tensor_scale": q.tensor_scale, "v_mean": mean}
+
+
+def _finite_amax(u: torch.Tensor) -> torch.Tensor:
+    """The amax `quantize` derives the NVFP4 tensor scale from: the largest block amax among the blocks
+    without NaN or Inf (0 for an empty shard), so the MAX over shards is the unsharded value."""
+    block_amax = u.abs().reshape(-1, NVFP4_BLOCK).amax(dim=1)
+    finite = block_amax[torch.isfinite(block_amax)]
+    return finite.amax() if finite.numel() else torch.zeros((), device=u.device)
 
 
 def decode_v(state: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -154,18 +177,21 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             beta1, beta2 = group["betas"]
-            for p, grad in dense_grads(group, "AdamW"):
-                state = self.state[p]
-                quantized = group["v_format"] == "nvfp4" and quantized_v(p)
+            for param, grad in dense_grads(group, "AdamW"):
+                state = self.state[param]
+                quantized = group["v_format"] == "nvfp4" and quantized_v(param)
+                if quantized:
+                    check_last_dim_whole(param, "AdamW: v_format='nvfp4'")
+                p, grad = local(param), local(grad)
                 if not state:
                     state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     if quantized:
-                        state.update(encode_v(torch.zeros_like(p, dtype=torch.float32)))
+                        state.update(_encode_v_state(torch.zeros_like(p, dtype=torch.float32), param))
                     else:
-                        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                exp_avg = state["exp_avg"]
-                exp_avg_sq = decode_v(state) if quantized else state["exp_avg_sq"]
+                        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                exp_avg = local(state["exp_avg"])
+                exp_avg_sq = decode_v({k: local(state[k]) for k in V_KEYS}) if quantized else local(state["exp_avg_sq"])
                 state["step"] += 1
                 step = state["step"].item()
 
@@ -176,7 +202,7 @@ class AdamW(torch.optim.Optimizer):
                     torch.maximum(
                         exp_avg_sq, exp_avg.square() * adam_step_bound_coefficient(beta1, beta2), out=exp_avg_sq
                     )
-                    state.update(encode_v(exp_avg_sq))
+                    state.update(_encode_v_state(exp_avg_sq, param))
 
                 step_size = lr / (1 - beta1**step)
                 bias_correction2_sqrt = (1 - beta2**step) ** 0.5
@@ -193,3 +219,11 @@ class AdamW(torch.optim.Optimizer):
             for key in V_KEYS:
                 if key in saved:
                     self.state[p][key] = saved[key].to(device=p.device, copy=True)
+
+
+def _encode_v_state(v: torch.Tensor, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """encode_v of this rank's v; for a DTensor parameter, the pieces cut by rows as sharded as it is."""
+    if not is_sharded(param):
+        return encode_v(v)
+    encoded = encode_v(v, shard_of=param)
+    return {k: t if k == "v_tensor_scale" else like_sharded(t, param) for k, t in encoded.items()}

@@ -25,6 +25,19 @@ function, and the NVFP4 mode needs its own loop, so `newton_schulz` below is the
 iteration of its orthogonalized optimizer natively in NVFP4: each of the three GEMMs of an iteration
 (X X^T, A A, B X) is an NVFP4 GEMM whose two operands are quantized with `quantize(., "nvfp4")` (round to
 nearest) along that GEMM's contraction axis. `newton_schulz` states the axes and the roundings.
+
+**Sharded parameters (FSDP2).** Newton-Schulz needs the whole matrix; this is the "gather" scheme of the
+distributed-Muon literature (each rank orthogonalizes every matrix; the alternative, Moonlight's and
+Essential AI's round-robin assignment of whole matrices to ranks, saves compute but needs a scatter
+back). For a DTensor parameter (fully_shard's `Shard(0)`, HSDP's 2D mesh alike) the momentum buffer is a
+DTensor placed like the parameter and the momentum and Nesterov math run on the shards; the update is
+all-gathered (`full_tensor()`, cast to bf16 first: Newton-Schulz's first operation is that same cast, so
+half the traffic changes no bit), orthogonalized whole, in either mode and batched or not, and each rank
+applies its own rows of the result. `lr_scale` reads the parameter's global shape (a DTensor's shape).
+The step is bit-identical to the unsharded one: the gathered matrix is the unsharded update exactly
+and every other operation is elementwise. Plain tensors (one process, DDP) take the unsharded path as is.
+Chosen for simplicity and exactness; the price is that every rank runs every matrix's Newton-Schulz
+(not measured against the round-robin scheme) and one all-gather per matrix per step.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ import torch
 
 from fp4lab.numerics import BLOCK_SIZE, quantize
 from fp4lab.optim.plumbing import closure_loss, dense_grads
+from fp4lab.optim.sharding import is_sharded, local, local_part
 
 LR_SCALINGS = ("original", "moonlight")
 NS_FORMATS = ("bf16", "nvfp4")
@@ -215,9 +229,15 @@ class Muon(torch.optim.Optimizer):
                 buf.lerp_(grad, 1 - mu)
                 params.append(p)
                 updates.append(grad.lerp(buf, mu) if group["nesterov"] else buf)
-            for p, update in zip(params, self._orthogonalize(updates, group)):
+            whole = [u.bfloat16().full_tensor() if is_sharded(u) else u for u in updates]
+            for p, update in zip(params, self._orthogonalize(whole, group)):
+                if is_sharded(p):
+                    update = local_part(update, p)
+                # A DTensor's shape is global: the scale is the whole matrix's, as unsharded.
+                scale = lr_scale(p.shape, group["lr_scaling"])
+                p = local(p)
                 p.mul_(1 - lr * wd)
-                p.add_(update, alpha=-lr * lr_scale(p.shape, group["lr_scaling"]))
+                p.add_(update, alpha=-lr * scale)
         return loss
 
     def _orthogonalize(self, updates: list[torch.Tensor], group: dict) -> list[torch.Tensor]:

@@ -3,6 +3,14 @@
 `qk_clip_` is QK-Clip from MuonClip (Kimi K2, arXiv 2507.20534, Algorithm 1), extended to grouped-query
 attention. `UpdateCap` is the simpler rule of the OptiTrain-FP4 README (github.com/Solorush2021/OptiTrain-FP4),
 which caps each matrix's relative update size. They are different things; see `UpdateCap`.
+
+**Data-parallel runs.** Each rank measures its max logits on its own data shard; clipping with those
+would scale the replicas differently and they would drift apart. `all_reduce_max_logits_` makes them
+the global per-head maxima (an all-reduce MAX; a no-op without a process group); call it on every
+rank before `qk_clip_`. `qk_clip_` and `UpdateCap` also take FSDP2-sharded weights (DTensors cut
+along dim 0): a head's rows may straddle two shards, so each rank scales the rows it holds by their
+head's factor, and the cap's Frobenius norms are reduced over all shards. Both give bit for bit the
+unsharded clip's weights; the cap's factor up to the summation order of its float64 norms.
 """
 
 from __future__ import annotations
@@ -11,6 +19,18 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
+
+from fp4lab.optim.sharding import global_norm, is_sharded, local, local_part
+
+
+def all_reduce_max_logits_(max_logits: torch.Tensor, group=None) -> torch.Tensor:
+    """In place, the per-head max logits [n_heads] of this rank -> their maximum over all ranks of
+    `group` (default: the world), when torch.distributed is initialized; returned. Every rank must
+    call it (a collective), with the tensor on the device its backend reduces (gloo: CPU, NCCL: CUDA)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(max_logits, op=dist.ReduceOp.MAX, group=group)
+    return max_logits
 
 
 @torch.no_grad()
@@ -57,9 +77,20 @@ def qk_clip_(
     gamma_group = gamma.view(n_kv_heads, group_size).amin(dim=1)
     k_scale = gamma_group.sqrt()
     q_scale = gamma / k_scale.repeat_interleave(group_size)
-    w_q.view(n_heads, head_dim, -1).mul_(q_scale.to(w_q.dtype).to(w_q.device)[:, None, None])
-    w_k.view(n_kv_heads, head_dim, -1).mul_(k_scale.to(w_k.dtype).to(w_k.device)[:, None, None])
+    _scale_heads_(w_q, q_scale, n_heads, head_dim)
+    _scale_heads_(w_k, k_scale, n_kv_heads, head_dim)
     return gamma.to(torch.float32)
+
+
+def _scale_heads_(w: torch.Tensor, head_scale: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Multiply the head_dim rows of each head of w by that head's factor, in w's dtype."""
+    head_scale = head_scale.to(w.dtype).to(w.device)
+    if not is_sharded(w):
+        w.view(heads, head_dim, -1).mul_(head_scale[:, None, None])
+        return
+    # A shard's first row need not start a head: expand to one factor per element and cut it as w is cut.
+    row_scale = head_scale.repeat_interleave(head_dim)[:, None].expand(w.shape)
+    local(w).mul_(local_part(row_scale, w))
 
 
 def _check_qk_clip_args(w_q, w_k, max_logits, tau, n_heads, n_kv_heads, head_dim) -> None:
@@ -125,10 +156,11 @@ class UpdateCap:
         factors = torch.ones(len(self.params_and_alphas), dtype=torch.float64)
         for i, ((p, alpha), before) in enumerate(zip(self.params_and_alphas, self._before)):
             delta = p.detach().to(torch.float64) - before.to(torch.float64)
-            cap = alpha * torch.linalg.vector_norm(before.to(torch.float64)).item()
-            norm = torch.linalg.vector_norm(delta).item()
+            # Over the whole matrix when p is sharded, so every rank applies the same factor.
+            cap = alpha * global_norm(before.to(torch.float64)).item()
+            norm = global_norm(delta).item()
             if norm > cap:
                 factors[i] = cap / norm
-                p.copy_(before.to(torch.float64) + delta * factors[i])
+                local(p).copy_(local(before).to(torch.float64) + local(delta) * factors[i])
         self._before = None
         return factors
