@@ -4,7 +4,8 @@ A small Llama-shaped model (torchtitan's parameter names, so build_optimizer rou
 fp4lab's Llama) is `fully_shard`-ed per block and at the root: every parameter becomes a DTensor cut
 along dim 0, some unevenly (67 rows: 34 + 33), and the attention heads' rows straddle the two shards.
 Both ranks set the same known full gradients (their shards), step, and gather the parameters; the
-test runs the same steps on the whole tensors in this process. One spawn runs every scenario, each
+test runs the same steps on the whole tensors in this process. One scenario runs on an HSDP mesh
+(replicate x shard, 1 x 2). One spawn runs every scenario, each
 test checks its own.
 
 Bit-exact: Muon (bf16 and NVFP4 Newton-Schulz, batched), AdamW (fp32 and NVFP4 v) and QK-Clip, whose
@@ -38,6 +39,8 @@ SCENARIOS = {
     # Caps small enough to bind on every matrix, so each factor depends on the global norms.
     "update-cap": {"name": "muon", "update_cap": (0.002, 0.001)},
 }
+# HSDP: a 2D mesh (replicate x shard), here 1 x 2, so the placements are (Replicate(), Shard(0)).
+HSDP_SCENARIOS = {"hsdp-muon-nvfp4": SCENARIOS["muon-nvfp4"]}
 # float64 norms summed in another order differ in the last ulps; the factor they give moves a float32
 # weight by at most about one float32 ulp.
 NORM_RTOL = 1e-6
@@ -84,11 +87,12 @@ def _full_grads(model: nn.Module, step: int) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=g) for p in model.parameters()]  # a DTensor's shape is global
 
 
-def _sharded(world_size: int):
+def _sharded(world_size: int, hsdp: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    names = ("replicate", "shard") if hsdp else None
+    mesh = init_device_mesh("cpu", (1, world_size) if hsdp else (world_size,), mesh_dim_names=names)
     model = _Tiny()
     for block in model.layers:
         fully_shard(block, mesh=mesh)
@@ -112,7 +116,8 @@ def _steps(model: nn.Module, kwargs: dict, mesh) -> None:
 
 
 def _whole(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for n, p in model.named_parameters()}
+    params = model.named_parameters()
+    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for n, p in params}
 
 
 def _clip(model: nn.Module, rank: int) -> torch.Tensor:
@@ -121,10 +126,42 @@ def _clip(model: nn.Module, rank: int) -> torch.Tensor:
     return qk_clip_(attention.wq.weight, attention.wk.weight, logits, TAU, N_HEADS, N_KV_HEADS, HEAD_DIM)
 
 
-def _rank(rank: int, world_size: int) -> dict:
-    out = {}
+def _resumed(world_size: int, checkpoint_dir: str) -> tuple[dict, dict]:
+    """The last of STEPS steps run straight on, and after a distributed checkpoint of the sharded
+    optimizer state (get_optimizer_state_dict, dcp.save, a fresh model and optimizer, dcp.load)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    config = OptimizerConfig(**SCENARIOS["muon-nvfp4"])
+    model, mesh = _sharded(world_size)
+    optimizer = build_optimizer(model.named_parameters(), config)
+    for step in range(STEPS - 1):
+        _set_grads(model, _full_grads(model, step), mesh)
+        optimizer.step()
+        optimizer.zero_grad()
+    model_state, optim_state = get_state_dict(model, list(optimizer.optimizers.values()))
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint_dir)
+    resumed, _ = _sharded(world_size)
+    resumed_optimizer = build_optimizer(resumed.named_parameters(), config)
+    model_state, optim_state = get_state_dict(resumed, list(resumed_optimizer.optimizers.values()))
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    optimizers = list(resumed_optimizer.optimizers.values())
+    set_state_dict(resumed, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for m, opt in ((model, optimizer), (resumed, resumed_optimizer)):
+        _set_grads(m, _full_grads(m, STEPS - 1), mesh)
+        opt.step()
+    return _whole(model), _whole(resumed)
+
+
+def _rank(rank: int, world_size: int, checkpoint_dir: str) -> dict:
+    out = {"resumed": _resumed(world_size, checkpoint_dir)}
     for name, kwargs in SCENARIOS.items():
         model, mesh = _sharded(world_size)
+        _steps(model, kwargs, mesh)
+        out[name] = _whole(model)
+    for name, kwargs in HSDP_SCENARIOS.items():
+        model, mesh = _sharded(world_size, hsdp=True)
         _steps(model, kwargs, mesh)
         out[name] = _whole(model)
     model, mesh = _sharded(world_size)
@@ -140,8 +177,8 @@ def _rank(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    return run_gloo(_rank, world_size=2)
+def ranks(tmp_path_factory) -> list[dict]:
+    return run_gloo(_rank, str(tmp_path_factory.mktemp("dcp")), world_size=2)
 
 
 def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], **tolerance) -> None:
@@ -153,11 +190,11 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], **
             assert torch.equal(got[name], expected), f"{name}: max diff {(got[name] - expected).abs().max()}"
 
 
-@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s != "update-cap"])
+@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s != "update-cap"] + list(HSDP_SCENARIOS))
 def test_sharded_step_is_bit_identical_to_unsharded(ranks, scenario):
     reference = _Tiny()
     before = _whole(reference)
-    _steps(reference, SCENARIOS[scenario], None)
+    _steps(reference, (SCENARIOS | HSDP_SCENARIOS)[scenario], None)
     want = _whole(reference)
     assert all(not torch.equal(want[n], before[n]) for n in want)  # every parameter moved
     for r in ranks:
@@ -199,3 +236,13 @@ def test_clip_grad_norm_over_sharded_grads_is_the_global_norm(ranks):
         got_norm, grads = r["grad-clip"]
         torch.testing.assert_close(got_norm, norm, rtol=NORM_RTOL, atol=0.0)
         _assert_same(grads, {n: p.grad for n, p in reference.named_parameters()}, rtol=NORM_RTOL, atol=0.0)
+
+
+def test_sharded_optimizer_state_resumes_bit_for_bit_from_a_distributed_checkpoint(ranks):
+    reference = _Tiny()
+    _steps(reference, SCENARIOS["muon-nvfp4"], None)
+    want = _whole(reference)
+    for r in ranks:
+        straight, resumed = r["resumed"]
+        _assert_same(straight, want)
+        _assert_same(resumed, want)

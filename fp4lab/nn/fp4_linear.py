@@ -397,6 +397,10 @@ def _pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
 
 
+# The extra state's philox base before one is drawn (philox_seed draws them in [0, 2**62)).
+UNDRAWN_PHILOX_BASE = -1
+
+
 class FP4Linear(nn.Module):
     """A bias-free linear layer with FP32 master weights and a per-operand FP4 recipe.
 
@@ -626,18 +630,27 @@ class FP4Linear(nn.Module):
         return None
 
     def get_extra_state(self) -> dict:
-        state = None if self._generator is None else self._generator.get_state()
-        philox = None if self._philox_base is None else self._philox_base.clone()
+        # Tensors in every state, never None: a distributed checkpoint (torch.distributed.checkpoint)
+        # loads into the state dict of a fresh model, whose entries must have the saved kinds. A
+        # generator not made yet is saved as the freshly seeded one it would be; a philox base not
+        # drawn yet as UNDRAWN_PHILOX_BASE (drawn bases are >= 0).
+        device = self.weight.device
+        if self._generator is None:
+            state = torch.Generator(device=device).manual_seed(self.seed).get_state()
+        else:
+            state = self._generator.get_state()
+        philox = self._philox_base
+        philox = torch.full((1,), UNDRAWN_PHILOX_BASE, device=device) if philox is None else philox.clone()
         return {"seed": self.seed, "generator": state, "philox_base": philox}
 
     def set_extra_state(self, state: dict) -> None:
         self.seed = state["seed"]
         self._generator = None
-        if state["generator"] is not None:
+        if state["generator"] is not None:  # None in checkpoints from before the generator was always saved
             self._generator = torch.Generator(device=self.weight.device)
             self._generator.set_state(state["generator"])
         saved = state.get("philox_base")  # absent in checkpoints from before the fused kernels
-        if saved is None:
+        if saved is None or saved.item() == UNDRAWN_PHILOX_BASE:
             self._philox_base = None
         elif self._philox_base is not None:
             self._philox_base.copy_(saved)  # in place: a captured CUDA graph counts up this tensor

@@ -40,7 +40,8 @@ def like_sharded(local_tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor
     last match `like` (so it is cut like `like` along them) and whose last dim is whole on every rank."""
     shape = (*like.shape[:-1], local_tensor.shape[-1])
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local_tensor, like.device_mesh, like.placements, run_check=False, shape=shape, stride=stride)
+    mesh, placements = like.device_mesh, like.placements
+    return DTensor.from_local(local_tensor, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def global_norm(t: torch.Tensor) -> torch.Tensor:
