@@ -9,8 +9,8 @@ would scale the replicas differently and they would drift apart. `all_reduce_max
 the global per-head maxima (an all-reduce MAX; a no-op without a process group); call it on every
 rank before `qk_clip_`. `qk_clip_` and `UpdateCap` also take FSDP2-sharded weights (DTensors cut
 along dim 0): a head's rows may straddle two shards, so each rank scales the rows it holds by their
-head's factor, and the cap's Frobenius norms are reduced over all shards. Both give bit for bit the
-unsharded clip's weights; the cap's factor up to the summation order of its float64 norms.
+head's factor (bit for bit the unsharded clip), and the cap's Frobenius norms are reduced over all
+shards (its factor equals the unsharded one up to the summation order of the float64 norms).
 """
 
 from __future__ import annotations
