@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ DEVICES = ("cpu", "cuda", "auto")  # fp4lab.train.config.DEVICES
 COMPUTES = ("auto", "reference", "fast")  # fp4lab.train.config.COMPUTES
 COMPILES = ("auto", "on", "off")  # fp4lab.train.config.COMPILES
 CUDA_GRAPHS = ("auto", "on", "off")  # fp4lab.train.config.CUDA_GRAPHS
+PARALLELS = ("none", "ddp", "fsdp", "hsdp")  # fp4lab.train.config.PARALLELS
 TOKEN_DTYPES = ("uint16", "uint32")  # fp4lab.train.data.TOKEN_DTYPES
 DISTRIBUTIONS = ("normal", "student-t", "outlier")  # fp4lab.numerics.survey.DISTRIBUTIONS
 GEMM_FORMATS = (  # tuple(fp4lab.train.gemm_error.FORMATS)
@@ -54,6 +56,7 @@ Device = Literal[DEVICES]
 Compute = Literal[COMPUTES]
 Compile = Literal[COMPILES]
 CudaGraphs = Literal[CUDA_GRAPHS]
+Parallel = Literal[PARALLELS]
 TokenDtype = Literal[TOKEN_DTYPES]
 Distribution = Literal[DISTRIBUTIONS]
 LogPreset = Literal[LOG_PRESETS]
@@ -354,6 +357,8 @@ def train(
     compute: Annotated[Optional[Compute], typer.Option(help="fast (bf16 activations, tensor-core GEMMs, fused kernels), reference (fp32, exact emulation) or auto (default: fast on CUDA).")] = None,
     compile: Annotated[Optional[Compile], typer.Option(help="torch.compile (default auto: on CUDA).")] = None,
     cuda_graphs: Annotated[Optional[CudaGraphs], typer.Option(help="Replay steps from a CUDA graph (default auto: on CUDA where nothing draws from a torch.Generator).")] = None,
+    parallel: Annotated[Optional[Parallel], typer.Option(help="Data parallelism over torchrun's processes: ddp (DistributedDataParallel), fsdp (FSDP2), hsdp (FSDP2 sharded within a node, replicated across nodes) or none (default).")] = None,
+    nproc_per_node: Annotated[Optional[int], typer.Option(help="Train on N local processes (GPUs) through torchrun; with N > 1 pass --parallel too.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<recipe>-<model>-s<seed>).")] = None,
     config: Annotated[Optional[Path], typer.Option(help="A TOML file of train settings; flags override it.")] = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Delete this run folder's checkpoint and logs first instead of resuming.")] = False,
@@ -370,7 +375,7 @@ def train(
         "lr_schedule": lr_schedule, "warmup_steps": warmup_steps, "ns_steps": ns_steps, "ns_polynomial": ns_polynomial, "qk_clip": qk_clip,
         "qk_clip_tau": qk_clip_tau, "seed": seed, "eval_every": eval_every, "probe_every": probe_every,
         "checkpoint_every": checkpoint_every, "max_minutes": max_minutes, "device": device,
-        "compute": compute, "compile": compile, "cuda_graphs": cuda_graphs,
+        "compute": compute, "compile": compile, "cuda_graphs": cuda_graphs, "parallel": parallel,
         "capture_steps": _comma_list(capture_steps, int, "--capture-steps"), "capture_layers": _comma_list(capture_layers, str, "--capture-layers"),
     }
     data_flags = {"source": data, "val_source": val_data, "token_dtype": token_dtype, "vocab_size": vocab_size}
@@ -390,9 +395,12 @@ def train(
         if config is None or changed:
             fail(f"train: --catalog trains a sweep run exactly as written: pass only --config jobs/<sweep>/<id>.toml"
                  f"{' (drop ' + ', '.join('--' + k.replace('_', '-') for k in changed) + ')' if changed else ''}")
+    if nproc_per_node is not None:
+        _launch_ranks(train_config, nproc_per_node, fresh, catalog)
+    main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 speaks
     if fresh:
         _clear_run_folder(Path(train_config.out_dir))
-    elif catalog is None:
+    elif catalog is None and main_rank:
         _note_finished_run(train_config)
 
     from fp4lab.train.loop import run
@@ -409,12 +417,45 @@ def train(
         fail(f"{str(exc).splitlines()[0]}: --fresh starts over, --out trains into another folder")
     except (ConfigError, RecipeError, ValueError, CatalogError) as exc:
         fail(str(exc).splitlines()[0])
-    if summary["status"] == "interrupted":
+    if summary["status"] == "interrupted" and main_rank:
         print(f"interrupted after step {summary['steps_completed']}: checkpoint written; run the same command to resume "
               f"({train_config.out_dir})", file=sys.stderr)
-    _print_summary_block(summary, train_config.out_dir)
+    if main_rank:
+        _print_summary_block(summary, train_config.out_dir)
     if summary["status"] == "interrupted":
         raise typer.Exit(130)
+
+
+def _launch_ranks(train_config, nproc_per_node: int, fresh: bool, catalog: Path | None) -> NoReturn:
+    """Train `train_config` on `nproc_per_node` local processes: torchrun (torch.distributed.run)
+    starts `fp4lab train --config <the resolved config>` on each; its exit code is ours."""
+    import subprocess
+    import tempfile
+
+    from fp4lab.train.config import toml_text
+
+    if nproc_per_node < 1:
+        fail(f"train: --nproc-per-node {nproc_per_node} must be at least 1")
+    if catalog is not None:
+        fail("train: --catalog runs one process; drop --nproc-per-node (sweep runs on several GPUs are not supported yet)")
+    if nproc_per_node > 1 and train_config.parallel == "none":
+        fail(f"train: --nproc-per-node {nproc_per_node} needs --parallel ddp, fsdp or hsdp (how the ranks share the model)")
+    if train_config.batch_size % nproc_per_node:
+        fail(f"train: --batch-size {train_config.batch_size} does not split over {nproc_per_node} processes; "
+             f"use a multiple of {nproc_per_node}")
+    if fresh:  # here, once: ranks clearing the folder would race rank 0's first writes
+        _clear_run_folder(Path(train_config.out_dir))
+    else:
+        _note_finished_run(train_config)
+    with tempfile.TemporaryDirectory(prefix="fp4lab-train-") as folder:
+        resolved = Path(folder) / "train.toml"
+        resolved.write_text(toml_text(train_config.to_dict(), ["fp4lab train --nproc-per-node: the resolved run"]))
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc_per_node),
+            "-m", "fp4lab.cli", "train", "--config", str(resolved),
+        ]
+        code = subprocess.run(command, check=False).returncode
+    raise typer.Exit(code)
 
 
 def _comma_list(text: str | None, kind: type, option: str) -> list | None:

@@ -26,6 +26,10 @@ COMPILES = ("auto", "on", "off")
 # Replay each step's forward and backward from a CUDA graph ("auto": on the fast path on CUDA when
 # nothing on the path draws from a torch.Generator); it changes nothing but the launch cost.
 CUDA_GRAPHS = ("auto", "on", "off")
+# Data parallelism over torchrun's processes (fp4lab.train.distributed): none, DistributedDataParallel,
+# FSDP2, or FSDP2 sharded within a node and replicated across nodes. Not result-neutral: the
+# gradient all-reduce sums in another order, and SR ranks draw their own random bits.
+PARALLELS = ("none", "ddp", "fsdp", "hsdp")
 # A run's summary.json "status": it ended as designed, or it stopped early with a checkpoint to
 # resume from (time budget, Slurm's preemption signals, Ctrl-C, a `stop_after` call).
 ENDED_STATUSES = ("completed", "diverged")
@@ -128,6 +132,7 @@ class TrainConfig:
     compute: str = "auto"
     compile: str = "auto"
     cuda_graphs: str = "auto"
+    parallel: str = "none"
     # Save the real operands of the GEMMs (x, W, dY) of the FP4 linears whose names match one of the
     # fnmatch patterns `capture_layers`, at the steps `capture_steps`, for `fp4lab numerics --capture`.
     capture_steps: list[int] = field(default_factory=list)
@@ -146,6 +151,7 @@ class TrainConfig:
         _check.choice("compute", self.compute, COMPUTES)
         _check.choice("compile", self.compile, COMPILES)
         _check.choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
+        _check.choice("parallel", self.parallel, PARALLELS)
         for name in ("seq_len", "batch_size", "steps", "ns_steps", "eval_every", "eval_batches", "probe_every", "checkpoint_every"):
             _check.integer(name, getattr(self, name), minimum=1)
         _check.integer("warmup_steps", self.warmup_steps, minimum=0)

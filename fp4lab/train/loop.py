@@ -42,12 +42,24 @@ from fp4lab.nn.recipe import Recipe, load_recipe
 from fp4lab.optim.build import OptimizerConfig, build_optimizer
 from fp4lab.optim.muon import NS_POLYNOMIALS
 from fp4lab.optim.qk_clip import qk_clip_
+from fp4lab.train import distributed
 from fp4lab.train.capture import OperandCapture
-from fp4lab.train.checkpoint import MetricsLog, finite_or_none, load_checkpoint, save_checkpoint, write_json
+from fp4lab.train.checkpoint import (
+    MetricsLog,
+    finite_or_none,
+    latest_sharded,
+    load_checkpoint,
+    load_sharded,
+    save_checkpoint,
+    save_sharded,
+    write_json,
+)
 from fp4lab.train.config import RESULT_NEUTRAL, CheckpointMismatch, ConfigError, TrainConfig
 from fp4lab.train.data import BatchSampler, load_dataset, val_batches
 
 CHECKPOINT = "checkpoint.pt"
+# A run of several ranks (parallel != "none") checkpoints here instead: fp4lab.train.checkpoint.save_sharded.
+SHARDED_CHECKPOINT = "checkpoint.dcp"
 
 
 @dataclass
@@ -89,25 +101,39 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
     stop_after: end cleanly (status "stopped", checkpoint written) after this many steps of this call,
     as a preemption would; for drills and tests.
     """
-    out = Path(config.out_dir)
     recipe = load_recipe(config.recipe)
-    device = _device(config.device)
+    distributed.check(config, distributed.env_world(), _optimizer_config(config, recipe, fused=False).name, recipe)
+    ranks, device = distributed.init(config, _device(config.device))
+    try:
+        return _run(config, recipe, ranks, device, progress, stop_after)
+    finally:
+        distributed.close(ranks)
+
+
+def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: torch.device, progress, stop_after) -> dict[str, Any]:
+    out = Path(config.out_dir)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    data = load_dataset(config.data, progress=_interactive(progress))
+    with ranks.main_first():  # one rank builds a dataset cache, the others read it
+        data = load_dataset(config.data, progress=ranks.main and _interactive(progress))
     model_config = preset(config.model, data.vocab_size, config.seq_len)
-    model, optimizer, loss_fn = build_training(config, recipe, model_config, device)
-    train_step = TrainStep(model, loss_fn, cuda_graph(config, model, device))
+    model, optimizer, loss_fn = build_training(config, recipe, model_config, device, ranks)
+    # A graph would have to capture the gradient collectives too: not done yet (distributed.check refuses "on").
+    train_step = TrainStep(model, loss_fn, ranks.mode == "none" and cuda_graph(config, model, device))
     sampler = BatchSampler(data.train, config.batch_size, config.seq_len, config.seed)
     evaluation = val_batches(data.val, config.batch_size, config.seq_len, config.eval_batches)
     qk_clip, tau = _qk_clip(config, recipe)
     capture = None
-    if config.capture_steps:
+    if config.capture_steps and ranks.main:  # rank 0's rows stand for the batch: one record per run
         capture = OperandCapture(config, model, recipe, model_config.n_layers, compiled(config, device))
 
     state = RunState()
     checkpoint_path = out / CHECKPOINT
-    if checkpoint_path.exists():
+    if ranks.mode != "none":
+        checkpoint_path = out / SHARDED_CHECKPOINT
+        if latest_sharded(checkpoint_path) is not None:
+            state = _restore_sharded(checkpoint_path, config, model, optimizer, ranks)
+    elif checkpoint_path.exists():
         state = _restore(checkpoint_path, config, model, optimizer)
     identity = {
         "config": config.to_dict(),
@@ -117,14 +143,17 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
         "dataset": {"name": data.name, "vocab_size": data.vocab_size, "train_tokens": len(data.train), "val_tokens": len(data.val)},
         "optimizer": {"qk_clip": qk_clip, "qk_clip_tau": tau},
     }
-    write_json(out / "config.json", identity)
-    metrics = MetricsLog(out / "metrics.jsonl", resume_step=state.step)
+    if ranks.mode != "none":
+        identity["world_size"] = ranks.world
+    if ranks.main:
+        write_json(out / "config.json", identity)
+    metrics = MetricsLog(out / "metrics.jsonl", resume_step=state.step) if ranks.main else _Silent()
     status, diverged_step = "completed", None
     started = time.monotonic()
     steps_this_call = 0
     tokens_per_step = config.batch_size * config.seq_len
 
-    with _stop_signals() as stop_requested, _progress(_interactive(progress), config, state.step) as advance:
+    with _stop_signals() as stop_requested, _progress(_interactive(progress), config, state.step, ranks.main) as advance:
         while state.step < config.steps:
             step = state.step
             if recipe.lora_svd_rank and step % recipe.lora_svd_every == 0:
@@ -134,14 +163,17 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
             _set_probes(model, probing, record_max_logits=probing or qk_clip == "kimi")
 
             tic = time.perf_counter()
-            x, y = (t.to(device) for t in sampler.batch(step))
+            x, y = (ranks.rows(t).to(device) for t in sampler.batch(step))
             lr = optimizer.param_groups[0]["lr"]
             capturing = capture is not None and step in capture.steps
             with capture.recording() if capturing else contextlib.nullcontext():
                 loss = train_step(x, y, eager=probing or capturing)
             if capturing:
                 capture.write(step)
-            grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed)
+            grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed, sharded=ranks.sharded)
+            loss = ranks.mean(loss)  # every rank logs and decides on the loss of the global batch
+            if ranks.world > 1 and (probing or qk_clip == "kimi"):
+                _reduce_probes(model, ranks, probing)
             # Read back only now, so the GPU never waits for the host mid-step. A NaN/Inf step has
             # updated the weights, but the run ends here without a checkpoint.
             record: dict[str, Any] = {"step": step, "loss": loss.item(), "lr": lr}
@@ -169,7 +201,7 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
             _set_probes(model, False, record_max_logits=False)
             state.step = step + 1
             if state.step % config.eval_every == 0 or state.step == config.steps:
-                record["val_loss"] = evaluate(model, loss_fn, evaluation, device)
+                record["val_loss"] = evaluate(model, loss_fn, evaluation, device, ranks)
                 state.last_val_loss = record["val_loss"]
                 state.best_val_loss = min(state.best_val_loss, record["val_loss"])
                 if not math.isfinite(record["val_loss"]):
@@ -180,24 +212,45 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
             if status == "diverged":
                 break
             if state.step % config.checkpoint_every == 0 or state.step == config.steps:
-                _save(checkpoint_path, config, model, optimizer, state)
+                _save(checkpoint_path, config, model, optimizer, state, ranks)
             if state.step < config.steps:
                 reason = _stop_reason(config, started, stop_requested, stop_after, steps_this_call)
+                if ranks.world > 1:
+                    reason = _agreed_stop(ranks, reason, stop_requested)
                 if reason:
                     status = reason
-                    _save(checkpoint_path, config, model, optimizer, state)
+                    _save(checkpoint_path, config, model, optimizer, state, ranks)
                     break
     metrics.close()
     summary = _summary(status, diverged_step, config, state, recipe, device)
     summary["stop_signal"] = stop_requested[0] if status in ("preempted", "interrupted") else None
-    write_json(out / "summary.json", summary)
+    if ranks.mode != "none":
+        summary["world_size"] = ranks.world
+    if ranks.main:
+        write_json(out / "summary.json", summary)
     return summary
 
 
-def clip_and_step(model: torch.nn.Module, optimizer, grad_clip: float, keep_grads: bool = False) -> torch.Tensor:
+class _Silent:
+    """The metrics log of ranks other than 0: one run, one record."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def clip_and_step(
+    model: torch.nn.Module, optimizer, grad_clip: float, keep_grads: bool = False, sharded: bool = False
+) -> torch.Tensor:
     """Clip the gradient norm, step, drop the gradients (or keep their memory for a CUDA graph that
-    zeroes and refills them); returns the norm as a tensor: nothing is read back."""
+    zeroes and refills them); returns the norm as a tensor: nothing is read back. `sharded`: the
+    gradients are FSDP2 DTensor shards; clip_grad_norm_ reduces their norm over the ranks and returns
+    it as a replicated DTensor (checked: equal to the unsharded norm), here made a plain tensor."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if sharded:
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     if not keep_grads:
         optimizer.zero_grad(set_to_none=True)
@@ -280,13 +333,26 @@ def cuda_graph(config: TrainConfig, model: Llama, device: torch.device) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model: Llama, loss_fn: LossFn, batches: list, device: torch.device) -> float:
+def evaluate(model: Llama, loss_fn: LossFn, batches: list, device: torch.device, ranks: distributed.Ranks | None = None) -> float:
     """Mean validation loss (`loss_fn`: the training forward, see `build_training`). The evaluation
     forward draws random bits (random Hadamard signs, SR), so every generator is put back afterwards:
-    evaluating never changes the training trajectory."""
+    evaluating never changes the training trajectory.
+
+    On several ranks each evaluates its rows of every batch (every rank runs every forward: FSDP's
+    all-gathers are collectives), and the mean over ranks of the per-rank means is the one-process
+    value up to summation order. A batch whose rows do not split (a split shorter than one batch) is
+    evaluated whole on every rank."""
+    if ranks is None or ranks.world == 1:
+        with _generators_restored(model):
+            losses = [loss_fn(x.to(device), y.to(device)).item() for x, y in batches]
+        return sum(losses) / len(losses)
+    total = torch.zeros((), device=device)
     with _generators_restored(model):
-        losses = [loss_fn(x.to(device), y.to(device)).item() for x, y in batches]
-    return sum(losses) / len(losses)
+        for x, y in batches:
+            if len(x) % ranks.world == 0:
+                x, y = ranks.rows(x), ranks.rows(y)
+            total += loss_fn(x.to(device), y.to(device)).float()
+    return ranks.mean(total).item() / len(batches)
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -303,11 +369,15 @@ def compiled(config: TrainConfig, device: torch.device) -> bool:
 
 
 def build_training(
-    config: TrainConfig, recipe: Recipe, model_config: ModelConfig, device: torch.device
+    config: TrainConfig, recipe: Recipe, model_config: ModelConfig, device: torch.device,
+    ranks: distributed.Ranks | None = None,
 ) -> tuple[Llama, Any, LossFn]:
     """The model, its optimizer and the loss function one training step calls, as `config` asks:
     the fast path (bf16 autocast, tensor-core GEMMs, fused AdamW on CUDA) or the fp32 reference, and
-    torch.compile or not. The training loop and `fp4lab bench` both build a run through here."""
+    torch.compile or not. The training loop and `fp4lab bench` both build a run through here.
+    `ranks`: the model wrapped for data parallelism (DDP, FSDP2); the returned model is the Llama
+    itself (its parameters DTensor shards under FSDP2), the loss function runs the wrapper."""
+    ranks = ranks or distributed.Ranks()
     fast = fast_compute(config, device)
     if fast and device.type == "cuda":
         # bf16-output GEMMs must reduce in fp32 (no bf16 split-K partial sums): the fast path claims
@@ -315,13 +385,15 @@ def build_training(
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.manual_seed(config.seed)
     model = build_model(model_config, recipe, seed=config.seed, device=device, tensor_cores=fast)
+    distributed.offset_random_streams(model, ranks)
+    model_loss = distributed.wrap(model, ranks, device)
     optimizer = build_optimizer(
         model.named_parameters(), _optimizer_config(config, recipe, fused=fast and device.type == "cuda")
     )
 
     def loss_fn(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast):
-            return model.loss(tokens, targets)
+            return model_loss(tokens, targets)
 
     return model, optimizer, (torch.compile(loss_fn) if compiled(config, device) else loss_fn)
 
@@ -421,7 +493,18 @@ def _generators_restored(model: Llama) -> Iterator[None]:
             generator.set_state(state)
 
 
-def _save(path: Path, config: TrainConfig, model: Llama, optimizer, state: RunState) -> None:
+def _save(path: Path, config: TrainConfig, model: Llama, optimizer, state: RunState, ranks: distributed.Ranks) -> None:
+    if ranks.mode != "none":
+        extras = {
+            "config": config.to_dict(),
+            "world_size": ranks.world,
+            "linears": {name: linear.get_extra_state() for name, linear in fp4_linears(model).items()},
+            "attention_generators": [g.get_state() for g in attention_generators(model)],
+            "torch_rng": torch.get_rng_state(),
+            "state": state.__dict__,
+        }
+        save_sharded(path, state.step, model, list(optimizer.optimizers.values()), extras, ranks.rank)
+        return
     save_checkpoint(
         path,
         {
@@ -437,7 +520,35 @@ def _save(path: Path, config: TrainConfig, model: Llama, optimizer, state: RunSt
 
 def _restore(path: Path, config: TrainConfig, model: Llama, optimizer) -> RunState:
     checkpoint = load_checkpoint(path)
-    saved, current = checkpoint["config"], config.to_dict()
+    _check_resumable(path, checkpoint["config"], config)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    for generator, rng in zip(attention_generators(model), checkpoint["attention_generators"]):
+        generator.set_state(rng)
+    torch.set_rng_state(checkpoint["torch_rng"])
+    return RunState(**checkpoint["state"])
+
+
+def _restore_sharded(folder: Path, config: TrainConfig, model: Llama, optimizer, ranks: distributed.Ranks) -> RunState:
+    step_folder = latest_sharded(folder)
+    saved = load_checkpoint(step_folder / "rank-0.pt")
+    _check_resumable(folder, saved["config"], config)
+    if saved["world_size"] != ranks.world:
+        raise CheckpointMismatch(
+            f"{folder} was written by {saved['world_size']} ranks, this run has {ranks.world}; resume with "
+            f"--nproc-per-node {saved['world_size']}, or start afresh, in this folder or another out_dir"
+        )
+    extras = load_sharded(step_folder, model, list(optimizer.optimizers.values()), ranks.rank)
+    for name, linear in fp4_linears(model).items():
+        linear.set_extra_state(extras["linears"][name])
+    for generator, rng in zip(attention_generators(model), extras["attention_generators"]):
+        generator.set_state(rng)
+    torch.set_rng_state(extras["torch_rng"])
+    return RunState(**extras["state"])
+
+
+def _check_resumable(path: Path, saved: dict[str, Any], config: TrainConfig) -> None:
+    current = config.to_dict()
     defaults = TrainConfig().to_dict()  # a checkpoint older than a field ran with its default
     changed = [k for k in current if k not in RESULT_NEUTRAL and saved.get(k, defaults[k]) != current[k]]
     if changed == ["steps"]:
@@ -451,12 +562,6 @@ def _restore(path: Path, config: TrainConfig, model: Llama, optimizer) -> RunSta
             f"{path} was written by a run with a different {', '.join(changed)}; resume with the same "
             "settings, or start afresh, in this folder or another out_dir"
         )
-    model.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    for generator, rng in zip(attention_generators(model), checkpoint["attention_generators"]):
-        generator.set_state(rng)
-    torch.set_rng_state(checkpoint["torch_rng"])
-    return RunState(**checkpoint["state"])
 
 
 def _stop_reason(config, started, stop_requested, stop_after, steps_this_call) -> str | None:
@@ -470,6 +575,28 @@ def _stop_reason(config, started, stop_requested, stop_after, steps_this_call) -
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+# What ranks agree on after each step, by precedence (the largest wins): a signal, the time limit, stop_after.
+_STOP_CODES = (None, "stopped", "time_limit", *(s.name for s in STOP_SIGNALS))
+
+
+def _agreed_stop(ranks: distributed.Ranks, reason: str | None, stop_requested: list[str]) -> str | None:
+    """One stop decision on every rank: a signal one rank received (torchrun or Slurm may deliver it to
+    one process first) or one rank's clock passing max_minutes stops all of them after the same step."""
+    code = _STOP_CODES.index(stop_requested[0] if stop_requested else reason)
+    agreed = _STOP_CODES[ranks.agree(code)]
+    if agreed in _STOP_CODES[3:]:
+        if not stop_requested:
+            stop_requested.append(agreed)
+        return "interrupted" if agreed == "SIGINT" else "preempted"
+    return agreed
+
+
+def _reduce_probes(model: Llama, ranks: distributed.Ranks, probing: bool) -> None:
+    """Per-head max logits of the global batch (QK-Clip rescales every replica alike) and mean entropies."""
+    for attention in model.attentions():
+        attention.last_max_logits = ranks.maximum(attention.last_max_logits)
+        if probing:
+            attention.last_entropy = ranks.mean(attention.last_entropy)
 
 
 @contextlib.contextmanager
@@ -500,8 +627,11 @@ def _stop_signals() -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def _progress(interactive: bool, config: TrainConfig, start: int):
-    """A rich progress bar on a terminal; otherwise about twenty plain lines per run."""
+def _progress(interactive: bool, config: TrainConfig, start: int, shown: bool = True):
+    """A rich progress bar on a terminal; otherwise about twenty plain lines per run; nothing where not `shown`."""
+    if not shown:
+        yield lambda record: None
+        return
     if interactive:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

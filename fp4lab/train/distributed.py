@@ -1,0 +1,214 @@
+"""Data-parallel training on torch.distributed: the process group torchrun describes, the rank's
+slice of each global batch, collectives over the loop's numbers, and the model wrapped for
+`TrainConfig.parallel`:
+
+    none   one process (WORLD_SIZE unset or 1): the loop runs exactly as without this module
+    ddp    DistributedDataParallel: replicated parameters, gradients averaged by all-reduce
+    fsdp   FSDP2 `fully_shard` on every transformer block, then the root (torchtitan's pattern)
+    hsdp   FSDP2 on a 2D mesh ("replicate", "shard") = (nodes, LOCAL_WORLD_SIZE): shards within a
+           node, replicas across nodes
+
+Every rank draws the same global batch of the step (the sampler is a pure function of seed and
+step) and trains on its rows [r*B/N, (r+1)*B/N); the loss of a rank is the mean over its rows, and
+the gradient average over ranks is the mean over the global batch, as in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fp4lab.nn.build import attention_generators, derive_seed, fp4_linears
+from fp4lab.nn.model import Llama
+from fp4lab.train.config import ConfigError, TrainConfig
+
+LAUNCH_HINT = "launch it with `fp4lab train --nproc-per-node N` (or torchrun -m fp4lab.cli train ...)"
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process stands: `world` processes, this one `rank`, `local_rank` of `local_world`
+    on its node. One process: Ranks(0, 1, 0, 1, "none")."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    local_world: int = 1
+    mode: str = "none"
+
+    @property
+    def main(self) -> bool:
+        """Rank 0 writes the run's files and prints its progress; the others stay silent."""
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.mode in ("fsdp", "hsdp")
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global batch."""
+        if self.world == 1:
+            return t
+        per_rank = t.shape[0] // self.world
+        return t[self.rank * per_rank : (self.rank + 1) * per_rank]
+
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        """The mean of a per-rank scalar over ranks (gloo has no AVG: sum, then divide)."""
+        if self.world == 1:
+            return t
+        total = t.detach().float().clone()
+        dist.all_reduce(total)
+        return total / self.world
+
+    def maximum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return t
+        out = t.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return out
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (it may build a cache), then the others."""
+        if self.world > 1 and not self.main:
+            dist.barrier()
+        yield
+        if self.world > 1 and self.main:
+            dist.barrier()
+
+    def agree(self, code: int) -> int:
+        """The largest of every rank's `code`: one decision (stop, and why) on every rank."""
+        if self.world == 1:
+            return code
+        flag = torch.tensor([code], dtype=torch.int64, device=_collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+def env_world() -> int:
+    """WORLD_SIZE as torchrun sets it (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check(config: TrainConfig, world: int, optimizer: str, recipe) -> None:
+    """Refuse what this process cannot train, before anything is built or written."""
+    if config.parallel == "none":
+        if world > 1:
+            raise ConfigError(
+                f"parallel='none' but torchrun started {world} processes: each would train the whole run alone "
+                "into the same folder; pass --parallel ddp, fsdp or hsdp"
+            )
+        return
+    if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+        raise ConfigError(f"parallel={config.parallel!r} needs one process per rank from torchrun: {LAUNCH_HINT}")
+    if config.cuda_graphs == "on":
+        raise ConfigError(f"cuda_graphs='on' is not supported with parallel={config.parallel!r} yet; use cuda_graphs='auto' or 'off'")
+    if config.batch_size % world:
+        raise ConfigError(
+            f"batch_size={config.batch_size} does not split over {world} ranks: use a multiple of {world} "
+            "(every rank trains batch_size / ranks rows of each global batch)"
+        )
+    if config.parallel in ("fsdp", "hsdp"):
+        _check_sharded(config, optimizer, recipe)
+
+
+def _check_sharded(config: TrainConfig, optimizer: str, recipe) -> None:
+    # Sharded parameters are DTensors: Muon's Newton-Schulz, the NVFP4 second moment, QK-Clip's per-head
+    # rescale and LoRA-SVD need whole matrices, which fp4lab.optim does not gather yet; ddp keeps them whole.
+    blockers = []
+    if optimizer != "adamw":
+        blockers.append(f"optimizer {optimizer!r} (use --optimizer adamw)")
+    if recipe.optimizer.adam_v_format != "fp32":
+        blockers.append(f"the recipe's NVFP4 AdamW second moment (adam_v_format={recipe.optimizer.adam_v_format!r})")
+    if (config.qk_clip or recipe.optimizer.qk_clip) != "none":
+        blockers.append(f"qk_clip={config.qk_clip or recipe.optimizer.qk_clip!r} (use --qk-clip none)")
+    if recipe.lora_svd_rank:
+        blockers.append("the recipe's LoRA-SVD")
+    if blockers:
+        raise ConfigError(
+            f"parallel={config.parallel!r} shards parameters, which {'; '.join(blockers)} cannot use yet; "
+            "use --parallel ddp, or change those settings"
+        )
+
+
+def init(config: TrainConfig, device: torch.device) -> tuple[Ranks, torch.device]:
+    """Join torchrun's process group (nccl on CUDA, each rank on cuda:LOCAL_RANK; gloo on the CPU)."""
+    if config.parallel == "none":
+        return Ranks(), device
+    rank, world = int(os.environ["RANK"]), env_world()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if world % local_world:
+        raise ConfigError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}: give every node the same --nproc-per-node")
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Ranks(rank, world, local_rank, local_world, config.parallel), device
+
+
+def close(ranks: Ranks) -> None:
+    if ranks.mode != "none" and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def offset_random_streams(model: Llama, ranks: Ranks) -> None:
+    """Give ranks other than 0 their own stochastic-rounding and random-Hadamard streams.
+
+    In one process every row of the batch draws its own bits; with one shared seed, rank r would
+    reuse rank 0's bits on its rows, so the rounding errors the gradient all-reduce averages would be
+    correlated across ranks instead of independent. Rank 0 keeps the seeds of a one-process run.
+    Called before the first forward: the generators are created from `seed` on first use."""
+    if ranks.rank == 0:
+        return
+    for linear in fp4_linears(model).values():
+        linear.seed = derive_seed(linear.seed, f"rank{ranks.rank}")
+    for generator in attention_generators(model):
+        generator.manual_seed(derive_seed(generator.initial_seed(), f"rank{ranks.rank}"))
+
+
+class _LossModule(torch.nn.Module):
+    """DDP hooks forward(): the loss, not the logits, is what each step calls."""
+
+    def __init__(self, model: Llama):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(tokens, targets)
+
+
+def wrap(model: Llama, ranks: Ranks, device: torch.device):
+    """The callable a step runs, loss = f(tokens, targets), with the model wrapped for `ranks.mode`;
+    fsdp/hsdp replace the parameters by DTensor shards in place (build the optimizer after this)."""
+    if ranks.mode == "none":
+        return model.loss
+    if ranks.mode == "ddp":
+        # Buffers (RoPE tables, LoRA factors realigned from replicated weights) are equal on every rank:
+        # no broadcast, which would also make each evaluation forward a collective.
+        return torch.nn.parallel.DistributedDataParallel(
+            _LossModule(model), device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    if ranks.mode == "hsdp":
+        shape, names = (ranks.world // ranks.local_world, ranks.local_world), ("replicate", "shard")
+    else:
+        shape, names = (ranks.world,), ("shard",)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    register_fsdp_forward_method(model, "loss")
+    return model.loss

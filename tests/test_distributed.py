@@ -1,0 +1,193 @@
+"""Data-parallel training on real gloo process groups (CPU): torchrun starts 2 ranks of
+tests/_distributed_worker.py (or of `fp4lab train`), and the results are compared with one process
+training the same global batch (fp4lab.train.distributed).
+
+Tolerance of the loss curves: both runs see the same tokens in the same order from the same initial
+weights, and differ only in summation order: one process sums the 4 rows' gradients inside one GEMM,
+two ranks sum 2 rows each and gloo adds the halves. At step 0 that is fp32 rounding alone (measured:
+loss 9e-8 relative, grad norm equal), so step 0 must agree to RTOL_FIRST = 1e-6. Later steps inherit
+those differences through the optimizer, which amplifies them: Muon rounds every Newton-Schulz
+iteration to bf16 (2^-8 relative), so a 1e-7 difference that flips one bf16 rounding moves the update
+by ~1e-3 (measured over 6 steps, bf16 + Muon: loss 1.2e-4, grad norm 2.3e-3 relative), and an FP4
+value near a rounding boundary can flip too. Later steps get RTOL_LOSS = 1e-3 and RTOL_NORM = 1e-2.
+A wrong wire (a rank's own loss logged, the rows not split, gradients not averaged) is off by 1e-2
+or more already at step 0. Only round-to-nearest recipes are compared: SR recipes give ranks other
+than 0 their own generators (fp4lab.train.distributed.offset_random_streams), so their bits differ
+from a one-process run by design.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fp4lab.train.capture import capture_files, load_capture
+from fp4lab.train.config import ConfigError, DataConfig, TrainConfig
+from fp4lab.train.distributed import Ranks
+from fp4lab.train.jsonl import read_json_line
+from fp4lab.train.loop import run
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
+)
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("_distributed_worker.py")
+RTOL_FIRST, RTOL_LOSS, RTOL_NORM = 1e-6, 1e-3, 1e-2
+# Per run of 2 ranks: two interpreters importing torch on a loaded CI machine, then seconds of training.
+LAUNCH_TIMEOUT = 240
+
+
+def small(tmp_path: Path, name: str, **overrides) -> TrainConfig:
+    """6 steps of the tiny preset on the synthetic task, global batch 4, an evaluation at steps 3 and 6."""
+    values = {
+        "recipe": "bf16", "data": DataConfig(source="synthetic"), "seq_len": 32, "batch_size": 4, "steps": 6,
+        "warmup_steps": 2, "eval_every": 3, "eval_batches": 2, "probe_every": 3, "checkpoint_every": 3,
+        "compute": "reference", "out_dir": str(tmp_path / name),
+    }
+    return TrainConfig(**(values | overrides))
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, check=False)
+
+
+def run_two_ranks(config: TrainConfig, stop_after_on_rank_1: int | None = None) -> subprocess.CompletedProcess:
+    path = Path(config.out_dir).with_suffix(".json")
+    path.write_text(json.dumps(config.to_dict()))
+    extra = [] if stop_after_on_rank_1 is None else [str(stop_after_on_rank_1)]
+    result = torchrun(str(WORKER), str(path), *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def metrics(config: TrainConfig) -> list[dict]:
+    return [read_json_line(line) for line in (Path(config.out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_curve(one: list[dict], two: list[dict]) -> None:
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    for a, b in zip(one, two):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a or key in b:
+                rtol = RTOL_FIRST if a["step"] == 0 else RTOL_NORM if key == "grad_norm" else RTOL_LOSS
+                assert b[key] == pytest.approx(a[key], rel=rtol), (a["step"], key)
+
+
+# --- no process group needed ---------------------------------------------------------------------
+
+
+def test_each_rank_takes_its_own_rows_of_the_global_batch():
+    batch = torch.arange(8).reshape(4, 2)
+    assert Ranks().rows(batch) is batch
+    assert Ranks(rank=0, world=2, mode="ddp").rows(batch).tolist() == [[0, 1], [2, 3]]
+    assert Ranks(rank=1, world=2, mode="ddp").rows(batch).tolist() == [[4, 5], [6, 7]]
+
+
+def test_parallel_is_validated_like_the_other_fields():
+    from fp4lab import cli
+    from fp4lab.train.config import PARALLELS
+
+    with pytest.raises(ConfigError, match="parallel"):
+        TrainConfig(parallel="tp")
+    assert TrainConfig().parallel == "none"
+    assert cli.PARALLELS == PARALLELS  # the CLI's plain copy (it must not import torch for --help)
+
+
+def test_nproc_per_node_refuses_what_the_ranks_could_not_train(run_cli, tmp_path):
+    for args, message in [
+        (["--nproc-per-node", "0"], "--nproc-per-node 0 must be at least 1"),
+        (["--nproc-per-node", "2"], "--nproc-per-node 2 needs --parallel ddp"),
+        (["--nproc-per-node", "2", "--parallel", "ddp", "--batch-size", "5"], "--batch-size 5 does not split over 2"),
+    ]:
+        result = run_cli("train", "--data", "synthetic", "--out", str(tmp_path / "run"), *args)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_parallel_without_torchrun_names_the_launcher(tmp_path, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="--nproc-per-node") as error:
+        run(small(tmp_path, "nogroup", parallel="ddp"))
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "nogroup").exists()
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path, monkeypatch):
+    # torchrun's variables without its processes: the check comes before the process group is joined.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(ConfigError, match="batch_size=5 does not split over 2 ranks"):
+        run(small(tmp_path, "odd", parallel="ddp", batch_size=5))
+    with pytest.raises(ConfigError, match="parallel='none' but torchrun started 2 processes"):
+        run(small(tmp_path, "none"))
+    with pytest.raises(ConfigError, match="cuda_graphs='on' is not supported with parallel='ddp'"):
+        run(small(tmp_path, "graphs", parallel="ddp", cuda_graphs="on"))
+    with pytest.raises(ConfigError, match="use --optimizer adamw"):
+        run(small(tmp_path, "muon", parallel="fsdp", optimizer="muon"))
+    assert not (tmp_path / "odd").exists() and not (tmp_path / "none").exists()
+
+
+# --- two ranks ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("recipe", "parallel", "optimizer"), [
+    ("bf16", "ddp", "muon"),
+    ("mxfp4", "ddp", "adamw"),
+    ("bf16", "fsdp", "adamw"),
+    ("bf16", "hsdp", "adamw"),  # one node of 2: mesh (replicate 1, shard 2)
+])
+def test_two_ranks_train_the_one_process_curve(tmp_path, recipe, parallel, optimizer):
+    # AdamW at a moderate rate: at the default 1e-2 the loss rises over these steps, and the chaos
+    # amplifies summation-order differences past 1e-2 by step 3 (measured).
+    settings = {"recipe": recipe, "optimizer": optimizer, "adam_lr": 3e-3}
+    one = small(tmp_path, "one", **settings)
+    run(one, progress=False)
+    two = small(tmp_path, "two", **settings, parallel=parallel)
+    run_two_ranks(two)
+    assert_same_curve(metrics(one), metrics(two))
+    summary = json.loads((Path(two.out_dir) / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2
+
+
+def test_only_rank_0_writes_and_a_stop_on_one_rank_stops_all_and_resumes_exactly(tmp_path):
+    whole = small(tmp_path, "whole", parallel="ddp", capture_steps=[1], capture_layers=["layers.0.attention.wq"])
+    run_two_ranks(whole)
+    stopped = small(tmp_path, "stopped", parallel="ddp", capture_steps=[1], capture_layers=["layers.0.attention.wq"])
+    first = run_two_ranks(stopped, stop_after_on_rank_1=2)
+    # Only rank 1 was asked to stop, after its second step: both stop there, or the run would hang.
+    assert "rank 0 status stopped steps 2" in first.stderr and "rank 1 status stopped steps 2" in first.stderr
+    assert json.loads((Path(stopped.out_dir) / "summary.json").read_text())["status"] == "stopped"
+    run_two_ranks(stopped)
+    assert metrics(stopped) == [{**r, "tokens_per_s": s["tokens_per_s"]} for r, s in zip(metrics(whole), metrics(stopped))]
+    out = Path(whole.out_dir)
+    assert sorted(p.name for p in out.iterdir()) == ["captures", "checkpoint.dcp", "config.json", "metrics.jsonl", "summary.json"]
+    assert sorted(p.name for p in (out / "checkpoint.dcp").iterdir()) == ["LATEST", "step-6"]
+    # Rank 0's operands: its 2 rows of the global batch of 4, seq_len 32.
+    (capture,) = capture_files(out)
+    assert load_capture(capture).x.shape[0] == 2 * 32
+
+
+def test_fp4lab_train_nproc_per_node_runs_torchrun(tmp_path):
+    out = tmp_path / "cli"
+    command = [
+        sys.executable, "-m", "fp4lab.cli", "train", "--nproc-per-node", "2", "--parallel", "ddp", "--data", "synthetic",
+        "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--eval-every", "3", "--compute", "reference", "--out", str(out),
+    ]
+    result = subprocess.run(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            timeout=LAUNCH_TIMEOUT, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert result.stderr.count("step 3/3") == 1  # rank 1 prints nothing
+    assert result.stdout.count("status: completed") == 1
