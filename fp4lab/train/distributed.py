@@ -65,13 +65,6 @@ class Ranks:
         dist.all_reduce(total)
         return total / self.world
 
-    def maximum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world == 1:
-            return t
-        out = t.detach().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
-        return out
-
     @contextlib.contextmanager
     def main_first(self) -> Iterator[None]:
         """Rank 0 runs the block first (it may build a cache), then the others."""
@@ -95,7 +88,7 @@ def env_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check(config: TrainConfig, world: int, optimizer: str, recipe) -> None:
+def check(config: TrainConfig, world: int) -> None:
     """Refuse what this process cannot train, before anything is built or written."""
     if config.parallel == "none":
         if world > 1:
@@ -112,27 +105,6 @@ def check(config: TrainConfig, world: int, optimizer: str, recipe) -> None:
         raise ConfigError(
             f"batch_size={config.batch_size} does not split over {world} ranks: use a multiple of {world} "
             "(every rank trains batch_size / ranks rows of each global batch)"
-        )
-    if config.parallel in ("fsdp", "hsdp"):
-        _check_sharded(config, optimizer, recipe)
-
-
-def _check_sharded(config: TrainConfig, optimizer: str, recipe) -> None:
-    # Sharded parameters are DTensors: Muon's Newton-Schulz, the NVFP4 second moment, QK-Clip's per-head
-    # rescale and LoRA-SVD need whole matrices, which fp4lab.optim does not gather yet; ddp keeps them whole.
-    blockers = []
-    if optimizer != "adamw":
-        blockers.append(f"optimizer {optimizer!r} (use --optimizer adamw)")
-    if recipe.optimizer.adam_v_format != "fp32":
-        blockers.append(f"the recipe's NVFP4 AdamW second moment (adam_v_format={recipe.optimizer.adam_v_format!r})")
-    if (config.qk_clip or recipe.optimizer.qk_clip) != "none":
-        blockers.append(f"qk_clip={config.qk_clip or recipe.optimizer.qk_clip!r} (use --qk-clip none)")
-    if recipe.lora_svd_rank:
-        blockers.append("the recipe's LoRA-SVD")
-    if blockers:
-        raise ConfigError(
-            f"parallel={config.parallel!r} shards parameters, which {'; '.join(blockers)} cannot use yet; "
-            "use --parallel ddp, or change those settings"
         )
 
 

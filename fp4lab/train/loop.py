@@ -41,7 +41,7 @@ from fp4lab.nn.model import Llama, ModelConfig, count_parameters, preset
 from fp4lab.nn.recipe import Recipe, load_recipe
 from fp4lab.optim.build import OptimizerConfig, build_optimizer
 from fp4lab.optim.muon import NS_POLYNOMIALS
-from fp4lab.optim.qk_clip import qk_clip_
+from fp4lab.optim.qk_clip import all_reduce_max_logits_, qk_clip_
 from fp4lab.train import distributed
 from fp4lab.train.capture import OperandCapture
 from fp4lab.train.checkpoint import (
@@ -102,7 +102,7 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
     as a preemption would; for drills and tests.
     """
     recipe = load_recipe(config.recipe)
-    distributed.check(config, distributed.env_world(), _optimizer_config(config, recipe, fused=False).name, recipe)
+    distributed.check(config, distributed.env_world())
     ranks, device = distributed.init(config, _device(config.device))
     try:
         return _run(config, recipe, ranks, device, progress, stop_after)
@@ -594,7 +594,7 @@ def _agreed_stop(ranks: distributed.Ranks, reason: str | None, stop_requested: l
 def _reduce_probes(model: Llama, ranks: distributed.Ranks, probing: bool) -> None:
     """Per-head max logits of the global batch (QK-Clip rescales every replica alike) and mean entropies."""
     for attention in model.attentions():
-        attention.last_max_logits = ranks.maximum(attention.last_max_logits)
+        all_reduce_max_logits_(attention.last_max_logits)
         if probing:
             attention.last_entropy = ranks.mean(attention.last_entropy)
 
