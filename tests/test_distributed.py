@@ -93,6 +93,26 @@ def test_each_rank_takes_its_own_rows_of_the_global_batch():
     assert Ranks(rank=1, world=2, mode="ddp").rows(batch).tolist() == [[4, 5], [6, 7]]
 
 
+def test_ranks_other_than_0_draw_their_own_random_bits():
+    from fp4lab.nn.build import attention_generators, build_model, fp4_linears
+    from fp4lab.nn.model import preset
+    from fp4lab.nn.recipe import load_recipe
+    from fp4lab.train.distributed import offset_random_streams
+
+    def streams(rank: int | None) -> tuple[list[int], list[int]]:
+        recipe = load_recipe("fullstack")  # SR linears and FP4 attention, each with its own generator
+        model = build_model(preset("tiny", 256, 32), recipe, seed=0)
+        if rank is not None:
+            offset_random_streams(model, Ranks(rank=rank, world=2, mode="ddp"))
+        return [m.seed for m in fp4_linears(model).values()], [g.initial_seed() for g in attention_generators(model)]
+
+    one_process, rank_0, rank_1 = streams(None), streams(0), streams(1)
+    assert len(one_process[0]) > 4 and len(one_process[1]) == 4
+    assert rank_0 == one_process
+    for ours, theirs in zip(rank_1, rank_0):
+        assert all(a != b for a, b in zip(ours, theirs))
+
+
 def test_parallel_is_validated_like_the_other_fields():
     from fp4lab import cli
     from fp4lab.train.config import PARALLELS
@@ -165,9 +185,11 @@ def test_two_ranks_train_the_one_process_curve(tmp_path, recipe, parallel, optim
 
 
 def test_only_rank_0_writes_and_a_stop_on_one_rank_stops_all_and_resumes_exactly(tmp_path):
-    whole = small(tmp_path, "whole", parallel="ddp", capture_steps=[1], capture_layers=["layers.0.attention.wq"])
+    # An SR recipe: the resumed run must continue every rank's own generators (checkpoint.dcp's rank-<r>.pt).
+    settings = {"recipe": "nvfp4-global", "parallel": "ddp", "capture_steps": [1], "capture_layers": ["layers.0.attention.wq"]}
+    whole = small(tmp_path, "whole", **settings)
     run_two_ranks(whole)
-    stopped = small(tmp_path, "stopped", parallel="ddp", capture_steps=[1], capture_layers=["layers.0.attention.wq"])
+    stopped = small(tmp_path, "stopped", **settings)
     first = run_two_ranks(stopped, stop_after_on_rank_1=2)
     # Only rank 1 was asked to stop, after its second step: both stop there, or the run would hang.
     assert "rank 0 status stopped steps 2" in first.stderr and "rank 1 status stopped steps 2" in first.stderr
