@@ -398,9 +398,11 @@ def train(
     if nproc_per_node is not None:
         _launch_ranks(train_config, nproc_per_node, fresh, catalog)
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 speaks
-    if fresh:
+    # Under torchrun rank 0 alone clears: the others cannot read the folder before joining the process
+    # group, which rank 0 joins only after clearing.
+    if main_rank and fresh:
         _clear_run_folder(Path(train_config.out_dir))
-    elif catalog is None and main_rank:
+    elif main_rank and catalog is None:
         _note_finished_run(train_config)
 
     from fp4lab.train.loop import run
@@ -443,10 +445,8 @@ def _launch_ranks(train_config, nproc_per_node: int, fresh: bool, catalog: Path 
     if train_config.batch_size % nproc_per_node:
         fail(f"train: --batch-size {train_config.batch_size} does not split over {nproc_per_node} processes; "
              f"use a multiple of {nproc_per_node}")
-    if fresh:  # here, once: ranks clearing the folder would race rank 0's first writes
+    if fresh:  # before any rank starts; the ranks get the resolved config without --fresh
         _clear_run_folder(Path(train_config.out_dir))
-    else:
-        _note_finished_run(train_config)
     with tempfile.TemporaryDirectory(prefix="fp4lab-train-") as folder:
         resolved = Path(folder) / "train.toml"
         resolved.write_text(toml_text(train_config.to_dict(), ["fp4lab train --nproc-per-node: the resolved run"]))
