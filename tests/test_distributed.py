@@ -184,9 +184,12 @@ def test_two_ranks_train_the_one_process_curve(tmp_path, recipe, parallel, optim
     assert summary["status"] == "completed" and summary["world_size"] == 2
 
 
-def test_only_rank_0_writes_and_a_stop_on_one_rank_stops_all_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_only_rank_0_writes_and_a_stop_on_one_rank_stops_all_and_resumes_exactly(tmp_path, parallel):
     # An SR recipe: the resumed run must continue every rank's own generators (checkpoint.dcp's rank-<r>.pt).
-    settings = {"recipe": "nvfp4-global", "parallel": "ddp", "capture_steps": [1], "capture_layers": ["layers.0.attention.wq"]}
+    settings = {
+        "recipe": "nvfp4-global", "parallel": parallel, "capture_steps": [1], "capture_layers": ["layers.0.attention.wq"],
+    }
     whole = small(tmp_path, "whole", **settings)
     run_two_ranks(whole)
     stopped = small(tmp_path, "stopped", **settings)
