@@ -189,6 +189,10 @@ def test_id_rule(tmp_path):
     assert make_run(spec, {"lr": 0.03}).id != run.id
     assert make_run(spec, {"data.seed": 1}).id != run.id
     assert run_id({**run.config, "out_dir": "elsewhere"}) == run.id
+    # A field added later keeps the ids of runs made before it while it holds their value.
+    before_parallel = {k: v for k, v in run.config.items() if k != "parallel"}
+    assert run.config["parallel"] == "none" and run_id(before_parallel) == run.id
+    assert make_run(spec, {"parallel": "ddp"}).id != run.id
     renamed = load_spec(write(tmp_path, BASE.replace('"t"', '"other"'), "b.toml"))
     assert make_run(renamed, {}).id == run.id and make_run(renamed, {}).config["out_dir"] == f"runs/other/{run.id}"
 

@@ -52,6 +52,11 @@ RESULT_NEUTRAL = (
     "out_dir", "device", "max_minutes", "checkpoint_every", "compile", "cuda_graphs", "capture_steps", "capture_layers",
 )
 
+# Fields added after catalogs already held runs, with the value every earlier run had: a run id leaves
+# such a field out while it holds that value, so the runs a catalog already has keep their ids and are
+# not trained again; any other value changes what the run computes and enters the id.
+HASHED_UNLESS_DEFAULT = {"parallel": "none"}
+
 
 def toml_text(table: dict[str, Any], comments: Iterable[str] = ()) -> str:
     """`table` as TOML under `# comment` lines, the one TOML writer (tomli_w: tables, arrays, nan and

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from fp4lab.lab.records.logscan import ScanThresholds, threshold_value
 from fp4lab.lab.specs.search_space import SearchParam, probe_values, search_param
 from fp4lab.validation import is_int, known_keys, read_toml
-from fp4lab.train.config import RENAMED_SUMMARY_KEYS, RESULT_NEUTRAL, ConfigError, DataConfig, TrainConfig
+from fp4lab.train.config import HASHED_UNLESS_DEFAULT, RENAMED_SUMMARY_KEYS, RESULT_NEUTRAL, ConfigError, DataConfig, TrainConfig
 
 METHODS = ("grid", "random", "optuna")
 # Summary keys (train.loop's summary.json) an optuna objective may name.
@@ -373,9 +373,13 @@ def run_id(config: dict[str, Any]) -> str:
 
 
 def canonical_json(config: dict[str, Any]) -> str:
-    """Sorted keys, no spaces, ints in float fields as floats, RESULT_NEUTRAL left out."""
+    """Sorted keys, no spaces, ints in float fields as floats, RESULT_NEUTRAL left out, and the fields of
+    HASHED_UNLESS_DEFAULT left out at their default."""
     floats, data_floats = _float_fields()
-    values = {k: v for k, v in config.items() if k not in RESULT_NEUTRAL}
+    values = {
+        k: v for k, v in config.items()
+        if k not in RESULT_NEUTRAL and not (k in HASHED_UNLESS_DEFAULT and v == HASHED_UNLESS_DEFAULT[k])
+    }
     for key in floats & values.keys():
         values[key] = _as_float(values[key])
     if isinstance(values.get("data"), dict):
