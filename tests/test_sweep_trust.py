@@ -174,7 +174,10 @@ def _wait_for(predicate, timeout: float = 120.0) -> None:
 def test_ctrl_c_stops_a_sweep_with_checkpoints_and_the_next_sweep_resumes_it(tmp_path):
     (tmp_path / "s.toml").write_text(spec("s", ["bf16", "nvfp4"], steps=400))
     command = [sys.executable, "-m", "fp4lab.cli", "sweep", "s.toml"]
-    sweep = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell that starts a job in the background (as CI may start pytest) ignores SIGINT for it, and the
+    # ignoring is inherited; Ctrl-C from a terminal reaches a sweep whose SIGINT has its default action.
+    sweep = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _wait_for(lambda: any(p.stat().st_size > 0 for p in tmp_path.glob("runs/s/*/metrics.jsonl")))
     sweep.send_signal(signal.SIGINT)  # a terminal's Ctrl-C reaches the sweep; it passes one SIGINT on
     out, err = sweep.communicate(timeout=120)
