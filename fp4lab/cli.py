@@ -358,11 +358,11 @@ def train(
     compile: Annotated[Optional[Compile], typer.Option(help="torch.compile (default auto: on CUDA).")] = None,
     cuda_graphs: Annotated[Optional[CudaGraphs], typer.Option(help="Replay steps from a CUDA graph (default auto: on CUDA where nothing draws from a torch.Generator).")] = None,
     parallel: Annotated[Optional[Parallel], typer.Option(help="Data parallelism over torchrun's processes: ddp (DistributedDataParallel), fsdp (FSDP2), hsdp (FSDP2 sharded within a node, replicated across nodes) or none (default).")] = None,
-    nproc_per_node: Annotated[Optional[int], typer.Option(help="Train on N local processes (GPUs) through torchrun; with N > 1 pass --parallel too.")] = None,
+    nproc_per_node: Annotated[Optional[int], typer.Option(help="Train on N local processes (GPUs) through torchrun; with N > 1 pass --parallel too (a sweep run's config has it).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<recipe>-<model>-s<seed>).")] = None,
     config: Annotated[Optional[Path], typer.Option(help="A TOML file of train settings; flags override it.")] = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Delete this run folder's checkpoint and logs first instead of resuming.")] = False,
-    catalog: Annotated[Optional[Path], typer.Option(help="Record this sweep run's start and end in this catalog (sweep jobs pass it; needs --config jobs/<sweep>/<id>.toml and no other flag).")] = None,
+    catalog: Annotated[Optional[Path], typer.Option(help="Record this sweep run's start and end in this catalog (sweep jobs pass it; needs --config jobs/<sweep>/<id>.toml and no other flag but --nproc-per-node; rank 0 records).")] = None,
 ) -> None:
     """Train a small Llama-style model with one FP4 recipe; resumes from the run folder's checkpoint."""
     from fp4lab.lab.records.catalog import CatalogError
@@ -396,7 +396,7 @@ def train(
             fail(f"train: --catalog trains a sweep run exactly as written: pass only --config jobs/<sweep>/<id>.toml"
                  f"{' (drop ' + ', '.join('--' + k.replace('_', '-') for k in changed) + ')' if changed else ''}")
     if nproc_per_node is not None:
-        _launch_ranks(train_config, nproc_per_node, fresh, catalog)
+        _launch_ranks(train_config, nproc_per_node, fresh, config, catalog)
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 speaks
     # Under torchrun rank 0 alone clears: the others cannot read the folder before joining the process
     # group, which rank 0 joins only after clearing.
@@ -428,33 +428,31 @@ def train(
         raise typer.Exit(130)
 
 
-def _launch_ranks(train_config, nproc_per_node: int, fresh: bool, catalog: Path | None) -> NoReturn:
+def _launch_ranks(train_config, nproc_per_node: int, fresh: bool, config: Path | None, catalog: Path | None) -> NoReturn:
     """Train `train_config` on `nproc_per_node` local processes: torchrun (torch.distributed.run)
-    starts `fp4lab train --config <the resolved config>` on each; its exit code is ours."""
+    starts `fp4lab train --config <the resolved config>` on each; with --catalog, `fp4lab train --config
+    jobs/<sweep>/<id>.toml --catalog C` (rank 0 records the run). Its exit code is ours."""
     import subprocess
     import tempfile
 
+    from fp4lab.lab.runs.job import train_command
     from fp4lab.train.config import toml_text
 
     if nproc_per_node < 1:
         fail(f"train: --nproc-per-node {nproc_per_node} must be at least 1")
-    if catalog is not None:
-        fail("train: --catalog runs one process; drop --nproc-per-node (sweep runs on several GPUs are not supported yet)")
     if nproc_per_node > 1 and train_config.parallel == "none":
         fail(f"train: --nproc-per-node {nproc_per_node} needs --parallel ddp, fsdp or hsdp (how the ranks share the model)")
     if train_config.batch_size % nproc_per_node:
         fail(f"train: --batch-size {train_config.batch_size} does not split over {nproc_per_node} processes; "
              f"use a multiple of {nproc_per_node}")
+    if catalog is not None:  # the sweep run's own config: its name is the run id, its manifest lies next to it
+        raise typer.Exit(subprocess.run(train_command(config, catalog, nproc=nproc_per_node), check=False).returncode)
     if fresh:  # before any rank starts; the ranks get the resolved config without --fresh
         _clear_run_folder(Path(train_config.out_dir))
     with tempfile.TemporaryDirectory(prefix="fp4lab-train-") as folder:
         resolved = Path(folder) / "train.toml"
         resolved.write_text(toml_text(train_config.to_dict(), ["fp4lab train --nproc-per-node: the resolved run"]))
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc_per_node),
-            "-m", "fp4lab.cli", "train", "--config", str(resolved),
-        ]
-        code = subprocess.run(command, check=False).returncode
+        code = subprocess.run(train_command(resolved, nproc=nproc_per_node), check=False).returncode
     raise typer.Exit(code)
 
 
@@ -712,7 +710,7 @@ def sweep(
         runner = make_executor(executor, **({"workers": workers} if executor == "local" else {}))
         runs_catalog = Catalog(catalog)
         runs_catalog.records()  # a corrupt catalog fails here, before anything is written
-        plan = plan_sweep(spec, jobs_dir, catalog)
+        plan = plan_sweep(spec, jobs_dir, catalog, runner.check)
         problems = preflight(plan, executor)
         if problems and not dry_run:
             fail(f"sweep: {problems[0]}" + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""))

@@ -6,9 +6,11 @@ executors); everything Slurm-specific they need is in `slurm.py`.
 
 - `LocalExecutor` (`local`): on this machine, `workers` at a time, each run its own
   `fp4lab train --config jobs/<sweep>/<id>.toml --catalog ...` process (optuna sweeps: `fp4lab trial`
-  processes); returns when every run has ended, with their records. Ctrl-C raises SweepInterrupted.
+  processes), and a run of several ranks ([slurm], SlurmSpec.ranks) its own torchrun --standalone of
+  that many processes; returns when every run has ended, with their records. Ctrl-C raises SweepInterrupted.
 - `SubmititExecutor` (`slurm`): job arrays of `job.SweepTask` / `trials.TrialTask` through submitit,
-  with signal-before-timeout and requeue; returns the Slurm job ids.
+  with signal-before-timeout and requeue; returns the Slurm job ids. One process per run: a spec of
+  several ranks per run is refused (`check`) before anything is written; `sbatch` runs those.
 - `SbatchExecutor` (`sbatch`): plain `sbatch` of the scripts written into jobs/<sweep>/; returns the
   job ids.
 
@@ -32,10 +34,10 @@ from typing import Any, ClassVar, Protocol
 
 from fp4lab.lab.records.catalog import IN_FLIGHT_STATES, Catalog, this_owner, utc_now
 from fp4lab.lab.runs import slurm
-from fp4lab.lab.runs.job import SweepTask, finish_run, last_error_line
+from fp4lab.lab.runs.job import SweepTask, finish_run, last_error_line, train_command
 from fp4lab.lab.runs.trials import TrialTask, orphaned_trials, trial_counts
 from fp4lab.lab.runs.sweep import SweepPlan, scan_thresholds
-from fp4lab.lab.specs.sweep_spec import RunSpec
+from fp4lab.lab.specs.sweep_spec import RunSpec, SpecError, SweepSpec
 
 EXECUTORS = ("local", "slurm", "sbatch")
 
@@ -56,6 +58,10 @@ class Executor(Protocol):
     waits: ClassVar[bool]  # whether launch returns only when the runs have ended
 
     def launch(self, plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> Launched: ...
+
+    def check(self, spec: SweepSpec) -> None:
+        """Raise SpecError (one line) if this executor cannot run the spec's runs; called before
+        anything is written."""
 
 
 def make_executor(name: str, **options: Any) -> Executor:
@@ -97,6 +103,9 @@ class LocalExecutor:
         records = _run_local(plan, runs, catalog, workers=self.workers, on_start=self.on_start, on_finish=self.on_finish)
         return Launched(len(runs), records, [])
 
+    def check(self, spec: SweepSpec) -> None:
+        pass
+
 
 class SubmititExecutor:
     """Slurm through submitit: job arrays, signal before the time limit, requeue on preemption and timeout."""
@@ -104,6 +113,12 @@ class SubmititExecutor:
     name = "slurm"
     records_as = "slurm"
     waits = False
+
+    def check(self, spec: SweepSpec) -> None:
+        # A submitit job runs the task in one process per node (tasks_per_node = 1): no torchrun.
+        if spec.slurm.ranks > 1:
+            raise SpecError(f"{spec.path}: {spec.slurm.ranks_text()} gives each run {spec.slurm.ranks} ranks; "
+                            "--executor slurm runs one process per run: use --executor sbatch (srun + torchrun)")
 
     def launch(self, plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> Launched:
         try:
@@ -120,6 +135,9 @@ class SbatchExecutor:
     name = "sbatch"
     records_as = "slurm"
     waits = False
+
+    def check(self, spec: SweepSpec) -> None:
+        pass
 
     def launch(self, plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> Launched:
         return Launched(len(runs), [], _submit_sbatch(plan, runs, catalog))
@@ -139,11 +157,14 @@ def _run_local(
     This process owns each run while it trains (`Catalog.claim`): a run another live process owns is
     left to it (recorded by that process, returned here as is). Each training process records its own
     start and end (`train --catalog`); one that dies without doing so (killed, out of memory) is
-    recorded here as failed, with the last line of its log as the error. Ctrl-C (KeyboardInterrupt)
+    recorded here as failed, with the last line of its log as the error. A run of several ranks is
+    one torchrun --standalone (its agent passes signals on to the ranks; rank 0 records the run).
+    Ctrl-C (KeyboardInterrupt)
     starts nothing more, passes one SIGINT to each training process (they run in their own session,
     so a terminal's Ctrl-C reaches them only this way, once), waits while they checkpoint, and raises
     SweepInterrupted."""
     thresholds = scan_thresholds(plan.spec)
+    ranks = plan.spec.slurm.ranks  # all on this machine
     lock = threading.Lock()
     owner = this_owner()
     stopping = threading.Event()
@@ -158,13 +179,12 @@ def _run_local(
                               error=None, paths={"log": catalog.relative(log)})
         if other is not None:
             return catalog.get(run.id)
-        command = [sys.executable, "-m", "fp4lab.cli", "train", "--config", str(plan.sweep_dir / f"{run.id}.toml"),
-                   "--catalog", str(catalog.path)]
+        command = train_command(plan.sweep_dir / f"{run.id}.toml", catalog.path, nproc=ranks)
         if on_start is not None:
             with lock:
                 on_start(run)
         with open(log, "ab") as out:
-            child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env(workers), start_new_session=True)
+            child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env(workers, ranks), start_new_session=True)
             with lock:
                 children[run.id] = child
             returncode = child.wait()
@@ -202,13 +222,14 @@ def _exit_text(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def worker_env(workers: int) -> dict[str, str]:
-    """The environment of a local training process: with several at once, each gets its share of the
-    cores (unless OMP_NUM_THREADS is set), since oversubscribed OpenMP threads slow every run down
-    several times over."""
+def worker_env(workers: int, ranks: int = 1) -> dict[str, str]:
+    """The environment of a local training process: with several processes at once (`workers` runs of
+    `ranks` processes each), each gets its share of the cores (unless OMP_NUM_THREADS is set), since
+    oversubscribed OpenMP threads slow every run down several times over (torchrun would give each
+    rank one thread)."""
     env = dict(os.environ)
-    if workers > 1 and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    if workers * ranks > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (workers * ranks)))
     return env
 
 

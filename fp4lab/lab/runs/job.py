@@ -13,6 +13,13 @@ ends, on Slurm as on this machine:
   exception propagates; a job killed outright (SIGKILL, out of memory) leaves "running", which
   `fp4lab status` corrects from Slurm's view of the job (or the local executor from the exit code).
 
+Under torchrun (a run of several ranks) every rank runs that command; rank 0 alone records the start
+and the end, the other ranks train silently (the loop has rank 0 alone write the run's files).
+
+`python -m fp4lab.lab.runs.job checkpointed CONFIG SINCE` exits 0 when the run's summary.json, written
+at or after SINCE (Unix seconds), says "preempted": how an SBATCH script of several ranks knows the run
+checkpointed (torchrun's agent exits 1 after passing a signal on, however cleanly the ranks stopped).
+
 `SweepTask` is the same thing as a submitit callable (`fp4lab sweep --executor slurm`); it also
 hands a preemption or time-limit signal back to submitit so the job is requeued and resumes from its
 checkpoint.
@@ -24,6 +31,7 @@ import json
 import math
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +72,7 @@ def record_start(catalog: Catalog, run_id: str) -> dict[str, Any]:
         if record is None:
             raise ValueError(f"{catalog.path}: no run {run_id}; a catalog records the runs of sweeps "
                              f"(jobs/<sweep>/<id>.toml): run the sweep, or train without a catalog")
-        owner, parent = record.get("owner"), this_owner().rpartition(":")[0] + f":{os.getppid()}"
+        owner, parent = record.get("owner"), this_owner().rpartition(":")[0] + f":{_launcher_pid()}"
         if live_owner(record, this_owner(), parent) is not None:
             raise RunInFlight(f"run {run_id} is being trained by process {owner} (state {record['state']}); "
                               "wait for it (fp4lab status) or stop that process first")
@@ -73,13 +81,37 @@ def record_start(catalog: Catalog, run_id: str) -> dict[str, Any]:
         return tx.update(run_id, **fields, **slurm.identity())
 
 
+def train_command(config_path: str | Path, catalog: str | Path | None = None, *, nproc: int = 1) -> list[str]:
+    """The argv that trains a config on this machine: `fp4lab train --config C [--catalog K]`, and with
+    nproc > 1 the same on nproc local ranks through torchrun (--standalone: a rendezvous on a free port)."""
+    train = ["-m", "fp4lab.cli", "train", "--config", str(config_path), *(["--catalog", str(catalog)] if catalog else [])]
+    if nproc == 1:
+        return [sys.executable, *train]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *train]
+
+
+def _launcher_pid() -> int:
+    """The process that started this training process: the parent, or under torchrun the agent's
+    parent (a local sweep, `fp4lab train --nproc-per-node`, or the job's srun step)."""
+    parent = os.getppid()
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return parent
+    try:
+        stat = Path(f"/proc/{parent}/stat").read_text()
+    except OSError:
+        return parent
+    return int(stat.rpartition(")")[2].split()[1])  # after "pid (comm)": state, ppid
+
+
 def train_recorded(config_path: Path, catalog: Catalog, *, progress: bool | None = None) -> dict[str, Any]:
     """Train the run whose config is `config_path` (jobs/<sweep>/<id>.toml), keeping its catalog record
-    current; return the loop's summary."""
+    current (rank 0 alone, under torchrun); return the loop's summary."""
     from fp4lab.train.loop import run
 
     run_id = config_path.stem
     config = TrainConfig.from_toml(config_path)
+    if os.environ.get("RANK", "0") != "0":
+        return run(config, progress=progress)
     manifest_path = config_path.parent / "manifest.json"
     table = json.loads(manifest_path.read_text()).get("scan", {}) if manifest_path.exists() else {}
     thresholds = thresholds_from_table(table, str(manifest_path))
@@ -208,3 +240,19 @@ def hand_back_preemption(summary: dict[str, Any], catalog: Catalog, run_id: str)
     except UncompletedJobError:
         catalog.update(run_id, state="timeout")
         raise
+
+
+def checkpointed(config_path: Path, since: float) -> bool:
+    """Whether the run of `config_path` stopped on a signal with its checkpoint written (summary.json
+    status "preempted", written after the checkpoint) at or after `since` (Unix seconds)."""
+    summary = Path(TrainConfig.from_toml(config_path).out_dir) / "summary.json"
+    try:
+        return summary.stat().st_mtime >= since and json.loads(summary.read_text()).get("status") == "preempted"
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] != "checkpointed":
+        sys.exit("usage: python -m fp4lab.lab.runs.job checkpointed CONFIG SINCE")
+    sys.exit(0 if checkpointed(Path(sys.argv[2]), float(sys.argv[3])) else 1)

@@ -202,6 +202,8 @@ def _sbatch_lines(spec: SweepSpec, job_name: str, log_stem: Path, array: str | N
     for key in ("partition", "account", "qos", "nodes", "ntasks_per_node", "gpus_per_node", "cpus_per_task",
                 "mem", "time", "constraint", "exclude"):
         value = getattr(s, key)
+        if key == "ntasks_per_node" and s.ranks > 1:  # one task (and its CPUs) per rank, GPU ranks too
+            value = s.ranks_per_node
         if value is not None:
             options.append((key.replace("_", "-"), value))
     options += [
@@ -225,9 +227,8 @@ def _sbatch_lines(spec: SweepSpec, job_name: str, log_stem: Path, array: str | N
 
 def _body(spec: SweepSpec, catalog: Path | None, command: str | None = None) -> list[str]:
     """The script after its variables: cd, setup, the trainer (`command`, default: train $CONFIG) in the
-    background with USR1/TERM forwarded, then the requeue."""
+    background with the stop signals passed on, then the requeue of a run that checkpointed."""
     s = spec.slurm
-    gpus = s.gpus_per_node or 0
     lines = [
         *([] if command else ['CONFIG="$SWEEP_DIR/$RUN_ID.toml"']),
         *([f"CATALOG={shlex.quote(str(catalog))}  # the job records its own start and end here"] if catalog else []),
@@ -238,46 +239,82 @@ def _body(spec: SweepSpec, catalog: Path | None, command: str | None = None) -> 
         lines.append("# setup ([slurm].setup, verbatim)")
         lines += s.setup
         lines.append("")
-    lines += [
-        ('echo "fp4lab: optuna trial slot $SLOT, host $(hostname), job ${SLURM_JOB_ID:-none}"' if command else
-         'echo "fp4lab: run $RUN_ID, config $CONFIG, host $(hostname), job ${SLURM_JOB_ID:-none}"'),
-        "# USR1 (before the time limit): the trainer checkpoints and stops; then this job is requeued.",
-        "# TERM (scancel, preemption): passed on, no requeue.",
-        "REQUEUE=0",
-        "CHILD=",
-        "trap 'REQUEUE=1; [ -n \"$CHILD\" ] && kill -USR1 \"$CHILD\" 2>/dev/null' USR1",
-        "trap '[ -n \"$CHILD\" ] && kill -TERM \"$CHILD\" 2>/dev/null' TERM",
-    ]
+    lines.append('echo "fp4lab: optuna trial slot $SLOT, host $(hostname), job ${SLURM_JOB_ID:-none}"' if command else
+                 'echo "fp4lab: run $RUN_ID, config $CONFIG, host $(hostname), job ${SLURM_JOB_ID:-none}"')
     train = command or '-m fp4lab.cli train --config "$CONFIG"' + (' --catalog "$CATALOG"' if catalog else "")
-    if s.nodes > 1:
-        lines += [
-            "# Multi-node template: one torchrun agent per node, c10d rendezvous on the first node.",
-            "# NOTE: fp4lab's training loop is single-process today; every process would train the same run.",
-            'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-            f'srun --ntasks-per-node=1 --kill-on-bad-exit=1 "$PYTHON" -u -m torch.distributed.run '
-            f'--nnodes="$SLURM_NNODES" --nproc-per-node={max(gpus, 1)} --rdzv-backend=c10d '
-            f'--rdzv-endpoint="$MASTER_ADDR:29500" --rdzv-id="$SLURM_JOB_ID" {train} &',
-        ]
-    elif gpus > 1:
-        lines += [
-            "# Multi-GPU template: torchrun on this node.",
-            "# NOTE: fp4lab's training loop is single-process today; every process would train the same run.",
-            f'"$PYTHON" -u -m torch.distributed.run --standalone --nproc-per-node={gpus} {train} &',
-        ]
+    if s.ranks > 1:
+        if command:  # sweep_spec refuses such specs when they load
+            raise SpecError(f"{spec.path}: optuna trials run in one process; [slurm] asks for {s.ranks} ranks")
+        lines += _ranks_launch(spec, train)
+        # torchrun's agent exits 1 after passing a signal on, however cleanly the ranks stopped: whether
+        # the run checkpointed is what rank 0 wrote into summary.json during this attempt.
+        checkpointed = '"$PYTHON" -m fp4lab.lab.runs.job checkpointed "$CONFIG" "$STARTED"'
     else:
-        lines.append(f'"$PYTHON" -u {train} &')
+        lines += [
+            "# USR1 (before the time limit): the trainer checkpoints and stops; then this job is requeued.",
+            "# TERM (scancel, preemption): passed on, no requeue.",
+            "REQUEUE=0",
+            "CHILD=",
+            "trap 'REQUEUE=1; [ -n \"$CHILD\" ] && kill -USR1 \"$CHILD\" 2>/dev/null' USR1",
+            "trap '[ -n \"$CHILD\" ] && kill -TERM \"$CHILD\" 2>/dev/null' TERM",
+            f'"$PYTHON" -u {train} &',
+        ]
+        checkpointed = '[ "$RC" = 0 ]'  # the trainer exits 0 after a stop only once its checkpoint is written
     lines += [
         "CHILD=$!",
         "# wait returns early when a trapped signal arrives; keep waiting until the trainer has exited.",
         'while kill -0 "$CHILD" 2>/dev/null; do wait "$CHILD"; done',
         'wait "$CHILD"; RC=$?',
-        'if [ "$REQUEUE" = 1 ] && [ "$RC" = 0 ] && [ -z "${FP4LAB_NO_REQUEUE:-}" ] && [ -n "${SLURM_JOB_ID:-}" ]; then',
+        f'if [ "$REQUEUE" = 1 ] && [ -z "${{FP4LAB_NO_REQUEUE:-}}" ] && [ -n "${{SLURM_JOB_ID:-}}" ] && {checkpointed}; then',
         '  echo "fp4lab: checkpointed before the time limit; requeueing job $SLURM_JOB_ID"',
         '  scontrol requeue "$SLURM_JOB_ID"',
+        "  exit 0",
         "fi",
         'exit "$RC"',
     ]
     return lines
+
+
+def _ranks_launch(spec: SweepSpec, train: str) -> list[str]:
+    """A run of several ranks: srun starts one torchrun agent per node; the agents meet in a c10d
+    rendezvous on the allocation's first node (where this script runs) and start ranks_per_node
+    processes each. The step asks for the CPUs the job has for its ranks on a node (one task of
+    ranks_per_node x cpus_per_task), and the node's GPUs: srun >= 22.05 no longer inherits sbatch's
+    --cpus-per-task, and a step run with --exact (or by a Slurm of exclusive steps) gets only what it asks for.
+
+    Signals: srun passes USR1 on to the agents unchanged, and the agents (--signals-to-handle) pass it
+    to their ranks; any rank's signal makes all of them checkpoint (train.distributed). A TERM is not
+    passed on: srun would turn it into SIGKILL ("forcing job termination"), and Slurm itself sends
+    TERM to every process of the job's steps on scancel, time limit and preemption."""
+    s = spec.slurm
+    per_node = s.ranks_per_node
+    step = [
+        "srun", '--nodes="$SLURM_NNODES"', '--ntasks="$SLURM_NNODES"', "--ntasks-per-node=1",
+        f"--cpus-per-task={per_node * (s.cpus_per_task or 1)}",
+        *([f"--gpus-per-node={s.gpus_per_node}"] if s.gpus_per_node else []),
+        "--kill-on-bad-exit=1",
+        '"$PYTHON" -u -m torch.distributed.run', '--nnodes="$SLURM_NNODES"', f"--nproc-per-node={per_node}",
+        "--rdzv-backend=c10d", '--rdzv-endpoint="$RDZV_HOST:$RDZV_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        f"--shutdown-timeout={s.signal_before_timeout_s}",
+    ]
+    return [
+        f"# {s.ranks} ranks ({s.ranks_text()}): one torchrun agent per node, c10d rendezvous on the first node.",
+        ': "${SLURM_JOB_ID:?a run of several ranks starts through srun: submit this file with sbatch}"',
+        'RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        "# The port comes from the job id, so two jobs on one node (array tasks too: each has its own id) differ",
+        "# unless their ids are 20000 apart; 10000-29999 lies below Linux's ephemeral ports (32768 up).",
+        "RDZV_PORT=$((10000 + SLURM_JOB_ID % 20000))",
+        "# USR1 (before the time limit): every rank checkpoints and stops (the agents give them",
+        f"# signal_before_timeout_s = {s.signal_before_timeout_s} s before SIGKILL); then this job is requeued.",
+        "# TERM (scancel, preemption, time limit): Slurm signals every rank itself; its KillWait bounds the checkpoint.",
+        "REQUEUE=0",
+        "CHILD=",
+        "trap 'REQUEUE=1; [ -n \"$CHILD\" ] && kill -USR1 \"$CHILD\" 2>/dev/null' USR1",
+        "trap 'echo \"fp4lab: TERM; Slurm passes it to the ranks\" >&2' TERM",
+        "STARTED=$(date +%s)",
+        " ".join(step) + f" {train} &",
+    ]
 
 
 def _comment(text: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,13 +44,17 @@ class SweepPlan:
         return self.sweep_dir / "logs" / f"{run.id}.local.log"
 
 
-def plan_sweep(spec_path: str | Path, jobs_dir: str | Path = "jobs", catalog: str | Path = "sweep_catalog.json") -> SweepPlan:
+def plan_sweep(spec_path: str | Path, jobs_dir: str | Path = "jobs", catalog: str | Path = "sweep_catalog.json",
+               check: Callable[[SweepSpec], None] | None = None) -> SweepPlan:
     """Load and expand the spec and write jobs/<sweep>/. Optuna sweeps have no runs up front (each
     trial makes its own): they get trial-array scripts instead. A run the catalog already holds (the
     same config, asked for by another sweep or an earlier version of this one) keeps its run folder,
-    so it is trained once and shared."""
+    so it is trained once and shared. `check(spec)` (the executor's) may refuse the spec before
+    anything is written."""
     spec = load_spec(spec_path)
     scan_thresholds(spec)  # fail on bad [scan] values before anything is written
+    if check is not None:
+        check(spec)
     if spec.method == "optuna":
         return SweepPlan(spec, [], write_trial_scripts(spec, str(jobs_dir), catalog=catalog), Path(jobs_dir))
     runs = [_shared_folder(run, Catalog(catalog)) for run in expand(spec)]

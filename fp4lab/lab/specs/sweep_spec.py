@@ -99,6 +99,23 @@ class SlurmSpec(_Strict):
     max_array_size: int | None = None
     max_requeues: int = 3
 
+    @property
+    def ranks_per_node(self) -> int:
+        """Training processes of one run on each node: one per GPU (gpus_per_node > 0), else
+        ntasks_per_node CPU ranks, else 1."""
+        return self.gpus_per_node or self.ntasks_per_node or 1
+
+    @property
+    def ranks(self) -> int:
+        """Training processes (torchrun ranks) of one run: ranks_per_node on each of `nodes` nodes."""
+        return self.ranks_per_node * self.nodes
+
+    def ranks_text(self) -> str:
+        """Where `ranks` comes from, in the spec's own keys, for error messages."""
+        per = f"gpus_per_node = {self.gpus_per_node}" if self.gpus_per_node else (
+            f"ntasks_per_node = {self.ntasks_per_node}" if self.ntasks_per_node else "1 rank per node")
+        return f"[slurm] {per}" + (f" on nodes = {self.nodes}" if self.nodes > 1 else "")
+
 
 @dataclass(frozen=True)
 class SweepSpec:
@@ -157,6 +174,8 @@ def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepS
     if method not in METHODS:
         raise fail("method", f"{method!r} is not supported; allowed: {', '.join(METHODS)}")
 
+    slurm = slurm_table(table.get("slurm", {}), fail)
+
     base = table.get("base", {})
     if not isinstance(base, dict):
         raise fail("base", "must be a table of TrainConfig fields ([base])")
@@ -169,7 +188,7 @@ def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepS
     if "out_dir" in base:
         raise fail("base.out_dir", "is set by the sweep to runs/<sweep>/<id>; remove it")
     _check_recipe(base.get("recipe"), "base.recipe", fail)
-    _validate_config(_merge(base, {}), "base", fail)
+    base_config = _validate_config(_merge(base, {}), "base", fail)
 
     axes = table.get("axes", {})
     if not isinstance(axes, dict):
@@ -217,7 +236,7 @@ def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepS
     elif "optuna" in table:
         raise fail("optuna", f"only applies to method = \"optuna\" (this spec has method = {method!r})")
 
-    slurm = slurm_table(table.get("slurm", {}), fail)
+    _check_ranks(slurm, method, base_config, axes, fail)
     scan = _scan(table.get("scan", {}), fail)
     return SweepSpec(name=name, description=description, path=path, base=base, axes=axes, method=method,
                      samples=samples, seed=seed if method != "grid" else 0, optuna=optuna, slurm=slurm, scan=scan)
@@ -276,6 +295,9 @@ def slurm_table(table: Any, fail) -> SlurmSpec:
         value = getattr(slurm, key)
         if value is not None and value < low:
             raise fail(f"slurm.{key}", f"{value} must be >= {low}")
+    if slurm.gpus_per_node and slurm.ntasks_per_node not in (None, slurm.gpus_per_node):
+        raise fail("slurm.ntasks_per_node", f"{slurm.ntasks_per_node} differs from gpus_per_node = {slurm.gpus_per_node}: "
+                   "a run has one rank per GPU; remove ntasks_per_node")
     limit = time_limit_seconds(slurm.time)
     if limit is not None and slurm.signal_before_timeout_s >= limit:
         raise fail("slurm.signal_before_timeout_s",
@@ -285,6 +307,28 @@ def slurm_table(table: Any, fail) -> SlurmSpec:
             raise fail(f"slurm.setup[{i}]", "each entry is one shell command on one line: no newlines or NUL, not empty; "
                        "split it into several entries")
     return slurm
+
+
+def _check_ranks(slurm: SlurmSpec, method: str, base_config: dict[str, Any], axes: dict[str, list[Any]], fail) -> None:
+    """Runs of several ranks (SlurmSpec.ranks) need a parallel mode that shares the model over them and
+    a batch that splits into equal rows per rank; optuna trials (`fp4lab trial`: ask, train, tell) are
+    one process each. A run's parallel and batch_size come from their axis when there is one, else
+    from [base]; every value either can take is checked."""
+    ranks = slurm.ranks
+    if ranks == 1:
+        return
+    if method == "optuna":
+        raise fail("slurm", f"{slurm.ranks_text()} gives each run {ranks} ranks, but method = \"optuna\" trains each "
+                   "trial in one process; ask for one rank, or use method = \"grid\" or \"random\"")
+    for key in ("parallel", "batch_size"):
+        places = [(f"axes.{key}[{i}]", v) for i, v in enumerate(axes[key])] if key in axes else [(f"base.{key}", base_config[key])]
+        for where, value in places:
+            if key == "parallel" and value == "none":
+                raise fail(where, f"parallel = \"none\" trains in one process, but {slurm.ranks_text()} gives each run "
+                           f"{ranks} ranks; set parallel = \"ddp\", \"fsdp\" or \"hsdp\", or ask [slurm] for one rank")
+            if key == "batch_size" and value % ranks:
+                raise fail(where, f"batch_size = {value} does not split over the {ranks} ranks {slurm.ranks_text()} "
+                           f"gives each run; use a multiple of {ranks}")
 
 
 def _scan(table: Any, fail) -> dict[str, Any]:
