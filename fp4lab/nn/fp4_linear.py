@@ -75,9 +75,10 @@ def transform_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | 
 
 
 def encode_operand(
-    t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator
+    t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator, tensor_amax: torch.Tensor | None = None
 ) -> QTensor | Fp8Tensor | torch.Tensor:
-    """The representation of a 2D operand (quantized along its last dim) that a GEMM consumes."""
+    """The representation of a 2D operand (quantized along its last dim) that a GEMM consumes.
+    `tensor_amax`: an NVFP4 tensor scale's amax other than t's own (that of the whole weight, for a shard)."""
     t = transform_operand(t, spec, signs)
     if spec.format == "fp32":
         return t
@@ -85,7 +86,7 @@ def encode_operand(
         return t.to(torch.bfloat16)
     if spec.format == "fp8":
         return fp8_quantize(t, spec.element, spec.scaling, pow2=spec.pow2_scale)
-    return quantize(t, spec.format, **_quantize_options(spec, generator))
+    return quantize(t, spec.format, **_quantize_options(spec, generator), tensor_amax=tensor_amax)
 
 
 def decode_operand(encoded: QTensor | Fp8Tensor | torch.Tensor) -> torch.Tensor:
@@ -206,6 +207,24 @@ class PackedOperand:
 
 def unpacked(operand: GemmOperand | PackedOperand) -> GemmOperand:
     return operand.unpack() if isinstance(operand, PackedOperand) else operand
+
+
+@dataclass(frozen=True)
+class GatheredWeight:
+    """A weight FSDP2 all-gathered as the encodings its GEMMs consume (fp4lab.train.encoded_gather):
+    `encodings` maps "fprop_w" (W along in_features) or "dgrad_w" (W^T along out_features) to the
+    encoding of the whole weight, bit for bit what the layer would make of the dense weight. `values`
+    is the storage FSDP2 gives the unsharded parameter; it holds NaN, not W, so anything that reads the
+    weight instead of an encoding shows it in the loss. `exact()` gathers W itself (a collective), for
+    probes, which measure the encoding against W."""
+
+    values: torch.Tensor
+    encodings: dict
+    exact: object
+
+    def holds(self, weight: torch.Tensor) -> bool:
+        """Whether `weight` is the unsharded parameter these encodings were gathered for."""
+        return not isinstance(weight, DTensor) and weight.data_ptr() == self.values.data_ptr() != 0
 
 
 class _SiblingOperands:
@@ -352,10 +371,15 @@ class _FP4LinearFunction(torch.autograd.Function):
             return x_hat, xt_enc
 
         x_hat, xt_enc = layer.x_operands(x, x_operands)
+        gathered = layer.gathered_encoding("fprop_w", weight, signs["fprop"])
         if recipe.shares_weight_encoding:  # Dgrad will decode this same encoding: keep it packed
-            w_enc = encode_operand(weight, recipe.fprop_w, signs["fprop"], g)
-            layer.record("fprop_w", weight, w_enc, signs["fprop"])
+            w_enc = gathered
+            if w_enc is None:
+                w_enc = encode_operand(weight, recipe.fprop_w, signs["fprop"], g)
+                layer.record("fprop_w", weight, w_enc, signs["fprop"])
             w_hat = decode_operand(w_enc)
+        elif gathered is not None:
+            w_enc, w_hat = None, decode_operand(gathered)
         else:
             w_enc, w_hat = None, layer.consume("fprop_w", weight, signs["fprop"], g)
         out = x_hat @ w_hat.T
@@ -376,8 +400,11 @@ class _FP4LinearFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             dy_hat = layer.consume("dgrad_dy", dy, signs["dgrad"], g)
+            gathered = None if ctx.w_enc is not None else layer.gathered_encoding("dgrad_w", weight, signs["dgrad"])
             if ctx.w_enc is not None:  # 2D tiles: Q(W^T) = Q(W)^T, so Dgrad decodes Fprop's weight
                 wt_hat = decode_operand(ctx.w_enc).T
+            elif gathered is not None:
+                wt_hat = decode_operand(gathered)
             else:
                 wt_hat = layer.consume("dgrad_w", weight.T.contiguous(), signs["dgrad"], g)
             grad_x = (dy_hat @ wt_hat.T).reshape(ctx.x_shape)
@@ -437,6 +464,8 @@ class FP4Linear(nn.Module):
             self.register_buffer("lora_u", torch.zeros(out_features, lora_rank, dtype=torch.bfloat16))
             self.register_buffer("lora_v", torch.zeros(in_features, lora_rank, dtype=torch.bfloat16))
         self.tensor_cores = False
+        # Set by fp4lab.train.encoded_gather when FSDP2 all-gathers this weight as its GEMMs' encodings.
+        self.gathered: GatheredWeight | None = None
 
     @property
     def tensor_cores(self) -> bool:
@@ -502,6 +531,20 @@ class FP4Linear(nn.Module):
         if key not in self._fixed_signs:  # built once per device: no host-to-device copy every call
             self._fixed_signs[key] = hadamard_signs(spec.transform_size, spec.transform_signs).to(generator.device)
         return self._fixed_signs[key]
+
+    def gathered_encoding(self, operand: str, weight: torch.Tensor, signs: torch.Tensor | None) -> QTensor | None:
+        """The encoding of weight operand `operand` that FSDP2 all-gathered for `weight`, or None when
+        `weight` is not a weight gathered that way. Probes measure it against W, gathered for them."""
+        gathered = self.gathered
+        if gathered is None or not gathered.holds(weight):
+            return None
+        if operand not in gathered.encodings:  # never silently quantize the NaN the storage holds
+            raise RuntimeError(f"FP4Linear: the all-gather of this weight brought {sorted(gathered.encodings)}, not {operand}")
+        encoded = gathered.encodings[operand]
+        if self.probe:
+            exact = gathered.exact()
+            self.record(operand, exact if operand == "fprop_w" else exact.T.contiguous(), encoded, signs)
+        return encoded
 
     def consume(self, operand: str, t: torch.Tensor, signs: torch.Tensor | None, generator) -> torch.Tensor:
         """The float32 values a GEMM reads for `operand` (probed through the packed encoding, which

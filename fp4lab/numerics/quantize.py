@@ -102,6 +102,17 @@ def fake_quantize_factored(x: torch.Tensor, fmt: str, **options) -> FactoredValu
     return FactoredValues(values.reshape(x.shape), outer, True)
 
 
+def finite_amax(x: torch.Tensor, fmt: str, tile: tuple[int, int] | None = None) -> torch.Tensor:
+    """The amax behind `quantize(x, fmt, tile=tile)`'s NVFP4 tensor scale (0-dim): the largest amax of a
+    block (tile) holding no NaN or Inf. A part of x cut along block (tile) boundaries holds whole blocks,
+    so the largest of the parts' amaxes, passed back as `tensor_amax`, quantizes every part exactly as
+    the whole tensor is quantized (shards of a weight under FSDP2: fp4lab.train.encoded_gather)."""
+    block = _check_arguments(x, fmt, "rtn", tile, None, None, False, None)
+    grouped, reduce_dims = _group(x.detach().to(torch.float32).contiguous(), block, tile)
+    block_amax = grouped.abs().amax(dim=reduce_dims, keepdim=True)
+    return _tensor_amax(torch.where(torch.isfinite(block_amax), block_amax, 0.0), None)
+
+
 @dataclass
 class _Encoding:
     elements: torch.Tensor  # E2M1 values (float32, signed) in the grouped view of `_group`

@@ -30,6 +30,9 @@ CUDA_GRAPHS = ("auto", "on", "off")
 # FSDP2, or FSDP2 sharded within a node and replicated across nodes. Not result-neutral: the
 # gradient all-reduce sums in another order, and SR ranks draw their own random bits.
 PARALLELS = ("none", "ddp", "fsdp", "hsdp")
+# What FSDP2's weight all-gathers move: the fp32 (param dtype) rows, or where it is exact, the FP4
+# encoding the GEMMs consume (fp4lab.train.encoded_gather). Result-neutral: the same bits either way.
+GATHER_WEIGHTS = ("dense", "encoded")
 # A run's summary.json "status": it ended as designed, or it stopped early with a checkpoint to
 # resume from (time budget, Slurm's preemption signals, Ctrl-C, a `stop_after` call).
 ENDED_STATUSES = ("completed", "diverged")
@@ -50,6 +53,7 @@ def summary_value(summary: dict[str, Any], key: str) -> Any:
 # Capturing GEMM operands only copies tensors a step already made (fp4lab.train.capture).
 RESULT_NEUTRAL = (
     "out_dir", "device", "max_minutes", "checkpoint_every", "compile", "cuda_graphs", "capture_steps", "capture_layers",
+    "gather_weights",
 )
 
 # Fields added after catalogs already held runs, with the value every earlier run had: a run id leaves
@@ -138,6 +142,7 @@ class TrainConfig:
     compile: str = "auto"
     cuda_graphs: str = "auto"
     parallel: str = "none"
+    gather_weights: str = "dense"
     # Save the real operands of the GEMMs (x, W, dY) of the FP4 linears whose names match one of the
     # fnmatch patterns `capture_layers`, at the steps `capture_steps`, for `fp4lab numerics --capture`.
     capture_steps: list[int] = field(default_factory=list)
@@ -157,6 +162,9 @@ class TrainConfig:
         _check.choice("compile", self.compile, COMPILES)
         _check.choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         _check.choice("parallel", self.parallel, PARALLELS)
+        _check.choice("gather_weights", self.gather_weights, GATHER_WEIGHTS)
+        if self.gather_weights == "encoded" and self.parallel not in ("fsdp", "hsdp"):
+            raise ConfigError(f"gather_weights='encoded' changes FSDP2's all-gathers; parallel={self.parallel!r} has none (use fsdp or hsdp)")
         for name in ("seq_len", "batch_size", "steps", "ns_steps", "eval_every", "eval_batches", "probe_every", "checkpoint_every"):
             _check.integer(name, getattr(self, name), minimum=1)
         _check.integer("warmup_steps", self.warmup_steps, minimum=0)
@@ -174,6 +182,8 @@ class TrainConfig:
         if not isinstance(self.recipe, str) or not self.recipe:
             raise ConfigError(f"recipe={self.recipe!r} must be a recipe name or a path to a .toml file")
         self._check_capture()
+        if self.gather_weights == "encoded" and self.capture_steps:
+            raise ConfigError("capture_steps reads each layer's weight, which gather_weights='encoded' does not gather; use gather_weights='dense' to capture")
 
     def _check_capture(self) -> None:
         if not isinstance(self.capture_steps, (list, tuple)):

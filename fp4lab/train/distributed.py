@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -160,9 +161,11 @@ class _LossModule(torch.nn.Module):
         return self.model.loss(tokens, targets)
 
 
-def wrap(model: Llama, ranks: Ranks, device: torch.device):
+def wrap(model: Llama, ranks: Ranks, device: torch.device, gather_weights: str = "dense"):
     """The callable a step runs, loss = f(tokens, targets), with the model wrapped for `ranks.mode`;
-    fsdp/hsdp replace the parameters by DTensor shards in place (build the optimizer after this)."""
+    fsdp/hsdp replace the parameters by DTensor shards in place (build the optimizer after this).
+    gather_weights="encoded": FSDP2 all-gathers FP4 weights in their GEMMs' encoding where that is exact
+    (train.encoded_gather; its byte ledger is `model.gather_bytes`)."""
     if ranks.mode == "none":
         return model.loss
     if ranks.mode == "ddp":
@@ -183,4 +186,10 @@ def wrap(model: Llama, ranks: Ranks, device: torch.device):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     register_fsdp_forward_method(model, "loss")
+    if gather_weights == "encoded":
+        from fp4lab.train.encoded_gather import install
+
+        model.gather_bytes = install(model)
+        if ranks.main:
+            print(model.gather_bytes.describe(), file=sys.stderr, flush=True)
     return model.loss

@@ -226,6 +226,8 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
     summary["stop_signal"] = stop_requested[0] if status in ("preempted", "interrupted") else None
     if ranks.mode != "none":
         summary["world_size"] = ranks.world
+    if config.gather_weights == "encoded":  # this segment's all-gathers (fp4lab.train.encoded_gather)
+        summary["gather_bytes_per_step"] = model.gather_bytes.per_step()
     if ranks.main:
         write_json(out / "summary.json", summary)
     return summary
@@ -386,7 +388,7 @@ def build_training(
     torch.manual_seed(config.seed)
     model = build_model(model_config, recipe, seed=config.seed, device=device, tensor_cores=fast)
     distributed.offset_random_streams(model, ranks)
-    model_loss = distributed.wrap(model, ranks, device)
+    model_loss = distributed.wrap(model, ranks, device, config.gather_weights)
     optimizer = build_optimizer(
         model.named_parameters(), _optimizer_config(config, recipe, fused=fast and device.type == "cuda")
     )
