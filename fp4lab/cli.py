@@ -34,6 +34,7 @@ COMPUTES = ("auto", "reference", "fast")  # fp4lab.train.config.COMPUTES
 COMPILES = ("auto", "on", "off")  # fp4lab.train.config.COMPILES
 CUDA_GRAPHS = ("auto", "on", "off")  # fp4lab.train.config.CUDA_GRAPHS
 PARALLELS = ("none", "ddp", "fsdp", "hsdp")  # fp4lab.train.config.PARALLELS
+GATHER_WEIGHTS = ("dense", "encoded")  # fp4lab.train.config.GATHER_WEIGHTS
 TOKEN_DTYPES = ("uint16", "uint32")  # fp4lab.train.data.TOKEN_DTYPES
 DISTRIBUTIONS = ("normal", "student-t", "outlier")  # fp4lab.numerics.survey.DISTRIBUTIONS
 GEMM_FORMATS = (  # tuple(fp4lab.train.gemm_error.FORMATS)
@@ -57,6 +58,7 @@ Compute = Literal[COMPUTES]
 Compile = Literal[COMPILES]
 CudaGraphs = Literal[CUDA_GRAPHS]
 Parallel = Literal[PARALLELS]
+GatherWeights = Literal[GATHER_WEIGHTS]
 TokenDtype = Literal[TOKEN_DTYPES]
 Distribution = Literal[DISTRIBUTIONS]
 LogPreset = Literal[LOG_PRESETS]
@@ -358,6 +360,7 @@ def train(
     compile: Annotated[Optional[Compile], typer.Option(help="torch.compile (default auto: on CUDA).")] = None,
     cuda_graphs: Annotated[Optional[CudaGraphs], typer.Option(help="Replay steps from a CUDA graph (default auto: on CUDA where nothing draws from a torch.Generator).")] = None,
     parallel: Annotated[Optional[Parallel], typer.Option(help="Data parallelism over torchrun's processes: ddp (DistributedDataParallel), fsdp (FSDP2), hsdp (FSDP2 sharded within a node, replicated across nodes) or none (default).")] = None,
+    gather_weights: Annotated[Optional[GatherWeights], typer.Option(help="What FSDP2's weight all-gathers move (fsdp, hsdp): dense rows (default) or, where exact, the FP4 encoding the GEMMs consume (the same run, fewer bytes; summary.json reports them).")] = None,
     nproc_per_node: Annotated[Optional[int], typer.Option(help="Train on N local processes (GPUs) through torchrun; with N > 1 pass --parallel too (a sweep run's config has it).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<recipe>-<model>-s<seed>).")] = None,
     config: Annotated[Optional[Path], typer.Option(help="A TOML file of train settings; flags override it.")] = None,
@@ -376,6 +379,7 @@ def train(
         "qk_clip_tau": qk_clip_tau, "seed": seed, "eval_every": eval_every, "probe_every": probe_every,
         "checkpoint_every": checkpoint_every, "max_minutes": max_minutes, "device": device,
         "compute": compute, "compile": compile, "cuda_graphs": cuda_graphs, "parallel": parallel,
+        "gather_weights": gather_weights,
         "capture_steps": _comma_list(capture_steps, int, "--capture-steps"), "capture_layers": _comma_list(capture_layers, str, "--capture-layers"),
     }
     data_flags = {"source": data, "val_source": val_data, "token_dtype": token_dtype, "vocab_size": vocab_size}
