@@ -26,8 +26,10 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 # A sharded checkpoint is a folder of step folders, each a DCP checkpoint (model and optimizer, every
 # rank writing its shards) plus one rank-<r>.pt per rank (its random streams and the run state); the
 # file LATEST names the complete one. It is replaced only after a new step folder is whole, so a kill
-# mid-save leaves the previous checkpoint readable.
+# mid-save leaves the previous checkpoint readable. DCP stores every tensor by its global shape, so
+# any number of ranks, or one process, can load it (load_sharded).
 LATEST = "LATEST"
+STEP_PREFIX = "step-"
 
 
 def latest_sharded(folder: Path) -> Path | None:
@@ -39,13 +41,39 @@ def latest_sharded(folder: Path) -> Path | None:
     return folder / name
 
 
+def newest_checkpoint(one_process: Path, sharded: Path) -> Path | None:
+    """What a run folder resumes from: the one-process checkpoint file, the step folder of the sharded
+    checkpoint, or None. A run that changed between one process and several ranks writes the other
+    format and then removes the one it resumed from (remove_checkpoint); a kill in between leaves
+    both, and the newer step wins (a save always follows at least one step of training)."""
+    step_folder = latest_sharded(sharded)
+    if not one_process.exists():
+        return step_folder
+    if step_folder is None:
+        return one_process
+    # mmap: only the run state is read, not the tensors.
+    one_process_step = torch.load(one_process, map_location="cpu", weights_only=True, mmap=True)["state"]["step"]
+    return one_process if one_process_step > int(step_folder.name.removeprefix(STEP_PREFIX)) else step_folder
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Remove a one-process checkpoint file or a sharded checkpoint folder, once a newer checkpoint of
+    the other format is whole. LATEST goes first: a kill midway leaves no folder that claims a
+    complete checkpoint."""
+    if path.is_dir():
+        (path / LATEST).unlink(missing_ok=True)
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def save_sharded(folder: Path, step: int, model, optimizers: list, extras: dict[str, Any], rank: int) -> None:
     """Every rank calls this (DCP's save is a collective); `extras` is this rank's part."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    name = f"step-{step}"
+    name = f"{STEP_PREFIX}{step}"
     if latest_sharded(folder) == folder / name:  # nothing has trained since it was written
         return
     target = folder / name
@@ -58,27 +86,53 @@ def save_sharded(folder: Path, step: int, model, optimizers: list, extras: dict[
     dist.barrier()
     if rank == 0:
         replace_atomically(folder / LATEST, lambda handle: handle.write(name.encode() + b"\n"))
-        for old in folder.glob("step-*"):
+        for old in folder.glob(f"{STEP_PREFIX}*"):
             if old.name != name:
                 shutil.rmtree(old)
     dist.barrier()
 
 
-def load_sharded(step_folder: Path, model, optimizers: list, rank: int) -> dict[str, Any]:
-    """Load model and optimizer shards of `step_folder` in place; return this rank's extras."""
+def load_sharded(step_folder: Path, model, optimizers: list) -> None:
+    """Load the model and optimizer state of `step_folder` in place, resharded to however this run
+    holds them (FSDP2 shards on any number of ranks, DDP replicas, or one process without a process
+    group): DCP reads each tensor's part by its global offsets. The per-rank extras are the caller's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    extras = load_checkpoint(step_folder / f"rank-{rank}.pt")
     model_state, optimizer_state = get_state_dict(model, optimizers)
     state = {"model": _tensors_only(model_state), "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=step_folder)
-    # strict=False: the FP4 linears' extra state (their generators) travels per rank in `extras`.
+    # strict=False: the FP4 linears' extra state (their generators) travels per rank in the extras.
     set_state_dict(
         model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
         options=StateDictOptions(strict=False),
     )
-    return extras
+
+
+def load_whole(model, optimizers: dict[str, Any], model_state: dict[str, Any], optimizer_states: dict[str, Any]) -> None:
+    """Load a one-process checkpoint (model.state_dict(), and per optimizer name its state_dict(), as
+    CombinedOptimizer saves them) into a model held by ranks: every rank cuts its own shards (FSDP2)
+    or takes the whole tensors (DDP). torch keys an optimizer's state by the position of each
+    parameter in its param groups; the ranks' optimizers list the same parameters in the same order
+    (built alike), so the positions translate to the parameter names DCP's state dicts use."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_name: dict[str, Any] = {"state": {}, "param_groups": []}
+    for key, optimizer in optimizers.items():
+        saved = optimizer_states[key]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        positions = [i for group in saved["param_groups"] for i in group["params"]]
+        name_of = {i: names[id(p)] for i, p in zip(positions, params)}
+        by_name["state"].update({name_of[i]: value for i, value in saved["state"].items()})
+        by_name["param_groups"] += [{**g, "params": [name_of[i] for i in g["params"]]} for g in saved["param_groups"]]
+    # The linears' extra state (random streams) is the caller's, per rank; set_state_dict's full path
+    # would put a placeholder into every key it is not given, so each keeps its own.
+    kept = {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
+    set_state_dict(
+        model, list(optimizers.values()), model_state_dict=_tensors_only(model_state) | kept, optim_state_dict=by_name,
+        options=StateDictOptions(full_state_dict=True, strict=False),
+    )
 
 
 def _tensors_only(model_state: dict[str, Any]) -> dict[str, Any]:

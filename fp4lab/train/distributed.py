@@ -104,8 +104,9 @@ def check(config: TrainConfig, world: int) -> None:
         raise ConfigError(f"cuda_graphs='on' is not supported with parallel={config.parallel!r} yet; use cuda_graphs='auto' or 'off'")
     if config.batch_size % world:
         raise ConfigError(
-            f"batch_size={config.batch_size} does not split over {world} ranks: use a multiple of {world} "
-            "(every rank trains batch_size / ranks rows of each global batch)"
+            f"batch_size={config.batch_size} does not split over {world} ranks (every rank trains batch_size / ranks "
+            f"rows of each global batch): use a multiple of {world}, or, resuming a run, a number of ranks that "
+            f"divides {config.batch_size}"
         )
 
 
@@ -142,12 +143,23 @@ def offset_random_streams(model: Llama, ranks: Ranks) -> None:
     reuse rank 0's bits on its rows, so the rounding errors the gradient all-reduce averages would be
     correlated across ranks instead of independent. Rank 0 keeps the seeds of a one-process run.
     Called before the first forward: the generators are created from `seed` on first use."""
-    if ranks.rank == 0:
-        return
+    if ranks.rank != 0:
+        _rederive_streams(model, f"rank{ranks.rank}")
+
+
+def fresh_random_streams(model: Llama, step: int) -> None:
+    """New streams for a rank that the world which wrote the resumed checkpoint lacked (it had fewer
+    ranks): this rank's own seeds (offset_random_streams) derived once more from the resume step.
+    Deterministic, so every resume of that checkpoint on this many ranks draws the same bits; and not
+    the bits this rank drew at step 0 of an earlier segment on more ranks."""
+    _rederive_streams(model, f"resumed{step}")
+
+
+def _rederive_streams(model: Llama, name: str) -> None:
     for linear in fp4_linears(model).values():
-        linear.seed = derive_seed(linear.seed, f"rank{ranks.rank}")
+        linear.seed = derive_seed(linear.seed, name)
     for generator in attention_generators(model):
-        generator.manual_seed(derive_seed(generator.initial_seed(), f"rank{ranks.rank}"))
+        generator.manual_seed(derive_seed(generator.initial_seed(), name))
 
 
 class _LossModule(torch.nn.Module):

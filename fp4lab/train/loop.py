@@ -7,6 +7,8 @@ orchestrator reads into `config.out_dir`:
                     logit per layer and head, saturated / flushed fractions per FP4 operand)
     checkpoint.pt   model, optimizer, step, and every random stream (SR and Hadamard generators
                     included): a run started again in the same out_dir resumes bit for bit
+                    (checkpoint.dcp/ instead for a run on several ranks; either kind resumes on any
+                    number of ranks or in one process: _resume)
     captures/       step-<n>/<layer>.pt: the GEMM operands of the capture_steps and capture_layers
                     (fp4lab.train.capture), for `fp4lab numerics --capture`
     summary.json    status (completed | diverged | time_limit | preempted | interrupted | stopped), the
@@ -47,9 +49,11 @@ from fp4lab.train.capture import OperandCapture
 from fp4lab.train.checkpoint import (
     MetricsLog,
     finite_or_none,
-    latest_sharded,
     load_checkpoint,
     load_sharded,
+    load_whole,
+    newest_checkpoint,
+    remove_checkpoint,
     save_checkpoint,
     save_sharded,
     write_json,
@@ -59,7 +63,12 @@ from fp4lab.train.data import BatchSampler, load_dataset, val_batches
 
 CHECKPOINT = "checkpoint.pt"
 # A run of several ranks (parallel != "none") checkpoints here instead: fp4lab.train.checkpoint.save_sharded.
+# Either resumes in the other kind of run, on any number of ranks (_resume).
 SHARDED_CHECKPOINT = "checkpoint.dcp"
+# Config fields a resumed run may change besides the result-neutral ones: how the ranks share the
+# model changes only summation order and which rank draws which random bits, not what is trained.
+# (A run id still hashes `parallel`: train.config.HASHED_UNLESS_DEFAULT.)
+RESUMABLE_CHANGES = ("parallel",)
 
 
 @dataclass
@@ -127,14 +136,7 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
     if config.capture_steps and ranks.main:  # rank 0's rows stand for the batch: one record per run
         capture = OperandCapture(config, model, recipe, model_config.n_layers, compiled(config, device))
 
-    state = RunState()
-    checkpoint_path = out / CHECKPOINT
-    if ranks.mode != "none":
-        checkpoint_path = out / SHARDED_CHECKPOINT
-        if latest_sharded(checkpoint_path) is not None:
-            state = _restore_sharded(checkpoint_path, config, model, optimizer, ranks)
-    elif checkpoint_path.exists():
-        state = _restore(checkpoint_path, config, model, optimizer)
+    state = _resume(out, config, model, optimizer, ranks)
     identity = {
         "config": config.to_dict(),
         "recipe": {"name": recipe.name, "path": recipe.path, "source": recipe.source},
@@ -143,8 +145,7 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
         "dataset": {"name": data.name, "vocab_size": data.vocab_size, "train_tokens": len(data.train), "val_tokens": len(data.val)},
         "optimizer": {"qk_clip": qk_clip, "qk_clip_tau": tau},
     }
-    if ranks.mode != "none":
-        identity["world_size"] = ranks.world
+    identity["world_size"] = ranks.world  # this segment's: a resumed run may run on another number of ranks
     if ranks.main:
         write_json(out / "config.json", identity)
     metrics = MetricsLog(out / "metrics.jsonl", resume_step=state.step) if ranks.main else _Silent()
@@ -212,20 +213,19 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
             if status == "diverged":
                 break
             if state.step % config.checkpoint_every == 0 or state.step == config.steps:
-                _save(checkpoint_path, config, model, optimizer, state, ranks)
+                _save(out, config, model, optimizer, state, ranks)
             if state.step < config.steps:
                 reason = _stop_reason(config, started, stop_requested, stop_after, steps_this_call)
                 if ranks.world > 1:
                     reason = _agreed_stop(ranks, reason, stop_requested)
                 if reason:
                     status = reason
-                    _save(checkpoint_path, config, model, optimizer, state, ranks)
+                    _save(out, config, model, optimizer, state, ranks)
                     break
     metrics.close()
     summary = _summary(status, diverged_step, config, state, recipe, device)
     summary["stop_signal"] = stop_requested[0] if status in ("preempted", "interrupted") else None
-    if ranks.mode != "none":
-        summary["world_size"] = ranks.world
+    summary["world_size"] = ranks.world
     if config.gather_weights == "encoded":  # this segment's all-gathers (fp4lab.train.encoded_gather)
         summary["gather_bytes_per_step"] = model.gather_bytes.per_step()
     if ranks.main:
@@ -495,7 +495,7 @@ def _generators_restored(model: Llama) -> Iterator[None]:
             generator.set_state(state)
 
 
-def _save(path: Path, config: TrainConfig, model: Llama, optimizer, state: RunState, ranks: distributed.Ranks) -> None:
+def _save(out: Path, config: TrainConfig, model: Llama, optimizer, state: RunState, ranks: distributed.Ranks) -> None:
     if ranks.mode != "none":
         extras = {
             "config": config.to_dict(),
@@ -505,19 +505,50 @@ def _save(path: Path, config: TrainConfig, model: Llama, optimizer, state: RunSt
             "torch_rng": torch.get_rng_state(),
             "state": state.__dict__,
         }
-        save_sharded(path, state.step, model, list(optimizer.optimizers.values()), extras, ranks.rank)
-        return
-    save_checkpoint(
-        path,
-        {
-            "config": config.to_dict(),
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "attention_generators": [g.get_state() for g in attention_generators(model)],
-            "torch_rng": torch.get_rng_state(),
-            "state": state.__dict__,
-        },
-    )
+        save_sharded(out / SHARDED_CHECKPOINT, state.step, model, list(optimizer.optimizers.values()), extras, ranks.rank)
+        other = out / CHECKPOINT
+    else:
+        save_checkpoint(
+            out / CHECKPOINT,
+            {
+                "config": config.to_dict(),
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "attention_generators": [g.get_state() for g in attention_generators(model)],
+                "torch_rng": torch.get_rng_state(),
+                "state": state.__dict__,
+            },
+        )
+        other = out / SHARDED_CHECKPOINT
+    # A run resumed from the other format: the checkpoint just written is newer and whole, so the old
+    # one goes (until then, newest_checkpoint picks the newer of the two).
+    if ranks.main and other.exists():
+        remove_checkpoint(other)
+
+
+def _resume(out: Path, config: TrainConfig, model: Llama, optimizer, ranks: distributed.Ranks) -> RunState:
+    """Restore the run folder's newest checkpoint, whichever kind of run wrote it, on however many ranks
+    this run has; a fresh RunState when there is none. Model and optimizer state are the saved values,
+    resharded (checkpoint.load_sharded, checkpoint.load_whole). Random streams: rank r continues the
+    saved rank r's, a rank the saved world lacked gets fresh ones (distributed.fresh_random_streams);
+    the step and run state come from rank 0."""
+    source = newest_checkpoint(out / CHECKPOINT, out / SHARDED_CHECKPOINT)
+    if source is None:
+        return RunState()
+    if source.name != CHECKPOINT:
+        return _restore_sharded(source, config, model, optimizer, ranks)
+    if ranks.mode == "none":
+        return _restore(source, config, model, optimizer)
+    checkpoint = load_checkpoint(source)
+    _check_resumable(source, checkpoint["config"], config)
+    load_whole(model, optimizer.optimizers, checkpoint["model"], checkpoint["optimizer"])
+    state = RunState(**checkpoint["state"])
+    if ranks.main:
+        linears = {name: checkpoint["model"][f"{name}._extra_state"] for name in fp4_linears(model)}
+        _set_streams(model, linears, checkpoint["attention_generators"], checkpoint["torch_rng"])
+    else:
+        distributed.fresh_random_streams(model, state.step)
+    return state
 
 
 def _restore(path: Path, config: TrainConfig, model: Llama, optimizer) -> RunState:
@@ -531,28 +562,33 @@ def _restore(path: Path, config: TrainConfig, model: Llama, optimizer) -> RunSta
     return RunState(**checkpoint["state"])
 
 
-def _restore_sharded(folder: Path, config: TrainConfig, model: Llama, optimizer, ranks: distributed.Ranks) -> RunState:
-    step_folder = latest_sharded(folder)
-    saved = load_checkpoint(step_folder / "rank-0.pt")
-    _check_resumable(folder, saved["config"], config)
-    if saved["world_size"] != ranks.world:
-        raise CheckpointMismatch(
-            f"{folder} was written by {saved['world_size']} ranks, this run has {ranks.world}; resume with "
-            f"--nproc-per-node {saved['world_size']}, or start afresh, in this folder or another out_dir"
-        )
-    extras = load_sharded(step_folder, model, list(optimizer.optimizers.values()), ranks.rank)
+def _restore_sharded(step_folder: Path, config: TrainConfig, model: Llama, optimizer, ranks: distributed.Ranks) -> RunState:
+    main = load_checkpoint(step_folder / "rank-0.pt")
+    _check_resumable(step_folder.parent, main["config"], config)
+    load_sharded(step_folder, model, list(optimizer.optimizers.values()))
+    state = RunState(**main["state"])
+    if ranks.rank < main["world_size"]:
+        own = main if ranks.main else load_checkpoint(step_folder / f"rank-{ranks.rank}.pt")
+        _set_streams(model, own["linears"], own["attention_generators"], own["torch_rng"])
+    else:
+        distributed.fresh_random_streams(model, state.step)
+    return state
+
+
+def _set_streams(model: Llama, linears: dict[str, Any], attention: list[torch.Tensor], torch_rng: torch.Tensor) -> None:
     for name, linear in fp4_linears(model).items():
-        linear.set_extra_state(extras["linears"][name])
-    for generator, rng in zip(attention_generators(model), extras["attention_generators"]):
+        linear.set_extra_state(linears[name])
+    for generator, rng in zip(attention_generators(model), attention):
         generator.set_state(rng)
-    torch.set_rng_state(extras["torch_rng"])
-    return RunState(**extras["state"])
+    torch.set_rng_state(torch_rng)
 
 
 def _check_resumable(path: Path, saved: dict[str, Any], config: TrainConfig) -> None:
     current = config.to_dict()
     defaults = TrainConfig().to_dict()  # a checkpoint older than a field ran with its default
-    changed = [k for k in current if k not in RESULT_NEUTRAL and saved.get(k, defaults[k]) != current[k]]
+    changed = [
+        k for k in current if k not in RESULT_NEUTRAL + RESUMABLE_CHANGES and saved.get(k, defaults[k]) != current[k]
+    ]
     if changed == ["steps"]:
         raise CheckpointMismatch(
             f"{path} belongs to a run of {saved['steps']} steps, not {current['steps']}: its learning-rate schedule "
