@@ -223,14 +223,138 @@ def test_usr1_is_forwarded_and_the_job_requeued(tmp_path):
     assert "requeueing job 123" in stdout
 
 
-def test_multi_gpu_templates(tmp_path):
-    for extra, expected in [("gpus_per_node = 4", "torch.distributed.run --standalone --nproc-per-node=4"),
-                            ("gpus_per_node = 8\nnodes = 2", "srun --ntasks-per-node=1")]:
-        spec = load_spec(spec_file(tmp_path, extra))
-        scripts = write_scripts(spec, expand(spec), tmp_path / "jobs", workdir=tmp_path, max_array_size=100)
-        text = scripts[0].read_text()
-        assert expected in text and "single-process today" in text
-        assert subprocess.run(["bash", "-n", str(scripts[0])]).returncode == 0
+# A fake srun: records argv (NUL-separated) and exits 1; with FAKE_SLEEP it waits for USR1, then
+# writes the run's summary.json with FAKE_STATUS (none: a crash) and exits 1, as torchrun's agent does
+# after passing a signal on to its ranks.
+FAKE_SRUN = """#!/bin/bash
+SLEEPER=
+trap 'echo usr1 > "$FAKE_OUT.sig"
+  if [ -n "${FAKE_STATUS:-}" ]; then mkdir -p "$FAKE_RUN"; echo "{\\"status\\": \\"$FAKE_STATUS\\"}" > "$FAKE_RUN/summary.json"; fi
+  [ -n "$SLEEPER" ] && kill "$SLEEPER"; exit 1' USR1
+printf '%s\\0' "$@" > "$FAKE_OUT"
+if [ -n "${FAKE_SLEEP:-}" ]; then
+  sleep 20 >/dev/null 2>&1 &
+  SLEEPER=$!
+  wait
+fi
+exit 1
+"""
+
+
+def fake_slurm(folder: Path) -> dict[str, str]:
+    """srun (FAKE_SRUN) and scontrol (`show hostnames`: node1, node2; `requeue`: noted) on PATH, and a
+    job 20123 of two nodes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "srun").write_text(FAKE_SRUN)
+    (folder / "scontrol").write_text(f'#!/bin/sh\nif [ "$1" = show ]; then printf "node1\\nnode2\\n"; '
+                                     f'else echo "$@" >> {folder}/scontrol.args; fi\n')
+    for name in ("srun", "scontrol"):
+        (folder / name).chmod(0o755)
+    return {"PATH": f"{folder}:{os.environ['PATH']}", "SLURM_JOB_ID": "20123", "SLURM_NNODES": "2",
+            "SLURM_JOB_NODELIST": "node[1-2]"}
+
+
+RANKS = "gpus_per_node = 4\nnodes = 2\ncpus_per_task = 3\ntime = 30"
+RANKS_AXES = "lr = [0.01, 0.02]"
+
+
+def ranks_spec(tmp_path: Path, extra: str = RANKS, base: str = 'parallel = "fsdp"\nbatch_size = 16') -> Path:
+    path = spec_file(tmp_path, extra, RANKS_AXES)
+    path.write_text(path.read_text().replace("[base]\n", f"[base]\n{base}\n"))
+    return path
+
+
+def test_runs_of_several_ranks_start_srun_torchrun_with_a_rendezvous_on_the_first_node(tmp_path):
+    """srun starts one torchrun agent per node with every rank's CPUs and the node's GPUs; the agents
+    meet on the first node at a port from the job id; hostile paths reach srun verbatim."""
+    spec = load_spec(ranks_spec(tmp_path))
+    assert (spec.slurm.ranks_per_node, spec.slurm.ranks) == (4, 8)
+    runs = expand(spec)
+    workdir = tmp_path / ("work " + HOSTILE)
+    workdir.mkdir()
+    python = tmp_path / HOSTILE / "py thon"
+    scripts = write_scripts(spec, runs, tmp_path / "jobs", python=python, workdir=workdir, max_array_size=100,
+                            catalog=tmp_path / "cat $x.json")
+    env = fake_slurm(tmp_path / "bin")
+    out = tmp_path / "argv"
+    for script, task in ((scripts[0], None), (scripts[-1], "1")):
+        text = script.read_text()
+        assert "#SBATCH --ntasks-per-node=4" in text and "#SBATCH --gpus-per-node=4" in text
+        assert "single-process" not in text
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+        proc = subprocess.run(["bash", str(script)], env={**os.environ, **env, "FAKE_OUT": str(out),
+                              **({"SLURM_ARRAY_TASK_ID": task} if task else {})}, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 1, proc.stderr  # the fake agent's exit status, no requeue
+        run = runs[int(task or 0)]
+        assert argv(out) == [
+            "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=12", "--gpus-per-node=4",
+            "--kill-on-bad-exit=1", str(python), "-u", "-m", "torch.distributed.run", "--nnodes=2",
+            "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node1:10123", "--rdzv-id=20123",
+            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=120",
+            "-m", "fp4lab.cli", "train", "--config", str(tmp_path / "jobs" / "t" / f"{run.id}.toml"),
+            "--catalog", str(tmp_path / "cat $x.json")]
+    assert not (tmp_path / "bin" / "scontrol.args").exists()
+    assert not list(tmp_path.rglob("PWNED*")) and not list(Path.cwd().glob("PWNED*"))
+    # CPU ranks: ntasks_per_node of them per node, one CPU each unless cpus_per_task says more
+    spec = load_spec(ranks_spec(tmp_path, "ntasks_per_node = 2", 'parallel = "ddp"\nbatch_size = 4'))
+    text = write_scripts(spec, expand(spec), tmp_path / "jobs2", workdir=tmp_path)[0].read_text()
+    assert "--cpus-per-task=2 --kill-on-bad-exit=1" in text and "--nproc-per-node=2 " in text and "gpus" not in text
+
+
+@pytest.mark.parametrize("status, requeued", [("preempted", True), ("completed", False), ("", False), ("stale", False)])
+def test_several_ranks_requeue_only_when_this_attempt_checkpointed(tmp_path, status, requeued):
+    """After USR1 torchrun's agent exits 1 however cleanly the ranks stopped: the job is requeued when
+    rank 0's summary.json, written during this attempt, says "preempted"; not after a crash (no
+    summary, or one left by an earlier attempt) nor when the run completed."""
+    spec = load_spec(ranks_spec(tmp_path))
+    runs = expand(spec)
+    scripts = write_scripts(spec, runs, tmp_path / "jobs", workdir=tmp_path, max_array_size=100)
+    run_dir = tmp_path / runs[0].config["out_dir"]
+    if status == "stale":
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text('{"status": "preempted"}')
+        os.utime(run_dir / "summary.json", (time.time() - 60, time.time() - 60))
+    env = {**os.environ, **fake_slurm(tmp_path / "bin"), "FAKE_OUT": str(tmp_path / "argv"), "FAKE_RUN": str(run_dir),
+           "FAKE_SLEEP": "1", "FAKE_STATUS": "" if status == "stale" else status}
+    proc = subprocess.Popen(["bash", str(scripts[0])], env=env, stdout=subprocess.PIPE, text=True)
+    while proc.poll() is None and not (tmp_path / "argv.sig").exists():  # as in the USR1 test above
+        if (tmp_path / "argv").exists():
+            proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.02)
+    stdout, _ = proc.communicate(timeout=30)
+    assert (tmp_path / "argv.sig").exists()
+    notes = tmp_path / "bin" / "scontrol.args"
+    if requeued:
+        assert proc.returncode == 0 and notes.read_text() == "requeue 20123\n" and "requeueing job 20123" in stdout
+    else:
+        assert proc.returncode == 1 and not notes.exists()
+
+
+@pytest.mark.parametrize("extra, base, where, fragment", [
+    (RANKS, 'batch_size = 16', "base.parallel", 'parallel = "none" trains in one process, but [slurm] gpus_per_node = 4 on nodes = 2 gives each run 8 ranks'),
+    ("ntasks_per_node = 2", 'parallel = "ddp"\nbatch_size = 5', "base.batch_size", "batch_size = 5 does not split over the 2 ranks"),
+    ("nodes = 3", 'parallel = "ddp"\nbatch_size = 4', "base.batch_size", "use a multiple of 3"),
+    ("gpus_per_node = 2\nntasks_per_node = 4", 'parallel = "ddp"', "slurm.ntasks_per_node", "one rank per GPU"),
+])
+def test_specs_whose_ranks_could_not_share_a_run_are_refused(tmp_path, extra, base, where, fragment):
+    with pytest.raises(SpecError) as error:
+        load_spec(ranks_spec(tmp_path, extra, base))
+    assert f"{where}: " in str(error.value) and fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_rank_checks_follow_the_axis_that_sets_the_value(tmp_path):
+    path = ranks_spec(tmp_path, "ntasks_per_node = 2", "batch_size = 4")
+    path.write_text(path.read_text().replace(RANKS_AXES, "parallel = ['ddp', 'fsdp']"))
+    assert [r.config["parallel"] for r in expand(load_spec(path))] == ["ddp", "fsdp"]  # base's none is never used
+    path.write_text(path.read_text().replace("parallel = ['ddp', 'fsdp']", "parallel = ['ddp', 'none']"))
+    with pytest.raises(SpecError, match=r"axes\.parallel\[1\]: parallel = \"none\""):
+        load_spec(path)
+    optuna = ranks_spec(tmp_path, "ntasks_per_node = 2", 'parallel = "ddp"\nbatch_size = 4')
+    optuna.write_text(optuna.read_text().replace("[axes]\n" + RANKS_AXES, 'method = "optuna"')
+                      .replace('description = "test sweep"', 'description = "test sweep"\nmethod = "optuna"')
+                      .replace('method = "optuna"\n[slurm]', '[optuna]\nn_trials = 2\nsearch_space = { lr = { type = "float", low = 0.01, high = 0.02 } }\n[slurm]'))
+    with pytest.raises(SpecError, match=r"slurm: .*method = \"optuna\" trains each trial in one process"):
+        load_spec(optuna)
 
 
 def test_nothing_written_on_error(tmp_path):
