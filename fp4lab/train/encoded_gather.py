@@ -111,9 +111,10 @@ def dense_reason(layer: FP4Linear, rows: int, world: int) -> str | None:
     return None
 
 
-def encode_shard(layer: FP4Linear, name: str, shard: torch.Tensor, group) -> QTensor:
+def encode_shard(layer: FP4Linear, name: str, shard: torch.Tensor, max_over_ranks) -> QTensor:
     """Operand `name` of this rank's rows of W (fprop_w: the rows, blocked along K; dgrad_w: W^T's
-    columns, blocked along N), with NVFP4's tensor scale from the amax of the whole W."""
+    columns, blocked along N), with NVFP4's tensor scale from the amax of the whole W:
+    `max_over_ranks(amax)` replaces this shard's amax by the largest of every rank's, in place."""
     spec: OperandSpec = layer.recipe.operand(name)
     gemm = OPERAND_GEMM[name]
     length = layer.in_features if gemm == "fprop" else layer.out_features
@@ -124,17 +125,17 @@ def encode_shard(layer: FP4Linear, name: str, shard: torch.Tensor, group) -> QTe
     amax = None
     if spec.format == "nvfp4":
         amax = finite_amax(t, spec.format, spec.tile)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        max_over_ranks(amax)
     return encode_operand(t, spec, None, None, tensor_amax=amax)
 
 
-def _pack(q: QTensor, nbytes: int) -> torch.Tensor:
+def pack(q: QTensor, nbytes: int) -> torch.Tensor:
     """Codes then scales as one uint8 vector of `nbytes` (zero-padded: both passes gather one size)."""
     flat = torch.cat([q.data.reshape(-1), q.scales.reshape(-1)])
     return torch.nn.functional.pad(flat, (0, nbytes - flat.numel()))
 
 
-def _unpack(gathered: torch.Tensor, local: QTensor, name: str, world: int, full_shape: tuple[int, int]) -> QTensor:
+def unpack(gathered: torch.Tensor, local: QTensor, name: str, world: int, full_shape: tuple[int, int]) -> QTensor:
     """The whole weight's encoding from the ranks' packed shards (rank-major, as FSDP2 gathers)."""
     per_rank = gathered.view(world, -1)
     n_data, n_scales = local.data.numel(), local.scales.numel()
@@ -168,20 +169,23 @@ def _hook(fsdp_param, param_group, layer: FP4Linear, group, ledger: GatherBytes)
                                layer.recipe.operand(name), None, None)
         shard_bytes[name] = probe.data.numel() + probe.scales.numel()
     nbytes = max(shard_bytes.values())
+
+    def max_over_ranks(amax: torch.Tensor) -> None:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     ledger.encoded_per_step += 2 * world * nbytes
     ledger.bf16_per_step += 2 * 2 * layer.out_features * layer.in_features
 
     def fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy):
         backward = param_group._training_state == TrainingState.PRE_BACKWARD
         name = names[-1] if backward else names[0]
-        local = encode_shard(layer, name, fsdp_param._sharded_local_tensor.detach(), group)
+        local = encode_shard(layer, name, fsdp_param._sharded_local_tensor.detach(), max_over_ranks)
         ledger.gathers["backward" if backward else "forward"] += 1
         ledger.moved += world * nbytes
-        return (_pack(local, nbytes),), (name, local)
+        return (pack(local, nbytes),), (name, local)
 
     def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None):
         name, local = metadata
-        encoding = _unpack(all_gather_outputs[0], local, name, world, full_shape)
+        encoding = unpack(all_gather_outputs[0], local, name, world, full_shape)
         if out is None:
             values = torch.full(full_shape, float("nan"), dtype=param_dtype, device=local.data.device)
         else:  # FSDP2 reallocated the storage it freed at the last reshard: poison it again
