@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from fp4lab.lab.records.catalog import Catalog
+from tests.distributed_helpers import gloo_unavailable
 
 SPEC = """
 name = "mini"
@@ -80,6 +81,43 @@ def test_sweep_errors_are_one_line(cli, tmp_path):
         assert out.returncode == 2, (args, out.stdout)
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and fragment in lines[0], (args, out.stderr)
+
+
+# One run of 2 CPU ranks (ntasks_per_node = 2) sharing the model through DDP.
+RANKS_SPEC = SPEC.replace('recipe = ["bf16", "nvfp4"]', 'recipe = ["bf16"]').replace("[base]\n", '[base]\nparallel = "ddp"\n') + """
+[slurm]
+ntasks_per_node = 2
+"""
+
+
+def test_specs_of_several_ranks_that_cannot_run_are_refused_before_anything_is_written(cli, tmp_path):
+    (tmp_path / "none.toml").write_text(RANKS_SPEC.replace('parallel = "ddp"', 'parallel = "none"'))
+    (tmp_path / "ranks.toml").write_text(RANKS_SPEC)
+    for args, fragment in [
+        (("sweep", "none.toml"), 'base.parallel: parallel = "none" trains in one process, but [slurm] ntasks_per_node = 2'),
+        (("sweep", "ranks.toml", "--executor", "slurm", "--dry-run"), "gives each run 2 ranks; --executor slurm runs one process per run: use --executor sbatch"),
+    ]:
+        out = cli(*args)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and fragment in lines[0], (args, out.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["none.toml", "ranks.toml"]  # no jobs/, no catalog
+
+
+@pytest.mark.skipif(gloo_unavailable() is not None, reason=str(gloo_unavailable()))
+def test_local_sweep_runs_a_run_of_two_ranks_through_torchrun(cli, tmp_path):
+    """The local executor starts torchrun --standalone of 2 processes; rank 0 alone records the run and
+    writes its metrics."""
+    (tmp_path / "ranks.toml").write_text(RANKS_SPEC)
+    out = cli("sweep", "ranks.toml")
+    assert out.returncode == 0, out.stderr
+    [record] = Catalog(tmp_path / "sweep_catalog.json").records()
+    log = (tmp_path / record["paths"]["log"]).read_text()
+    assert record["state"] == "completed" and record["attempts"] == 1 and record["verdict"] == "converged", (record, log)
+    run_dir = Path(record["paths"]["run_dir"])
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(6))
+    assert log.count("status: completed") == 1  # rank 0 alone printed its summary
 
 
 BASE_TABLES = "[base]" + SPEC.split("[base]", 1)[1].split("[axes]")[0]  # the mini sweep's [base] and [base.data]
