@@ -327,7 +327,13 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
         # unless 2D tiles make W^T's encoding the transpose of W's.
         x_op, xt_op = layer.x_operands(x, lambda: layer.operand_pair(
             ("fprop_x", "wgrad_x"), x2, (signs["fprop"], signs["wgrad"]), g, keep_packed=True))
-        if recipe.shares_weight_encoding:  # Dgrad decodes Fprop's encoding, kept packed where possible
+        gathered = layer.gathered_encoding("fprop_w", weight, signs["fprop"])
+        ctx.gathered_weight = None
+        if gathered is not None:  # signs=None: the encoding is made, the NaN placeholder is not transformed
+            w_op = gemm_operand(weight, recipe.fprop_w, None, g, encoded=gathered)
+            wt_op = w_op.T if recipe.shares_weight_encoding else None
+            ctx.gathered_weight = weight  # Dgrad's encoding comes with the backward's all-gather of it
+        elif recipe.shares_weight_encoding:  # Dgrad decodes Fprop's encoding, kept packed where possible
             w_op = layer.operand("fprop_w", weight, signs["fprop"], g, keep_packed=True)
             wt_op = w_op.packed.T if w_op.packed is not None else w_op.T
         else:
@@ -350,7 +356,13 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
         g = layer.generator_for(grad_out.device)
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         dy_op, dyt_op = layer.operand_pair(("dgrad_dy", "wgrad_dy"), dy, (signs["dgrad"], signs["wgrad"]), g)
-        grad_x = tensor_core_mm(dy_op, unpacked(ctx.wt_op), ctx.x_dtype).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        wt_op = ctx.wt_op
+        if wt_op is None and ctx.needs_input_grad[0]:
+            gathered = layer.gathered_encoding("dgrad_w", ctx.gathered_weight, signs["dgrad"])
+            if gathered is None:  # never quantize the NaN placeholder
+                raise RuntimeError("FP4Linear: the backward found no all-gathered encoding of this weight")
+            wt_op = gemm_operand(ctx.gathered_weight.T, layer.recipe.dgrad_w, None, g, encoded=gathered)
+        grad_x = tensor_core_mm(dy_op, unpacked(wt_op), ctx.x_dtype).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
         grad_w = tensor_core_mm(dyt_op, unpacked(ctx.xt_op), torch.float32)
         return grad_x, grad_w, None
 

@@ -18,9 +18,10 @@ Exact or dense: a weight is gathered encoded only where the quantization of a sh
 those rows (columns) of the quantization of the whole W, which needs a weight operand spec that is
 MXFP4 or NVFP4 (not CTA-local: its outer scale spans 128 rows), round to nearest, no random or
 full-dimension transform, blocks, tiles and transform blocks along N inside one shard (shard rows a
-multiple of each), W split evenly over the ranks, no LoRA-SVD (the GEMMs quantize W - U V^T), and the
-fp32 reference GEMMs (the tensor-core path is not covered yet). Every other weight is gathered dense,
-and `install` says which and why, once.
+multiple of each), W split evenly over the ranks, and no LoRA-SVD (the GEMMs quantize W - U V^T). Both
+ways to run the GEMMs take it (the fp32 reference, and the tensor cores, which read the encoding as
+the factored operand `QTensor.factored()` that their own quantizers must match bit for bit). Every
+other weight is gathered dense, and `install` says which and why, once.
 
 The hooks are FSDP2's all-gather extension (torch.distributed.fsdp, `fsdp_pre_all_gather` /
 `fsdp_post_all_gather`, the contract torchao's float8 weights use), set as attributes of the plain
@@ -89,8 +90,6 @@ def dense_reason(layer: FP4Linear, rows: int, world: int) -> str | None:
     gathers exactly (module docstring)."""
     if layer.lora_rank:
         return "LoRA-SVD: its GEMMs quantize W - U V^T, not W"
-    if layer.tensor_cores:
-        return "the tensor-core path reads W through its own operands (not covered yet)"
     if layer.out_features % world:
         return f"out_features={layer.out_features} does not split evenly over {world} ranks"
     names = ("fprop_w",) if layer.recipe.shares_weight_encoding else ("fprop_w", "dgrad_w")
