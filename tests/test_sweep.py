@@ -120,6 +120,22 @@ def test_local_sweep_runs_a_run_of_two_ranks_through_torchrun(cli, tmp_path):
     assert log.count("status: completed") == 1  # rank 0 alone printed its summary
 
 
+@pytest.mark.skipif(gloo_unavailable() is not None, reason=str(gloo_unavailable()))
+def test_train_with_catalog_on_two_processes_records_once(cli, tmp_path):
+    """`fp4lab train --config jobs/<sweep>/<id>.toml --catalog C --nproc-per-node 2`: torchrun runs the
+    same command on each rank; rank 0 alone records the start and the end."""
+    (tmp_path / "ranks.toml").write_text(RANKS_SPEC)
+    assert cli("sweep", "ranks.toml", "--dry-run").returncode == 0
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    [record] = catalog.records()
+    config = f"jobs/mini/{record['id']}.toml"
+    out = cli("train", "--config", config, "--catalog", "sweep_catalog.json", "--nproc-per-node", "2")
+    assert out.returncode == 0, out.stderr
+    record = catalog.get(record["id"])
+    assert record["state"] == "completed" and record["attempts"] == 1 and record["owner"] is None, record
+    assert json.loads(Path(record["paths"]["run_dir"], "summary.json").read_text())["world_size"] == 2
+
+
 BASE_TABLES = "[base]" + SPEC.split("[base]", 1)[1].split("[axes]")[0]  # the mini sweep's [base] and [base.data]
 OPTUNA_SPEC = 'name = "opt"\nmethod = "optuna"\nseed = 7\n' + BASE_TABLES + """
 [optuna]
