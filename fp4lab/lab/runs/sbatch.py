@@ -20,6 +20,7 @@ SIGUSR1 to the batch shell `signal_before_timeout_s` before the time limit (`--s
 script passes it to the trainer, which checkpoints and exits with status "preempted", and then the
 script runs `scontrol requeue $SLURM_JOB_ID` (`--requeue`) so the run resumes from its checkpoint.
 SIGTERM (scancel, preemption) is forwarded without requeueing. FP4LAB_NO_REQUEUE=1 turns the requeue off.
+(Runs of several ranks differ: below.)
 
 Quoting rule: every value written into the shell body (paths, the interpreter, ids) is passed
 through shlex.quote. #SBATCH lines are parsed by sbatch, not bash; their values are validated
@@ -28,10 +29,15 @@ backticks, `;`, newlines or NUL, and are written bare. Comments carry only print
 JSON-escaped). [slurm].setup lines are shell commands by design and are written verbatim, one entry
 per line; entries with newlines, CR or NUL are rejected when the spec loads.
 
-Multi-GPU: gpus_per_node > 1 on one node launches `python -m torch.distributed.run --standalone
---nproc-per-node=G`; nodes > 1 launches it through `srun` with a c10d rendezvous on the first node.
-The training loop is single-process today, so every process would train the same run; keep
-gpus_per_node = 1 until the loop is distributed (the scripts say so in a comment).
+Runs of several ranks ([slurm] SlurmSpec.ranks > 1: gpus_per_node, else ntasks_per_node, x nodes;
+sweep_spec refuses such specs with parallel = "none" or a batch the ranks do not divide): the script
+asks for --ntasks-per-node=<ranks per node> and starts `srun` with one task per node, each a torchrun
+agent (`--nnodes=$SLURM_NNODES --nproc-per-node=P`, c10d rendezvous on the allocation's first node at
+port 10000 + job id % 20000) whose ranks each run the same `train --config --catalog` (rank 0 alone
+records). USR1 goes batch shell -> srun -> agents (--signals-to-handle) -> ranks; the ranks checkpoint,
+the agent exits 1 regardless, and the script requeues when rank 0's summary.json of this attempt says
+"preempted" (`python -m fp4lab.lab.runs.job checkpointed`). TERM is not passed on (srun would turn it
+into SIGKILL); Slurm sends it to every rank itself. docs/SWEEPS.md has the details.
 
 Nothing is written until every script and config has been rendered; each file is then written to a
 temporary name and renamed into place.
