@@ -18,7 +18,8 @@ import torch.distributed as dist
 from fp4lab.nn.fp4_linear import FP4Linear, encode_operand, transform_operand
 from fp4lab.nn.recipe import load_recipe
 from fp4lab.train.config import ConfigError, TrainConfig
-from fp4lab.train.encoded_gather import dense_reason, encode_shard, pack, unpack
+from fp4lab.numerics import Fp8Tensor
+from fp4lab.train.encoded_gather import dense_reason, encode_shard, pack, shard_parts, unpack
 from tests.test_distributed import metrics, run_two_ranks, small
 
 # NVFP4 with 1x16 blocks for every operand and a fixed-sign H16 on Fprop and Dgrad: two encodings per
@@ -68,14 +69,18 @@ def _gathered(layer: FP4Linear, name: str, world: int, reduce: bool = True):
     amaxes = []
     for shard in shards:  # what each rank would contribute to the all-reduce
         encode_shard(layer, name, shard, amaxes.append)
-    largest = torch.stack(amaxes).amax() if amaxes else None
+    largest = torch.stack(amaxes).amax(dim=0) if amaxes else None  # elementwise: per-row amaxes too
     locals_ = [encode_shard(layer, name, shard, (lambda a: a.copy_(largest)) if reduce else (lambda a: None)) for shard in shards]
-    nbytes = max(q.data.numel() + q.scales.numel() for q in locals_)
-    buffer = torch.cat([pack(q, nbytes) for q in locals_])
+    nbytes = sum(part.numel() for part in shard_parts(locals_[0], name))
+    buffer = torch.cat([pack(q, name, nbytes) for q in locals_])
     return unpack(buffer, locals_[0], name, world, (layer.out_features, layer.in_features))
 
 
 def _assert_same_encoding(a, b) -> None:
+    if isinstance(b, Fp8Tensor):
+        assert isinstance(a, Fp8Tensor) and (a.element, a.scaling) == (b.element, b.scaling)
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+        return
     assert a.shape == b.shape and a.fmt == b.fmt and a.tile == b.tile
     assert torch.equal(a.data, b.data) and torch.equal(a.scales, b.scales)
     assert (a.tensor_scale is None) == (b.tensor_scale is None)
@@ -91,6 +96,8 @@ def _assert_same_encoding(a, b) -> None:
     ("nvfp4-1d-h16", 2, ("fprop_w", "dgrad_w")),  # all-reduced tensor scale, H16 along K and N
     ("nvfp4-global", 4, ("fprop_w",)),  # 16x16 tiles, one encoding for both GEMMs, 16 rows a shard
     ("mxfp4-rowsr", 2, ("fprop_w",)),  # 32x32 adaptive RCEIL tiles
+    ("fp8", 2, ("fprop_w", "dgrad_w")),  # E4M3, one all-reduced scale per tensor
+    ("fp8-rowwise", 4, ("fprop_w", "dgrad_w")),  # per-row power-of-two scales: W's rows; W^T's, all-reduced
 ])
 def test_shard_encodings_gather_into_the_whole_weights_encoding(tmp_path, recipe, world, names):
     layer = _layer(recipe, tmp_path)
@@ -99,10 +106,21 @@ def test_shard_encodings_gather_into_the_whole_weights_encoding(tmp_path, recipe
         _assert_same_encoding(_gathered(layer, name, world), _whole(layer, name))
 
 
-def test_nvfp4_shards_need_the_amax_of_the_whole_weight(tmp_path):
-    layer = _layer("nvfp4-1d-h16", tmp_path)
-    own = _gathered(layer, "fprop_w", 2, reduce=False)
-    assert not torch.equal(own.scales, _whole(layer, "fprop_w").scales)
+@pytest.mark.parametrize(("recipe", "name"), [("nvfp4-1d-h16", "fprop_w"), ("fp8", "fprop_w"), ("fp8-rowwise", "dgrad_w")])
+def test_shards_need_the_amax_of_the_whole_weight(tmp_path, recipe, name):
+    layer = _layer(recipe, tmp_path)
+    own, whole = _gathered(layer, name, 2, reduce=False), _whole(layer, name)
+    # The smaller shard's codes (values) come out otherwise (FP8's scale is rank 0's, the larger shard's).
+    assert not torch.equal(own.data.view(torch.uint8), whole.data.view(torch.uint8))
+
+
+def test_an_amax_that_is_nan_on_one_shard_is_nan_for_the_whole_weight(tmp_path):
+    # One process's FP8 scale of a tensor holding a NaN is NaN; a MAX all-reduce alone may drop it.
+    layer = _layer("fp8", tmp_path)
+    with torch.no_grad():
+        layer.weight[40, 3] = float("nan")
+    gathered, whole = _gathered(layer, "fprop_w", 2), _whole(layer, "fprop_w")
+    assert whole.scale.isnan() and gathered.scale.isnan()
 
 
 @pytest.mark.parametrize(("recipe", "world", "reason"), [
@@ -145,16 +163,20 @@ RATIO = {
     "mxfp4": (1 / 2 + 1 / 32) / 2,
     "nvfp4-1d-h16": (1 / 2 + 1 / 16) / 2,  # the two passes gather their own encoding, one each
     "nvfp4": (1 / 2 + 1 / 256) / 2,  # 16x16 tiles: one encoding serves both passes
+    "fp8": 1 / 2,
+    # Fprop's pass also gathers an fp32 scale per row of W (4 bytes a row of K = 128 or 384 elements):
+    # a block's rows sum to 1280 and its weights to 196608 elements; Dgrad's pass moves the same size.
+    "fp8-rowwise": (2 * 196608 + 2 * 4 * 1280) / (4 * 196608),
 }
 # tiny: 4 blocks of 7 linears; nvfp4 keeps its last block in BF16 (round(0.129 * 4) = 1).
-ENCODED_LAYERS = {"mxfp4": 28, "nvfp4-1d-h16": 28, "nvfp4": 21}
+ENCODED_LAYERS = {"mxfp4": 28, "nvfp4-1d-h16": 28, "nvfp4": 21, "fp8": 28, "fp8-rowwise": 28}
 
 
-def _config(tmp_path: Path, recipe: str, gather: str, name: str = "", compute: str = "reference") -> TrainConfig:
+def _config(tmp_path: Path, recipe: str, gather: str, name: str = "", compute: str = "reference", parallel: str = "fsdp") -> TrainConfig:
     if recipe == "nvfp4-1d-h16":
         recipe = str(_recipe_file(tmp_path))
     return small(
-        tmp_path, name or f"{Path(recipe).stem}-{gather}-{compute}", recipe=recipe, parallel="fsdp", gather_weights=gather,
+        tmp_path, name or f"{Path(recipe).stem}-{gather}-{compute}", recipe=recipe, parallel=parallel, gather_weights=gather,
         steps=STEPS, eval_every=2, probe_every=2, checkpoint_every=2, compute=compute,
     )
 
@@ -184,16 +206,20 @@ def _without_speed(records: list[dict]) -> list[dict]:
 
 
 @needs_gloo
-@pytest.mark.parametrize(("recipe", "compute"), [
-    ("mxfp4", "reference"),
-    ("nvfp4-1d-h16", "reference"),
-    ("nvfp4", "reference"),
+@pytest.mark.parametrize(("recipe", "compute", "parallel"), [
+    ("mxfp4", "reference", "fsdp"),
+    ("nvfp4-1d-h16", "reference", "fsdp"),
+    ("nvfp4", "reference", "fsdp"),
     # The tensor-core path (bf16 autocast; on the CPU its GEMMs run in fp32 on the same operands).
-    ("nvfp4-1d-h16", "fast"),
-    ("nvfp4", "fast"),
+    ("nvfp4-1d-h16", "fast", "fsdp"),
+    ("nvfp4", "fast", "fsdp"),
+    ("mxfp4", "reference", "hsdp"),  # one node of 2: gathers and amaxes over the "shard" dim of the mesh
+    ("fp8", "reference", "fsdp"),
+    ("fp8-rowwise", "fast", "fsdp"),
 ])
-def test_encoded_gathers_train_the_dense_run_bit_for_bit_and_move_the_bytes_the_formula_gives(tmp_path, recipe, compute):
-    dense, encoded = _config(tmp_path, recipe, "dense", compute=compute), _config(tmp_path, recipe, "encoded", compute=compute)
+def test_encoded_gathers_train_the_dense_run_bit_for_bit_and_move_the_bytes_the_formula_gives(tmp_path, recipe, compute, parallel):
+    dense = _config(tmp_path, recipe, "dense", compute=compute, parallel=parallel)
+    encoded = _config(tmp_path, recipe, "encoded", compute=compute, parallel=parallel)
     run_two_ranks(dense)
     log = run_two_ranks(encoded).stderr
     assert _without_speed(metrics(encoded)) == _without_speed(metrics(dense))
@@ -221,5 +247,8 @@ def test_a_run_stopped_and_resumed_under_encoded_gathers_is_the_dense_run(tmp_pa
     first = run_two_ranks(stopped, stop_after_on_rank_1=2)
     assert "rank 0 status stopped steps 2" in first.stderr
     run_two_ranks(stopped)
+    # The resumed segment gathered encoded too: the hooks outlive loading the checkpoint into the shards.
+    moved = json.loads((Path(stopped.out_dir) / "summary.json").read_text())["gather_bytes_per_step"]
+    assert moved["gathers"]["backward"] == (STEPS - 2) * ENCODED_LAYERS["nvfp4"]
     assert _without_speed(metrics(stopped)) == _without_speed(metrics(dense))
     _assert_same_state(_final_state(stopped), _final_state(dense))

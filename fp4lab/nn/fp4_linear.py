@@ -75,18 +75,19 @@ def transform_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | 
 
 
 def encode_operand(
-    t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator, tensor_amax: torch.Tensor | None = None
+    t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator, amax: torch.Tensor | None = None
 ) -> QTensor | Fp8Tensor | torch.Tensor:
     """The representation of a 2D operand (quantized along its last dim) that a GEMM consumes.
-    `tensor_amax`: an NVFP4 tensor scale's amax other than t's own (that of the whole weight, for a shard)."""
+    `amax`: the amax behind an NVFP4 tensor scale or FP8 scale other than t's own (that of the whole
+    weight, for a shard of it)."""
     t = transform_operand(t, spec, signs)
     if spec.format == "fp32":
         return t
     if spec.format == "bf16":
         return t.to(torch.bfloat16)
     if spec.format == "fp8":
-        return fp8_quantize(t, spec.element, spec.scaling, pow2=spec.pow2_scale)
-    return quantize(t, spec.format, **_quantize_options(spec, generator), tensor_amax=tensor_amax)
+        return fp8_quantize(t, spec.element, spec.scaling, pow2=spec.pow2_scale, amax=amax)
+    return quantize(t, spec.format, **_quantize_options(spec, generator), tensor_amax=amax)
 
 
 def decode_operand(encoded: QTensor | Fp8Tensor | torch.Tensor) -> torch.Tensor:

@@ -60,11 +60,20 @@ class Fp8Tensor:
         return FactoredValues(self.data.to(torch.float32), 1.0 / self.scale, True)
 
 
-def fp8_scale(x: torch.Tensor, element: str = "e4m3", scaling: str = "tensor", *, pow2: bool = False) -> torch.Tensor:
-    """The current scale of x (module docstring): 0-dim for "tensor", [..., 1] for "row"."""
-    _check(x, element, scaling)
+def fp8_amax(x: torch.Tensor, scaling: str = "tensor") -> torch.Tensor:
+    """The amax behind x's current scale: max |x| (0-dim) for "tensor", over each row's last dim
+    ([..., 1]) for "row"; NaN where a NaN is inside."""
     magnitude = x.to(torch.float32).abs()
-    amax = magnitude.max() if scaling == "tensor" else magnitude.amax(dim=-1, keepdim=True)
+    return magnitude.max() if scaling == "tensor" else magnitude.amax(dim=-1, keepdim=True)
+
+
+def fp8_scale(
+    x: torch.Tensor, element: str = "e4m3", scaling: str = "tensor", *, pow2: bool = False, amax: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The current scale of x (module docstring): 0-dim for "tensor", [..., 1] for "row". `amax`:
+    this amax (`fp8_amax`'s shape) instead of x's own, e.g. that of a whole weight for one shard of it."""
+    _check(x, element, scaling)
+    amax = fp8_amax(x, scaling) if amax is None else amax.to(torch.float32)
     fp8_max = torch.finfo(FP8_DTYPES[element]).max
     scale = (fp8_max / amax.to(torch.float64).clamp(min=AMAX_EPS)).to(torch.float32)
     if pow2:  # clearing a NaN's mantissa would make it Inf
@@ -72,10 +81,12 @@ def fp8_scale(x: torch.Tensor, element: str = "e4m3", scaling: str = "tensor", *
     return scale
 
 
-def fp8_quantize(x: torch.Tensor, element: str = "e4m3", scaling: str = "tensor", *, pow2: bool = False) -> Fp8Tensor:
+def fp8_quantize(
+    x: torch.Tensor, element: str = "e4m3", scaling: str = "tensor", *, pow2: bool = False, amax: torch.Tensor | None = None
+) -> Fp8Tensor:
     """x in FP8 with a current per-tensor or per-row scale (module docstring); `pow2` rounds the
-    scale down to a power of two."""
-    scale = fp8_scale(x, element, scaling, pow2=pow2)
+    scale down to a power of two; `amax` as for `fp8_scale`."""
+    scale = fp8_scale(x, element, scaling, pow2=pow2, amax=amax)
     dtype = FP8_DTYPES[element]
     fp8_max = torch.finfo(dtype).max
     # Clamp first: a cast does not saturate in every torch version; a NaN stays NaN.

@@ -1,26 +1,28 @@
-"""FSDP2 all-gathers of FP4 weights in the encoding their GEMMs consume (ZeRO++'s quantized weight
+"""FSDP2 all-gathers of FP4 and FP8 weights in the encoding their GEMMs consume (ZeRO++'s quantized weight
 communication, done exactly), and the bytes those all-gathers move against a bf16 all-gather.
 
 Under FSDP2 each rank holds rows of W [out_features, in_features] and the block's all-gather brings
 the whole W before its forward and again before its backward. Here each rank instead quantizes its own
 rows in the encoding the GEMM of that pass reads, and the all-gather moves those bytes (packed E2M1
-codes and block scales, uint8):
+codes and block scales, or FP8 values and per-row scales, as uint8):
 
     forward   fprop_w: W blocked along in_features (K)      the rows of a shard are whole rows of W
     backward  dgrad_w: W^T blocked along out_features (N)   each shard's rows hold whole blocks
 
 2D tiles with one spec for both (`LinearRecipe.shares_weight_encoding`) are one encoding, gathered in
-both passes. NVFP4's tensor scale comes from the amax of the whole W (each shard's amax, all-reduced
-with MAX: `numerics.finite_amax`), so every shard is quantized as one process quantizes W. The layer
-decodes the gathered encoding instead of quantizing W (`FP4Linear.gathered_encoding`).
+both passes. NVFP4's tensor scale and FP8's per-tensor scale come from the amax of the whole W, and
+the per-row FP8 scales of W^T from the amaxes of its whole rows (each shard's amaxes, all-reduced with
+MAX: `numerics.finite_amax`, `numerics.fp8.fp8_amax`), so every shard is quantized as one process
+quantizes W. The layer decodes the gathered encoding instead of quantizing W
+(`FP4Linear.gathered_encoding`).
 
 Exact or dense: a weight is gathered encoded only where the quantization of a shard is, bit for bit,
 those rows (columns) of the quantization of the whole W, which needs a weight operand spec that is
-MXFP4 or NVFP4 (not CTA-local: its outer scale spans 128 rows), round to nearest, no random or
+MXFP4, NVFP4 or FP8 (not CTA-local NVFP4: its outer scale spans 128 rows), round to nearest, no random or
 full-dimension transform, blocks, tiles and transform blocks along N inside one shard (shard rows a
 multiple of each), W split evenly over the ranks, and no LoRA-SVD (the GEMMs quantize W - U V^T). Both
 ways to run the GEMMs take it (the fp32 reference, and the tensor cores, which read the encoding as
-the factored operand `QTensor.factored()` that their own quantizers must match bit for bit). Every
+the factored operand `factored()` that their own quantizers must match bit for bit). Every
 other weight is gathered dense, and `install` says which and why, once.
 
 The hooks are FSDP2's all-gather extension (torch.distributed.fsdp, `fsdp_pre_all_gather` /
@@ -40,11 +42,12 @@ from fp4lab.nn.build import fp4_linears
 from fp4lab.nn.fp4_linear import FP4Linear, GatheredWeight, encode_operand, transform_operand
 from fp4lab.nn.model import Llama
 from fp4lab.nn.recipe import OperandSpec
-from fp4lab.numerics import BLOCK_SIZE
+from fp4lab.numerics import BLOCK_SIZE, Fp8Tensor
+from fp4lab.numerics.fp8 import fp8_amax
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.quantize import finite_amax
 
-GATHERED_FORMATS = ("mxfp4", "nvfp4")
+GATHERED_FORMATS = ("mxfp4", "nvfp4", "fp8")
 # The GEMM whose contraction each weight operand is blocked along (its sign vector's GEMM).
 OPERAND_GEMM = {"fprop_w": "fprop", "dgrad_w": "dgrad"}
 
@@ -100,20 +103,21 @@ def dense_reason(layer: FP4Linear, rows: int, world: int) -> str | None:
         if spec.rounding != "rtn" or (spec.transform != "none" and spec.transform_signs == "random") or spec.full_transform:
             return f"{name} ({spec.describe()}) draws random bits or transforms the whole dim"
         # The rows of a shard are W's rows: Fprop's blocks lie inside them, Dgrad's (along N) and a
-        # tile's rows must not cross a shard boundary.
+        # tile's rows must not cross a shard boundary (an FP8 scale's amax is all-reduced instead).
         along_rows = [spec.tile[0]] if spec.tile else []
         if name == "dgrad_w":
-            along_rows = [spec.tile[1]] if spec.tile else [BLOCK_SIZE[spec.format]]
+            along_rows = [spec.tile[1]] if spec.tile else [BLOCK_SIZE[spec.format]] if spec.is_fp4 else []
             along_rows.append(spec.transform_size or 1)
         if any(rows % n for n in along_rows):
             return f"{name}: {rows} rows per rank are not a multiple of {max(along_rows)}"
     return None
 
 
-def encode_shard(layer: FP4Linear, name: str, shard: torch.Tensor, max_over_ranks) -> QTensor:
+def encode_shard(layer: FP4Linear, name: str, shard: torch.Tensor, max_over_ranks) -> QTensor | Fp8Tensor:
     """Operand `name` of this rank's rows of W (fprop_w: the rows, blocked along K; dgrad_w: W^T's
-    columns, blocked along N), with NVFP4's tensor scale from the amax of the whole W:
-    `max_over_ranks(amax)` replaces this shard's amax by the largest of every rank's, in place."""
+    columns, blocked along N), with NVFP4's tensor scale and FP8's scales from the amax of the whole
+    W (of whole rows of W^T): `max_over_ranks(amax)` replaces this shard's amax by the largest of
+    every rank's, in place."""
     spec: OperandSpec = layer.recipe.operand(name)
     gemm = OPERAND_GEMM[name]
     length = layer.in_features if gemm == "fprop" else layer.out_features
@@ -124,32 +128,51 @@ def encode_shard(layer: FP4Linear, name: str, shard: torch.Tensor, max_over_rank
     amax = None
     if spec.format == "nvfp4":
         amax = finite_amax(t, spec.format, spec.tile)
+    elif spec.format == "fp8" and (spec.scaling == "tensor" or name == "dgrad_w"):  # not Fprop's rows: whole here
+        amax = fp8_amax(t, spec.scaling)
+    if amax is not None:
         max_over_ranks(amax)
-    return encode_operand(t, spec, None, None, tensor_amax=amax)
+    return encode_operand(t, spec, None, None, amax=amax)
 
 
-def pack(q: QTensor, nbytes: int) -> torch.Tensor:
-    """Codes then scales as one uint8 vector of `nbytes` (zero-padded: both passes gather one size)."""
-    flat = torch.cat([q.data.reshape(-1), q.scales.reshape(-1)])
+def shard_parts(q: QTensor | Fp8Tensor, name: str) -> list[torch.Tensor]:
+    """The 2D uint8 tensors of a shard's encoding that differ from shard to shard: codes and block
+    scales, FP8 values and Fprop's per-row FP8 scales. The rest (NVFP4's tensor scale, an FP8 scale of
+    the tensor or of W^T's rows) comes from all-reduced amaxes: every rank has it."""
+    if isinstance(q, QTensor):
+        return [q.data, q.scales]
+    parts = [q.data.view(torch.uint8)]
+    if q.scaling == "row" and name == "fprop_w":
+        parts.append(q.scale.view(torch.uint8))
+    return parts
+
+
+def pack(q: QTensor | Fp8Tensor, name: str, nbytes: int) -> torch.Tensor:
+    """`shard_parts` as one uint8 vector of `nbytes` (zero-padded: both passes gather one size)."""
+    flat = torch.cat([part.reshape(-1) for part in shard_parts(q, name)])
     return torch.nn.functional.pad(flat, (0, nbytes - flat.numel()))
 
 
-def unpack(gathered: torch.Tensor, local: QTensor, name: str, world: int, full_shape: tuple[int, int]) -> QTensor:
-    """The whole weight's encoding from the ranks' packed shards (rank-major, as FSDP2 gathers)."""
+def unpack(gathered: torch.Tensor, local: QTensor | Fp8Tensor, name: str, world: int, full_shape: tuple[int, int]):
+    """The whole weight's encoding from the ranks' packed shards (rank-major, as FSDP2 gathers), as
+    a QTensor or Fp8Tensor of W (fprop_w) or W^T (dgrad_w)."""
     per_rank = gathered.view(world, -1)
-    n_data, n_scales = local.data.numel(), local.scales.numel()
-    data = per_rank[:, :n_data].reshape(world, *local.data.shape)
-    scales = per_rank[:, n_data : n_data + n_scales].reshape(world, *local.scales.shape)
-    if name == "fprop_w":  # shards stack along rows
-        data, scales = data.reshape(-1, data.shape[-1]), scales.reshape(-1, scales.shape[-1])
-        shape = full_shape
-    else:  # shards of W^T sit side by side along its last (blocked) dim
-        data = data.permute(1, 0, 2).reshape(data.shape[1], -1)
-        scales = scales.permute(1, 0, 2).reshape(scales.shape[1], -1)
-        shape = (full_shape[1], full_shape[0])
-    # Copies: the layer may keep the encoding for its backward after FSDP2 frees the gathered buffer.
+    parts, offset = [], 0
+    for part in shard_parts(local, name):
+        ranks = per_rank[:, offset : offset + part.numel()].reshape(world, *part.shape)
+        offset += part.numel()
+        if name == "fprop_w":  # shards stack along rows
+            whole = ranks.reshape(-1, part.shape[-1])
+        else:  # shards of W^T sit side by side along its last (blocked) dim
+            whole = ranks.permute(1, 0, 2).reshape(part.shape[0], -1)
+        # Copies: the layer may keep the encoding for its backward after FSDP2 frees the gathered buffer.
+        parts.append(whole.clone())
+    if isinstance(local, Fp8Tensor):
+        scale = parts[1].view(torch.float32) if len(parts) > 1 else local.scale
+        return Fp8Tensor(parts[0].view(local.data.dtype), scale, local.element, local.scaling)
+    shape = full_shape if name == "fprop_w" else (full_shape[1], full_shape[0])
     return QTensor(
-        data.clone(), scales.clone(), local.tensor_scale, local.fmt, torch.Size(shape), local.block_size,
+        parts[0], parts[1], local.tensor_scale, local.fmt, torch.Size(shape), local.block_size,
         tile=local.tile, scale_mode=local.scale_mode, cta_tile=local.cta_tile,
     )
 
@@ -166,11 +189,15 @@ def _hook(fsdp_param, param_group, layer: FP4Linear, group, ledger: GatherBytes)
     for name in names:  # the byte size of each pass's encoding of one shard (shapes only)
         probe = encode_operand(torch.zeros(rows, layer.in_features) if name == "fprop_w" else torch.zeros(layer.in_features, rows),
                                layer.recipe.operand(name), None, None)
-        shard_bytes[name] = probe.data.numel() + probe.scales.numel()
+        shard_bytes[name] = sum(part.numel() for part in shard_parts(probe, name))
     nbytes = max(shard_bytes.values())
 
     def max_over_ranks(amax: torch.Tensor) -> None:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        # A MAX all-reduce may drop a NaN, which one process's amax (FP8's max |x|) keeps: carry it apart.
+        both = torch.stack([torch.where(amax.isnan(), 0.0, amax), amax.isnan().to(amax.dtype)])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        amax.copy_(torch.where(both[1] > 0, float("nan"), both[0]))
+
     ledger.encoded_per_step += 2 * world * nbytes
     ledger.bf16_per_step += 2 * 2 * layer.out_features * layer.in_features
 
@@ -180,7 +207,7 @@ def _hook(fsdp_param, param_group, layer: FP4Linear, group, ledger: GatherBytes)
         local = encode_shard(layer, name, fsdp_param._sharded_local_tensor.detach(), max_over_ranks)
         ledger.gathers["backward" if backward else "forward"] += 1
         ledger.moved += world * nbytes
-        return (pack(local, nbytes),), (name, local)
+        return (pack(local, name, nbytes),), (name, local)
 
     def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None):
         name, local = metadata
