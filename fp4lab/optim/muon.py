@@ -31,13 +31,13 @@ distributed-Muon literature (each rank orthogonalizes every matrix; the alternat
 Essential AI's round-robin assignment of whole matrices to ranks, saves compute but needs a scatter
 back). For a DTensor parameter (fully_shard's `Shard(0)`, HSDP's 2D mesh alike) the momentum buffer is a
 DTensor placed like the parameter and the momentum and Nesterov math run on the shards; the update is
-all-gathered (`full_tensor()`, cast to bf16 first: Newton-Schulz's first operation is that same cast, so
-half the traffic changes no bit), orthogonalized whole, in either mode and batched or not, and each rank
+all-gathered (cast to bf16 first: Newton-Schulz's first operation is that same cast, so half the traffic
+changes no bit; every matrix of the group in one collective, `sharding.gather_whole`), orthogonalized whole, in either mode and batched or not, and each rank
 applies its own rows of the result. `lr_scale` reads the parameter's global shape (a DTensor's shape).
 The step is bit-identical to the unsharded one: the gathered matrix is the unsharded update exactly
 and every other operation is elementwise. Plain tensors (one process, DDP) take the unsharded path as is.
 Chosen for simplicity and exactness; the price is that every rank runs every matrix's Newton-Schulz
-(not measured against the round-robin scheme) and one all-gather per matrix per step.
+(not measured against the round-robin scheme) and one all-gather of every update per step.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import torch
 
 from fp4lab.numerics import BLOCK_SIZE, quantize
 from fp4lab.optim.plumbing import closure_loss, dense_grads
-from fp4lab.optim.sharding import is_sharded, local, local_part
+from fp4lab.optim.sharding import gather_whole, is_sharded, local, local_part
 
 LR_SCALINGS = ("original", "moonlight")
 NS_FORMATS = ("bf16", "nvfp4")
@@ -225,11 +225,13 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
+                # Elementwise: on the local shards of a DTensor (same storage, no DTensor dispatch).
+                buf, grad = local(state["momentum_buffer"]), local(grad)
                 buf.lerp_(grad, 1 - mu)
                 params.append(p)
-                updates.append(grad.lerp(buf, mu) if group["nesterov"] else buf)
-            whole = [u.bfloat16().full_tensor() if is_sharded(u) else u for u in updates]
+                update = grad.lerp(buf, mu) if group["nesterov"] else buf
+                updates.append(update.bfloat16() if is_sharded(p) else update)
+            whole = gather_whole(updates, params)
             for p, update in zip(params, self._orthogonalize(whole, group)):
                 if is_sharded(p):
                     update = local_part(update, p)

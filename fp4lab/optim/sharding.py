@@ -9,6 +9,8 @@ helper unchanged, so the single-process and DDP paths run exactly the code they 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -32,7 +34,73 @@ def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's shard of `full` (a whole tensor of like's global shape, equal on every rank), cut as
     `like` is cut: DTensor's own chunking (torch.chunk along the sharded dim, as fully_shard's), no
     communication."""
+    rows = _row_sharding(like)
+    if rows is not None:  # a slice: no DTensor is built (this runs once per matrix per optimizer step)
+        start, count = _rows_of(like.shape[0], *rows[:2])
+        return full[start : start + count]
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def gather_whole(parts: list[torch.Tensor], likes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The whole tensors of which `parts[i]` is this rank's local shard, placed as `likes[i]` (a DTensor);
+    where `likes[i]` is a plain tensor, `parts[i]` is already whole and passes through.
+
+    Tensors sharded along dim 0 over one mesh dim (fully_shard's placement; HSDP adds a Replicate dim,
+    which needs no gathering) of one dtype travel in ONE all-gather: each shard padded to the chunk
+    length torch.chunk gives, flattened, concatenated. One collective per step instead of one
+    `full_tensor()` per matrix, and no DTensor dispatch, which is what a step of small matrices spends
+    its time on. Anything else falls back to `full_tensor()`."""
+    whole = list(parts)
+    batch = [i for i, like in enumerate(likes) if is_sharded(like)]
+    rows = {i: _row_sharding(likes[i]) for i in batch}
+    groups: dict[tuple, list[int]] = {}
+    for i in batch:
+        if rows[i] is None:
+            whole[i] = DTensor.from_local(parts[i], likes[i].device_mesh, likes[i].placements, run_check=False,
+                                          shape=likes[i].shape, stride=likes[i].stride()).full_tensor()
+        else:
+            groups.setdefault((rows[i][2], parts[i].dtype, parts[i].device), []).append(i)
+    for (group, dtype, device), members in groups.items():
+        world = dist.get_world_size(group)
+        chunks = {i: _chunk_rows(likes[i].shape[0], world) for i in members}
+        padded = []
+        for i in members:
+            part = parts[i].reshape(parts[i].shape[0], -1)
+            padded.append(torch.nn.functional.pad(part, (0, 0, 0, chunks[i] - part.shape[0])).reshape(-1))
+        send = torch.cat(padded)
+        received = [torch.empty_like(send) for _ in range(world)]
+        dist.all_gather(received, send, group=group)
+        offset = 0
+        for i in members:
+            width = math.prod(likes[i].shape[1:])
+            length = chunks[i] * width
+            pieces = [r[offset : offset + length].view(chunks[i], width)[: _rows_of(likes[i].shape[0], rank, world)[1]]
+                      for rank, r in enumerate(received)]
+            whole[i] = torch.cat(pieces).view(likes[i].shape)
+            offset += length
+    return whole
+
+
+def _row_sharding(t: torch.Tensor) -> tuple[int, int, object] | None:
+    """(this rank's coordinate, ranks, process group) of a DTensor sharded along dim 0 over exactly one
+    mesh dim and replicated over any other; None for any other placement."""
+    shards = [(d, p) for d, p in enumerate(t.placements) if isinstance(p, Shard)]
+    if len(shards) != 1 or shards[0][1].dim != 0 or any(not p.is_replicate() for p in t.placements if not isinstance(p, Shard)):
+        return None
+    mesh_dim = shards[0][0]
+    mesh = t.device_mesh
+    return mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim), mesh.get_group(mesh_dim)
+
+
+def _chunk_rows(rows: int, world: int) -> int:
+    return -(-rows // world)  # torch.chunk's chunk length, which DTensor's Shard(0) uses
+
+
+def _rows_of(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """(first row, row count) of `rank`'s Shard(0) piece of `rows` rows (trailing ranks may hold fewer or none)."""
+    chunk = _chunk_rows(rows, world)
+    start = min(rank * chunk, rows)
+    return start, min(chunk, rows - start)
 
 
 def like_sharded(local_tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
