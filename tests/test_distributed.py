@@ -33,6 +33,7 @@ from fp4lab.train.config import ConfigError, DataConfig, TrainConfig
 from fp4lab.train.distributed import Ranks
 from fp4lab.train.jsonl import read_json_line
 from fp4lab.train.loop import run
+from tests.distributed_helpers import run_gloo
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -219,3 +220,41 @@ def test_fp4lab_train_nproc_per_node_runs_torchrun(tmp_path):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
     assert result.stderr.count("step 3/3") == 1  # rank 1 prints nothing
     assert result.stdout.count("status: completed") == 1
+
+
+def test_nproc_per_node_1_runs_one_rank_under_torchrun(tmp_path):
+    """`--nproc-per-node 1 --parallel fsdp`: one FSDP2 rank (how a run written by 2 GPUs goes on on 1)."""
+    out = tmp_path / "one"
+    command = [
+        sys.executable, "-m", "fp4lab.cli", "train", "--nproc-per-node", "1", "--parallel", "fsdp", "--data", "synthetic",
+        "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-every", "2", "--compute", "reference", "--out", str(out),
+    ]
+    result = subprocess.run(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            timeout=LAUNCH_TIMEOUT, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 1
+    assert (out / "checkpoint.dcp" / "LATEST").exists()
+
+
+def _compiled_parts(rank: int, world: int, parallel: str) -> tuple[bool, list[bool]]:
+    from fp4lab.nn.model import preset
+    from fp4lab.nn.recipe import load_recipe
+    from fp4lab.train.loop import build_training
+
+    config = TrainConfig(recipe="bf16", model="tiny", compile="on", parallel=parallel, out_dir="unused")
+    model, _, loss_fn = build_training(config, load_recipe("bf16"), preset("tiny", 64, 32), torch.device("cpu"),
+                                       Ranks(rank, world, rank, world, parallel))
+    return _is_compiled(loss_fn), [_is_compiled(block.forward) for block in model.layers]
+
+
+def _is_compiled(fn) -> bool:
+    return hasattr(fn, "_torchdynamo_orig_callable")
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_data_parallel_runs_compile_each_block_not_the_whole_loss(parallel):
+    """Under DDP/FSDP2 a whole-model graph is broken up by their hooks (slower than eager on the H200,
+    docs/BENCHMARKS.md); each block is compiled instead. Only the wiring is checked here: compiling on CPU
+    would take a minute."""
+    (whole, blocks), = run_gloo(_compiled_parts, parallel, world_size=1)
+    assert not whole and blocks and all(blocks)

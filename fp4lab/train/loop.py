@@ -397,7 +397,17 @@ def build_training(
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast):
             return model_loss(tokens, targets)
 
-    return model, optimizer, (torch.compile(loss_fn) if compiled(config, device) else loss_fn)
+    if not compiled(config, device):
+        return model, optimizer, loss_fn
+    if ranks.mode == "none":
+        return model, optimizer, torch.compile(loss_fn)
+    # Under DDP and FSDP2 each transformer block is compiled on its own (torchtitan's pattern): their
+    # hooks (gradient buckets, all-gathers, reshards) then run between compiled graphs, not inside a
+    # whole-model graph that they would break into pieces (measured in docs/BENCHMARKS.md). Replacing
+    # `forward` keeps parameter names, so checkpoints stay interchangeable with one-process runs.
+    for block in model.layers:
+        block.forward = torch.compile(block.forward)
+    return model, optimizer, loss_fn
 
 
 # --- helpers ---------------------------------------------------------------------------------------

@@ -179,7 +179,8 @@ def _run_local(
                               error=None, paths={"log": catalog.relative(log)})
         if other is not None:
             return catalog.get(run.id)
-        command = train_command(plan.sweep_dir / f"{run.id}.toml", catalog.path, nproc=ranks)
+        distributed = ranks > 1 or run.config.get("parallel", "none") != "none"
+        command = train_command(plan.sweep_dir / f"{run.id}.toml", catalog.path, nproc=ranks if distributed else None)
         if on_start is not None:
             with lock:
                 on_start(run)

@@ -81,11 +81,12 @@ def record_start(catalog: Catalog, run_id: str) -> dict[str, Any]:
         return tx.update(run_id, **fields, **slurm.identity())
 
 
-def train_command(config_path: str | Path, catalog: str | Path | None = None, *, nproc: int = 1) -> list[str]:
+def train_command(config_path: str | Path, catalog: str | Path | None = None, *, nproc: int | None = None) -> list[str]:
     """The argv that trains a config on this machine: `fp4lab train --config C [--catalog K]`, and with
-    nproc > 1 the same on nproc local ranks through torchrun (--standalone: a rendezvous on a free port)."""
+    `nproc` the same on nproc local ranks through torchrun (--standalone: a rendezvous on a free port);
+    nproc=1 is still torchrun: a parallel='ddp'|'fsdp'|'hsdp' run needs its environment even alone."""
     train = ["-m", "fp4lab.cli", "train", "--config", str(config_path), *(["--catalog", str(catalog)] if catalog else [])]
-    if nproc == 1:
+    if nproc is None:
         return [sys.executable, *train]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *train]
 
