@@ -153,6 +153,20 @@ def test_two_fsdp_ranks_then_one_process_train_the_uninterrupted_curve(tmp_path,
     assert (out / "checkpoint.pt").exists() and not (out / "checkpoint.dcp").exists()
 
 
+def test_after_a_change_of_world_a_stop_and_resume_on_the_same_ranks_continues_bit_for_bit(tmp_path):
+    # SR: rank 1's fresh streams (it had none in the one-process checkpoint) must be checkpointed and
+    # continued like any other rank's.
+    straight = small(tmp_path, "straight", recipe="nvfp4-global")
+    run(straight, progress=False, stop_after=2)
+    stopped = small(tmp_path, "stopped", recipe="nvfp4-global")
+    shutil.copytree(straight.out_dir, stopped.out_dir)
+    run_two_ranks(TrainConfig.from_dict(straight.to_dict() | {"parallel": "fsdp"}))
+    on_ranks = TrainConfig.from_dict(stopped.to_dict() | {"parallel": "fsdp"})
+    run_two_ranks(on_ranks, stop_after_on_rank_1=2)
+    run_two_ranks(on_ranks)
+    assert [r | {"tokens_per_s": 0} for r in metrics(stopped)] == [r | {"tokens_per_s": 0} for r in metrics(straight)]
+
+
 def test_a_stale_checkpoint_of_the_other_kind_is_never_resumed(tmp_path, uninterrupted):
     # 1 process -> 2 ranks -> 1 process -> 2 ranks, each time with the replaced checkpoint put back, as a
     # kill between writing the new checkpoint and removing the old would leave it.
