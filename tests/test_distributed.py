@@ -253,8 +253,8 @@ def _is_compiled(fn) -> bool:
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_data_parallel_runs_compile_each_block_not_the_whole_loss(parallel):
-    """Under DDP/FSDP2 a whole-model graph is broken up by their hooks (slower than eager on the H200,
-    docs/BENCHMARKS.md); each block is compiled instead. Only the wiring is checked here: compiling on CPU
-    would take a minute."""
+    """Under DDP/FSDP2 each block is compiled, torchtitan's pattern, instead of the whole loss, whose graph
+    their hooks break up (docs/BENCHMARKS.md has the H200 figures). Only the wiring is checked here:
+    compiling on CPU would take a minute."""
     (whole, blocks), = run_gloo(_compiled_parts, parallel, world_size=1)
     assert not whole and blocks and all(blocks)

@@ -402,9 +402,9 @@ def build_training(
     if ranks.mode == "none":
         return model, optimizer, torch.compile(loss_fn)
     # Under DDP and FSDP2 each transformer block is compiled on its own (torchtitan's pattern): their
-    # hooks (gradient buckets, all-gathers, reshards) then run between compiled graphs, not inside a
-    # whole-model graph that they would break into pieces (measured in docs/BENCHMARKS.md). Replacing
-    # `forward` keeps parameter names, so checkpoints stay interchangeable with one-process runs.
+    # hooks (gradient buckets, all-gathers, reshards) then run between compiled graphs instead of
+    # breaking a whole-model graph into pieces (H200 figures in docs/BENCHMARKS.md). Replacing `forward`
+    # keeps parameter names, so checkpoints stay interchangeable with one-process runs.
     for block in model.layers:
         block.forward = torch.compile(block.forward)
     return model, optimizer, loss_fn
