@@ -248,20 +248,25 @@ def _body(spec: SweepSpec, catalog: Path | None, command: str | None = None) -> 
     lines.append('echo "fp4lab: optuna trial slot $SLOT, host $(hostname), job ${SLURM_JOB_ID:-none}"' if command else
                  'echo "fp4lab: run $RUN_ID, config $CONFIG, host $(hostname), job ${SLURM_JOB_ID:-none}"')
     train = command or '-m fp4lab.cli train --config "$CONFIG"' + (' --catalog "$CATALOG"' if catalog else "")
-    if s.ranks > 1:
-        if command:  # sweep_spec refuses such specs when they load
-            raise SpecError(f"{spec.path}: optuna trials run in one process; [slurm] asks for {s.ranks} ranks")
-        lines += _ranks_launch(spec, train)
+    lines += [
+        "# USR1 (before the time limit): the trainer checkpoints and stops; then this job is requeued.",
+        "REQUEUE=0",
+        "CHILD=",
+        "trap 'REQUEUE=1; [ -n \"$CHILD\" ] && kill -USR1 \"$CHILD\" 2>/dev/null' USR1",
+    ]
+    if s.ranks > 1:  # never an optuna trial (`command`): sweep_spec refuses those specs
+        lines += [
+            "# TERM (scancel, preemption, time limit): not passed on; srun would turn it into SIGKILL, and Slurm",
+            "# sends it to every rank itself (its KillWait bounds the checkpoint). No requeue.",
+            "trap 'echo \"fp4lab: TERM; Slurm passes it to the ranks\" >&2' TERM",
+            *_ranks_launch(spec, train),
+        ]
         # torchrun's agent exits 1 after passing a signal on, however cleanly the ranks stopped: whether
         # the run checkpointed is what rank 0 wrote into summary.json during this attempt.
         checkpointed = '"$PYTHON" -m fp4lab.lab.runs.job checkpointed "$CONFIG" "$STARTED"'
     else:
         lines += [
-            "# USR1 (before the time limit): the trainer checkpoints and stops; then this job is requeued.",
             "# TERM (scancel, preemption): passed on, no requeue.",
-            "REQUEUE=0",
-            "CHILD=",
-            "trap 'REQUEUE=1; [ -n \"$CHILD\" ] && kill -USR1 \"$CHILD\" 2>/dev/null' USR1",
             "trap '[ -n \"$CHILD\" ] && kill -TERM \"$CHILD\" 2>/dev/null' TERM",
             f'"$PYTHON" -u {train} &',
         ]
@@ -311,13 +316,8 @@ def _ranks_launch(spec: SweepSpec, train: str) -> list[str]:
         "# The port comes from the job id, so two jobs on one node (array tasks too: each has its own id) differ",
         "# unless their ids are 20000 apart; 10000-29999 lies below Linux's ephemeral ports (32768 up).",
         "RDZV_PORT=$((10000 + SLURM_JOB_ID % 20000))",
-        "# USR1 (before the time limit): every rank checkpoints and stops (the agents give them",
-        f"# signal_before_timeout_s = {s.signal_before_timeout_s} s before SIGKILL); then this job is requeued.",
-        "# TERM (scancel, preemption, time limit): Slurm signals every rank itself; its KillWait bounds the checkpoint.",
-        "REQUEUE=0",
-        "CHILD=",
-        "trap 'REQUEUE=1; [ -n \"$CHILD\" ] && kill -USR1 \"$CHILD\" 2>/dev/null' USR1",
-        "trap 'echo \"fp4lab: TERM; Slurm passes it to the ranks\" >&2' TERM",
+        "# The agents pass USR1 on to their ranks and give them signal_before_timeout_s",
+        f"# = {s.signal_before_timeout_s} s to checkpoint before SIGKILL.",
         "STARTED=$(date +%s)",
         " ".join(step) + f" {train} &",
     ]
