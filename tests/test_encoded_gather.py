@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fp4lab.nn.fp4_linear import FP4Linear, encode_operand, transform_operand
+from fp4lab.nn.fp4_linear import FP4Linear, encode_operand
 from fp4lab.nn.recipe import load_recipe
-from fp4lab.train.config import ConfigError, TrainConfig
 from fp4lab.numerics import Fp8Tensor
+from fp4lab.train.config import ConfigError, TrainConfig
 from fp4lab.train.encoded_gather import dense_reason, encode_shard, pack, shard_parts, unpack
 from tests.test_distributed import metrics, run_two_ranks, small
 

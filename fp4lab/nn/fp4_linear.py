@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -221,7 +222,7 @@ class GatheredWeight:
 
     values: torch.Tensor
     encodings: dict
-    exact: object
+    exact: Callable[[], torch.Tensor]
 
     def holds(self, weight: torch.Tensor) -> bool:
         """Whether `weight` is the unsharded parameter these encodings were gathered for."""
