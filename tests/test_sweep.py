@@ -103,6 +103,19 @@ def test_specs_of_several_ranks_that_cannot_run_are_refused_before_anything_is_w
     assert sorted(p.name for p in tmp_path.iterdir()) == ["none.toml", "ranks.toml"]  # no jobs/, no catalog
 
 
+def test_local_runs_need_a_cuda_device_per_rank(tmp_path, monkeypatch):
+    from fp4lab.lab.runs import sweep
+
+    (tmp_path / "ranks.toml").write_text(RANKS_SPEC.replace("[base]\n", '[base]\ndevice = "cuda"\n'))
+    monkeypatch.chdir(tmp_path)
+    plan = sweep.plan_sweep("ranks.toml")
+    for devices, problem in [(2, None), (1, "on 2 rank(s) but this machine has 1 CUDA device(s)"), (0, "has no CUDA device")]:
+        monkeypatch.setattr(sweep, "_cuda_devices", lambda: devices)
+        problems = sweep.preflight(plan, "local")
+        assert (problem in problems[0]) if problem else not problems, (devices, problems)
+        assert not sweep.preflight(plan, "sbatch")
+
+
 @pytest.mark.skipif(gloo_unavailable() is not None, reason=str(gloo_unavailable()))
 def test_local_sweep_runs_a_run_of_two_ranks_through_torchrun(cli, tmp_path):
     """The local executor starts torchrun --standalone of 2 processes; rank 0 alone records the run and

@@ -164,9 +164,10 @@ def progress_of(record: dict[str, Any], catalog: Catalog) -> tuple[int | None, f
 
 def preflight(plan: SweepPlan, executor: str) -> list[str]:
     """What would make runs fail at once, found before any is launched: token files that do not
-    exist (relative paths are read from the folder the runs start in), and a CUDA device asked of a
-    machine without one (local runs only: a Slurm login node has no GPU of its own)."""
+    exist (relative paths are read from the folder the runs start in), and CUDA devices asked of a
+    machine without them: one per rank (local runs only: a Slurm login node has no GPU of its own)."""
     problems: dict[str, str] = {}
+    ranks = plan.spec.slurm.ranks
     for run in plan.runs:
         data = run.config.get("data") or {}
         for key in ("source", "val_source"):
@@ -174,13 +175,15 @@ def preflight(plan: SweepPlan, executor: str) -> list[str]:
             if path and path not in ("shakespeare", "synthetic") and not Path(path).is_file():
                 problems.setdefault(f"data.{key}:{path}", f"run {run.id} ({run.name}): data.{key} {path!r} is not a file; "
                                                           "fix the path in the spec or create the token file")
-        if executor == "local" and str(run.config.get("device", "")).startswith("cuda") and not _cuda_available():
-            problems.setdefault("cuda", f"run {run.id} ({run.name}): device {run.config['device']!r} but this machine has "
-                                        "no CUDA device; set device = \"cpu\" in the spec, or submit the sweep to Slurm")
+        if executor == "local" and str(run.config.get("device", "")).startswith("cuda") and _cuda_devices() < ranks:
+            have = f"{_cuda_devices()} CUDA device(s)" if _cuda_devices() else "no CUDA device"
+            problems.setdefault("cuda", f"run {run.id} ({run.name}): device {run.config['device']!r} on {ranks} rank(s) but "
+                                        f"this machine has {have}; set device = \"cpu\" in the spec, ask [slurm] for fewer "
+                                        "ranks, or submit the sweep to Slurm")
     return list(problems.values())
 
 
-def _cuda_available() -> bool:
+def _cuda_devices() -> int:
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
