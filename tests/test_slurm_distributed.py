@@ -4,7 +4,8 @@ sharded checkpoint and completes, and rank 0 alone wrote the metrics, the summar
 
 Needs the local single-node cluster (`sudo scripts/local-slurm.sh start`, the `slurm` marker) and gloo.
 Each job asks for the node's 2 CPUs (ntasks_per_node = 2), so the two tests run one after the other;
-each takes two torch start-ups of 2 ranks plus Slurm's requeue delay (about 40 s in all).
+each takes two torch start-ups of 2 ranks plus Slurm's requeue delay (10 s after `cred_expire`):
+60-70 s each, measured on a 2-core machine shared with other work (load 4-7).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ parallel = "ddp"
 source = "synthetic"
 [slurm]
 ntasks_per_node = 2
+cpus_per_task = 1        # sbatch exports SLURM_CPUS_PER_TASK=1; the srun step still asks for both CPUs
 time = 10
 signal_before_timeout_s = 60
 """
