@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fp4lab.optim import OptimizerConfig, all_reduce_max_logits_, build_optimizer, qk_clip_
+from fp4lab.optim.sharding import clip_grad_norm_
 from tests.distributed_helpers import gloo_unavailable, run_gloo
 
 pytestmark = pytest.mark.skipif(gloo_unavailable() is not None, reason=str(gloo_unavailable()))
@@ -87,12 +88,12 @@ def _full_grads(model: nn.Module, step: int) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=g) for p in model.parameters()]  # a DTensor's shape is global
 
 
-def _sharded(world_size: int, hsdp: bool = False):
+def _sharded(world_size: int, hsdp: bool = False, replicas: int = 1):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     names = ("replicate", "shard") if hsdp else None
-    mesh = init_device_mesh("cpu", (1, world_size) if hsdp else (world_size,), mesh_dim_names=names)
+    mesh = init_device_mesh("cpu", (replicas, world_size // replicas) if hsdp else (world_size,), mesh_dim_names=names)
     model = _Tiny()
     for block in model.layers:
         fully_shard(block, mesh=mesh)
@@ -169,10 +170,11 @@ def _rank(rank: int, world_size: int, checkpoint_dir: str) -> dict:
     out["qk-clip"] = _whole(model)
     replica = _Tiny()  # DDP's view: every rank holds the whole weights
     out["qk-clip-replica"] = (_clip(replica, rank), _whole(replica))
-    model, mesh = _sharded(world_size)
-    _set_grads(model, _full_grads(model, 0), mesh)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    out["grad-clip"] = (norm.full_tensor(), {n: p.grad.full_tensor() for n, p in model.named_parameters()})
+    for name, layout in {"grad-clip": {}, "grad-clip-replicas": {"hsdp": True, "replicas": world_size}}.items():
+        model, mesh = _sharded(world_size, **layout)  # replicas: HSDP whose every rank holds every row
+        _set_grads(model, _full_grads(model, 0), mesh)
+        norm = clip_grad_norm_(model.parameters(), 1.0)
+        out[name] = (norm, {n: p.grad.full_tensor() for n, p in model.named_parameters()})
     return out
 
 
@@ -233,9 +235,10 @@ def test_clip_grad_norm_over_sharded_grads_is_the_global_norm(ranks):
     norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
     assert norm > 1.0  # so the gradients are scaled, by the global norm
     for r in ranks:
-        got_norm, grads = r["grad-clip"]
-        torch.testing.assert_close(got_norm, norm, rtol=NORM_RTOL, atol=0.0)
-        _assert_same(grads, {n: p.grad for n, p in reference.named_parameters()}, rtol=NORM_RTOL, atol=0.0)
+        for layout in ("grad-clip", "grad-clip-replicas"):  # shard norms summed over shards, not over replicas
+            got_norm, grads = r[layout]
+            torch.testing.assert_close(got_norm, norm, rtol=NORM_RTOL, atol=0.0)
+            _assert_same(grads, {n: p.grad for n, p in reference.named_parameters()}, rtol=NORM_RTOL, atol=0.0)
 
 
 def test_sharded_optimizer_state_resumes_bit_for_bit_from_a_distributed_checkpoint(ranks):

@@ -44,6 +44,7 @@ from fp4lab.nn.recipe import Recipe, load_recipe
 from fp4lab.optim.build import OptimizerConfig, build_optimizer
 from fp4lab.optim.muon import NS_POLYNOMIALS
 from fp4lab.optim.qk_clip import all_reduce_max_logits_, qk_clip_
+from fp4lab.optim.sharding import clip_grad_norm_
 from fp4lab.train import distributed
 from fp4lab.train.capture import OperandCapture
 from fp4lab.train.checkpoint import (
@@ -171,7 +172,7 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
                 loss = train_step(x, y, eager=probing or capturing)
             if capturing:
                 capture.write(step)
-            grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed, sharded=ranks.sharded)
+            grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed)
             loss = ranks.mean(loss)  # every rank logs and decides on the loss of the global batch
             if ranks.world > 1 and (probing or qk_clip == "kimi"):
                 _reduce_probes(model, ranks, probing)
@@ -243,16 +244,11 @@ class _Silent:
         pass
 
 
-def clip_and_step(
-    model: torch.nn.Module, optimizer, grad_clip: float, keep_grads: bool = False, sharded: bool = False
-) -> torch.Tensor:
+def clip_and_step(model: torch.nn.Module, optimizer, grad_clip: float, keep_grads: bool = False) -> torch.Tensor:
     """Clip the gradient norm, step, drop the gradients (or keep their memory for a CUDA graph that
-    zeroes and refills them); returns the norm as a tensor: nothing is read back. `sharded`: the
-    gradients are FSDP2 DTensor shards; clip_grad_norm_ reduces their norm over the ranks and returns
-    it as a replicated DTensor (checked: equal to the unsharded norm), here made a plain tensor."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    if sharded:
-        grad_norm = grad_norm.full_tensor()
+    zeroes and refills them); returns the norm as a tensor: nothing is read back. FSDP2 DTensor
+    gradient shards: the global norm (fp4lab.optim.sharding.clip_grad_norm_)."""
+    grad_norm = clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     if not keep_grads:
         optimizer.zero_grad(set_to_none=True)
