@@ -100,8 +100,11 @@ def check(config: TrainConfig, world: int) -> None:
         return
     if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
         raise ConfigError(f"parallel={config.parallel!r} needs one process per rank from torchrun: {LAUNCH_HINT}")
-    if config.cuda_graphs == "on":
-        raise ConfigError(f"cuda_graphs='on' is not supported with parallel={config.parallel!r} yet; use cuda_graphs='auto' or 'off'")
+    if config.cuda_graphs == "on" and config.parallel != "ddp":
+        raise ConfigError(
+            f"cuda_graphs='on' is not supported with parallel={config.parallel!r} (FSDP2's all-gathers are not "
+            "captured); use cuda_graphs='auto' or 'off', or parallel='ddp'"
+        )
     if config.batch_size % world:
         raise ConfigError(
             f"batch_size={config.batch_size} does not split over {world} ranks (every rank trains batch_size / ranks "
@@ -122,9 +125,24 @@ def init(config: TrainConfig, device: torch.device) -> tuple[Ranks, torch.device
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+        if graphs_possible(config):
+            # A captured gradient all-reduce must not be polled by NCCL's watchdog (PyTorch's "CUDA Graphs
+            # with DistributedDataParallel" recipe); a failing collective then hangs instead of aborting.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return Ranks(rank, world, local_rank, local_world, config.parallel), device
+
+
+def graphs_possible(config: TrainConfig) -> bool:
+    """Whether steps may replay from a CUDA graph in this mode: one process, or DDP (the gradient
+    all-reduce is captured with the step); FSDP2's hooks gather and reshard outside any graph."""
+    return config.cuda_graphs != "off" and config.parallel in ("none", "ddp")
+
+
+# DDP must have run this many eager steps before its backward is captured (its reducer rebuilds its
+# buckets and settles its state in the first iterations; PyTorch's CUDA-graph notes ask for 11).
+DDP_GRAPH_WARMUP_STEPS = 11
 
 
 def close(ranks: Ranks) -> None:
@@ -183,9 +201,16 @@ def wrap(model: Llama, ranks: Ranks, device: torch.device, gather_weights: str =
     if ranks.mode == "ddp":
         # Buffers (RoPE tables, LoRA factors realigned from replicated weights) are equal on every rank:
         # no broadcast, which would also make each evaluation forward a collective.
-        return torch.nn.parallel.DistributedDataParallel(
-            _LossModule(model), device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
-        )
+        if device.type != "cuda":
+            return torch.nn.parallel.DistributedDataParallel(_LossModule(model), broadcast_buffers=False)
+        # Built on a side stream, so that its backward can later be captured in a CUDA graph (PyTorch's
+        # CUDA-graph notes on DDP); harmless when it never is.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            wrapped = torch.nn.parallel.DistributedDataParallel(_LossModule(model), device_ids=[device.index], broadcast_buffers=False)
+        torch.cuda.current_stream(device).wait_stream(side)
+        return wrapped
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 

@@ -128,8 +128,9 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
         data = load_dataset(config.data, progress=ranks.main and _interactive(progress))
     model_config = preset(config.model, data.vocab_size, config.seq_len)
     model, optimizer, loss_fn = build_training(config, recipe, model_config, device, ranks)
-    # A graph would have to capture the gradient collectives too: not done yet (distributed.check refuses "on").
-    train_step = TrainStep(model, loss_fn, ranks.mode == "none" and cuda_graph(config, model, device))
+    graphed = distributed.graphs_possible(config) and cuda_graph(config, model, device)
+    warmup = distributed.DDP_GRAPH_WARMUP_STEPS if ranks.mode == "ddp" else GRAPH_WARMUP_STEPS
+    train_step = TrainStep(model, loss_fn, graphed, warmup)
     sampler = BatchSampler(data.train, config.batch_size, config.seq_len, config.seed)
     evaluation = val_batches(data.val, config.batch_size, config.seq_len, config.eval_batches)
     qk_clip, tau = _qk_clip(config, recipe)
@@ -227,6 +228,7 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
     summary = _summary(status, diverged_step, config, state, recipe, device)
     summary["stop_signal"] = stop_requested[0] if status in ("preempted", "interrupted") else None
     summary["world_size"] = ranks.world
+    summary["cuda_graph"] = train_step.graph is not None  # whether this segment's steps replayed a captured graph
     if config.gather_weights == "encoded":  # this segment's all-gathers (fp4lab.train.encoded_gather)
         summary["gather_bytes_per_step"] = model.gather_bytes.per_step()
     if ranks.main:
@@ -262,7 +264,7 @@ GRAPH_WARMUP_STEPS = 2
 class TrainStep:
     """One step's forward and backward: `step(x, y)` returns the loss with the gradients in `.grad`.
 
-    With `graphed`, the first GRAPH_WARMUP_STEPS calls run eagerly on a side stream, the next one
+    With `graphed`, the first `warmup` calls run eagerly on a side stream, the next one
     captures zeroing the gradients, the forward and the backward into a CUDA graph, and every later
     call copies the batch into the captured input tensors and replays it: the same kernels on the
     same data, without the host launching each one (the FP4 path launches several per linear).
@@ -270,8 +272,8 @@ class TrainStep:
     accumulates into the same gradient tensors, so both kinds of step interleave freely.
     """
 
-    def __init__(self, model: Llama, loss_fn: LossFn, graphed: bool):
-        self.model, self.loss_fn, self.graphed = model, loss_fn, graphed
+    def __init__(self, model: Llama, loss_fn: LossFn, graphed: bool, warmup: int = GRAPH_WARMUP_STEPS):
+        self.model, self.loss_fn, self.graphed, self.warmup = model, loss_fn, graphed, warmup
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.warmed = 0
@@ -280,7 +282,7 @@ class TrainStep:
         if not self.graphed or eager:
             self._zero_grads()
             return self._forward_backward(tokens, targets)
-        if self.graph is None and self.warmed < GRAPH_WARMUP_STEPS:
+        if self.graph is None and self.warmed < self.warmup:
             self.warmed += 1
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
