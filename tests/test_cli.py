@@ -255,3 +255,20 @@ def test_help_lists_flags_without_a_value_type():
         assert "--help" in result.output
         assert "<bool>" not in result.output, path
     assert "<int>" in runner.invoke(app, ["train", "--help"], terminal_width=100).output
+
+
+def test_train_fresh_removes_both_kinds_of_checkpoint_and_keeps_other_files(run_cli, tmp_path):
+    out = tmp_path / "run"
+    args = ("train", "--data", "synthetic", "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--eval-every", "2",
+            "--compute", "reference", "--out", str(out))
+    assert run_cli(*args).returncode == 0
+    # A sharded checkpoint left by an earlier run on several ranks, newer than checkpoint.pt: resumed
+    # from unless --fresh removes it too (it is not a readable checkpoint, so resuming would fail).
+    (out / "checkpoint.dcp" / "step-9").mkdir(parents=True)
+    (out / "checkpoint.dcp" / "LATEST").write_text("step-9\n")
+    (out / "notes.txt").write_text("mine")
+    result = run_cli(*args, "--fresh")
+    assert result.returncode == 0, result.stderr
+    assert not (out / "checkpoint.dcp").exists() and (out / "checkpoint.pt").exists()
+    assert (out / "notes.txt").read_text() == "mine"
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
