@@ -448,7 +448,7 @@ def _launch_ranks(train_config, nproc_per_node: int, fresh: bool, config: Path |
         fail(f"train: --nproc-per-node {nproc_per_node} needs --parallel ddp, fsdp or hsdp (how the ranks share the model)")
     if train_config.batch_size % nproc_per_node:
         fail(f"train: --batch-size {train_config.batch_size} does not split over {nproc_per_node} processes; "
-             f"use a multiple of {nproc_per_node}")
+             f"use a multiple of {nproc_per_node} (resuming a run, whose batch size is fixed: a number of processes that divides it)")
     if catalog is not None:  # the sweep run's own config: its name is the run id, its manifest lies next to it
         raise typer.Exit(subprocess.run(train_command(config, catalog, nproc=nproc_per_node), check=False).returncode)
     if fresh:  # before any rank starts; the ranks get the resolved config without --fresh
