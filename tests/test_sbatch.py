@@ -281,9 +281,10 @@ def test_runs_of_several_ranks_start_srun_torchrun_with_a_rendezvous_on_the_firs
         text = script.read_text()
         assert "#SBATCH --ntasks-per-node=4" in text and "#SBATCH --gpus-per-node=4" in text
         assert "single-process" not in text
-        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+        assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
         proc = subprocess.run(["bash", str(script)], env={**os.environ, **env, "FAKE_OUT": str(out),
-                              **({"SLURM_ARRAY_TASK_ID": task} if task else {})}, capture_output=True, text=True, timeout=30)
+                              **({"SLURM_ARRAY_TASK_ID": task} if task else {})}, capture_output=True, text=True, timeout=30,
+                              check=False)
         assert proc.returncode == 1, proc.stderr  # the fake agent's exit status, no requeue
         run = runs[int(task or 0)]
         assert argv(out) == [

@@ -54,7 +54,7 @@ def _submit(tmp_path: Path, name: str) -> tuple[str, dict, Path]:
     record, its run folder."""
     (tmp_path / "spec.toml").write_text(textwrap.dedent(SPEC.format(name=name)))
     out = subprocess.run([sys.executable, "-m", "fp4lab.cli", "sweep", "spec.toml", "--executor", "sbatch"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     [record] = Catalog(tmp_path / "sweep_catalog.json").records()
     return record["slurm_job_id"], record, tmp_path / record["paths"]["run_dir"]
@@ -71,7 +71,7 @@ def _wait(condition, timeout: float, what: str):
 
 
 def _job_state(job_id: str) -> str:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30, check=False)
     match = re.search(r"JobState=(\S+)", out.stdout)
     return match.group(1) if match else "UNKNOWN"
 

@@ -110,7 +110,7 @@ def test_local_runs_need_a_cuda_device_per_rank(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     plan = sweep.plan_sweep("ranks.toml")
     for devices, problem in [(2, None), (1, "on 2 rank(s) but this machine has 1 CUDA device(s)"), (0, "has no CUDA device")]:
-        monkeypatch.setattr(sweep, "_cuda_devices", lambda: devices)
+        monkeypatch.setattr(sweep, "_cuda_devices", lambda devices=devices: devices)
         problems = sweep.preflight(plan, "local")
         assert (problem in problems[0]) if problem else not problems, (devices, problems)
         assert not sweep.preflight(plan, "sbatch")
