@@ -178,6 +178,7 @@ def test_bad_toml_names_the_line():
     (replace('rule = "sigma"', 'rule = "vibes"'), "[noise].rule: 'vibes' is not supported; allowed: sigma, paired"),
     (replace("seeds = 3", "seeds = 1").replace('"sigma"', '"paired"'), "[noise].rule: \"paired\" compares"),
     (replace("confidence = 0.95", "confidence = 1.5"), "[noise].confidence: 1.5 must be between 0 and 1"),
+    (HEADER + "\n[slurm]\nntasks_per_node = 2\n", "[slurm]: [slurm] ntasks_per_node = 2 gives each experiment 2 ranks"),
 ])
 def test_fp4lab_errors(header, expected):
     assert expected in error(header)

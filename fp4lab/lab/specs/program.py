@@ -256,6 +256,9 @@ def parse_program(text: str, path: str | Path = "program.md") -> Program:
         raise fail("[noise].confidence", f"{noise.confidence} must be between 0 and 1, e.g. 0.95")
 
     slurm = slurm_table(header.get("slurm", {}), lambda where, message: fail(f"[{where.replace('.', '].', 1)}", message))
+    if slurm.ranks > 1:  # each experiment is one submitit task, one process
+        raise fail("[slurm]", f"{slurm.ranks_text()} gives each experiment {slurm.ranks} ranks; the ratchet trains "
+                              "one process per experiment: leave gpus_per_node, ntasks_per_node and nodes at 1")
     return Program(path=path, goal=goal, metric=metric, direction=direction, run=run, health=health,
                    edit_files=edit.files, search_space=search_space, stop=stop, noise=noise, header=header,
                    slurm=slurm)
