@@ -33,7 +33,7 @@ DEVICES = ("cpu", "cuda", "auto")  # fp4lab.train.config.DEVICES
 COMPUTES = ("auto", "reference", "fast")  # fp4lab.train.config.COMPUTES
 COMPILES = ("auto", "on", "off")  # fp4lab.train.config.COMPILES
 CUDA_GRAPHS = ("auto", "on", "off")  # fp4lab.train.config.CUDA_GRAPHS
-PARALLELS = ("none", "ddp", "fsdp", "hsdp")  # fp4lab.train.config.PARALLELS
+PARALLELS = ("none", "ddp", "fsdp", "hsdp", "pp")  # fp4lab.train.config.PARALLELS
 GATHER_WEIGHTS = ("dense", "encoded")  # fp4lab.train.config.GATHER_WEIGHTS
 TOKEN_DTYPES = ("uint16", "uint32")  # fp4lab.train.data.TOKEN_DTYPES
 DISTRIBUTIONS = ("normal", "student-t", "outlier")  # fp4lab.numerics.survey.DISTRIBUTIONS
@@ -359,7 +359,7 @@ def train(
     compute: Annotated[Optional[Compute], typer.Option(help="fast (bf16 activations, tensor-core GEMMs, fused kernels), reference (fp32, exact emulation) or auto (default: fast on CUDA).")] = None,
     compile: Annotated[Optional[Compile], typer.Option(help="torch.compile (default auto: on CUDA).")] = None,
     cuda_graphs: Annotated[Optional[CudaGraphs], typer.Option(help="Replay steps from a CUDA graph (default auto: on CUDA where nothing draws from a torch.Generator).")] = None,
-    parallel: Annotated[Optional[Parallel], typer.Option(help="Data parallelism over torchrun's processes: ddp (DistributedDataParallel), fsdp (FSDP2), hsdp (FSDP2 sharded within a node, replicated across nodes) or none (default).")] = None,
+    parallel: Annotated[Optional[Parallel], typer.Option(help="Parallelism over torchrun's processes: ddp (DistributedDataParallel), fsdp (FSDP2), hsdp (FSDP2 sharded within a node, replicated across nodes), pp (pipeline stages of transformer blocks; pp_microbatches in a --config file) or none (default).")] = None,
     gather_weights: Annotated[Optional[GatherWeights], typer.Option(help="What FSDP2's weight all-gathers move (fsdp, hsdp): dense rows (default) or, where exact, the FP4 encoding the GEMMs consume (the same run, fewer bytes; summary.json reports them).")] = None,
     nproc_per_node: Annotated[Optional[int], typer.Option(help="Train on N local processes (GPUs) through torchrun; with N > 1 pass --parallel too (a sweep run's config has it).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<recipe>-<model>-s<seed>).")] = None,

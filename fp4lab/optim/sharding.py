@@ -118,22 +118,27 @@ def global_norm(t: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if is_sharded(norm) else norm
 
 
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, split_over_ranks: bool = False) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (2-norm, the same clip coefficient), also for gradients that are
     FSDP2 DTensor shards, and then on the local shards: the squares of a rank's shard norms are summed
     over the ranks holding the other shards (not over replicas) and the root is the global norm, equal
     to the unsharded one to rounding. torch's own function gets there through DTensor dispatch on every
-    gradient, which costs more than the rest of a small model's optimizer step. Returns a plain tensor."""
+    gradient, which costs more than the rest of a small model's optimizer step. `split_over_ranks`:
+    every rank holds other whole parameters (pipeline stages), so the squares of all ranks' norms are
+    summed. Returns a plain tensor."""
     parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     sharded = [g for g in grads if is_sharded(g)]
-    if not sharded:
+    if not sharded and not split_over_ranks:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     plain = [g for g in grads if not is_sharded(g)]
-    squares = torch.stack(torch._foreach_norm([g.to_local() for g in sharded])).square().sum()
-    _all_reduce_sum_over_shards_(squares, sharded[0])
-    if plain:
-        squares = squares + torch.stack(torch._foreach_norm(plain)).square().sum()
+    squares = torch.stack(torch._foreach_norm(plain)).square().sum() if plain else None
+    if sharded:
+        shard_squares = torch.stack(torch._foreach_norm([g.to_local() for g in sharded])).square().sum()
+        _all_reduce_sum_over_shards_(shard_squares, sharded[0])
+        squares = shard_squares if squares is None else shard_squares + squares
+    if split_over_ranks:
+        dist.all_reduce(squares)
     norm = squares.sqrt()
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     torch._foreach_mul_([local(g) for g in grads], coefficient)

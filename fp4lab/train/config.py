@@ -26,10 +26,14 @@ COMPILES = ("auto", "on", "off")
 # Replay each step's forward and backward from a CUDA graph ("auto": on the fast path on CUDA when
 # nothing on the path draws from a torch.Generator); it changes nothing but the launch cost.
 CUDA_GRAPHS = ("auto", "on", "off")
-# Data parallelism over torchrun's processes (fp4lab.train.distributed): none, DistributedDataParallel,
-# FSDP2, or FSDP2 sharded within a node and replicated across nodes. Not result-neutral: the
-# gradient all-reduce sums in another order, and SR ranks draw their own random bits.
-PARALLELS = ("none", "ddp", "fsdp", "hsdp")
+# Parallelism over torchrun's processes (fp4lab.train.distributed): none, DistributedDataParallel,
+# FSDP2, FSDP2 sharded within a node and replicated across nodes, or pipeline stages of transformer
+# blocks (fp4lab.train.pipeline). Not result-neutral: the gradient all-reduce sums in another order,
+# and SR ranks draw their own random bits.
+PARALLELS = ("none", "ddp", "fsdp", "hsdp", "pp")
+# parallel='pp': the microbatches each global batch is cut into by default (DualPipeV needs at least as
+# many as stages, 2 per rank: 4 suits 2 ranks).
+PP_MICROBATCHES = 4
 # What FSDP2's weight all-gathers move: the fp32 (param dtype) rows, or where it is exact, the FP4
 # encoding the GEMMs consume (fp4lab.train.encoded_gather). Result-neutral: the same bits either way.
 GATHER_WEIGHTS = ("dense", "encoded")
@@ -59,7 +63,7 @@ RESULT_NEUTRAL = (
 # Fields added after catalogs already held runs, with the value every earlier run had: a run id leaves
 # such a field out while it holds that value, so the runs a catalog already has keep their ids and are
 # not trained again; any other value changes what the run computes and enters the id.
-HASHED_UNLESS_DEFAULT = {"parallel": "none"}
+HASHED_UNLESS_DEFAULT = {"parallel": "none", "pp_microbatches": PP_MICROBATCHES}
 
 
 def toml_text(table: dict[str, Any], comments: Iterable[str] = ()) -> str:
@@ -143,6 +147,12 @@ class TrainConfig:
     cuda_graphs: str = "auto"
     parallel: str = "none"
     gather_weights: str = "dense"
+    # parallel='pp': the microbatches each global batch is cut into (batch_size must split into them).
+    # Not result-neutral,
+    # as `parallel` is not: round-to-nearest recipes whose scales are per block of a row change only
+    # by the summation order of the accumulated gradients, but a per-tensor scale (NVFP4's) is the
+    # amax of the rows one GEMM sees, and SR draws per GEMM call.
+    pp_microbatches: int = PP_MICROBATCHES
     # Save the real operands of the GEMMs (x, W, dY) of the FP4 linears whose names match one of the
     # fnmatch patterns `capture_layers`, at the steps `capture_steps`, for `fp4lab numerics --capture`.
     capture_steps: list[int] = field(default_factory=list)
@@ -165,6 +175,11 @@ class TrainConfig:
         _check.choice("gather_weights", self.gather_weights, GATHER_WEIGHTS)
         if self.gather_weights == "encoded" and self.parallel not in ("fsdp", "hsdp"):
             raise ConfigError(f"gather_weights='encoded' changes FSDP2's all-gathers; parallel={self.parallel!r} has none (use fsdp or hsdp)")
+        _check.integer("pp_microbatches", self.pp_microbatches, minimum=1)
+        if self.parallel == "pp" and self.batch_size % self.pp_microbatches:
+            raise ConfigError(f"batch_size={self.batch_size} does not split into pp_microbatches={self.pp_microbatches}; use a batch size that is a multiple of it")
+        if self.parallel != "pp" and self.pp_microbatches != PP_MICROBATCHES:
+            raise ConfigError(f"pp_microbatches={self.pp_microbatches} cuts the batch for pipeline stages; parallel={self.parallel!r} has none (use parallel='pp')")
         for name in ("seq_len", "batch_size", "steps", "ns_steps", "eval_every", "eval_batches", "probe_every", "checkpoint_every"):
             _check.integer(name, getattr(self, name), minimum=1)
         _check.integer("warmup_steps", self.warmup_steps, minimum=0)

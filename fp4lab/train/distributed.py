@@ -7,9 +7,11 @@ slice of each global batch, collectives over the loop's numbers, and the model w
     fsdp   FSDP2 `fully_shard` on every transformer block, then the root (torchtitan's pattern)
     hsdp   FSDP2 on a 2D mesh ("replicate", "shard") = (nodes, LOCAL_WORLD_SIZE): shards within a
            node, replicas across nodes
+    pp     pipeline stages of transformer blocks (fp4lab.train.pipeline): every rank trains the whole
+           global batch through its blocks, in microbatches
 
 Every rank draws the same global batch of the step (the sampler is a pure function of seed and
-step) and trains on its rows [r*B/N, (r+1)*B/N); the loss of a rank is the mean over its rows, and
+step) and, data-parallel, trains on its rows [r*B/N, (r+1)*B/N); the loss of a rank is the mean over its rows, and
 the gradient average over ranks is the mean over the global batch, as in one process.
 """
 
@@ -52,8 +54,8 @@ class Ranks:
         return self.mode in ("fsdp", "hsdp")
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a global batch."""
-        if self.world == 1:
+        """This rank's rows of a global batch (all of them under pp: the stages pass the whole batch on)."""
+        if self.world == 1 or self.mode == "pp":
             return t
         per_rank = t.shape[0] // self.world
         return t[self.rank * per_rank : (self.rank + 1) * per_rank]
@@ -74,6 +76,14 @@ class Ranks:
         yield
         if self.world > 1 and self.main:
             dist.barrier()
+
+    def total(self, count: int) -> int:
+        """The sum of every rank's `count` (under pp, of what each rank's blocks counted)."""
+        if self.world == 1:
+            return count
+        flag = torch.tensor([count], dtype=torch.int64, device=_collective_device())
+        dist.all_reduce(flag)
+        return int(flag.item())
 
     def agree(self, code: int) -> int:
         """The largest of every rank's `code`: one decision (stop, and why) on every rank."""
@@ -101,15 +111,32 @@ def check(config: TrainConfig, world: int) -> None:
     if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
         raise ConfigError(f"parallel={config.parallel!r} needs one process per rank from torchrun: {LAUNCH_HINT}")
     if config.cuda_graphs == "on" and config.parallel != "ddp":
+        why = "the pipeline's sends and receives" if config.parallel == "pp" else "FSDP2's all-gathers"
         raise ConfigError(
-            f"cuda_graphs='on' is not supported with parallel={config.parallel!r} (FSDP2's all-gathers are not "
+            f"cuda_graphs='on' is not supported with parallel={config.parallel!r} ({why} are not "
             "captured); use cuda_graphs='auto' or 'off', or parallel='ddp'"
         )
+    if config.parallel == "pp":
+        _check_pipeline(config, world)
+        return
     if config.batch_size % world:
         raise ConfigError(
             f"batch_size={config.batch_size} does not split over {world} ranks (every rank trains batch_size / ranks "
             f"rows of each global batch): use a multiple of {world}, or, resuming a run, a number of ranks that "
             f"divides {config.batch_size}"
+        )
+
+
+def _check_pipeline(config: TrainConfig, world: int) -> None:
+    from fp4lab.train.pipeline import schedule_name, stages_per_rank
+
+    if config.capture_steps:
+        raise ConfigError("capture_steps is not supported with parallel='pp' (each rank holds only its blocks' GEMMs); capture in a run with parallel none, ddp or fsdp")
+    stages = world * stages_per_rank()
+    if config.pp_microbatches < stages:
+        raise ConfigError(
+            f"pp_microbatches={config.pp_microbatches} is fewer than the {stages} pipeline stages of {schedule_name()} on "
+            f"{world} ranks; use pp_microbatches >= {stages} (and a batch_size that splits into them)"
         )
 
 

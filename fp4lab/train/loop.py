@@ -67,9 +67,10 @@ CHECKPOINT = "checkpoint.pt"
 # Either resumes in the other kind of run, on any number of ranks (_resume).
 SHARDED_CHECKPOINT = "checkpoint.dcp"
 # Config fields a resumed run may change besides the result-neutral ones: how the ranks share the
-# model changes only summation order and which rank draws which random bits, not what is trained.
-# (A run id still hashes `parallel`: train.config.HASHED_UNLESS_DEFAULT.)
-RESUMABLE_CHANGES = ("parallel",)
+# model (and into how many microbatches a pipeline cuts the batch) changes only summation order,
+# rounding scales and which random bits are drawn, not what is trained. (A run id still hashes them:
+# train.config.HASHED_UNLESS_DEFAULT.)
+RESUMABLE_CHANGES = ("parallel", "pp_microbatches")
 
 
 @dataclass
@@ -128,9 +129,12 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
         data = load_dataset(config.data, progress=ranks.main and _interactive(progress))
     model_config = preset(config.model, data.vocab_size, config.seq_len)
     model, optimizer, loss_fn = build_training(config, recipe, model_config, device, ranks)
-    graphed = distributed.graphs_possible(config) and cuda_graph(config, model, device)
-    warmup = distributed.DDP_GRAPH_WARMUP_STEPS if ranks.mode == "ddp" else GRAPH_WARMUP_STEPS
-    train_step = TrainStep(model, loss_fn, graphed, warmup)
+    if ranks.mode == "pp":
+        train_step = loss_fn.step
+    else:
+        graphed = distributed.graphs_possible(config) and cuda_graph(config, model, device)
+        warmup = distributed.DDP_GRAPH_WARMUP_STEPS if ranks.mode == "ddp" else GRAPH_WARMUP_STEPS
+        train_step = TrainStep(model, loss_fn, graphed, warmup)
     sampler = BatchSampler(data.train, config.batch_size, config.seq_len, config.seed)
     evaluation = val_batches(data.val, config.batch_size, config.seq_len, config.eval_batches)
     qk_clip, tau = _qk_clip(config, recipe)
@@ -148,6 +152,10 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
         "optimizer": {"qk_clip": qk_clip, "qk_clip_tau": tau},
     }
     identity["world_size"] = ranks.world  # this segment's: a resumed run may run on another number of ranks
+    if ranks.mode == "pp":
+        from fp4lab.train.pipeline import schedule_name
+
+        identity["pipeline_schedule"] = schedule_name()
     if ranks.main:
         write_json(out / "config.json", identity)
     metrics = MetricsLog(out / "metrics.jsonl", resume_step=state.step) if ranks.main else _Silent()
@@ -173,9 +181,10 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
                 loss = train_step(x, y, eager=probing or capturing)
             if capturing:
                 capture.write(step)
-            grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed)
-            loss = ranks.mean(loss)  # every rank logs and decides on the loss of the global batch
-            if ranks.world > 1 and (probing or qk_clip == "kimi"):
+            grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed, pipelined=ranks.mode == "pp")
+            if ranks.mode != "pp":  # (the pipeline's loss is the global batch's on every rank already)
+                loss = ranks.mean(loss)  # every rank logs and decides on the loss of the global batch
+            if ranks.world > 1 and ranks.mode != "pp" and (probing or qk_clip == "kimi"):
                 _reduce_probes(model, ranks, probing)
             # Read back only now, so the GPU never waits for the host mid-step. A NaN/Inf step has
             # updated the weights, but the run ends here without a checkpoint.
@@ -190,7 +199,9 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
                 metrics.write(record)
                 break
             if qk_clip == "kimi":
-                record["qk_clipped_heads"] = _apply_qk_clip(model, tau, bool(recipe.lora_svd_rank))
+                clipped = _apply_qk_clip(model, tau, bool(recipe.lora_svd_rank))
+                # Under pp each rank clipped the heads of its own blocks.
+                record["qk_clipped_heads"] = ranks.total(clipped) if ranks.mode == "pp" else clipped
                 state.qk_clip_events += record["qk_clipped_heads"]
             elapsed = time.perf_counter() - tic
 
@@ -200,7 +211,7 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
             state.best_loss = min(state.best_loss, record["loss"])
             record["tokens_per_s"] = tokens_per_step / elapsed
             if probing:
-                record.update(_probe_record(model))
+                record.update(_probe_record(model, ranks))
             _set_probes(model, False, record_max_logits=False)
             state.step = step + 1
             if state.step % config.eval_every == 0 or state.step == config.steps:
@@ -246,11 +257,12 @@ class _Silent:
         pass
 
 
-def clip_and_step(model: torch.nn.Module, optimizer, grad_clip: float, keep_grads: bool = False) -> torch.Tensor:
+def clip_and_step(model: torch.nn.Module, optimizer, grad_clip: float, keep_grads: bool = False, pipelined: bool = False) -> torch.Tensor:
     """Clip the gradient norm, step, drop the gradients (or keep their memory for a CUDA graph that
     zeroes and refills them); returns the norm as a tensor: nothing is read back. FSDP2 DTensor
-    gradient shards: the global norm (fp4lab.optim.sharding.clip_grad_norm_)."""
-    grad_norm = clip_grad_norm_(model.parameters(), grad_clip)
+    gradient shards, or `pipelined` stages (each rank its own parameters): the global norm
+    (fp4lab.optim.sharding.clip_grad_norm_)."""
+    grad_norm = clip_grad_norm_(model.parameters(), grad_clip, split_over_ranks=pipelined)
     optimizer.step()
     if not keep_grads:
         optimizer.zero_grad(set_to_none=True)
@@ -341,8 +353,9 @@ def evaluate(model: Llama, loss_fn: LossFn, batches: list, device: torch.device,
     On several ranks each evaluates its rows of every batch (every rank runs every forward: FSDP's
     all-gathers are collectives), and the mean over ranks of the per-rank means is the one-process
     value up to summation order. A batch whose rows do not split (a split shorter than one batch) is
-    evaluated whole on every rank."""
-    if ranks is None or ranks.world == 1:
+    evaluated whole on every rank. Under pp, `loss_fn` runs the pipeline and returns the whole batch's
+    loss on every rank."""
+    if ranks is None or ranks.world == 1 or ranks.mode == "pp":
         with _generators_restored(model):
             losses = [loss_fn(x.to(device), y.to(device)).item() for x, y in batches]
         return sum(losses) / len(losses)
@@ -376,7 +389,9 @@ def build_training(
     the fast path (bf16 autocast, tensor-core GEMMs, fused AdamW on CUDA) or the fp32 reference, and
     torch.compile or not. The training loop and `fp4lab bench` both build a run through here.
     `ranks`: the model wrapped for data parallelism (DDP, FSDP2); the returned model is the Llama
-    itself (its parameters DTensor shards under FSDP2), the loss function runs the wrapper."""
+    itself (its parameters DTensor shards under FSDP2), the loss function runs the wrapper. Under pp
+    the model keeps this rank's blocks only and the loss function is the train.pipeline.Pipeline
+    (evaluation's forward; its `step` trains)."""
     ranks = ranks or distributed.Ranks()
     fast = fast_compute(config, device)
     if fast and device.type == "cuda":
@@ -385,23 +400,30 @@ def build_training(
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.manual_seed(config.seed)
     model = build_model(model_config, recipe, seed=config.seed, device=device, tensor_cores=fast)
-    distributed.offset_random_streams(model, ranks)
-    model_loss = distributed.wrap(model, ranks, device, config.gather_weights)
+    if ranks.mode == "pp":
+        # Every block lives on one rank and sees the whole batch: its random streams stay the one-process ones.
+        from fp4lab.train.pipeline import DUALPIPE_V, Pipeline
+
+        loss_fn: LossFn = Pipeline(model, ranks.world, ranks.rank, device, config.pp_microbatches, fast, DUALPIPE_V is not None)
+    else:
+        distributed.offset_random_streams(model, ranks)
+        model_loss = distributed.wrap(model, ranks, device, config.gather_weights)
+
+        def loss_fn(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast):
+                return model_loss(tokens, targets)
+
     optimizer = build_optimizer(
         model.named_parameters(), _optimizer_config(config, recipe, fused=fast and device.type == "cuda")
     )
-
-    def loss_fn(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast):
-            return model_loss(tokens, targets)
 
     if not compiled(config, device):
         return model, optimizer, loss_fn
     if ranks.mode == "none":
         return model, optimizer, torch.compile(loss_fn)
-    # Under DDP and FSDP2 each transformer block is compiled on its own (torchtitan's pattern): their
-    # hooks (gradient buckets, all-gathers, reshards) then run between compiled graphs instead of
-    # breaking a whole-model graph into pieces (H200 figures in docs/BENCHMARKS.md). Replacing `forward`
+    # Under DDP, FSDP2 and pp each transformer block is compiled on its own (torchtitan's pattern): their
+    # hooks (gradient buckets, all-gathers, reshards) and the pipeline's stage boundaries then run between
+    # compiled graphs instead of breaking a whole-model graph into pieces (H200 figures in docs/BENCHMARKS.md). Replacing `forward`
     # keeps parameter names, so checkpoints stay interchangeable with one-process runs.
     for block in model.layers:
         block.forward = torch.compile(block.forward)
@@ -454,10 +476,17 @@ def _set_probes(model: Llama, probing: bool, record_max_logits: bool) -> None:
         linear.quant_stats = {}
 
 
-def _probe_record(model: Llama) -> dict[str, Any]:
-    entropy = [a.last_entropy.tolist() for a in model.attentions()]
-    max_logit = [a.last_max_logits.tolist() for a in model.attentions()]
+def _probe_record(model: Llama, ranks: distributed.Ranks) -> dict[str, Any]:
+    blocks = [int(index) for index, _ in model.layers.named_children()]
+    attention = {i: (a.last_entropy.tolist(), a.last_max_logits.tolist()) for i, a in zip(blocks, model.attentions())}
     quant = {name: {op: list(v) for op, v in linear.quant_stats.items()} for name, linear in fp4_linears(model).items() if linear.quant_stats}
+    if ranks.mode == "pp":  # every rank probed its own blocks; rank 0 writes them all, in block order
+        parts: list[Any] = [None] * ranks.world
+        torch.distributed.all_gather_object(parts, (attention, quant))
+        attention = {i: probes for part, _ in parts for i, probes in part.items()}
+        quant = {name: stats for _, part in parts for name, stats in part.items()}
+    entropy = [attention[i][0] for i in sorted(attention)]
+    max_logit = [attention[i][1] for i in sorted(attention)]
     return {
         "attn_entropy": entropy,
         "attn_entropy_mean": [sum(h) / len(h) for h in entropy],
@@ -513,6 +542,8 @@ def _save(out: Path, config: TrainConfig, model: Llama, optimizer, state: RunSta
             "torch_rng": torch.get_rng_state(),
             "state": state.__dict__,
         }
+        if ranks.mode == "pp":  # which blocks' attention streams those are (_pipeline_streams merges them)
+            extras["generator_blocks"] = list(_generators_by_block(model))
         save_sharded(out / SHARDED_CHECKPOINT, state.step, model, list(optimizer.optimizers.values()), extras, ranks.rank)
         other = out / CHECKPOINT
     else:
@@ -543,6 +574,8 @@ def _resume(out: Path, config: TrainConfig, model: Llama, optimizer, ranks: dist
     source = newest_checkpoint(out / CHECKPOINT, out / SHARDED_CHECKPOINT)
     if source is None:
         return RunState()
+    if ranks.mode == "pp" and source.name == CHECKPOINT:
+        raise ConfigError(f"{source} was written by one process; parallel='pp' resumes only a pp checkpoint of as many ranks: resume it with parallel none, ddp or fsdp")
     if source.name != CHECKPOINT:
         return _restore_sharded(source, config, model, optimizer, ranks)
     if ranks.mode == "none":
@@ -573,14 +606,44 @@ def _restore(path: Path, config: TrainConfig, model: Llama, optimizer) -> RunSta
 def _restore_sharded(step_folder: Path, config: TrainConfig, model: Llama, optimizer, ranks: distributed.Ranks) -> RunState:
     main = load_checkpoint(step_folder / "rank-0.pt")
     _check_resumable(step_folder.parent, main["config"], config)
+    saved_pp = main["config"].get("parallel") == "pp"
+    if ranks.mode == "pp" and not (saved_pp and main["world_size"] == ranks.world):
+        raise ConfigError(
+            f"{step_folder.parent} was written by {main['world_size']} ranks with parallel={main['config'].get('parallel')!r}; "
+            f"parallel='pp' resumes only a pp checkpoint of as many ranks: resume it as it was written"
+        )
     load_sharded(step_folder, model, list(optimizer.optimizers.values()))
     state = RunState(**main["state"])
-    if ranks.rank < main["world_size"]:
+    if saved_pp and ranks.mode != "pp":  # each block's streams are on the rank that held it
+        if ranks.main:
+            _set_streams(model, *_pipeline_streams(step_folder, main["world_size"]), main["torch_rng"])
+        else:
+            distributed.fresh_random_streams(model, state.step)
+    elif ranks.rank < main["world_size"]:
         own = main if ranks.main else load_checkpoint(step_folder / f"rank-{ranks.rank}.pt")
         _set_streams(model, own["linears"], own["attention_generators"], own["torch_rng"])
     else:
         distributed.fresh_random_streams(model, state.step)
     return state
+
+
+def _generators_by_block(model: Llama) -> dict[int, torch.Generator]:
+    """The FP4 attention generators of the model's blocks, by block index, in attention_generators' order."""
+    blocks = [int(index) for index, _ in model.layers.named_children()]
+    owned = {id(g) for g in attention_generators(model)}
+    return {i: a.quant.generator for i, a in zip(blocks, model.attentions()) if a.quant is not None and id(a.quant.generator) in owned}
+
+
+def _pipeline_streams(step_folder: Path, world: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The random streams of a pp checkpoint as one process holds them: every rank's linears, and the
+    attention generators of all blocks in block order."""
+    linears: dict[str, Any] = {}
+    attention: dict[int, torch.Tensor] = {}
+    for rank in range(world):
+        extras = load_checkpoint(step_folder / f"rank-{rank}.pt")
+        linears.update(extras["linears"])
+        attention.update(zip(extras["generator_blocks"], extras["attention_generators"]))
+    return linears, [attention[i] for i in sorted(attention)]
 
 
 def _set_streams(model: Llama, linears: dict[str, Any], attention: list[torch.Tensor], torch_rng: torch.Tensor) -> None:
