@@ -404,7 +404,8 @@ def build_training(
         # Every block lives on one rank and sees the whole batch: its random streams stay the one-process ones.
         from fp4lab.train.pipeline import DUALPIPE_V, Pipeline
 
-        loss_fn: LossFn = Pipeline(model, ranks.world, ranks.rank, device, config.pp_microbatches, fast, DUALPIPE_V is not None)
+        microbatch = (config.batch_size // config.pp_microbatches, config.seq_len)
+        loss_fn: LossFn = Pipeline(model, ranks.world, ranks.rank, device, microbatch, config.pp_microbatches, fast, DUALPIPE_V is not None)
     else:
         distributed.offset_random_streams(model, ranks)
         model_loss = distributed.wrap(model, ranks, device, config.gather_weights)

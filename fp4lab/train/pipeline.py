@@ -95,7 +95,9 @@ class Pipeline:
     step. Both take the whole
     global batch on every rank and return its mean loss on every rank."""
 
-    def __init__(self, model: Llama, world: int, rank: int, device: torch.device, microbatches: int, fast: bool, dualpipe: bool):
+    def __init__(self, model: Llama, world: int, rank: int, device: torch.device, microbatch: tuple[int, int], microbatches: int,
+                 fast: bool, dualpipe: bool):
+        """`microbatch`: its (rows, seq_len)."""
         n_stages = world * stages_per_rank(dualpipe)
         blocks = stage_blocks(model.config.n_layers, n_stages)
         if any(len(b) == 0 for b in blocks):
@@ -116,7 +118,18 @@ class Pipeline:
         if not self.last:
             model.norm = model.output = None
         self.modules = {s: _Stage(model, blocks[s], s == 0, s == n_stages - 1, fast) for s in mine}
-        self.stages = [PipelineStage(self.modules[s], s, n_stages, device) for s in mine]
+        # Static shapes: without them the schedule's first step infers them by running each stage on
+        # stand-in inputs, which draws from the layers' SR and Hadamard streams (a resumed run would
+        # draw other bits than an uninterrupted one) and records their probes.
+        tokens = torch.empty(microbatch, dtype=torch.int64, device="meta")
+        hidden = torch.empty(*microbatch, self.dim, device="meta", requires_grad=True)  # the fp32 residual stream
+        logits = torch.empty(*microbatch, model.config.vocab_size, device="meta")
+        self.stages = [
+            PipelineStage(self.modules[s], s, n_stages, device, input_args=tokens if s == 0 else hidden,
+                          output_args=logits if s == n_stages - 1 else hidden,
+                          input_grads=None if s == 0 else hidden, output_grads=None if s == n_stages - 1 else hidden)
+            for s in mine
+        ]
         schedule = DUALPIPE_V if dualpipe else Schedule1F1B
         self.schedule = schedule(self.stages if dualpipe else self.stages[0], n_microbatches=microbatches,
                                  loss_fn=_microbatch_loss, scale_grads=True)
@@ -138,7 +151,7 @@ class Pipeline:
             if owner != self.rank:
                 continue
             if s > 0 and self.owners[s - 1] != owner:
-                h = torch.empty(*tokens.shape, self.dim, device=self.device)  # the fp32 residual stream
+                h = torch.empty(*tokens.shape, self.dim, device=self.device)
                 dist.recv(h, src=self.owners[s - 1])
             h = self.modules[s](h)
             if s < len(self.owners) - 1 and self.owners[s + 1] != owner:
