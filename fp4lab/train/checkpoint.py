@@ -67,11 +67,15 @@ def remove_checkpoint(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def save_sharded(folder: Path, step: int, model, optimizers: list, extras: dict[str, Any], rank: int) -> None:
-    """Every rank calls this (DCP's save is a collective); `extras` is this rank's part."""
+def save_sharded(folder: Path, step: int, model, optimizers: list, extras: dict[str, Any], rank: int, per_parameter: bool = False) -> None:
+    """Every rank calls this (DCP's save is a collective); `extras` is this rank's part.
+    `per_parameter`: the ranks hold different parameters (pipeline stages), so their optimizers' param
+    groups differ; the optimizer state is then stored under each parameter's name, the group settings
+    included (torchtitan's flattened form), since DCP keeps one rank's copy of each group otherwise.
+    Whoever loads it passes the same to load_sharded."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     name = f"{STEP_PREFIX}{step}"
     if latest_sharded(folder) == folder / name:  # nothing has trained since it was written
@@ -80,7 +84,7 @@ def save_sharded(folder: Path, step: int, model, optimizers: list, extras: dict[
     if rank == 0 and target.exists():  # left half-written by a killed save
         shutil.rmtree(target)
     dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizers)
+    model_state, optimizer_state = get_state_dict(model, optimizers, options=StateDictOptions(flatten_optimizer_state_dict=per_parameter))
     dcp.save({"model": _tensors_only(model_state), "optimizer": optimizer_state}, checkpoint_id=target)
     save_checkpoint(target / f"rank-{rank}.pt", extras)
     dist.barrier()
@@ -92,21 +96,20 @@ def save_sharded(folder: Path, step: int, model, optimizers: list, extras: dict[
     dist.barrier()
 
 
-def load_sharded(step_folder: Path, model, optimizers: list) -> None:
+def load_sharded(step_folder: Path, model, optimizers: list, per_parameter: bool = False) -> None:
     """Load the model and optimizer state of `step_folder` in place, resharded to however this run
     holds them (FSDP2 shards on any number of ranks, DDP replicas, or one process without a process
-    group): DCP reads each tensor's part by its global offsets. The per-rank extras are the caller's."""
+    group): DCP reads each tensor's part by its global offsets. The per-rank extras are the caller's.
+    `per_parameter`: as the checkpoint was saved (save_sharded)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizers)
+    options = StateDictOptions(strict=False, flatten_optimizer_state_dict=per_parameter)
+    model_state, optimizer_state = get_state_dict(model, optimizers, options=options)
     state = {"model": _tensors_only(model_state), "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=step_folder)
     # strict=False: the FP4 linears' extra state (their generators) travels per rank in the extras.
-    set_state_dict(
-        model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-        options=StateDictOptions(strict=False),
-    )
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
 
 
 def load_whole(model, optimizers: dict[str, Any], model_state: dict[str, Any], optimizer_states: dict[str, Any]) -> None:

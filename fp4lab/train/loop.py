@@ -545,7 +545,8 @@ def _save(out: Path, config: TrainConfig, model: Llama, optimizer, state: RunSta
         }
         if ranks.mode == "pp":  # which blocks' attention streams those are (_pipeline_streams merges them)
             extras["generator_blocks"] = list(_generators_by_block(model))
-        save_sharded(out / SHARDED_CHECKPOINT, state.step, model, list(optimizer.optimizers.values()), extras, ranks.rank)
+        save_sharded(out / SHARDED_CHECKPOINT, state.step, model, list(optimizer.optimizers.values()), extras, ranks.rank,
+                     per_parameter=ranks.mode == "pp")
         other = out / CHECKPOINT
     else:
         save_checkpoint(
@@ -613,7 +614,7 @@ def _restore_sharded(step_folder: Path, config: TrainConfig, model: Llama, optim
             f"{step_folder.parent} was written by {main['world_size']} ranks with parallel={main['config'].get('parallel')!r}; "
             f"parallel='pp' resumes only a pp checkpoint of as many ranks: resume it as it was written"
         )
-    load_sharded(step_folder, model, list(optimizer.optimizers.values()))
+    load_sharded(step_folder, model, list(optimizer.optimizers.values()), per_parameter=saved_pp)
     state = RunState(**main["state"])
     if saved_pp and ranks.mode != "pp":  # each block's streams are on the rank that held it
         if ranks.main:
