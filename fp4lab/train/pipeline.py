@@ -92,8 +92,10 @@ def _microbatch_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 class Pipeline:
     """The rank's stages and their schedule. `pipeline(tokens, targets)` is the loss function of
     evaluation (forward only, no gradient, the whole batch at once); `pipeline.step` is the training
-    step. Both take the whole
-    global batch on every rank and return its mean loss on every rank."""
+    step. Both take the whole global batch on every rank and return its mean loss on every rank.
+    Attention probes cover every microbatch; the FP4 linears' saturation and flush fractions are those
+    of the last microbatch each linear ran (they are overwritten per call, as rank 0's rows stand for
+    the batch under DDP)."""
 
     def __init__(self, model: Llama, world: int, rank: int, device: torch.device, microbatch: tuple[int, int], microbatches: int,
                  fast: bool, dualpipe: bool):
