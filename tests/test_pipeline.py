@@ -272,10 +272,15 @@ def _refused_resume(rank: int, world: int, out_dir: str) -> str:
     return "resumed"
 
 
-def test_a_one_process_checkpoint_is_refused_under_pp(tmp_path):
-    config = small(tmp_path, "run")
-    run(config, progress=False, stop_after=1)
+@pytest.mark.parametrize(("parallel", "message"), [
+    ("none", "was written by one process; parallel='pp' resumes only a pp checkpoint"),
+    ("ddp", "was written by 2 ranks with parallel='ddp'; parallel='pp' resumes only a pp checkpoint of as many ranks"),
+])
+def test_a_checkpoint_of_another_layout_is_refused_under_pp(tmp_path, parallel, message):
+    config = small(tmp_path, "run", parallel=parallel)
+    if parallel == "none":
+        run(config, progress=False, stop_after=1)
+    else:
+        run_two_ranks(config, stop_after_on_rank_1=1)
     messages = run_gloo(_refused_resume, config.out_dir)
-    assert all("was written by one process; parallel='pp' resumes only a pp checkpoint" in m for m in messages), messages
-    assert all("\n" not in m for m in messages)
-
+    assert all(message in m and "\n" not in m for m in messages), messages
