@@ -190,49 +190,81 @@ def test_a_stop_on_one_rank_stops_both_and_the_run_resumes_exactly(tmp_path):
     assert sorted(p.name for p in (Path(whole.out_dir) / "checkpoint.dcp").iterdir()) == ["LATEST", "step-6"]
 
 
-def _restored(rank: int, world: int, out_dir: str) -> dict:
+# Every state a layer or optimizer keeps, as tests/test_resume_world_size.py's EVERYTHING: SR linears and
+# FP4 attention (random streams), Muon with NVFP4 Newton-Schulz, AdamW's NVFP4 v, LoRA-SVD buffers.
+EVERYTHING = "fullstack"
+
+
+def loaded_state(model, optimizer, step: int) -> dict:
+    """What a restored rank (or process) holds: parameters and buffers, optimizer state by parameter name,
+    the linears' and each block's attention random streams."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from fp4lab.nn.build import fp4_linears
     from fp4lab.train import loop
 
-    config = small(Path(out_dir).parent, Path(out_dir).name, recipe="nvfp4-global", parallel="pp")
-    model, optimizer, _ = build(config, rank, world, DEFAULT_SYNTHETIC_VOCAB)
-    state = loop._resume(Path(out_dir), config, model, optimizer, loop.distributed.Ranks(rank, world, rank, world, "pp"))
     model_state, optimizer_state = get_state_dict(model, list(optimizer.optimizers.values()))
-    return {"step": state.step, "model": {k: v for k, v in model_state.items() if not k.endswith("_extra_state")},
-            "optimizer": optimizer_state["state"],
-            "linears": {name: linear.get_extra_state() for name, linear in fp4_linears(model).items()}}
+    return {
+        "step": step, "model": {k: v for k, v in model_state.items() if not k.endswith("_extra_state")},
+        "optimizer": optimizer_state["state"],
+        "linears": {name: linear.get_extra_state() for name, linear in fp4_linears(model).items()},
+        "attention": {i: g.get_state() for i, g in loop._generators_by_block(model).items()},
+    }
+
+
+def _restored(rank: int, world: int, out_dir: str) -> dict:
+    from fp4lab.train import loop
+
+    config = small(Path(out_dir).parent, Path(out_dir).name, recipe=EVERYTHING, parallel="pp")
+    model, optimizer, pp = build(config, rank, world, DEFAULT_SYNTHETIC_VOCAB)
+    state = loop._resume(Path(out_dir), config, model, optimizer, loop.distributed.Ranks(rank, world, rank, world, "pp"),
+                         pp.whole_optimizer_order)
+    return loaded_state(model, optimizer, state.step)
+
+
+def in_one_process(config: TrainConfig) -> dict:
+    """The folder's checkpoint restored in one process (tests/test_resume_world_size.py checks that path
+    bit for bit against what was saved)."""
+    from fp4lab.train import loop
+
+    one = TrainConfig.from_dict(config.to_dict() | {"parallel": "none"})
+    model, optimizer, _ = build(one, vocab=DEFAULT_SYNTHETIC_VOCAB)
+    return loaded_state(model, optimizer, loop._resume(Path(one.out_dir), one, model, optimizer, loop.distributed.Ranks()).step)
+
+
+def assert_stages_hold_the_whole(stages: list[dict], whole: dict) -> None:
+    """The stages' states, together, are the one process's, bit for bit, each entry on one stage."""
+    assert all(stage["step"] == whole["step"] == 2 for stage in stages)
+    for part in ("model", "optimizer", "linears", "attention"):
+        assert not stages[0][part].keys() & stages[1][part].keys(), part
+        merged = stages[0][part] | stages[1][part]
+        assert merged.keys() == whole[part].keys(), part
+        for key, value in merged.items():
+            expected = whole[part][key]
+            if part == "linears":
+                assert json.dumps(value, default=repr) == json.dumps(expected, default=repr), key
+            elif isinstance(value, dict):
+                assert value.keys() == expected.keys() and all(torch.equal(value[k], expected[k]) for k in value), key
+            else:
+                assert torch.equal(value, expected), key
+    assert whole["attention"] and any("momentum_buffer" in v for v in whole["optimizer"].values())
 
 
 def test_a_pp_checkpoint_resumes_in_one_process_with_the_same_state(tmp_path):
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from fp4lab.nn.build import fp4_linears
-    from fp4lab.train import loop
-
-    config = small(tmp_path, "run", recipe="nvfp4-global", parallel="pp")
+    config = small(tmp_path, "run", recipe=EVERYTHING, parallel="pp")
     run_two_ranks(config, stop_after_on_rank_1=2)
-    on_ranks = run_gloo(_restored, config.out_dir)  # what the pp ranks continue from (exactly: the test above)
-    one = TrainConfig.from_dict(config.to_dict() | {"parallel": "none"})
-    model, optimizer, _ = build(one, vocab=DEFAULT_SYNTHETIC_VOCAB)
-    state = loop._resume(Path(one.out_dir), one, model, optimizer, loop.distributed.Ranks())
-    model_state, optimizer_state = get_state_dict(model, list(optimizer.optimizers.values()))
-    assert state.step == on_ranks[0]["step"] == on_ranks[1]["step"] == 2
-    for part in ("model", "optimizer"):
-        merged = on_ranks[0][part] | on_ranks[1][part]
-        whole = {k: v for k, v in (model_state if part == "model" else optimizer_state["state"]).items() if not k.endswith("_extra_state")}
-        assert merged.keys() == whole.keys()
-        for key, value in merged.items():
-            if isinstance(value, dict):
-                assert all(torch.equal(value[k], whole[key][k]) for k in value), key
-            else:
-                assert torch.equal(value, whole[key]), key
-    streams = {name: linear.get_extra_state() for name, linear in fp4_linears(model).items()}
-    assert streams.keys() == on_ranks[0]["linears"].keys() | on_ranks[1]["linears"].keys()
-    for held in (on_ranks[0]["linears"], on_ranks[1]["linears"]):
-        for name, saved in held.items():
-            assert json.dumps(saved, default=repr) == json.dumps(streams[name], default=repr), name
+    # What the pp ranks continue from (exactly: test_a_stop_on_one_rank_...) is what one process gets.
+    assert_stages_hold_the_whole(run_gloo(_restored, config.out_dir), in_one_process(config))
+
+
+@pytest.mark.parametrize("parallel", ["none", "ddp"])
+def test_a_one_process_or_ddp_checkpoint_resumes_on_pp_ranks_with_the_same_state(tmp_path, parallel):
+    config = small(tmp_path, "run", recipe=EVERYTHING, parallel=parallel)
+    if parallel == "none":
+        run(config, progress=False, stop_after=2)
+    else:
+        run_two_ranks(config, stop_after_on_rank_1=2)
+    assert_stages_hold_the_whole(run_gloo(_restored, config.out_dir), in_one_process(config))
 
 
 # --- refusals --------------------------------------------------------------------------------------
@@ -272,15 +304,8 @@ def _refused_resume(rank: int, world: int, out_dir: str) -> str:
     return "resumed"
 
 
-@pytest.mark.parametrize(("parallel", "message"), [
-    ("none", "was written by one process; parallel='pp' resumes only a pp checkpoint"),
-    ("ddp", "was written by 2 ranks with parallel='ddp'; parallel='pp' resumes only a pp checkpoint of as many ranks"),
-])
-def test_a_checkpoint_of_another_layout_is_refused_under_pp(tmp_path, parallel, message):
-    config = small(tmp_path, "run", parallel=parallel)
-    if parallel == "none":
-        run(config, progress=False, stop_after=1)
-    else:
-        run_two_ranks(config, stop_after_on_rank_1=1)
-    messages = run_gloo(_refused_resume, config.out_dir)
-    assert all(message in m and "\n" not in m for m in messages), messages
+def test_a_pp_checkpoint_is_refused_on_another_number_of_pp_ranks(tmp_path):
+    config = small(tmp_path, "run", parallel="pp")
+    run_two_ranks(config, stop_after_on_rank_1=1)
+    (message,) = run_gloo(_refused_resume, config.out_dir, world_size=1)
+    assert "was written by 2 pp ranks; a pp run resumes it on as many" in message and "\n" not in message

@@ -100,7 +100,8 @@ def load_sharded(step_folder: Path, model, optimizers: list, per_parameter: bool
     """Load the model and optimizer state of `step_folder` in place, resharded to however this run
     holds them (FSDP2 shards on any number of ranks, DDP replicas, or one process without a process
     group): DCP reads each tensor's part by its global offsets. The per-rank extras are the caller's.
-    `per_parameter`: as the checkpoint was saved (save_sharded)."""
+    `per_parameter`: as the checkpoint was saved (save_sharded); a pipeline stage takes its own
+    parameters' entries from a checkpoint of ranks that held them all."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -112,26 +113,33 @@ def load_sharded(step_folder: Path, model, optimizers: list, per_parameter: bool
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
 
 
-def load_whole(model, optimizers: dict[str, Any], model_state: dict[str, Any], optimizer_states: dict[str, Any]) -> None:
+def load_whole(model, optimizers: dict[str, Any], model_state: dict[str, Any], optimizer_states: dict[str, Any],
+               whole_order: dict[str, list[str]] | None = None) -> None:
     """Load a one-process checkpoint (model.state_dict(), and per optimizer name its state_dict(), as
     CombinedOptimizer saves them) into a model held by ranks: every rank cuts its own shards (FSDP2)
     or takes the whole tensors (DDP). torch keys an optimizer's state by the position of each
     parameter in its param groups; the ranks' optimizers list the same parameters in the same order
-    (built alike), so the positions translate to the parameter names DCP's state dicts use."""
+    (built alike), so the positions translate to the parameter names DCP's state dicts use. Pipeline
+    stages hold some parameters only: `whole_order` gives the whole model's optimizers' names in
+    position order."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     names = {id(p): n for n, p in model.named_parameters()}
     by_name: dict[str, Any] = {"state": {}, "param_groups": []}
     for key, optimizer in optimizers.items():
         saved = optimizer_states[key]
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if whole_order is None:
+            order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        else:
+            order = whole_order[key]
         positions = [i for group in saved["param_groups"] for i in group["params"]]
-        name_of = {i: names[id(p)] for i, p in zip(positions, params)}
+        name_of = dict(zip(positions, order))
         by_name["state"].update({name_of[i]: value for i, value in saved["state"].items()})
         by_name["param_groups"] += [{**g, "params": [name_of[i] for i in g["params"]]} for g in saved["param_groups"]]
     # The linears' extra state (random streams) is the caller's, per rank; set_state_dict's full path
     # would put a placeholder into every key it is not given, so each keeps its own.
     kept = {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
+    # strict=False: a pipeline stage takes its own parameters' entries and leaves the others'.
     set_state_dict(
         model, list(optimizers.values()), model_state_dict=_tensors_only(model_state) | kept, optim_state_dict=by_name,
         options=StateDictOptions(full_state_dict=True, strict=False),

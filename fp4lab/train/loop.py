@@ -142,7 +142,7 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
     if config.capture_steps and ranks.main:  # rank 0's rows stand for the batch: one record per run
         capture = OperandCapture(config, model, recipe, model_config.n_layers, compiled(config, device))
 
-    state = _resume(out, config, model, optimizer, ranks)
+    state = _resume(out, config, model, optimizer, ranks, loss_fn.whole_optimizer_order if ranks.mode == "pp" else None)
     identity = {
         "config": config.to_dict(),
         "recipe": {"name": recipe.name, "path": recipe.path, "source": recipe.source},
@@ -400,12 +400,19 @@ def build_training(
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.manual_seed(config.seed)
     model = build_model(model_config, recipe, seed=config.seed, device=device, tensor_cores=fast)
+    optimizer_config = _optimizer_config(config, recipe, fused=fast and device.type == "cuda")
     if ranks.mode == "pp":
         # Every block lives on one rank and sees the whole batch: its random streams stay the one-process ones.
         from fp4lab.train.pipeline import DUALPIPE_V, Pipeline
 
+        # A one-process checkpoint keys optimizer state by position in the whole model's optimizer: its
+        # names in that order, while the model is whole (an optimizer allocates no state until it steps).
+        names = {id(p): n for n, p in model.named_parameters()}
+        whole = build_optimizer(model.named_parameters(), optimizer_config).optimizers
+        whole_order = {key: [names[id(p)] for g in opt.param_groups for p in g["params"]] for key, opt in whole.items()}
         microbatch = (config.batch_size // config.pp_microbatches, config.seq_len)
         loss_fn: LossFn = Pipeline(model, ranks.world, ranks.rank, device, microbatch, config.pp_microbatches, fast, DUALPIPE_V is not None)
+        loss_fn.whole_optimizer_order = whole_order
     else:
         distributed.offset_random_streams(model, ranks)
         model_loss = distributed.wrap(model, ranks, device, config.gather_weights)
@@ -414,9 +421,7 @@ def build_training(
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast):
                 return model_loss(tokens, targets)
 
-    optimizer = build_optimizer(
-        model.named_parameters(), _optimizer_config(config, recipe, fused=fast and device.type == "cuda")
-    )
+    optimizer = build_optimizer(model.named_parameters(), optimizer_config)
 
     if not compiled(config, device):
         return model, optimizer, loss_fn
@@ -567,26 +572,30 @@ def _save(out: Path, config: TrainConfig, model: Llama, optimizer, state: RunSta
         remove_checkpoint(other)
 
 
-def _resume(out: Path, config: TrainConfig, model: Llama, optimizer, ranks: distributed.Ranks) -> RunState:
+def _resume(out: Path, config: TrainConfig, model: Llama, optimizer, ranks: distributed.Ranks,
+            whole_optimizer_order: dict[str, list[str]] | None = None) -> RunState:
     """Restore the run folder's newest checkpoint, whichever kind of run wrote it, on however many ranks
     this run has; a fresh RunState when there is none. Model and optimizer state are the saved values,
     resharded (checkpoint.load_sharded, checkpoint.load_whole). Random streams: rank r continues the
     saved rank r's, a rank the saved world lacked gets fresh ones (distributed.fresh_random_streams);
-    the step and run state come from rank 0."""
+    the step and run state come from rank 0. Under pp, every block continues the streams the one process
+    (or rank 0 of data-parallel ranks) saved for it; `whole_optimizer_order`: the parameter names of the
+    whole model's optimizers in position order (build_training's), for a one-process checkpoint."""
     source = newest_checkpoint(out / CHECKPOINT, out / SHARDED_CHECKPOINT)
     if source is None:
         return RunState()
-    if ranks.mode == "pp" and source.name == CHECKPOINT:
-        raise ConfigError(f"{source} was written by one process; parallel='pp' resumes only a pp checkpoint of as many ranks: resume it with parallel none, ddp or fsdp")
     if source.name != CHECKPOINT:
         return _restore_sharded(source, config, model, optimizer, ranks)
     if ranks.mode == "none":
         return _restore(source, config, model, optimizer)
     checkpoint = load_checkpoint(source)
     _check_resumable(source, checkpoint["config"], config)
-    load_whole(model, optimizer.optimizers, checkpoint["model"], checkpoint["optimizer"])
+    load_whole(model, optimizer.optimizers, checkpoint["model"], checkpoint["optimizer"], whole_optimizer_order)
     state = RunState(**checkpoint["state"])
-    if ranks.main:
+    if ranks.mode == "pp":
+        linears = {name: checkpoint["model"][f"{name}._extra_state"] for name in fp4_linears(model)}
+        _set_streams(model, linears, _own_blocks(model, checkpoint["attention_generators"]), checkpoint["torch_rng"])
+    elif ranks.main:
         linears = {name: checkpoint["model"][f"{name}._extra_state"] for name in fp4_linears(model)}
         _set_streams(model, linears, checkpoint["attention_generators"], checkpoint["torch_rng"])
     else:
@@ -609,14 +618,16 @@ def _restore_sharded(step_folder: Path, config: TrainConfig, model: Llama, optim
     main = load_checkpoint(step_folder / "rank-0.pt")
     _check_resumable(step_folder.parent, main["config"], config)
     saved_pp = main["config"].get("parallel") == "pp"
-    if ranks.mode == "pp" and not (saved_pp and main["world_size"] == ranks.world):
+    if ranks.mode == "pp" and saved_pp and main["world_size"] != ranks.world:
         raise ConfigError(
-            f"{step_folder.parent} was written by {main['world_size']} ranks with parallel={main['config'].get('parallel')!r}; "
-            f"parallel='pp' resumes only a pp checkpoint of as many ranks: resume it as it was written"
+            f"{step_folder.parent} was written by {main['world_size']} pp ranks; a pp run resumes it on as many (its "
+            f"stages' random streams are per rank): resume it on {main['world_size']}, or with parallel none, ddp or fsdp"
         )
     load_sharded(step_folder, model, list(optimizer.optimizers.values()), per_parameter=saved_pp)
     state = RunState(**main["state"])
-    if saved_pp and ranks.mode != "pp":  # each block's streams are on the rank that held it
+    if ranks.mode == "pp" and not saved_pp:  # rank 0 kept the one-process streams of every block
+        _set_streams(model, main["linears"], _own_blocks(model, main["attention_generators"]), main["torch_rng"])
+    elif saved_pp and ranks.mode != "pp":  # each block's streams are on the rank that held it
         if ranks.main:
             _set_streams(model, *_pipeline_streams(step_folder, main["world_size"]), main["torch_rng"])
         else:
@@ -634,6 +645,12 @@ def _generators_by_block(model: Llama) -> dict[int, torch.Generator]:
     blocks = [int(index) for index, _ in model.layers.named_children()]
     owned = {id(g) for g in attention_generators(model)}
     return {i: a.quant.generator for i, a in zip(blocks, model.attentions()) if a.quant is not None and id(a.quant.generator) in owned}
+
+
+def _own_blocks(model: Llama, attention: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This pp rank's part of the attention generator states of the whole model (FP4 attention gives
+    every block a generator, or none)."""
+    return [attention[i] for i in _generators_by_block(model)] if attention else []
 
 
 def _pipeline_streams(step_folder: Path, world: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
