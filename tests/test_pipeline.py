@@ -267,6 +267,18 @@ def test_a_one_process_or_ddp_checkpoint_resumes_on_pp_ranks_with_the_same_state
     assert_stages_hold_the_whole(run_gloo(_restored, config.out_dir), in_one_process(config))
 
 
+def test_a_one_process_run_continued_on_pp_ranks_trains_the_uninterrupted_curve(tmp_path):
+    rtn = {"recipe": "mxfp4", "optimizer": "adamw", "adam_lr": 3e-3}
+    whole = small(tmp_path, "whole", **rtn)
+    run(whole, progress=False)
+    moved = small(tmp_path, "moved", **rtn)
+    run(moved, progress=False, stop_after=2)
+    run_two_ranks(TrainConfig.from_dict(moved.to_dict() | {"parallel": "pp"}))
+    assert_same_curve(metrics(whole), metrics(moved))
+    out = Path(moved.out_dir)
+    assert (out / "checkpoint.dcp").exists() and not (out / "checkpoint.pt").exists()
+
+
 # --- refusals --------------------------------------------------------------------------------------
 
 
