@@ -428,9 +428,10 @@ def build_training(
     if ranks.mode == "none":
         return model, optimizer, torch.compile(loss_fn)
     # Under DDP, FSDP2 and pp each transformer block is compiled on its own (torchtitan's pattern): their
-    # hooks (gradient buckets, all-gathers, reshards) and the pipeline's stage boundaries then run between
-    # compiled graphs instead of breaking a whole-model graph into pieces (H200 figures in docs/BENCHMARKS.md). Replacing `forward`
-    # keeps parameter names, so checkpoints stay interchangeable with one-process runs.
+    # hooks (gradient buckets, all-gathers, reshards) and the pipeline's stage boundaries then run
+    # between compiled graphs instead of breaking a whole-model graph into pieces (H200 figures in
+    # docs/BENCHMARKS.md). Replacing `forward` keeps parameter names, so checkpoints stay
+    # interchangeable with one-process runs.
     for block in model.layers:
         block.forward = torch.compile(block.forward)
     return model, optimizer, loss_fn
@@ -641,15 +642,14 @@ def _restore_sharded(step_folder: Path, config: TrainConfig, model: Llama, optim
 
 
 def _generators_by_block(model: Llama) -> dict[int, torch.Generator]:
-    """The FP4 attention generators of the model's blocks, by block index, in attention_generators' order."""
+    """The FP4 attention generators of the model's blocks (every block's or none: nn.build), by block
+    index, in attention_generators' order."""
     blocks = [int(index) for index, _ in model.layers.named_children()]
-    owned = {id(g) for g in attention_generators(model)}
-    return {i: a.quant.generator for i, a in zip(blocks, model.attentions()) if a.quant is not None and id(a.quant.generator) in owned}
+    return {i: a.quant.generator for i, a in zip(blocks, model.attentions()) if a.quant is not None}
 
 
 def _own_blocks(model: Llama, attention: list[torch.Tensor]) -> list[torch.Tensor]:
-    """This pp rank's part of the attention generator states of the whole model (FP4 attention gives
-    every block a generator, or none)."""
+    """This pp rank's part of the attention generator states of the whole model."""
     return [attention[i] for i in _generators_by_block(model)] if attention else []
 
 

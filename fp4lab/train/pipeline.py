@@ -97,6 +97,10 @@ class Pipeline:
     of the last microbatch each linear ran (they are overwritten per call, as rank 0's rows stand for
     the batch under DDP)."""
 
+    # Set by train.loop.build_training before the split: the whole model's optimizers' parameter names in
+    # position order, which a one-process checkpoint's optimizer state is keyed by.
+    whole_optimizer_order: dict[str, list[str]]
+
     def __init__(self, model: Llama, world: int, rank: int, device: torch.device, microbatch: tuple[int, int], microbatches: int,
                  fast: bool, dualpipe: bool):
         """`microbatch`: its (rows, seq_len)."""
