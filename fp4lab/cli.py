@@ -359,7 +359,8 @@ def train(
     compute: Annotated[Optional[Compute], typer.Option(help="fast (bf16 activations, tensor-core GEMMs, fused kernels), reference (fp32, exact emulation) or auto (default: fast on CUDA).")] = None,
     compile: Annotated[Optional[Compile], typer.Option(help="torch.compile (default auto: on CUDA).")] = None,
     cuda_graphs: Annotated[Optional[CudaGraphs], typer.Option(help="Replay steps from a CUDA graph (default auto: on CUDA where nothing draws from a torch.Generator).")] = None,
-    parallel: Annotated[Optional[Parallel], typer.Option(help="Parallelism over torchrun's processes: ddp (DistributedDataParallel), fsdp (FSDP2), hsdp (FSDP2 sharded within a node, replicated across nodes), pp (pipeline stages of transformer blocks; pp_microbatches in a --config file) or none (default).")] = None,
+    parallel: Annotated[Optional[Parallel], typer.Option(help="Parallelism over torchrun's processes: ddp (DistributedDataParallel), fsdp (FSDP2), hsdp (FSDP2 sharded within a node, replicated across nodes), pp (pipeline stages of transformer blocks) or none (default).")] = None,
+    pp_microbatches: Annotated[Optional[int], typer.Option(help="With --parallel pp: microbatches each global batch is split into (default 4, DualPipeV's minimum on 2 ranks).")] = None,
     gather_weights: Annotated[Optional[GatherWeights], typer.Option(help="What FSDP2's weight all-gathers move (fsdp, hsdp): dense rows (default) or, where exact, the FP4 encoding the GEMMs consume (the same run, fewer bytes; summary.json reports them).")] = None,
     nproc_per_node: Annotated[Optional[int], typer.Option(help="Train on N local processes (GPUs) through torchrun; with N > 1 pass --parallel too (a sweep run's config has it).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<recipe>-<model>-s<seed>).")] = None,
@@ -378,7 +379,7 @@ def train(
         "lr_schedule": lr_schedule, "warmup_steps": warmup_steps, "ns_steps": ns_steps, "ns_polynomial": ns_polynomial, "qk_clip": qk_clip,
         "qk_clip_tau": qk_clip_tau, "seed": seed, "eval_every": eval_every, "probe_every": probe_every,
         "checkpoint_every": checkpoint_every, "max_minutes": max_minutes, "device": device,
-        "compute": compute, "compile": compile, "cuda_graphs": cuda_graphs, "parallel": parallel,
+        "compute": compute, "compile": compile, "cuda_graphs": cuda_graphs, "parallel": parallel, "pp_microbatches": pp_microbatches,
         "gather_weights": gather_weights,
         "capture_steps": _comma_list(capture_steps, int, "--capture-steps"), "capture_layers": _comma_list(capture_layers, str, "--capture-layers"),
     }
@@ -445,7 +446,7 @@ def _launch_ranks(train_config, nproc_per_node: int, fresh: bool, config: Path |
     if nproc_per_node < 1:
         fail(f"train: --nproc-per-node {nproc_per_node} must be at least 1")
     if nproc_per_node > 1 and train_config.parallel == "none":
-        fail(f"train: --nproc-per-node {nproc_per_node} needs --parallel ddp, fsdp or hsdp (how the ranks share the model)")
+        fail(f"train: --nproc-per-node {nproc_per_node} needs --parallel ddp, fsdp, hsdp or pp (how the ranks share the model)")
     if train_config.batch_size % nproc_per_node:
         fail(f"train: --batch-size {train_config.batch_size} does not split over {nproc_per_node} processes; "
              f"use a multiple of {nproc_per_node} (resuming a run, whose batch size is fixed: a number of processes that divides it)")

@@ -343,3 +343,9 @@ def test_a_pp_checkpoint_is_refused_on_another_number_of_pp_ranks(tmp_path):
     run_two_ranks(config, stop_after_on_rank_1=1)
     (message,) = run_gloo(_refused_resume, config.out_dir, world_size=1)
     assert "was written by 2 pp ranks; a pp run resumes it on as many" in message and "\n" not in message
+
+
+def test_pp_microbatches_flag_reaches_the_config(run_cli, tmp_path):
+    result = run_cli("train", "--pp-microbatches", "2", "--data", "synthetic", "--out", str(tmp_path / "run"))
+    assert result.returncode == 2 and "pp_microbatches=2 cuts the batch for pipeline stages" in result.stderr
+    assert not (tmp_path / "run").exists()

@@ -105,7 +105,7 @@ def check(config: TrainConfig, world: int) -> None:
         if world > 1:
             raise ConfigError(
                 f"parallel='none' but torchrun started {world} processes: each would train the whole run alone "
-                "into the same folder; pass --parallel ddp, fsdp or hsdp"
+                "into the same folder; pass --parallel ddp, fsdp, hsdp or pp"
             )
         return
     if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:

@@ -325,7 +325,7 @@ def _check_ranks(slurm: SlurmSpec, method: str, base_config: dict[str, Any], axe
         for where, value in places:
             if key == "parallel" and value == "none":
                 raise fail(where, f"parallel = \"none\" trains in one process, but {slurm.ranks_text()} gives each run "
-                           f"{ranks} ranks; set parallel = \"ddp\", \"fsdp\" or \"hsdp\", or ask [slurm] for one rank")
+                           f"{ranks} ranks; set parallel = \"ddp\", \"fsdp\", \"hsdp\" or \"pp\", or ask [slurm] for one rank")
             if key == "batch_size" and value % ranks:
                 raise fail(where, f"batch_size = {value} does not split over the {ranks} ranks {slurm.ranks_text()} "
                            f"gives each run; use a multiple of {ranks}")
