@@ -208,15 +208,19 @@ def test_only_rank_0_writes_and_a_stop_on_one_rank_stops_all_and_resumes_exactly
     assert load_capture(capture).x.shape[0] == 2 * 32
 
 
-def test_fp4lab_train_nproc_per_node_runs_torchrun(tmp_path):
-    out = tmp_path / "cli"
-    command = [
-        sys.executable, "-m", "fp4lab.cli", "train", "--nproc-per-node", "2", "--parallel", "ddp", "--data", "synthetic",
-        "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--eval-every", "3", "--compute", "reference", "--out", str(out),
-    ]
+def fp4lab_train(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """`fp4lab train ARGS --data synthetic --out OUT` in its own interpreter (it must exit 0)."""
+    command = [sys.executable, "-m", "fp4lab.cli", "train", *args, "--data", "synthetic", "--out", str(out)]
     result = subprocess.run(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                             timeout=LAUNCH_TIMEOUT, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_fp4lab_train_nproc_per_node_runs_torchrun(tmp_path):
+    out = tmp_path / "cli"
+    result = fp4lab_train(out, "--nproc-per-node", "2", "--parallel", "ddp", "--steps", "3", "--batch-size", "4", "--seq-len", "32",
+                          "--eval-every", "3", "--compute", "reference")
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
     assert result.stderr.count("step 3/3") == 1  # rank 1 prints nothing
     assert result.stdout.count("status: completed") == 1
@@ -225,13 +229,8 @@ def test_fp4lab_train_nproc_per_node_runs_torchrun(tmp_path):
 def test_nproc_per_node_1_runs_one_rank_under_torchrun(tmp_path):
     """`--nproc-per-node 1 --parallel fsdp`: one FSDP2 rank (how a run written by 2 GPUs goes on on 1)."""
     out = tmp_path / "one"
-    command = [
-        sys.executable, "-m", "fp4lab.cli", "train", "--nproc-per-node", "1", "--parallel", "fsdp", "--data", "synthetic",
-        "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-every", "2", "--compute", "reference", "--out", str(out),
-    ]
-    result = subprocess.run(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                            timeout=LAUNCH_TIMEOUT, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
+    fp4lab_train(out, "--nproc-per-node", "1", "--parallel", "fsdp", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+                 "--eval-every", "2", "--compute", "reference")
     assert json.loads((out / "summary.json").read_text())["world_size"] == 1
     assert (out / "checkpoint.dcp" / "LATEST").exists()
 
@@ -268,13 +267,9 @@ def test_ddp_steps_replay_from_a_cuda_graph_with_the_same_bits(tmp_path, recipe)
     curves = {}
     for graphs in ("on", "off"):
         out = tmp_path / graphs
-        command = [
-            sys.executable, "-m", "fp4lab.cli", "train", "--nproc-per-node", "1", "--parallel", "ddp", "--device", "cuda",
-            "--recipe", recipe, "--compile", "off", "--cuda-graphs", graphs, "--data", "synthetic", "--steps", "20",
-            "--batch-size", "4", "--seq-len", "64", "--eval-every", "20", "--probe-every", "10", "--out", str(out),
-        ]
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, check=False)
-        assert result.returncode == 0, result.stderr[-3000:]
+        fp4lab_train(out, "--nproc-per-node", "1", "--parallel", "ddp", "--device", "cuda", "--recipe", recipe, "--compile", "off",
+                     "--cuda-graphs", graphs, "--steps", "20", "--batch-size", "4", "--seq-len", "64", "--eval-every", "20",
+                     "--probe-every", "10")
         assert json.loads((out / "summary.json").read_text())["cuda_graph"] == (graphs == "on")
         curves[graphs] = [(r["loss"], r["grad_norm"]) for r in metrics(TrainConfig(out_dir=str(out)))]
     # Eager probe steps 0, 10 and 19 interleave with the replays (steps 13-18, after 11 eager ones).
