@@ -52,13 +52,15 @@ def test_submitit_sweep_jobs_record_their_own_results(cli, tmp_path):  # noqa: F
 
 
 def test_a_timed_out_job_is_requeued_resumes_and_ends_as_timeout(cli, tmp_path):  # noqa: F811
-    # 1-minute limit, signal 50 s before it: each attempt is warned within ~10-40 s (Slurm checks every
-    # ~30 s), checkpoints, and submitit requeues it once (max_requeues = 1); the second warning ends it.
-    (tmp_path / "long.toml").write_text(LONG + "\n[slurm]\ncpus_per_task = 1\ntime = 1\nsignal_before_timeout_s = 50\nmax_requeues = 1\n")
+    # 2-minute limit, signal 90 s before it: each attempt is warned 30-60 s after it starts (Slurm checks
+    # every ~30 s), checkpoints, and submitit requeues it once (max_requeues = 1); the second warning ends
+    # it. Not sooner: a warning that lands while the job still imports torch (a loaded CI machine takes
+    # 10 s and more) reaches submitit before the trainer, so that attempt never counts as started.
+    (tmp_path / "long.toml").write_text(LONG + "\n[slurm]\ncpus_per_task = 1\ntime = 2\nsignal_before_timeout_s = 90\nmax_requeues = 1\n")
     out = cli("sweep", "long.toml", "--executor", "slurm")
     assert out.returncode == 0, out.stderr
     catalog = Catalog(tmp_path / "sweep_catalog.json")
-    (record,) = wait_for(catalog, lambda rs: rs[0]["state"] == "timeout", timeout=300)
+    (record,) = wait_for(catalog, lambda rs: rs[0]["state"] == "timeout", timeout=420)
     assert record["attempts"] == 2 and record["requeues"] == 1, record
     run_dir = Path(record["paths"]["run_dir"])
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
