@@ -46,6 +46,7 @@ SWEEP_EXECUTORS = ("local", "slurm", "sbatch")  # fp4lab.lab.runs.executors.EXEC
 RATCHET_EXECUTORS = ("local", "slurm")  # what fp4lab.lab.ratchet.loop.Ratchet accepts
 PROPOSERS = ("optuna", "llm", "command")  # fp4lab.lab.ratchet.proposers.PROPOSERS
 BENCH_WHAT = ("all", "kernels", "steps")
+CORPORA = ("pycode",)  # fp4lab.train.pycode.NAME: the corpora `fp4lab data build` makes
 
 # typer turns a Literal into a choice: --help shows <a|b|c>, any other value is a usage error (exit 2).
 ModelPreset = Literal[MODEL_PRESETS]
@@ -66,6 +67,7 @@ SweepExecutor = Literal[SWEEP_EXECUTORS]
 RatchetExecutor = Literal[RATCHET_EXECUTORS]
 Proposer = Literal[PROPOSERS]
 BenchWhat = Literal[BENCH_WHAT]
+Corpus = Literal[CORPORA]
 
 
 def _plain_help(command, params: list) -> list:
@@ -331,7 +333,7 @@ def _print_numerics(rows, title: str) -> None:
 def train(
     recipe: Annotated[Optional[str], typer.Option(help="Recipe name (fp4lab recipes) or path to a recipe .toml.")] = None,
     model: Annotated[Optional[ModelPreset], typer.Option(help="Model preset (default tiny).")] = None,
-    data: Annotated[Optional[str], typer.Option(help="shakespeare (embedded) | synthetic | path to a .bin token file.")] = None,
+    data: Annotated[Optional[str], typer.Option(help="shakespeare (embedded) | synthetic | pycode (after fp4lab data build pycode) | path to a .bin token file.")] = None,
     val_data: Annotated[Optional[str], typer.Option(help="Validation .bin file (default: hold out the tail of --data).")] = None,
     token_dtype: Annotated[Optional[TokenDtype], typer.Option(help="Id width of .bin files (default uint16).")] = None,
     vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary size (BPE size for shakespeare).")] = None,
@@ -1263,6 +1265,45 @@ def recipes_show(
         + (f" tau={opt.qk_clip_tau:g}" if opt.qk_clip == "kimi" else "")
         + (f" alpha={opt.update_cap_alpha:g} (Q/K {opt.update_cap_alpha_qk:g})" if opt.qk_clip == "update_cap" else "")
         + f", Newton-Schulz {opt.ns_polynomial} in {opt.ns_format}, AdamW v in {opt.adam_v_format}"
+    )
+
+
+data_app = typer.Typer(cls=_Commands, help="Build the training corpora that are made once (the embedded Shakespeare builds itself).", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("build")
+def data_build(
+    name: Annotated[Corpus, typer.Argument(help="The corpus to build.")],
+    bundle: Annotated[Optional[Path], typer.Option("--from", help="Rebuild offline from a bundle: a folder with a built corpus's manifest.json, tokenizer.json and documents.xz; the token files made here must match the manifest byte for byte.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Build again even if the corpus is already built.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the corpus's manifest as JSON instead of a summary.")] = False,
+) -> None:
+    """Build a corpus into $FP4LAB_CACHE (default ~/.cache/fp4lab): pycode downloads 21 pinned sdists
+    from PyPI (~230 MB), keeps their .py files, trains a 32768-token BPE and tokenizes (~15 minutes on
+    2 cores). Training configs then name it as data source ("pycode")."""
+    from fp4lab.train import pycode
+    from fp4lab.train.data import cache_dir, status_line
+
+    cache = cache_dir()
+    built = pycode.corpus_dir(cache)
+    try:
+        if bundle is None and not force and (built / "manifest.json").is_file():
+            manifest = pycode.load(cache)[3]
+        else:
+            with status_line(not as_json) as status:
+                manifest = pycode.rebuild_from_bundle(cache, bundle, status=status) if bundle else pycode.build(cache, status=status)
+    except pycode.CorpusError as exc:
+        fail(str(exc))
+    if as_json:
+        _print_json({"path": str(built), **manifest})
+        return
+    files = manifest["files"]
+    _console().print(
+        f"{name}: {files['train.bin']['tokens']:,} training and {files['val.bin']['tokens']:,} validation tokens "
+        f"({manifest['documents']['train']:,} + {manifest['documents']['val']:,} documents from "
+        f"{len(manifest['packages'])} packages), vocabulary {manifest['vocab_size']}\nin {built}",
+        highlight=False,
     )
 
 

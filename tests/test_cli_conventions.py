@@ -61,6 +61,9 @@ def test_choice_values_are_the_library_constants():
     assert cli.LOG_PRESETS == tuple(logscan.PRESETS)
     assert cli.SWEEP_EXECUTORS == executors.EXECUTORS
     assert cli.PROPOSERS == proposers.PROPOSERS
+    from fp4lab.train import pycode
+
+    assert cli.CORPORA == (pycode.NAME,)
 
 
 def test_ratchet_executor_choices_are_what_the_ratchet_accepts():
@@ -75,7 +78,7 @@ def test_ratchet_executor_choices_are_what_the_ratchet_accepts():
             Ratchet(None, tag="t", executor=executor, workers=0)
 
 
-CHOICES = [  # (command path, option, allowed values, arguments the command needs before it)
+CHOICES = [  # (command path, option or an argument's metavar, allowed values, arguments the command needs before it)
     (["sweep"], "--executor", cli.SWEEP_EXECUTORS, ["spec.toml"]),
     (["ratchet"], "--executor", cli.RATCHET_EXECUTORS, []),
     (["ratchet"], "--agent", cli.PROPOSERS, []),
@@ -94,25 +97,27 @@ CHOICES = [  # (command path, option, allowed values, arguments the command need
     (["bench"], "--device", cli.DEVICES, []),
     (["bench"], "--compile", cli.COMPILES, []),
     (["bench"], "--cuda-graphs", cli.CUDA_GRAPHS, []),
-    (["bench"], None, cli.BENCH_WHAT, []),  # the argument WHAT
+    (["bench"], "WHAT", cli.BENCH_WHAT, []),  # an argument: its metavar
     (["scan"], "--preset", cli.LOG_PRESETS, ["some.log"]),
     (["numerics"], "--dist", cli.DISTRIBUTIONS, []),
+    (["data", "build"], "NAME", cli.CORPORA, []),
 ]
 
 
-@pytest.mark.parametrize("path, option, values, before", CHOICES, ids=[f"{' '.join(c[0])} {c[1] or 'WHAT'}" for c in CHOICES])
+@pytest.mark.parametrize("path, option, values, before", CHOICES, ids=[f"{' '.join(c[0])} {c[1]}" for c in CHOICES])
 def test_help_lists_the_choices(path, option, values, before):
     text = help_text(*path)
-    line = next(line for line in text.splitlines() if line.startswith("│") and f" {option or 'what'} " in line)
+    name = option.lower() if option.isupper() else option
+    line = next(line for line in text.splitlines() if line.startswith("│") and f" {name} " in line)
     assert f"<{'|'.join(values)}>" in line, line
 
 
-@pytest.mark.parametrize("path, option, values, before", CHOICES, ids=[f"{' '.join(c[0])} {c[1] or 'WHAT'}" for c in CHOICES])
+@pytest.mark.parametrize("path, option, values, before", CHOICES, ids=[f"{' '.join(c[0])} {c[1]}" for c in CHOICES])
 def test_a_value_outside_the_choices_is_one_line_naming_option_and_values(run_cli, path, option, values, before):
-    out = run_cli(*path, *before, *([option] if option else []), "bogus")
+    out = run_cli(*path, *before, *([] if option.isupper() else [option]), "bogus")
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.splitlines() == [
-        f"fp4lab: error: {' '.join(path)}: {option or 'WHAT'} 'bogus' is not supported; allowed: {', '.join(values)}"
+        f"fp4lab: error: {' '.join(path)}: {option} 'bogus' is not supported; allowed: {', '.join(values)}"
     ]
 
 

@@ -66,7 +66,7 @@ def corpus() -> str:
 
 @pytest.fixture(scope="module")
 def small_tokenizer(corpus):
-    return data.train_tokenizer(corpus[:300_000], 1024)
+    return data.train_tokenizer(data.speeches(corpus[:300_000]), 1024)
 
 
 @pytest.fixture
@@ -77,9 +77,9 @@ def one_play(monkeypatch):
     trainings = []
     real_train = data.train_tokenizer
 
-    def counting_train(text, vocab_size):
+    def counting_train(pieces, vocab_size, *args, **kwargs):
         trainings.append(vocab_size)
-        return real_train(text, vocab_size)
+        return real_train(pieces, vocab_size, *args, **kwargs)
 
     monkeypatch.setattr(data, "train_tokenizer", counting_train)
     return trainings
@@ -156,7 +156,7 @@ def test_speech_by_speech_encoding_equals_whole_text_encoding(corpus, small_toke
 
 
 def test_bpe_training_is_deterministic(corpus, small_tokenizer):
-    assert data.train_tokenizer(corpus[:300_000], 1024).to_str() == small_tokenizer.to_str()
+    assert data.train_tokenizer(data.speeches(corpus[:300_000]), 1024).to_str() == small_tokenizer.to_str()
 
 
 # --- the cache ----------------------------------------------------------------------------------------

@@ -93,11 +93,13 @@ class CheckpointMismatch(ConfigError):
 class DataConfig:
     """What to train on.
 
-    source: "shakespeare", "synthetic", or a path to a .bin token file.
+    source: "shakespeare", "synthetic", "pycode" (built once: `fp4lab data build pycode`), or a path to
+        a .bin token file.
     val_source: a .bin validation file (only with a .bin source); without it the last `val_fraction`
         of the source is held out.
     token_dtype: "uint16" or "uint32", the id width of .bin files.
-    vocab_size: the model's vocabulary. Shakespeare: the BPE size (default 4096, 257..65536);
+    vocab_size: the model's vocabulary. Shakespeare: the BPE size (default 4096, 257..65536); pycode:
+        its built BPE's (32768), leave it unset;
         synthetic: default 256; .bin: default max id + 1 over train and val, which is smaller than the
         tokenizer's vocabulary when its top ids never occur, so pass it when you know it.
     seed: generates the synthetic task (the loop may pass it to BatchSampler too).

@@ -16,6 +16,8 @@ Sources (`DataConfig.source`):
   on the training part only. Tokenizer and token arrays are cached under `$FP4LAB_CACHE` (default
   ~/.cache/fp4lab).
 - "synthetic": a fixed random sparse Markov chain, for tests: instant, seeded, learnable.
+- "pycode": Python source of 21 open-source projects from PyPI (~75M tokens, a 32768-token BPE), for
+  GPU-scale runs; built once with `fp4lab data build pycode` (fp4lab/train/pycode.py says how).
 - a path to a `.bin` file of little-endian uint16 or uint32 token ids (nanoGPT's format), with
   `val_source` or a `val_fraction` split.
 """
@@ -27,7 +29,7 @@ import hashlib
 import importlib.util
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -40,7 +42,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from fp4lab.train.atomic import write_atomic
 from fp4lab.train.config import DataConfig
 
-NAMED_SOURCES = ("shakespeare", "synthetic")
+NAMED_SOURCES = ("shakespeare", "synthetic", "pycode")
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 DEFAULT_SHAKESPEARE_VOCAB = 4096
 DEFAULT_SYNTHETIC_VOCAB = 256
@@ -76,6 +78,8 @@ def load_dataset(cfg: DataConfig, *, progress: bool = False) -> Dataset:
         return load_shakespeare(cfg.vocab_size or DEFAULT_SHAKESPEARE_VOCAB, cfg.val_fraction, progress=progress)
     if cfg.source == "synthetic":
         return load_synthetic(cfg.vocab_size or DEFAULT_SYNTHETIC_VOCAB, cfg.val_fraction, cfg.seed)
+    if cfg.source == "pycode":
+        return load_pycode(cfg.vocab_size)
     return load_token_files(cfg.source, cfg.val_source, cfg.token_dtype, cfg.vocab_size, cfg.val_fraction)
 
 
@@ -85,7 +89,7 @@ def _validate(cfg: DataConfig) -> None:
 
     is_file_source = cfg.source not in NAMED_SOURCES
     if is_file_source and not str(cfg.source).endswith(".bin"):
-        fail("source", cfg.source, "use 'shakespeare', 'synthetic' or a path to a .bin token file")
+        fail("source", cfg.source, "use 'shakespeare', 'synthetic', 'pycode' or a path to a .bin token file")
     if cfg.val_source is not None and not is_file_source:
         fail("val_source", cfg.val_source, f"a validation file needs a .bin source, not {cfg.source!r}; leave it None")
     if cfg.val_source is not None and not str(cfg.val_source).endswith(".bin"):
@@ -205,20 +209,24 @@ def split_text(text: str, val_fraction: float) -> tuple[str, str]:
 # Byte-level BPE.
 
 
-def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
-    """A GPT-2-style byte-level BPE with `vocab_size` tokens (256 bytes + merges), trained on `text`.
+def train_tokenizer(pieces: Iterable[str], vocab_size: int, special_tokens: Sequence[str] = ()) -> Tokenizer:
+    """A GPT-2-style byte-level BPE with `vocab_size` tokens (special tokens first, then the 256 bytes
+    and merges), trained on `pieces`: many pieces, not one string, because the trainer counts words in
+    parallel over them; a piece boundary must be one the pre-tokenizer would split at anyway.
 
     Deterministic: the trainer breaks ties between equally frequent pairs by token ids, so training
     twice gives the same vocabulary and merges (checked across processes and thread counts too).
     """
+    if isinstance(pieces, str):  # a str is an iterable of characters: it would train on single letters
+        raise TypeError("train_tokenizer: pass an iterable of text pieces, not one string")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        special_tokens=list(special_tokens),
     )
-    # Many speeches, not one string: the trainer counts words in parallel over the items.
-    tokenizer.train_from_iterator(speeches(text), trainer=trainer)
+    tokenizer.train_from_iterator(pieces, trainer=trainer)
     return tokenizer
 
 
@@ -248,7 +256,9 @@ def _shakespeare_key(plays: list[tuple[str, str]], vocab_size: int, val_fraction
 
 
 @contextlib.contextmanager
-def _status_line(enabled: bool) -> Iterator[Callable[[str], None]]:
+def status_line(enabled: bool) -> Iterator[Callable[[str], None]]:
+    """A callable that shows its message as a one-line spinner on stderr while a build works; silent
+    when not `enabled`."""
     if not enabled:
         yield lambda message: None
         return
@@ -264,11 +274,11 @@ def load_shakespeare(vocab_size: int, val_fraction: float, *, progress: bool = F
     entry = cache_dir() / f"shakespeare-{_shakespeare_key(plays, vocab_size, val_fraction)}"
     tokenizer_path, train_path, val_path = entry / "tokenizer.json", entry / "train.bin", entry / "val.bin"
     if not (tokenizer_path.is_file() and train_path.is_file() and val_path.is_file()):
-        with _status_line(progress) as status:
+        with status_line(progress) as status:
             status(f"shakespeare: converting {len(plays)} plays")
             train_text, val_text = split_text("".join(play_to_text(markdown) for _, markdown in plays), val_fraction)
             status(f"shakespeare: training a {vocab_size}-token byte-level BPE on {len(train_text):,} characters")
-            tokenizer = train_tokenizer(train_text, vocab_size)
+            tokenizer = train_tokenizer(speeches(train_text), vocab_size)
             status("shakespeare: tokenizing")
             write_atomic(tokenizer_path, tokenizer.to_str().encode())
             write_atomic(val_path, encode(tokenizer, val_text).tobytes())
@@ -367,6 +377,17 @@ def load_synthetic(vocab_size: int, val_fraction: float, seed: int) -> Dataset:
 
 # ---------------------------------------------------------------------------------------------------
 # Batches.
+
+
+def load_pycode(vocab_size: int | None) -> Dataset:
+    """The pycode corpus as built in the cache (its validation split is fixed by the build)."""
+    from fp4lab.train import pycode
+
+    train, val, tokenizer, manifest = pycode.load(cache_dir())
+    if vocab_size is not None and vocab_size != manifest["vocab_size"]:
+        raise ValueError(f"DataConfig.vocab_size={vocab_size}: the pycode corpus has a {manifest['vocab_size']}-token "
+                         "vocabulary; leave vocab_size unset")
+    return Dataset(train=train, val=val, vocab_size=manifest["vocab_size"], name="pycode", tokenizer=tokenizer)
 
 
 def _token_array(tokens: np.ndarray | torch.Tensor, caller: str) -> np.ndarray:
