@@ -16,9 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from matplotlib import pyplot
 from rich.console import Console
+from scipy import stats as scipy_stats
 
 from fp4lab.lab.records.catalog import Catalog
 from fp4lab.lab.records.report import (
@@ -27,6 +29,7 @@ from fp4lab.lab.records.report import (
     divergence_step,
     excess_curves,
     excess_pct,
+    ledger_markdown,
     plot_figure,
     render_ledger,
     write_report,
@@ -218,7 +221,7 @@ def test_excess_pct_helper():
 def test_import_is_light():
     code = (
         "import sys, fp4lab.lab.records.report\n"
-        "heavy = [m for m in ('torch', 'pandas', 'matplotlib') if m in sys.modules]\n"
+        "heavy = [m for m in ('torch', 'pandas', 'matplotlib', 'scipy') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
@@ -405,3 +408,138 @@ def test_html_page_stands_on_its_own(recipes_catalog, tmp_path):
     assert "centered rolling mean over 5 logged steps" in text
     markdown = written["md"].read_text()
     assert f"- **excess % (mean)**: {COLUMN_DOCS['excess_pct_mean']}" in markdown and "| bf16 runs |" in markdown
+
+
+# --- seed noise: the spread of the excess and whether a recipe differs from bf16 beyond it ----------------
+
+T_975_DF4 = 2.7764451051977987  # Student's t, 97.5 % quantile, 4 degrees of freedom (any t table: 2.776)
+
+
+def _welch_ci_pct(values: list[float], reference: list[float]) -> tuple[float, float]:
+    """Welch's 95 % interval of mean(values) - mean(reference) in % of mean(reference), written out."""
+    se2_a, se2_b = statistics.variance(values) / len(values), statistics.variance(reference) / len(reference)
+    df = (se2_a + se2_b) ** 2 / (se2_a**2 / (len(values) - 1) + se2_b**2 / (len(reference) - 1))
+    half = scipy_stats.t.ppf(0.975, df) * math.sqrt(se2_a + se2_b)
+    ref = statistics.mean(reference)
+    diff = statistics.mean(values) - ref
+    return 100 * (diff - half) / ref, 100 * (diff + half) / ref
+
+
+# recipe -> (first train loss, final train loss) of each seed; the final val loss is the final train loss + 0.1
+SEED_NOISE_RUNS = {
+    "bf16": [(5.0, 2.98), (5.1, 3.00), (4.9, 3.02)],
+    "nvfp4": [(5.2, 3.18), (5.3, 3.20), (5.1, 3.22)],  # clearly above bf16, the same spread
+    "mxfp4": [(5.0, 2.95), (5.2, 3.01), (5.1, 3.10)],  # overlaps bf16, a wider spread
+    "mxfp4-rowsr-h32": [(4.8, 2.80), (4.9, 2.82), (4.7, 2.85)],  # clearly below
+    "nvfp4-last4-bf16": [(5.0, 3.00)],  # one seed: nothing to conclude
+}
+
+
+@pytest.fixture
+def seed_noise_catalog(tmp_path) -> Path:
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    for recipe, runs in SEED_NOISE_RUNS.items():
+        for seed, (first, final) in enumerate(runs):
+            _add_run(catalog, tmp_path, f"{recipe}-{seed}", recipe, seed, [first, 4.0, final])
+    return tmp_path / "sweep_catalog.json"
+
+
+def _vals(recipe: str) -> list[float]:
+    return [final + 0.1 for _, final in SEED_NOISE_RUNS[recipe]]
+
+
+def test_excess_spread_over_seeds_and_val_excess(seed_noise_catalog):
+    ledger = build_report(seed_noise_catalog, "hand").ledger.set_index("recipe")
+    ref_first = statistics.mean(first for first, _ in SEED_NOISE_RUNS["bf16"])
+    ref_final = statistics.mean(final for _, final in SEED_NOISE_RUNS["bf16"])
+    ref_val = statistics.mean(_vals("bf16"))
+    for recipe in ("nvfp4", "mxfp4", "mxfp4-rowsr-h32"):
+        row = ledger.loc[recipe]
+        lasts = [100 * (final - ref_final) / ref_final for _, final in SEED_NOISE_RUNS[recipe]]
+        means = [statistics.mean([100 * (first - ref_first) / ref_first, last])
+                 for (first, _), last in zip(SEED_NOISE_RUNS[recipe], lasts)]  # fmt: skip
+        val_excess = [100 * (v - ref_val) / ref_val for v in _vals(recipe)]
+        assert row["excess_pct_mean"] == pytest.approx(statistics.mean(means), rel=1e-9)
+        assert row["excess_pct_std"] == pytest.approx(statistics.stdev(means), rel=1e-9)
+        assert row["excess_pct_last"] == pytest.approx(statistics.mean(lasts), rel=1e-9)
+        assert row["excess_pct_last_std"] == pytest.approx(statistics.stdev(lasts), rel=1e-9)
+        assert row["val_excess_pct_mean"] == pytest.approx(statistics.mean(val_excess), rel=1e-9)
+        assert row["val_excess_pct_std"] == pytest.approx(statistics.stdev(val_excess), rel=1e-9)
+    # by hand: nvfp4's seeds sit 0.20 above bf16's (3.30 vs 3.10), each side with std 0.02
+    assert ledger.loc["nvfp4", "val_excess_pct_mean"] == pytest.approx(100 * 0.2 / 3.1, rel=1e-9)
+    assert ledger.loc["nvfp4", "val_excess_pct_std"] == pytest.approx(100 * 0.02 / 3.1, rel=1e-9)
+    assert ledger.loc["nvfp4", "excess_pct_last_std"] == pytest.approx(100 * 0.02 / 3.0, rel=1e-9)
+    single = ledger.loc["nvfp4-last4-bf16"]
+    assert single["val_excess_pct_mean"] == pytest.approx(0, abs=1e-9)  # its 3.10 is bf16's mean
+    assert all(math.isnan(single[c]) for c in ("excess_pct_std", "excess_pct_last_std", "val_excess_pct_std"))
+    bf16 = ledger.loc["bf16"]  # bf16 against itself: no excess on average, its own seed spread
+    assert bf16["val_excess_pct_mean"] == pytest.approx(0, abs=1e-9)
+    assert bf16["val_excess_pct_std"] == pytest.approx(100 * statistics.stdev(_vals("bf16")) / ref_val, rel=1e-9)
+
+
+def test_welch_interval_says_above_below_within_noise_or_n_a(seed_noise_catalog):
+    ledger = build_report(seed_noise_catalog, "hand").ledger.set_index("recipe")
+    # by hand: equal spreads and three seeds a side make Welch's degrees of freedom exactly 4
+    half = T_975_DF4 * math.sqrt(0.02**2 / 3 + 0.02**2 / 3)
+    assert (100 * (0.2 - half) / 3.1, 100 * (0.2 + half) / 3.1) == pytest.approx((4.989059, 7.914166), abs=1e-6)
+    assert ledger.loc["nvfp4", "val_excess_ci95"] == "+4.99..+7.91"
+    expected = {"nvfp4": "above", "mxfp4": "within noise", "mxfp4-rowsr-h32": "below"}
+    for recipe, verdict in expected.items():
+        low, high = _welch_ci_pct(_vals(recipe), _vals("bf16"))
+        direct = scipy_stats.ttest_ind(_vals(recipe), _vals("bf16"), equal_var=False).confidence_interval()
+        assert (low, high) == pytest.approx((100 * direct.low / 3.1, 100 * direct.high / 3.1), rel=1e-9)
+        assert ledger.loc[recipe, "val_excess_ci95"] == f"{low:+.2f}..{high:+.2f}"
+        assert ledger.loc[recipe, "vs_bf16"] == verdict
+    assert ledger.loc["mxfp4", "val_excess_ci95"] == "-4.93..+6.22"  # Student's pooled t: -3.39..+4.68
+    assert ledger.loc["mxfp4-rowsr-h32", "val_excess_ci95"] == "-7.40..-4.00"
+    single = ledger.loc["nvfp4-last4-bf16"]
+    assert single["vs_bf16"] == "n/a" and pd.isna(single["val_excess_ci95"])
+    assert pd.isna(ledger.loc["bf16", "vs_bf16"]) and pd.isna(ledger.loc["bf16", "val_excess_ci95"])
+
+
+def test_vs_bf16_is_n_a_with_one_bf16_seed_or_no_bf16(tmp_path):
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    _add_run(catalog, tmp_path, "b0", "bf16", 0, [5.0, 3.0])
+    for seed, final in enumerate((3.2, 3.3, 3.25)):
+        _add_run(catalog, tmp_path, f"n{seed}", "nvfp4", seed, [5.0, final])
+        _add_run(catalog, tmp_path, f"m{seed}", "mxfp4", seed, [5.0, final], sweep="no-bf16")
+    one_bf16 = build_report(tmp_path / "sweep_catalog.json", "hand").ledger.set_index("recipe")
+    assert one_bf16.loc["nvfp4", "vs_bf16"] == "n/a" and pd.isna(one_bf16.loc["nvfp4", "val_excess_ci95"])
+    assert one_bf16.loc["nvfp4", "val_excess_pct_mean"] == pytest.approx(100 * (3.25 - 3.0) / 3.1, rel=1e-9)
+    no_bf16 = build_report(tmp_path / "sweep_catalog.json", "no-bf16").ledger.iloc[0]
+    assert no_bf16["vs_bf16"] == "n/a" and math.isnan(no_bf16["val_excess_pct_mean"])
+
+
+def test_seed_noise_columns_in_every_export_and_the_markdown_is_reproducible(seed_noise_catalog, tmp_path):
+    report = build_report(seed_noise_catalog, "hand")
+    written = write_report(report, tmp_path / "out")
+    rows = _rows(written["csv"])
+    assert rows["nvfp4"]["val_excess_ci95"] == "+4.99..+7.91" and rows["nvfp4"]["vs_bf16"] == "above"
+    assert rows["bf16"]["val_excess_ci95"] == "" and rows["bf16"]["vs_bf16"] == ""
+    assert float(rows["nvfp4"]["val_excess_pct_std"]) == pytest.approx(100 * 0.02 / 3.1, rel=1e-9)
+    assert rows["nvfp4-last4-bf16"]["vs_bf16"] == "n/a" and rows["nvfp4-last4-bf16"]["excess_pct_std"] == ""
+
+    markdown = written["md"].read_text()
+    assert markdown == ledger_markdown(build_report(seed_noise_catalog, "hand"))  # built again: the same bytes
+    lines = markdown.splitlines()
+    assert lines[2] == (
+        "| recipe | config | seeds | seed list | val loss | ± std | train loss | ± std | excess % (mean) | ± std "
+        "| excess % (last) | ± std | @step | val excess % | ± std | val excess 95 % CI | vs bf16 | bf16 runs | tok/s "
+        "| verdicts | first event | runs |"
+    )
+    nvfp4 = lines[5]
+    assert nvfp4.startswith("| nvfp4 | default | 3 | 0,1,2 | 3.3000 | 0.0200 | 3.2000 | 0.0200 |")
+    assert nvfp4.endswith("| 6.45 | 0.65 | +4.99..+7.91 | above | bf16-0 bf16-1 bf16-2 | 101.0 | converged x3 |  "
+                          "| nvfp4-0 nvfp4-1 nvfp4-2 |")  # fmt: skip
+    assert f"- **vs bf16**: {COLUMN_DOCS['vs_bf16']}" in markdown and "Welch's t-test" in markdown
+    text = html.unescape(written["html"].read_text())
+    assert "<td>+4.99..+7.91</td><td>above</td>" in text and COLUMN_DOCS["val_excess_ci95"] in text
+
+    lines = _rendered(render_ledger(build_report(seed_noise_catalog)), 100)  # every sweep: the widest table
+    assert max(len(line) for line in lines) <= 100 and not any("…" in line for line in lines)
+    index = next(i for i, line in enumerate(lines) if "│ nvfp4 " in line)
+    first, second = ([cell.strip() for cell in line.split("│")] for line in lines[index : index + 2])
+    row = report.ledger.set_index("recipe").loc["nvfp4"]
+    assert f"{row['excess_pct_mean']:+.2f}" in first and f"±{row['excess_pct_std']:.2f}" in second
+    assert "above" in first and "+4.99..+7.91" in second
+    assert any(line.strip("│ ").startswith("val loss vs bf16: Welch's 95 % CI") for line in lines)

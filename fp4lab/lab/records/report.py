@@ -9,16 +9,23 @@ Ledger columns (one row per (recipe, config without seed) group; COLUMN_DOCS exp
   sweep, recipe, config (the non-seed sweep parameters, or a hash of the config), n_seeds, seeds,
   final_val_loss_mean/_std, final_train_loss_mean/_std (std: sample std over seeds, empty for one seed),
   excess_pct_mean (train-loss excess vs bf16 in %, mean over the steps present in both `loss_at_steps`,
-  averaged over the group's runs), excess_pct_last and excess_last_step (same at the last common step),
-  baseline_runs (the bf16 run ids of the reference), tokens_per_s_mean, verdicts ("converged x2, diverged@40 x1"), first_bad_event ("loss_spike@12",
-  earliest over the group), runs (the run ids).
+  averaged over the group's runs) and excess_pct_std (the sample std over the runs of each run's mean
+  excess), excess_pct_last, excess_pct_last_std and excess_last_step (same at the last common step),
+  val_excess_pct_mean/_std (each run's final val loss vs the mean final val loss of its bf16 runs, in %),
+  val_excess_ci95 and vs_bf16 (Welch's t-test of the group's final val losses against its bf16 runs':
+  the 95 % interval of the difference of means in % of the bf16 mean, and "above", "below" or "within
+  noise" as it excludes or contains 0; "n/a" with fewer than two finite val losses on a side; empty on
+  bf16 rows), baseline_runs (the bf16 run ids of the reference), tokens_per_s_mean, verdicts
+  ("converged x2, diverged@40 x1"), first_bad_event ("loss_spike@12", earliest over the group), runs
+  (the run ids).
 
 The bf16 reference of a run is the mean of the bf16 runs of the same sweep whose config (minus seed,
 recipe and run-specific fields) equals the run's; if there is none, every bf16 run of the sweep. With no
-bf16 run at all, the excess columns are empty and `report.notes` says so. The excess plot uses the same
-reference at every logged step, smoothed, with a seed-noise band (`excess_curves`).
+bf16 run at all, the excess columns are empty, vs_bf16 is "n/a" and `report.notes` says so. The excess
+plot uses the same reference at every logged step, smoothed, with a seed-noise band (`excess_curves`).
+ledger.md has no timestamp: the same catalog gives the same bytes, so docs can embed it.
 
-pandas and matplotlib (Agg) are imported lazily inside functions; this module never imports torch.
+pandas, scipy and matplotlib (Agg) are imported lazily inside functions; this module never imports torch.
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ COLUMNS = (
     "sweep",
     "recipe", "config", "n_seeds", "seeds",
     "final_val_loss_mean", "final_val_loss_std", "final_train_loss_mean", "final_train_loss_std",
-    "excess_pct_mean", "excess_pct_last", "excess_last_step", "baseline_runs", "tokens_per_s_mean",
+    "excess_pct_mean", "excess_pct_std", "excess_pct_last", "excess_pct_last_std", "excess_last_step",
+    "val_excess_pct_mean", "val_excess_pct_std", "val_excess_ci95", "vs_bf16", "baseline_runs", "tokens_per_s_mean",
     "verdicts", "first_bad_event", "runs",
 )  # fmt: skip
 
@@ -62,9 +70,18 @@ COLUMN_DOCS = {
     "final_train_loss_std": "its sample standard deviation over the seeds (empty for one seed)",
     "excess_pct_mean": "train-loss excess over the bf16 reference in %, averaged over the steps both recorded "
     "(the catalog keeps the loss every 10 steps), then over the seeds; negative: below bf16",
+    "excess_pct_std": "the sample standard deviation over the seeds of each seed's mean excess (empty for one seed)",
     "excess_pct_last": "the same excess at the last step both recorded, mean over the seeds",
+    "excess_pct_last_std": "its sample standard deviation over the seeds (empty for one seed)",
     "excess_last_step": "that last common step",
-    "baseline_runs": "the bf16 runs whose mean train loss is the reference of the excess",
+    "val_excess_pct_mean": "final validation loss over the mean final validation loss of the bf16 runs in %, "
+    "mean over the seeds; negative: below bf16",
+    "val_excess_pct_std": "its sample standard deviation over the seeds (empty for one seed)",
+    "val_excess_ci95": "95 % confidence interval of the difference between the mean final validation loss of the "
+    "seeds and of the bf16 runs (Welch's t-test), in % of the bf16 mean",
+    "vs_bf16": "above or below bf16 when that interval excludes 0, within noise when it contains 0, n/a when "
+    "either side has fewer than two finite final validation losses (empty on bf16 rows)",
+    "baseline_runs": "the bf16 runs whose mean train and validation losses are the reference of the excess",
     "tokens_per_s_mean": "training throughput in tokens/s, mean over the seeds",
     "verdicts": "the log scanner's verdicts and how many seeds got each",
     "first_bad_event": "the earliest scanner event (NaN, loss spike, entropy collapse, large logit) over the seeds",
@@ -166,6 +183,28 @@ def excess_pct(run: dict[int, float], ref: dict[int, float]) -> tuple[float | No
         return None, None, None
     per_step = [100.0 * (run[s] - ref[s]) / ref[s] for s in common]
     return _mean(per_step), per_step[-1], common[-1]
+
+
+def welch_ci95(values: list[float], reference: list[float]) -> tuple[float, float] | None:
+    """The 95 % confidence interval of mean(values) - mean(reference) from Welch's two-sample t-test
+    (seeds of two recipes need not share a variance); None with fewer than two values on either side."""
+    if len(values) < 2 or len(reference) < 2:
+        return None
+    from scipy import stats
+
+    interval = stats.ttest_ind(values, reference, equal_var=False).confidence_interval(confidence_level=0.95)
+    return float(interval.low), float(interval.high)
+
+
+def _vs_bf16(values: list[float], reference: list[float]) -> tuple[str | None, str]:
+    """(val_excess_ci95, vs_bf16) of a group's final val losses against its bf16 runs' ones."""
+    interval = welch_ci95(values, reference)
+    ref_mean = _mean(reference)
+    if interval is None or ref_mean == 0:
+        return None, "n/a"
+    low, high = interval
+    verdict = "above" if low > 0 else "below" if high < 0 else "within noise"
+    return f"{_signed(100.0 * low / ref_mean)}..{_signed(100.0 * high / ref_mean)}", verdict
 
 
 def _per_layer(value: Any, reduce) -> list[float] | None:
@@ -278,10 +317,16 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
         key = (record.get("sweep"), record.get("recipe"), _config_key(record.get("config") or {}, RUN_SPECIFIC))
         grouped.setdefault(key, []).append(record)
 
+    def final_val(record: dict[str, Any]) -> float | None:
+        return _num((record.get("summary") or {}).get("final_val_loss"))
+
+    def baseline_vals(record: dict[str, Any]) -> list[float]:
+        return [v for v in map(final_val, baseline_records(record)) if v is not None]
+
     rows = []
     for (_sweep, recipe, _key), members in grouped.items():
         summaries = [r.get("summary") or {} for r in members]
-        vals = [v for v in (_num(s.get("final_val_loss")) for s in summaries) if v is not None]
+        vals = [v for v in map(final_val, members) if v is not None]
         trains = [v for v in (_num(s.get("final_train_loss")) for s in summaries) if v is not None]
         tps = [v for v in (_num(s.get("tokens_per_s")) for s in summaries) if v is not None]
         ex_mean, ex_last, last_steps = [], [], []
@@ -292,6 +337,12 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
                     ex_mean.append(m)
                     ex_last.append(last)
                     last_steps.append(step)
+        val_excess = []
+        for r in members:
+            val, ref_val = final_val(r), _mean(baseline_vals(r))
+            if val is not None and math.isfinite(ref_val) and ref_val != 0:
+                val_excess.append(100.0 * (val - ref_val) / ref_val)
+        ci95, versus = (None, None) if recipe == BASELINE else _vs_bf16(vals, baseline_vals(members[0]))
         verdict_counts: dict[str, int] = {}
         for r in members:
             v = r.get("verdict") or r.get("state") or "?"
@@ -315,8 +366,14 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
                 "final_train_loss_mean": _mean(trains),
                 "final_train_loss_std": _std(trains),
                 "excess_pct_mean": _mean(ex_mean),
+                "excess_pct_std": _std(ex_mean),
                 "excess_pct_last": _mean(ex_last),
+                "excess_pct_last_std": _std(ex_last),
                 "excess_last_step": min(last_steps) if last_steps else None,
+                "val_excess_pct_mean": _mean(val_excess),
+                "val_excess_pct_std": _std(val_excess),
+                "val_excess_ci95": ci95,
+                "vs_bf16": versus,
                 "baseline_runs": " ".join(baseline_of[members[0]["id"]]) if has_baseline else "",
                 "tokens_per_s_mean": _mean(tps),
                 "verdicts": ", ".join(f"{v} x{n}" for v, n in verdict_counts.items()),
@@ -358,8 +415,11 @@ _HEADERS = {  # column -> (header, digits) of the full table (Markdown, HTML)
     "sweep": ("sweep", 0), "recipe": ("recipe", 0), "config": ("config", 0), "n_seeds": ("seeds", 0),
     "seeds": ("seed list", 0), "final_val_loss_mean": ("val loss", 4), "final_val_loss_std": ("± std", 4),
     "final_train_loss_mean": ("train loss", 4), "final_train_loss_std": ("± std", 4),
-    "excess_pct_mean": ("excess % (mean)", 2), "excess_pct_last": ("excess % (last)", 2),
-    "excess_last_step": ("@step", 0), "baseline_runs": ("bf16 runs", 0), "tokens_per_s_mean": ("tok/s", 1),
+    "excess_pct_mean": ("excess % (mean)", 2), "excess_pct_std": ("± std", 2),
+    "excess_pct_last": ("excess % (last)", 2), "excess_pct_last_std": ("± std", 2), "excess_last_step": ("@step", 0),
+    "val_excess_pct_mean": ("val excess %", 2), "val_excess_pct_std": ("± std", 2),
+    "val_excess_ci95": ("val excess 95 % CI", 0), "vs_bf16": ("vs bf16", 0), "baseline_runs": ("bf16 runs", 0),
+    "tokens_per_s_mean": ("tok/s", 1),
     "verdicts": ("verdicts", 0), "first_bad_event": ("first event", 0), "runs": ("runs", 0),
 }  # fmt: skip
 
@@ -377,7 +437,7 @@ def _full_rows(report: Report) -> list[list[str]]:
 
 _CONSOLE_COLUMNS = (  # header, right-aligned, may wrap
     ("sweep", False, True), ("recipe", False, False), ("config", False, True), ("seeds", True, False),
-    ("val loss", True, False), ("excess %\nmean", True, False), ("excess %\nlast", True, False),
+    ("val loss", True, False), ("excess %", True, False), ("val loss\nvs bf16", True, False),
     ("tok/s", True, False), ("verdicts", False, True),
 )  # fmt: skip
 
@@ -385,14 +445,15 @@ _CONSOLE_COLUMNS = (  # header, right-aligned, may wrap
 def _console_rows(report: Report) -> list[list[str]]:
     rows = []
     for _, row in report.ledger.iterrows():
-        std = _fmt(row["final_val_loss_std"], 4)
-        last = _signed(row["excess_pct_last"])
+        val_std = _fmt(row["final_val_loss_std"], 4)
+        excess_std = _fmt(row["excess_pct_std"], 2)
         first_bad = row["first_bad_event"]
         verdicts = row["verdicts"].removesuffix(" x1") if row["n_seeds"] == 1 else row["verdicts"]
+        versus = "\n".join(_fmt(row[c]) for c in ("vs_bf16", "val_excess_ci95") if _fmt(row[c]))
         rows.append([
             row["sweep"], row["recipe"], row["config"], str(row["n_seeds"]),
-            _fmt(row["final_val_loss_mean"], 4) + (f"\n±{std}" if std else ""),
-            _signed(row["excess_pct_mean"]), f"{last} @{row['excess_last_step']}" if last else "",
+            _fmt(row["final_val_loss_mean"], 4) + (f"\n±{val_std}" if val_std else ""),
+            _signed(row["excess_pct_mean"]) + (f"\n±{excess_std}" if excess_std else ""), versus,
             _fmt(row["tokens_per_s_mean"], 0), verdicts + (f"\nfirst: {first_bad}" if first_bad else ""),
         ])  # fmt: skip
     return rows
@@ -400,13 +461,19 @@ def _console_rows(report: Report) -> list[list[str]]:
 
 def render_ledger(report: Report):
     """The ledger as a rich Table that reads in a 100-column terminal: the columns that decide between
-    recipes, a seed spread on a second line, recipe names never wrapped or cut (the config, sweep and
-    verdict columns wrap instead; config only when the rows differ in it). The full table is in ledger.csv,
-    ledger.md and report.html."""
+    recipes (val loss, train-loss excess, whether the val loss differs from bf16 beyond seed noise, with
+    its 95 % interval), a seed spread on a second line, recipe names never wrapped or cut (the config,
+    sweep and verdict columns wrap instead; config only when the rows differ in it). The full table is in
+    ledger.csv, ledger.md and report.html."""
     from rich.table import Table
 
     title = f"recipe ledger{' of ' + report.sweep if report.sweep else ''} ({report.catalog_path})"
-    caption = [*report.notes, "train loss, the bf16 reference runs and run ids: ledger.csv, ledger.md, report.html"]
+    caption = [
+        *report.notes,
+        "excess %: train-loss excess over bf16, mean over steps, ± std over seeds",
+        "val loss vs bf16: Welch's 95 % CI of the difference of means, in % of bf16",
+        "train loss, last-step excess, bf16 runs, run ids: ledger.csv, ledger.md, report.html",
+    ]
     table = Table(title=title, caption="\n".join(caption))
     hidden = set() if report.sweep is None else {"sweep"}
     if (report.ledger["config"] == "default").all():  # one config: the column would repeat "default"
@@ -427,7 +494,11 @@ def _excess_method(report: Report) -> str:
         "reference is the mean train loss of the bf16 runs named in the 'bf16 runs' column: the bf16 runs of the "
         "same sweep whose config equals the run's apart from recipe and seed, or every bf16 run of the sweep when "
         "none matches. The ledger uses the losses the catalog records (every 10 steps and the last step); the "
-        f"plot uses every logged step, smoothed by a centered rolling mean over {window} logged steps."
+        f"plot uses every logged step, smoothed by a centered rolling mean over {window} logged steps. "
+        "Validation excess = 100 × (final val loss of the run − mean final val loss of the same bf16 runs) / that "
+        "mean. Whether a row differs from bf16 beyond seed noise is Welch's t-test (unequal variances) of its final "
+        "val losses against those bf16 runs': the 95 % confidence interval of the difference of the means, in % "
+        "of the bf16 mean."
     )
 
 
