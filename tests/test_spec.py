@@ -14,7 +14,8 @@ from fp4lab.lab.specs.sweep_spec import SpecError, expand, load_spec, make_run, 
 from fp4lab.nn.recipe import list_recipes
 
 ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = {"quickstart": 3, "recipes": len(list_recipes()), "muon_qkclip": 36}
+SHIPPED = {"quickstart": 3, "recipes": len(list_recipes()), "muon_qkclip": 36, "ledger": 3 * len(list_recipes()),
+           "ledger_stress": 16}
 
 BASE = """
 name = "t"
@@ -56,6 +57,26 @@ def test_recipes_sweep_covers_every_recipe_with_one_seed():
     runs = expand(load_spec(ROOT / "sweeps" / "recipes.toml"))
     assert sorted(r.config["recipe"] for r in runs) == list_recipes()
     assert len({(r.config["seed"], r.config["data"]["source"], r.config["steps"]) for r in runs}) == 1
+
+
+def test_the_ledger_runs_every_recipe_on_three_seeds_with_one_budget_within_the_corpus():
+    runs = expand(load_spec(ROOT / "sweeps" / "ledger.toml"))
+    assert sorted({r.config["recipe"] for r in runs}) == list_recipes()
+    for recipe in list_recipes():
+        assert sorted(r.config["seed"] for r in runs if r.config["recipe"] == recipe) == [0, 1, 2]
+    budgets = {(r.config["model"], r.config["data"]["source"], r.config["steps"], r.config["batch_size"], r.config["seq_len"]) for r in runs}
+    assert len(budgets) == 1
+    (_model, source, steps, batch, seq), = budgets
+    assert source == "pycode" and steps * batch * seq < 50e6  # under the corpus's ~75M tokens: none repeats
+
+
+def test_the_stress_ablation_pushes_lr_and_drops_qk_clip_and_the_hadamard_transform():
+    ledger = expand(load_spec(ROOT / "sweeps" / "ledger.toml"))[0].config
+    runs = expand(load_spec(ROOT / "sweeps" / "ledger_stress.toml"))
+    assert {r.config["qk_clip"] for r in runs} == {"kimi", "none"}
+    assert max(r.config["lr"] for r in runs) >= 10 * ledger["lr"]
+    assert {"bf16", "nvfp4", "nvfp4-no-rht"} <= {r.config["recipe"] for r in runs}
+    assert all(r.config["probe_every"] <= 10 and r.config["data"]["source"] == "pycode" for r in runs)
 
 
 def test_shipped_optuna_spec_loads_and_makes_valid_trial_runs():
