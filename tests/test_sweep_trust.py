@@ -117,6 +117,15 @@ def test_a_missing_token_file_is_found_before_anything_runs(cli, tmp_path):
     assert not (tmp_path / "sweep_catalog.json").exists()
 
 
+def test_an_unbuilt_corpus_is_found_before_anything_runs(cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4LAB_CACHE", str(tmp_path / "empty-cache"))
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16"], source='"pycode"'))
+    out = cli("sweep", "s.toml")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "the corpus is not built in" in out.stderr and "run `fp4lab data build pycode`" in out.stderr
+    assert not (tmp_path / "sweep_catalog.json").exists() and not (tmp_path / "empty-cache").exists()
+
+
 def test_train_refuses_catalog_with_fresh_before_deleting_anything(cli, tmp_path):
     (tmp_path / "s.toml").write_text(spec("s", ["bf16"]))
     cli("sweep", "s.toml")

@@ -164,15 +164,25 @@ def progress_of(record: dict[str, Any], catalog: Catalog) -> tuple[int | None, f
 
 def preflight(plan: SweepPlan, executor: str) -> list[str]:
     """What would make runs fail at once, found before any is launched: token files that do not
-    exist (relative paths are read from the folder the runs start in), and CUDA devices asked of a
-    machine without them: one per rank (local runs only: a Slurm login node has no GPU of its own)."""
+    exist (relative paths are read from the folder the runs start in), a corpus that is built once
+    and is not built in this machine's cache (a Slurm cluster's nodes share it with the login node
+    through the home folder or $FP4LAB_CACHE), and CUDA devices asked of a machine without them: one
+    per rank (local runs only: a Slurm login node has no GPU of its own)."""
     problems: dict[str, str] = {}
     ranks = plan.spec.slurm.ranks
     for run in plan.runs:
         data = run.config.get("data") or {}
+        if data.get("source") == "pycode" and "pycode" not in problems:
+            from fp4lab.train import pycode
+            from fp4lab.train.data import cache_dir
+
+            try:
+                pycode.load(cache_dir())
+            except pycode.CorpusError as exc:
+                problems["pycode"] = f"run {run.id} ({run.name}): {exc}"
         for key in ("source", "val_source"):
             path = data.get(key)
-            if path and path not in ("shakespeare", "synthetic") and not Path(path).is_file():
+            if path and path not in ("shakespeare", "synthetic", "pycode") and not Path(path).is_file():
                 problems.setdefault(f"data.{key}:{path}", f"run {run.id} ({run.name}): data.{key} {path!r} is not a file; "
                                                           "fix the path in the spec or create the token file")
         if executor == "local" and str(run.config.get("device", "")).startswith("cuda") and _cuda_devices() < ranks:
