@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One round of the recipe ledger (docs/LEDGER.md) on a GPU machine, bounded in time:
+#
+#   scripts/ledger_round.sh SECONDS RESULTS_DIR [SPEC ...]      (default SPEC: sweeps/ledger.toml)
+#
+# 1. the pycode corpus: rebuilt offline from a bundle in .corpus/pycode when there is one (the token
+#    files must come out byte for byte as the bundle's manifest says), else built from PyPI;
+# 2. each SPEC swept into docs/ledger/sweep_catalog.json (runs already completed there are skipped, so
+#    rounds accumulate) until SECONDS have passed: then the sweep gets Ctrl-C, the run in progress
+#    checkpoints, and the next round on the same machine resumes it;
+# 3. the report of each sweep into RESULTS_DIR/<sweep>/, and RESULTS_DIR/ledger_round.tar.xz with the
+#    catalog and every run's summary.json, metrics.jsonl and train.log (no checkpoints).
+#
+# The sweeps run one at a time on one GPU, so the ledger's tokens/s are those of a GPU to itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ $# -lt 2 ]; then
+  echo "usage: scripts/ledger_round.sh SECONDS RESULTS_DIR [SPEC ...]" >&2
+  exit 2
+fi
+budget=$1
+results=$2
+shift 2
+specs=("$@")
+[ ${#specs[@]} -gt 0 ] || specs=(sweeps/ledger.toml)
+catalog=docs/ledger/sweep_catalog.json
+deadline=$((SECONDS + budget))
+mkdir -p "$results" "$(dirname "$catalog")"
+
+if [ -f .corpus/pycode/manifest.json ]; then
+  python3 -m fp4lab.cli data build pycode --from .corpus/pycode
+else
+  python3 -m fp4lab.cli data build pycode
+fi
+
+for spec in "${specs[@]}"; do
+  left=$((deadline - SECONDS))
+  if [ "$left" -le 60 ]; then
+    echo "ledger_round: no time left for $spec" >&2
+    break
+  fi
+  # SIGINT: the sweep's own clean stop (checkpoint, record "interrupted"); exit 130 then is expected.
+  timeout -s INT -k 120 "$left" python3 -m fp4lab.cli sweep "$spec" --catalog "$catalog" || echo "ledger_round: $spec ended with $?" >&2
+done
+
+for spec in "${specs[@]}"; do
+  name=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["name"])' "$spec")
+  python3 -m fp4lab.cli report "$name" --catalog "$catalog" --out "$results/$name" || true
+done
+find runs -maxdepth 3 \( -name summary.json -o -name metrics.jsonl -o -name train.log \) -print0 2>/dev/null \
+  | tar -cJf "$results/ledger_round.tar.xz" --null -T - "$catalog"
