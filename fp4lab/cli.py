@@ -1280,7 +1280,7 @@ def data_build(
     as_json: Annotated[bool, typer.Option("--json", help="Print the corpus's manifest as JSON instead of a summary.")] = False,
 ) -> None:
     """Build a corpus into $FP4LAB_CACHE (default ~/.cache/fp4lab): pycode downloads 21 pinned sdists
-    from PyPI (~230 MB), keeps their .py files, trains a 32768-token BPE and tokenizes (~15 minutes on
+    from PyPI (157 MB), keeps their .py files, trains a 32768-token BPE and tokenizes (~5 minutes on
     2 cores). Training configs then name it as data source ("pycode")."""
     from fp4lab.train import pycode
     from fp4lab.train.data import cache_dir, status_line

