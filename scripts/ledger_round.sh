@@ -8,8 +8,8 @@
 # 2. each SPEC swept into docs/ledger/sweep_catalog.json (runs already completed there are skipped, so
 #    rounds accumulate) until SECONDS have passed: then the sweep gets Ctrl-C, the run in progress
 #    checkpoints, and the next round on the same machine resumes it;
-# 3. the report of each sweep into RESULTS_DIR/<sweep>/, and RESULTS_DIR/ledger_round.tar.xz with the
-#    catalog and every run's summary.json, metrics.jsonl and train.log (no checkpoints).
+# 3. the report of each sweep into reports/<sweep>/, and one file, RESULTS_DIR/ledger_round.tar.xz,
+#    with the catalog, those reports and every run's summary.json and metrics.jsonl (no checkpoints).
 #
 # The sweeps run one at a time on one GPU, so the ledger's tokens/s are those of a GPU to itself.
 set -euo pipefail
@@ -45,7 +45,7 @@ done
 
 for spec in "${specs[@]}"; do
   name=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["name"])' "$spec")
-  python3 -m fp4lab.cli report "$name" --catalog "$catalog" --out "$results/$name" || true
+  python3 -m fp4lab.cli report "$name" --catalog "$catalog" --out "reports/$name" || true
 done
-find runs -maxdepth 3 \( -name summary.json -o -name metrics.jsonl -o -name train.log \) -print0 2>/dev/null \
-  | tar -cJf "$results/ledger_round.tar.xz" --null -T - "$catalog"
+find runs -maxdepth 3 \( -name summary.json -o -name metrics.jsonl \) -print0 2>/dev/null \
+  | tar -cJf "$results/ledger_round.tar.xz" --null -T - "$catalog" reports
