@@ -15,7 +15,7 @@ from fp4lab.nn.recipe import list_recipes
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = {"quickstart": 3, "recipes": len(list_recipes()), "muon_qkclip": 36, "ledger": 3 * len(list_recipes()),
-           "ledger_stress": 16}
+           "ledger_stress": 18}
 
 BASE = """
 name = "t"
