@@ -144,6 +144,17 @@ def test_a_download_that_does_not_match_its_pin_is_refused_with_nothing_kept(sdi
     assert list((tmp_path / "downloads").iterdir()) == [] and not pycode.corpus_dir(tmp_path).exists()
 
 
+def test_a_download_stopped_by_ctrl_c_leaves_no_partial_file(sdists, tmp_path, monkeypatch):
+    def interrupted(source, target, length):
+        target.write(source.read(10))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pycode.shutil, "copyfileobj", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pycode.download(sdists[0], tmp_path / "downloads", lambda message: None)
+    assert list((tmp_path / "downloads").iterdir()) == []
+
+
 def test_a_pinned_download_is_not_fetched_twice(sdists, tmp_path):
     downloads = tmp_path / "downloads"
     first = pycode.download(sdists[0], downloads, lambda message: None)

