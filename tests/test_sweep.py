@@ -248,3 +248,20 @@ def test_train_with_catalog_records_its_own_start_and_end(cli, tmp_path):
     ]:
         bad = cli(*args)
         assert bad.returncode == 2 and fragment in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, (args, bad.stderr)
+
+
+def test_git_state_names_the_commit_inside_a_checkout_and_none_elsewhere(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from fp4lab.lab.repo import git_state
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+    monkeypatch.chdir(Path(__file__).parent)
+    assert git_state()[0] == head
+    monkeypatch.chdir(tmp_path)  # a copy of the tree without .git, as on a machine the tree was sent to
+    assert git_state() == (None, None)
+    monkeypatch.chdir(Path(__file__).parent)
+    monkeypatch.setitem(sys.modules, "git", None)  # gitpython missing: import raises ImportError
+    assert git_state() == (None, None)

@@ -21,10 +21,12 @@ def git_state() -> tuple[str | None, bool | None]:
     """The checkout's commit and whether it has uncommitted changes (None outside a git checkout)."""
     try:
         import git
-
+    except ImportError:  # gitpython (or the git binary it needs at import) missing
+        return None, None
+    try:
         repo = git.Repo(search_parent_directories=True)
         return repo.head.commit.hexsha, repo.is_dirty(untracked_files=False)
-    except (ImportError, OSError, ValueError, git.exc.GitError):  # not a checkout, no git binary, empty repo
+    except (OSError, ValueError, git.exc.GitError):  # not a checkout, no git binary, empty repo
         return None, None
 
 
