@@ -1,0 +1,223 @@
+"""MXFP4 GEMM on FP8 tensor cores: C = A @ B^T from packed E2M1 codes and E8M0 scales, exact per block.
+
+Hopper has no FP4 units, but every E2M1 value (0, +-0.5, ..., +-6) is exact in FP8 E4M3, and its FP8
+tensor cores run at 1.83x the bf16 rate. They do not accumulate in full fp32, though: a GEMM of
+decoded MXFP4 operands on them is off by up to thousands of fp32 ulps (h200_anchors.md, "Accumulation
+precision of Hopper GEMMs"). This kernel therefore feeds them the raw E2M1 values of one 32-wide MX
+block at a time and applies the block scales in fp32 itself:
+
+    for each K block k = 0, 1, ..., K / 32 - 1, in order:
+        partial = E2M1(A[:, k]) @ E2M1(B[:, k])^T          one FP8 tl.dot, K = 32
+        acc    += partial * 2^(ea[i, k] + eb[j, k])        fp32
+
+Why this is exact but for the fp32 additions across blocks:
+
+- every product of two E2M1 values is a multiple of 1/4 of magnitude <= 36, so a 32-term partial sum
+  is n / 4 with |n| <= 4608 < 2^13: every partial sum, in any order and in any accumulator of at
+  least 13 significant bits, is exact (the measured fact behind the design: promoting every 32 of K
+  is exact on an H200);
+- the scaling rounds at most once: 2^(ea + eb) itself can leave fp32's range (ea + eb spans -254 to
+  254), so it is split into 2^e1 * 2^e2 with e1 = clamp(ea + eb, -126, 127) and e2 = ea + eb - e1
+  (floored at -126): partial * 2^e1 is exact (a multiple of 2^-128 with at most 13 significant bits)
+  unless it overflows, in which case the exact result overflows as well; the second multiplication
+  rounds once, to the nearest fp32 of partial * 2^(ea + eb) (subnormals kept, and +-0 where the floor
+  at -126 cuts ea + eb = -253, -254: both results are below 2^-241);
+- both factors are built from integer exponent bits (never exp2, whose subnormal results Triton
+  flushes), and the kernel is compiled with `enable_fp_fusion=False` (no FMA contraction of the
+  multiply and the add).
+
+So `mxfp4_matmul` equals `mxfp4_matmul_reference` (the same steps in torch) bit for bit, and
+differs from the exact product of the decoded operands by the fp32 additions only:
+|C - C_exact| <= (K / 32) * 2^-24 * sum_k |scaled partial_k| (plus 2^-149 per block where a scaled
+partial is subnormal). With a single block along K it equals the fp32 GEMM of the decoded operands
+(`a.dequantize() @ b.dequantize().T`) exactly, as long as no product of decoded values is subnormal.
+A block whose scale byte is 0xFF (NaN: the block held NaN or Inf) makes its row of C (for A) or
+column (for B) NaN, as NaN * 0 does in the decoded GEMM.
+
+Layout: both operands are quantized along K, their last dim, as each of FP4Linear's GEMMs quantizes
+its two operands along its contraction dim (fp4lab/nn/fp4_linear.py):
+
+    Fprop  y  [M, N] = mxfp4_matmul(Q(x) [M, K],    Q(W) [N, K])
+    Dgrad  dx [M, K] = mxfp4_matmul(Q(dy) [M, N],   Q(W^T) [K, N])
+    Wgrad  dW [N, K] = mxfp4_matmul(Q(dy^T) [N, M], Q(x^T) [K, M])
+
+i.e. F.linear's convention, a @ b^T, on `QTensor`s from `quantize(t, "mxfp4")` (1D blocks, any scale
+mode), or on the codes and scale bytes of `triton_quantize.quantize_fused(..., emit_codes=True)`
+wrapped as `QTensor(codes, scales, None, "mxfp4", torch.Size(shape), 32)`. The kernel reads each
+operand's packed codes (half a byte per element) and scale bytes; the E2M1 to E4M3 conversion is bit
+arithmetic in registers.
+
+This module imports Triton: import it lazily, after `fp4lab.numerics.fast.triton_available()`.
+Without a GPU, `mxfp4_matmul_reference` (pure torch, any device) computes the same bits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4lab.numerics import e2m1
+from fp4lab.numerics.qtensor import QTensor
+from fp4lab.numerics.scales import E8M0_NAN_BITS
+
+MX_BLOCK = 32  # elements per E8M0 scale along K: one tl.dot and one fp32 promotion each
+E8M0_NAN = tl.constexpr(E8M0_NAN_BITS)  # a kernel reads globals only as constexprs
+OUT_DTYPES = (torch.float32, torch.bfloat16)
+# Output tile (rows of A, rows of B) per program, and warps. 128 x 128 with 8 warps is the usual
+# Hopper FP8 tile; not yet swept on a GPU. Tests pass smaller tiles (powers of two, >= 16).
+DEFAULT_TILE = (128, 128)
+# Compile options of every launch: no FMA contraction of the scaling's multiplies into the sum.
+LAUNCH_OPTIONS = {"num_warps": 8, "enable_fp_fusion": False}
+# Triton's CPU interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors: the tests use it.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _e4m3_block(codes_ptr, rows, n_rows, kb, KB, R: tl.constexpr):
+    """K block kb of rows `rows` of a packed [n_rows, KB * 16] code array as [R, 32] float8e4nv
+    (rows past n_rows are 0).
+
+    E2M1 magnitude codes 2..7 are `e e m` with value 2^(e - 1) * (1 + m / 2); the E4M3 bits of that
+    are exponent e - 1 + 7 and top mantissa bit m, i.e. (code << 2) + 48. Code 1 (0.5) is 0x30 =
+    1 * 48, code 0 is 0 = 0 * 48. The sign moves from bit 3 to bit 7 (code 8 is -0.0, fine in a dot)."""
+    cols = kb * 16 + tl.arange(0, 16)
+    ptrs = codes_ptr + rows.to(tl.int64)[:, None] * (KB * 16) + cols[None, :]
+    # uint8 widened before the shifts: zero-extended, so the high nibble is a plain >> 4
+    packed = tl.load(ptrs, mask=(rows < n_rows)[:, None], other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [R, 32])  # element 2i: the low nibble
+    magnitude = codes & 7
+    bits = tl.where(magnitude >= 2, (magnitude << 2) + 48, magnitude * 48) | ((codes & 8) << 4)
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _scale_bytes(scales_ptr, rows, n_rows, kb, KB):
+    """The E8M0 bytes of K block kb for `rows` of a [n_rows, KB] scale array, as int32."""
+    return tl.load(scales_ptr + rows.to(tl.int64) * KB + kb, mask=rows < n_rows, other=0).to(tl.int32)
+
+
+@triton.jit
+def _bf16_round(x):
+    """float32 to bfloat16, round to nearest even, from bits: the same on the GPU and in the interpreter,
+    whose bf16 cast truncates and flushes subnormals. Adding 0x7FFF plus the kept lowest bit carries
+    into the exponent exactly when RNE rounds up (to Inf past the largest bf16); NaN stays a quiet NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = tl.where(x != x, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+    return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_matmul_kernel(
+    a_codes, a_scales, b_codes, b_scales, out_ptr, M, N,
+    KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, OUT_BF16: tl.constexpr,
+):  # fmt: skip
+    """One [BM, BN] tile of C = A @ B^T: the K blocks in order, each an FP8 dot of raw E2M1 values
+    scaled by 2^(ea + eb) and added into an fp32 accumulator. KB (K / 32) is a constexpr: one compiled
+    kernel per K, of which a model has few, and Triton's interpreter cannot loop to a runtime bound."""
+    rows_a = tl.program_id(0) * BM + tl.arange(0, BM)
+    rows_b = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    nan_a = tl.zeros([BM], dtype=tl.int1)
+    nan_b = tl.zeros([BN], dtype=tl.int1)
+    for kb in range(KB):
+        a = _e4m3_block(a_codes, rows_a, M, kb, KB, BM)
+        b = _e4m3_block(b_codes, rows_b, N, kb, KB, BN)
+        partial = tl.dot(a, tl.trans(b), out_dtype=tl.float32)  # exact: n / 4, |n| < 2^13
+        ea = _scale_bytes(a_scales, rows_a, M, kb, KB)
+        eb = _scale_bytes(b_scales, rows_b, N, kb, KB)
+        # 2^(ea + eb - 254) as 2^(b1 - 127) * 2^(b2 - 127), both normal: b1 + b2 = ea + eb except
+        # where ea + eb < 2 (the result is +-0 either way). A NaN byte (255) may make b2 256 (-0.0):
+        # its row or column is replaced by NaN below.
+        biased = ea[:, None] + eb[None, :]
+        b1 = tl.minimum(tl.maximum(biased - 127, 1), 254)
+        b2 = tl.maximum(biased - b1, 1)
+        acc += (partial * (b1 << 23).to(tl.float32, bitcast=True)) * (b2 << 23).to(tl.float32, bitcast=True)
+        nan_a |= ea == E8M0_NAN
+        nan_b |= eb == E8M0_NAN
+    acc = tl.where(nan_a[:, None] | nan_b[None, :], float("nan"), acc)
+    ptrs = out_ptr + rows_a.to(tl.int64)[:, None] * N + rows_b[None, :]
+    tl.store(ptrs, _bf16_round(acc) if OUT_BF16 else acc, mask=(rows_a < M)[:, None] & (rows_b < N)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+
+def mxfp4_matmul(
+    a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32, tile: tuple[int, int] = DEFAULT_TILE
+) -> torch.Tensor:
+    """C [M, N] = A [M, K] @ B [N, K]^T for two MXFP4 `QTensor`s quantized along K (1D blocks of 32),
+    on FP8 tensor cores, bit for bit `mxfp4_matmul_reference(a, b, out_dtype)`.
+
+    out_dtype: torch.float32, or torch.bfloat16 (the fp32 result rounded once, to nearest even).
+    tile: (rows of A, rows of B) per program, powers of two >= 16. Both operands on one CUDA device.
+    """
+    m, n, kb = _check_operands("mxfp4_matmul", a, b, out_dtype)
+    if not (isinstance(tile, (tuple, list)) and len(tile) == 2 and all(isinstance(t, int) and t >= 16 and t & (t - 1) == 0 for t in tile)):
+        raise ValueError(f"mxfp4_matmul: tile={tile!r} must be (rows of A, rows of B) per program, powers of two >= 16")
+    for name, q in (("a", a), ("b", b)):
+        if not (q.data.is_cuda or _INTERPRETED and q.data.device.type == "cpu") or q.data.device != a.data.device:
+            raise ValueError(f"mxfp4_matmul: {name} is on {q.data.device}; both operands must be on one CUDA device (or use mxfp4_matmul_reference)")
+    bm, bn = tile
+    out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
+    _mxfp4_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        a.data.contiguous(), a.scales.contiguous(), b.data.contiguous(), b.scales.contiguous(), out, m, n,
+        KB=kb, BM=bm, BN=bn, OUT_BF16=out_dtype == torch.bfloat16, **LAUNCH_OPTIONS,
+    )  # fmt: skip
+    return out
+
+
+def mxfp4_matmul_reference(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What `mxfp4_matmul` computes, in torch, on any device: per K block the exact fp32 GEMM of the
+    raw E2M1 values, times 2^(ea + eb) applied as the kernel applies it, added in block order into an
+    fp32 accumulator that starts at +0; then one rounding to out_dtype."""
+    m, n, kb = _check_operands("mxfp4_matmul_reference", a, b, out_dtype)
+    a_values = e2m1.decode(a.codes()).reshape(m, kb, MX_BLOCK)
+    b_values = e2m1.decode(b.codes()).reshape(n, kb, MX_BLOCK)
+    a_bytes, b_bytes = a.scales.to(torch.int32), b.scales.to(torch.int32)
+    acc = torch.zeros((m, n), dtype=torch.float32, device=a.data.device)
+    for k in range(kb):
+        partial = a_values[:, k] @ b_values[:, k].T  # multiples of 1/4 below 2^11: exact in any order, and in TF32
+        biased = a_bytes[:, k, None] + b_bytes[None, :, k]
+        b1 = (biased - 127).clamp(1, 254)
+        b2 = (biased - b1).clamp(min=1)
+        scaled = partial * (b1 << 23).view(torch.float32) * (b2 << 23).view(torch.float32)
+        nan = (a_bytes[:, k, None] == E8M0_NAN_BITS) | (b_bytes[None, :, k] == E8M0_NAN_BITS)
+        acc = acc + torch.where(nan, float("nan"), scaled)
+    return acc.to(out_dtype)
+
+
+def _check_operands(where: str, a, b, out_dtype) -> tuple[int, int, int]:
+    """(M, N, K / 32) of valid operands, else a one-line ValueError naming the argument."""
+    for name, q in (("a", a), ("b", b)):
+        if not isinstance(q, QTensor):
+            raise ValueError(f"{where}: {name} must be a QTensor, got {type(q).__name__}; pass quantize(t, 'mxfp4')")
+        if q.fmt != "mxfp4" or q.tile is not None:
+            what = f"fmt {q.fmt!r}" if q.fmt != "mxfp4" else f"2D tiles {q.tile}"
+            raise ValueError(f"{where}: {name} has {what}; pass an MXFP4 operand with 1D blocks along K, quantize(t, 'mxfp4')")
+        if len(q.shape) != 2:
+            raise ValueError(f"{where}: {name} has shape {list(q.shape)}; pass a 2D operand [rows, K] (flatten leading dims first)")
+        rows, k = q.shape
+        if k % MX_BLOCK:
+            raise ValueError(f"{where}: K={k} of {name} is not a multiple of {MX_BLOCK}; pad the contraction dim with zeros to a multiple of {MX_BLOCK}")
+        for part, t, want in (("data", q.data, (rows, k // 2)), ("scales", q.scales, (rows, k // MX_BLOCK))):
+            if t.dtype != torch.uint8 or tuple(t.shape) != want:
+                raise ValueError(f"{where}: {name}.{part} must be uint8 of shape {list(want)}, got {t.dtype} {list(t.shape)}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"{where}: a is [M, K={a.shape[1]}] and b is [N, K={b.shape[1]}]; both must be quantized along the same K (C = a @ b^T)"
+        )
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"{where}: out_dtype={out_dtype} is not supported; allowed: torch.float32, torch.bfloat16")
+    if b.data.device != a.data.device:
+        raise ValueError(f"{where}: b is on {b.data.device} and a on {a.data.device}; put both operands on one device")
+    return a.shape[0], b.shape[0], a.shape[1] // MX_BLOCK
