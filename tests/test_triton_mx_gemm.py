@@ -392,3 +392,20 @@ def test_cuda_single_block_linear_operands_equal_decoded_gemm(mx):
     for kind in ("normal", "student_t", "row_scaled", "zero_blocks"):
         a, b = operands(kind, 4096, 768, MX, seed=7, device="cuda")
         assert_matches_decoded_gemm(mx.mxfp4_matmul(a, b), a, b, kind)
+
+
+def test_bench_mx_gemm_is_cuda_only():
+    from fp4lab.bench.kernels import bench_mx_gemm
+
+    assert bench_mx_gemm(64, 64, 64, torch.device("cpu")) is None
+
+
+@pytest.mark.cuda
+def test_cuda_bench_mx_gemm_reports_the_ratio_to_bf16(mx):
+    from fp4lab.bench.kernels import bench_mx_gemm
+
+    m, n, k = GPU_SHAPES["fprop"]
+    result = bench_mx_gemm(m, n, k, torch.device("cuda"), repeats=3)
+    row = result.as_dict()
+    assert row["ms"] > 0 and row["bf16_ms"] > 0 and row["throughput_vs_bf16"] == pytest.approx(row["bf16_ms"] / row["ms"])
+    assert row["tflops"] == pytest.approx(2 * m * n * k / row["ms"] / 1e9)
