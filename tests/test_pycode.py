@@ -1,6 +1,6 @@
 """The pycode corpus builder (fp4lab/train/pycode.py), offline: small sdists made here and served as
-file:// URLs go through the real download, filter, split, BPE and tokenization; a bundle rebuilds the
-same token files elsewhere; damaged inputs are refused with nothing left behind."""
+file:// URLs go through the real download, filter, split, BPE and tokenization; a packed bundle gives
+the same files elsewhere; damaged inputs are refused with nothing left behind."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import io
 import json
 import lzma
 import re
-import shutil
 import tarfile
 from pathlib import Path
 
@@ -27,7 +26,7 @@ HELD_OUT = [d for d in KEPT if pycode.is_validation(d)]
 LEFT_OUT = {
     "larger than MAX_FILE_BYTES": "x = 1\n" * (pycode.MAX_FILE_BYTES // 6 + 1),
     "not UTF-8": b"name = '\xff\xfe'\n",
-    "holds a NUL or the end-of-text marker": "TOKEN = '<|endoftext|>'\n",
+    "holds the end-of-text marker": "TOKEN = '<|endoftext|>'\n",
     "blank": "\n  \n",
     "a line longer than MAX_LINE_CHARS": "DATA = [" + "1, " * pycode.MAX_LINE_CHARS + "]\n",
     "repeats an earlier file": KEPT[3],
@@ -87,51 +86,45 @@ def test_the_build_keeps_the_right_files_splits_by_hash_and_tokenizes_every_docu
     for name in pycode.TOKEN_FILES:
         blob = (pycode.corpus_dir(cache) / name).read_bytes()
         assert manifest["files"][name] == {"tokens": len(blob) // 2, "sha256": hashlib.sha256(blob).hexdigest()}
-    documents = lzma.decompress((pycode.corpus_dir(cache) / "documents.xz").read_bytes()).decode()
-    assert documents.split(pycode.DOCUMENT_SEPARATOR) == [*expected_train, *expected_val]
     assert [(p["name"], p["documents"]) for p in manifest["packages"]] == [("alpha", 200), ("beta", 201)]
     assert not [p.name for p in cache.iterdir() if p.name.startswith(".")]  # no staging folder left
 
 
-def bundle_of(cache: Path, folder: Path) -> Path:
-    folder.mkdir()
-    for name in pycode.BUNDLE_FILES:
-        shutil.copyfile(pycode.corpus_dir(cache) / name, folder / name)
-    return folder
+CORPUS_FILES = ("manifest.json", "tokenizer.json", *pycode.TOKEN_FILES)
 
 
-def test_a_bundle_rebuilds_the_same_token_files_offline(built, tmp_path):
+def test_a_packed_bundle_unpacks_to_the_same_files_offline(built, tmp_path):
     cache, manifest = built
+    bundle = tmp_path / "bundle"
+    assert pycode.pack(cache, bundle) == manifest
+    assert sorted(p.name for p in bundle.iterdir()) == sorted(pycode.BUNDLE_FILES)
+    assert lzma.decompress((bundle / "train.bin.xz").read_bytes()) == (pycode.corpus_dir(cache) / "train.bin").read_bytes()
     other = tmp_path / "other-machine"
-    assert pycode.rebuild_from_bundle(other, bundle_of(cache, tmp_path / "bundle")) == manifest
-    for name in (*pycode.TOKEN_FILES, *pycode.BUNDLE_FILES):
+    assert pycode.unpack(other, bundle) == manifest
+    for name in CORPUS_FILES:
         assert (pycode.corpus_dir(other) / name).read_bytes() == (pycode.corpus_dir(cache) / name).read_bytes()
-    assert not (other / "downloads").exists()
+    assert sorted(p.name for p in other.iterdir()) == ["pycode"]
 
 
 def test_a_damaged_bundle_is_refused_and_the_corpus_in_place_is_kept(built, tmp_path):
-    cache, manifest = built
-    other = tmp_path / "other"
-    bundle = bundle_of(cache, tmp_path / "bundle")
-    pycode.rebuild_from_bundle(other, bundle)
+    cache, _ = built
+    bundle, other = tmp_path / "bundle", tmp_path / "other"
+    pycode.pack(cache, bundle)
+    pycode.unpack(other, bundle)
     before = {p.name: p.read_bytes() for p in pycode.corpus_dir(other).iterdir()}
-    # Documents changed and the manifest's checksum of them "fixed": the re-tokenized files differ.
-    documents = lzma.decompress((bundle / "documents.xz").read_bytes()).decode().replace("total", "totals", 1)
-    (bundle / "documents.xz").write_bytes(lzma.compress(documents.encode()))
-    changed = json.loads((bundle / "manifest.json").read_text())
-    changed["files"]["documents.xz"]["sha256"] = hashlib.sha256((bundle / "documents.xz").read_bytes()).hexdigest()
-    (bundle / "manifest.json").write_text(json.dumps(changed))
-    with pytest.raises(pycode.CorpusError, match=r"train\.bin tokenized here .* differs from the manifest's"):
-        pycode.rebuild_from_bundle(other, bundle)
-    # A copy damaged in transit: caught by the checksum before any work.
-    (bundle / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(pycode.CorpusError, match=r"documents\.xz: its SHA-256 differs from the manifest's"):
-        pycode.rebuild_from_bundle(other, bundle)
+    tokens = bytearray(lzma.decompress((bundle / "train.bin.xz").read_bytes()))
+    tokens[2] ^= 1  # one token changed, the file a whole xz stream
+    (bundle / "train.bin.xz").write_bytes(lzma.compress(bytes(tokens)))
+    with pytest.raises(pycode.CorpusError, match=r"train\.bin differs from the manifest's SHA-256"):
+        pycode.unpack(other, bundle)
+    (bundle / "train.bin.xz").write_bytes(lzma.compress(bytes(tokens))[:-20])  # cut short in transit
+    with pytest.raises(pycode.CorpusError, match=r"train\.bin\.xz: not a whole xz file"):
+        pycode.unpack(other, bundle)
     (bundle / "tokenizer.json").unlink()
-    with pytest.raises(pycode.CorpusError, match="not a pycode bundle, tokenizer.json missing"):
-        pycode.rebuild_from_bundle(other, bundle)
+    with pytest.raises(pycode.CorpusError, match="not a pycode bundle, tokenizer.json missing; make one with `fp4lab data pack"):
+        pycode.unpack(other, bundle)
     assert {p.name: p.read_bytes() for p in pycode.corpus_dir(other).iterdir()} == before
-    assert [p.name for p in other.iterdir()] == ["pycode"]
+    assert sorted(p.name for p in other.iterdir()) == ["pycode"]
 
 
 def test_a_download_that_does_not_match_its_pin_is_refused_with_nothing_kept(sdists, tmp_path):
@@ -189,10 +182,14 @@ def test_pycode_is_a_data_source_once_built(built, tmp_path, monkeypatch):
         load_dataset(DataConfig(source="pycode", vocab_size=512))
 
 
-def test_cli_builds_from_a_bundle_and_trains_on_it(built, run_cli, tmp_path, monkeypatch):
+def test_cli_packs_unpacks_and_trains_on_it(built, run_cli, tmp_path, monkeypatch):
     cache, manifest = built
-    bundle = bundle_of(cache, tmp_path / "bundle")
+    bundle = tmp_path / "bundle"
+    monkeypatch.setenv("FP4LAB_CACHE", str(cache))
+    packed = run_cli("data", "pack", "pycode", str(bundle))
+    assert packed.returncode == 0 and f"in {bundle}" in packed.stdout and (bundle / "train.bin.xz").is_file()
     monkeypatch.setenv("FP4LAB_CACHE", str(tmp_path / "cache"))
+    assert run_cli("data", "pack", "pycode", str(tmp_path / "b2")).returncode == 2 and not (tmp_path / "b2").exists()
     out = run_cli("data", "build", "pycode", "--from", str(bundle))
     assert out.returncode == 0, out.stderr
     train_tokens = manifest["files"]["train.bin"]["tokens"]

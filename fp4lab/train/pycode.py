@@ -12,19 +12,20 @@ Building (`fp4lab data build pycode`, once, needs files.pythonhosted.org):
   1. download each pinned sdist into $FP4LAB_CACHE/downloads (checked against its SHA-256);
   2. keep its `.py` files in name order (Windows newlines made Unix), leaving out files over
      `MAX_FILE_BYTES` (generated tables), files with a line over `MAX_LINE_CHARS` (data blobs), files
-     that are not UTF-8, hold a NUL or the end-of-text marker, are blank, or repeat an earlier file
+     that are not UTF-8, hold the end-of-text marker, are blank, or repeat an earlier file
      (vendored copies): the manifest counts each kind;
   3. hold out every document whose SHA-256 falls in the lowest `VAL_PERCENT` % for validation;
   4. train a byte-level BPE of `VOCAB_SIZE` tokens (the same trainer as Shakespeare's) with one special
      token, `<|endoftext|>` (id 0), on the training documents;
   5. tokenize each document and end it with `<|endoftext|>`: train.bin and val.bin (uint16).
 
-The folder $FP4LAB_CACHE/pycode then holds manifest.json, tokenizer.json, documents.xz (the kept
-documents, NUL-separated, training ones first), train.bin and val.bin. The first three (37 MB) are
-the portable bundle: `fp4lab data build pycode --from DIR` rebuilds the token files from them with no
-network, and checks that they are byte for byte the ones the manifest records (their SHA-256): how
-the corpus travels to a GPU machine that cannot reach PyPI, and how a second machine knows it trains
-on the same tokens.
+The folder $FP4LAB_CACHE/pycode then holds manifest.json (packages, filters, counts, each file's
+SHA-256), tokenizer.json, train.bin and val.bin; decoding the token files gives the documents back
+(byte-level BPE round-trips exactly). `fp4lab data pack pycode DIR` writes the portable bundle, the
+manifest, the tokenizer and the xz-compressed token files (34 MB); `fp4lab data build pycode --from
+DIR` unpacks it with no network and checks every file against the manifest's SHA-256: how the
+corpus travels, tokenized once, to a GPU machine that cannot reach PyPI, and how that machine knows
+it trains on the same tokens.
 
 A build writes into a hidden folder beside its target and renames it into place at the end: an
 interrupted or refused build leaves no half corpus behind.
@@ -49,6 +50,8 @@ import numpy as np
 import tokenizers
 from tokenizers import Tokenizer
 
+from fp4lab.train.atomic import replace_atomically
+
 NAME = "pycode"
 FORMAT_VERSION = 1
 VOCAB_SIZE = 32768
@@ -56,9 +59,8 @@ END_OF_TEXT = "<|endoftext|>"
 VAL_PERCENT = 1
 MAX_FILE_BYTES = 200_000
 MAX_LINE_CHARS = 1000
-DOCUMENT_SEPARATOR = "\x00"  # CPython refuses source with a NUL byte, so no kept document holds one
-BUNDLE_FILES = ("manifest.json", "tokenizer.json", "documents.xz")
 TOKEN_FILES = ("train.bin", "val.bin")
+BUNDLE_FILES = ("manifest.json", "tokenizer.json", *(f"{name}.xz" for name in TOKEN_FILES))
 _ENCODE_CHUNK = 512  # documents per encode_batch call: bounds the memory of the Encoding objects
 
 
@@ -162,8 +164,8 @@ def sdist_documents(archive: Path, seen: set[bytes], skipped: Counter) -> Iterat
             except UnicodeDecodeError:
                 skipped["not UTF-8"] += 1
                 continue
-            if DOCUMENT_SEPARATOR in text or END_OF_TEXT in text:
-                skipped["holds a NUL or the end-of-text marker"] += 1
+            if END_OF_TEXT in text:  # it would encode as the separator token
+                skipped["holds the end-of-text marker"] += 1
             elif not text.strip():
                 skipped["blank"] += 1
             elif max(len(line) for line in text.split("\n")) > MAX_LINE_CHARS:
@@ -251,15 +253,10 @@ def build(cache: Path, *, packages: Sequence[Sdist] = PACKAGES, vocab_size: int 
     }  # fmt: skip
 
     def write(folder: Path) -> None:
-        status(f"{NAME}: compressing the documents")
         (folder / "tokenizer.json").write_text(tokenizer.to_str())
-        (folder / "documents.xz").write_bytes(
-            lzma.compress(DOCUMENT_SEPARATOR.join([*train_docs, *val_docs]).encode(), preset=6)
-        )
         manifest["files"] = {
             **_write_tokens(folder, train_docs, val_docs, tokenizer, status),
             "tokenizer.json": {"sha256": _sha256_file(folder / "tokenizer.json")},
-            "documents.xz": {"sha256": _sha256_file(folder / "documents.xz")},
         }
         (folder / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
@@ -267,42 +264,60 @@ def build(cache: Path, *, packages: Sequence[Sdist] = PACKAGES, vocab_size: int 
     return manifest
 
 
-def rebuild_from_bundle(cache: Path, bundle: Path, *, status: Status = lambda message: None) -> dict:
-    """The corpus from a bundle (manifest.json, tokenizer.json, documents.xz): the token files are
-    tokenized again here and must match the manifest's SHA-256, or nothing is written."""
+def pack(cache: Path, bundle: Path, *, status: Status = lambda message: None) -> dict:
+    """Write the built corpus's portable bundle into `bundle`: the manifest, the tokenizer and each
+    token file xz-compressed. Files of the same names there are replaced; nothing else is touched."""
+    manifest = load(cache)[3]
+    folder = corpus_dir(cache)
+    bundle.mkdir(parents=True, exist_ok=True)
+    for name in TOKEN_FILES:
+        status(f"{NAME}: compressing {name}")
+        replace_atomically(bundle / f"{name}.xz", lambda out, name=name: _xz(folder / name, out))
+    for name in ("tokenizer.json", "manifest.json"):
+        replace_atomically(bundle / name, lambda out, name=name: out.write((folder / name).read_bytes()))
+    return manifest
+
+
+def unpack(cache: Path, bundle: Path, *, status: Status = lambda message: None) -> dict:
+    """The corpus from a bundle (see `pack`), with no network: every file must match the manifest's
+    SHA-256, or nothing is written."""
     missing = [name for name in BUNDLE_FILES if not (bundle / name).is_file()]
     if missing:
-        raise CorpusError(f"{bundle}: not a {NAME} bundle, {', '.join(missing)} missing; a bundle is those "
-                          f"three files of a built corpus ({', '.join(BUNDLE_FILES)})")
+        raise CorpusError(f"{bundle}: not a {NAME} bundle, {', '.join(missing)} missing; make one with "
+                          f"`fp4lab data pack {NAME} DIR` where the corpus is built")
     manifest = _read_manifest(bundle)
-    for name in ("tokenizer.json", "documents.xz"):
-        if _sha256_file(bundle / name) != manifest["files"][name]["sha256"]:
-            raise CorpusError(f"{bundle / name}: its SHA-256 differs from the manifest's; the bundle is damaged: copy it again")
-    status(f"{NAME}: decompressing the documents")
-    documents = lzma.decompress((bundle / "documents.xz").read_bytes()).decode().split(DOCUMENT_SEPARATOR)
-    n_train = manifest["documents"]["train"]
-    tokenizer = Tokenizer.from_file(str(bundle / "tokenizer.json"))
 
     def write(folder: Path) -> None:
-        for name in BUNDLE_FILES:
-            shutil.copyfile(bundle / name, folder / name)
-        files = _write_tokens(folder, documents[:n_train], documents[n_train:], tokenizer, status)
+        shutil.copyfile(bundle / "manifest.json", folder / "manifest.json")
+        shutil.copyfile(bundle / "tokenizer.json", folder / "tokenizer.json")
         for name in TOKEN_FILES:
-            if files[name] != manifest["files"][name]:
-                raise CorpusError(
-                    f"{bundle}: {name} tokenized here ({files[name]['tokens']:,} tokens, SHA-256 {files[name]['sha256'][:12]}...) "
-                    f"differs from the manifest's ({manifest['files'][name]['tokens']:,}, {manifest['files'][name]['sha256'][:12]}...); "
-                    f"tokenizers {tokenizers.__version__} here vs {manifest['tokenizers_version']} at the build: use that release"
-                )
+            status(f"{NAME}: unpacking {name}")
+            try:
+                with lzma.open(bundle / f"{name}.xz") as source, (folder / name).open("wb") as out:
+                    shutil.copyfileobj(source, out, 1 << 20)
+            except (lzma.LZMAError, EOFError) as exc:
+                raise CorpusError(f"{bundle / (name + '.xz')}: not a whole xz file ({exc}); copy the bundle again") from None
+        for name in ("tokenizer.json", *TOKEN_FILES):
+            if _sha256_file(folder / name) != manifest["files"][name]["sha256"]:
+                raise CorpusError(f"{bundle}: {name} differs from the manifest's SHA-256; the bundle is damaged "
+                                  "or not of this manifest: copy it again")
 
     _replace_folder(corpus_dir(cache), write)
     return manifest
 
 
+def _xz(path: Path, out) -> None:
+    compressor = lzma.LZMACompressor(preset=6)
+    with path.open("rb") as source:
+        for block in iter(lambda: source.read(1 << 20), b""):
+            out.write(compressor.compress(block))
+    out.write(compressor.flush())
+
+
 def load(cache: Path) -> tuple[np.memmap, np.memmap, Tokenizer, dict]:
     """(train ids, val ids, tokenizer, manifest) of the built corpus."""
     folder = corpus_dir(cache)
-    if not all((folder / name).is_file() for name in (*BUNDLE_FILES, *TOKEN_FILES)):
+    if not all((folder / name).is_file() for name in ("manifest.json", "tokenizer.json", *TOKEN_FILES)):
         raise CorpusError(f"DataConfig.source='{NAME}': the corpus is not built in {folder}; run "
                           f"`fp4lab data build {NAME}` (downloads 157 MB from PyPI) or "
                           f"`fp4lab data build {NAME} --from BUNDLE` (offline)")
