@@ -3,8 +3,8 @@
 #
 #   scripts/ledger_round.sh SECONDS RESULTS_DIR [SPEC ...]      (default SPEC: sweeps/ledger.toml)
 #
-# 1. the pycode corpus: rebuilt offline from a bundle in .corpus/pycode when there is one (the token
-#    files must come out byte for byte as the bundle's manifest says), else built from PyPI;
+# 1. the pycode corpus: unpacked from a bundle in .corpus/pycode when there is one (`fp4lab data pack
+#    pycode .corpus/pycode` where it is built; every file must match the manifest), else built from PyPI;
 # 2. each SPEC swept into docs/ledger/sweep_catalog.json (runs already completed there are skipped, so
 #    rounds accumulate) until SECONDS have passed: then the sweep gets Ctrl-C, the run in progress
 #    checkpoints, and the next round on the same machine resumes it;
