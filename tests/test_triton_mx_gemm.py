@@ -115,6 +115,18 @@ def every_scale_pair(seed: int = 0, device="cpu") -> tuple[QTensor, QTensor]:
     return _on(_raw(_random_codes(255, MX, g), byte), device), _on(_raw(_random_codes(255, MX, g), byte), device)
 
 
+def largest_partials(top_byte: int, device="cpu") -> tuple[QTensor, QTensor]:
+    """(A [16, 32], B [255, 32]), K = 32, every code 6 (some -6): partials of +-1152, the largest, under A
+    scale bytes top_byte - 15 .. top_byte and every B byte. Around byte 244 (2^117), the largest A scale
+    for which partial * 2^ea cannot overflow, the kernel switches from per-row factors to the split."""
+    a_codes = torch.full((16, MX), 7)
+    a_codes[::3] |= 8
+    b_codes = torch.full((255, MX), 7)
+    b_codes[1::4] |= 8
+    a_bytes = torch.arange(top_byte - 15, top_byte + 1)[:, None]
+    return _on(_raw(a_codes, a_bytes), device), _on(_raw(b_codes, torch.arange(255)[:, None]), device)
+
+
 # ----------------------------------------------------------------------------------------------
 # Exact values in fp64 and the comparisons
 # ----------------------------------------------------------------------------------------------
@@ -213,6 +225,12 @@ def test_reference_within_fp64_bound_and_decoded_gemm(mx, kind, shape):
     assert_matches_decoded_gemm(c, a, b, kind)
 
 
+@pytest.mark.parametrize("top_byte", [244, 245, 254])
+def test_reference_single_block_largest_partials(mx, top_byte):
+    a, b = largest_partials(top_byte)
+    assert_single_block_exact(mx.mxfp4_matmul_reference(a, b), a, b, f"largest partials {top_byte}")
+
+
 def test_reference_single_block_tiny_and_huge(mx):
     for kind in ("tiny", "huge", "any_byte"):
         a, b = operands(kind, 40, 24, MX, seed=5)
@@ -284,6 +302,9 @@ a, b = every_scale_pair()
 c = mxfp4_matmul(a, b, tile=(64, 64))
 assert_same_bits(c, mxfp4_matmul_reference(a, b), "every scale pair")
 assert_single_block_exact(c, a, b, "every scale pair")
+for top_byte in (243, 244, 245, 254):  # A tiles around the switch from per-row factors to the split
+    a, b = largest_partials(top_byte)
+    assert_single_block_exact(mxfp4_matmul(a, b, tile=(16, 64)), a, b, f"largest partials {{top_byte}}")
 
 for i, (m, n, k) in enumerate(SMALL_SHAPES):
     tile = ((16, 32), (32, 16), (16, 16))[i]
@@ -350,6 +371,9 @@ def test_cuda_every_scale_pair(mx):
     c = mx.mxfp4_matmul(a, b)
     assert_same_bits(c, mx.mxfp4_matmul_reference(a, b), "every scale pair")
     assert_single_block_exact(c, _on(a, "cpu"), _on(b, "cpu"), "every scale pair")
+    for top_byte in (243, 244, 245, 254):
+        a, b = largest_partials(top_byte, device="cuda")
+        assert_single_block_exact(mx.mxfp4_matmul(a, b), _on(a, "cpu"), _on(b, "cpu"), f"largest partials {top_byte}")
 
 
 @pytest.mark.cuda

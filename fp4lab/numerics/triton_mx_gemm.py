@@ -22,9 +22,15 @@ Why this is exact but for the fp32 additions across blocks:
   unless it overflows, in which case the exact result overflows as well; the second multiplication
   rounds once, to the nearest fp32 of partial * 2^(ea + eb) (subnormals kept, and +-0 where the floor
   at -126 cuts ea + eb = -253, -254: both results are below 2^-241);
-- both factors are built from integer exponent bits (never exp2, whose subnormal results Triton
+- that split costs about ten integer operations per output element and block, so the kernel takes it
+  only for output tiles where some A scale of the tile's rows reaches 2^118 (byte 245). Elsewhere it
+  multiplies by a per-row factor 2^ea, then by a per-column factor 2^eb (two multiplications per
+  element): partial * 2^ea is exact (below 2^11 * 2^117 < FLT_MAX; a multiple of 2^-129), so the
+  second multiplication, by a factor that may be the subnormal 2^-127, again rounds once to the
+  nearest fp32 of partial * 2^(ea + eb): the same bits as the split;
+- every factor is built from integer exponent bits (never exp2, whose subnormal results Triton
   flushes), and the kernel is compiled with `enable_fp_fusion=False` (no FMA contraction of the
-  multiply and the add).
+  multiplies and the add).
 
 So `mxfp4_matmul` equals `mxfp4_matmul_reference` (the same steps in torch) bit for bit, and
 differs from the exact product of the decoded operands by the fp32 additions only:
@@ -65,9 +71,14 @@ from fp4lab.numerics.scales import E8M0_NAN_BITS
 
 MX_BLOCK = 32  # elements per E8M0 scale along K: one tl.dot and one fp32 promotion each
 E8M0_NAN = tl.constexpr(E8M0_NAN_BITS)  # a kernel reads globals only as constexprs
+# The largest A scale byte of a tile that takes the per-row, per-column factors: 2^117, so that
+# partial * 2^ea < 2^11 * 2^117 cannot overflow.
+ROW_FIRST_MAX_BYTE = tl.constexpr(127 + 117)
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 # Output tile (rows of A, rows of B) per program, and warps. 128 x 128 with 8 warps is the usual
-# Hopper FP8 tile; not yet swept on a GPU. Tests pass smaller tiles (powers of two, >= 16).
+# Hopper FP8 tile; not yet timed on a GPU. ptxas (sm_90, K = 2048) gives it 255 registers and 88 bytes
+# of stack (the fp32 accumulator and the block's partial are both live); 128 x 64 with 8 warps takes
+# 199 registers and no stack: the first candidate of a sweep. Tests pass smaller tiles.
 DEFAULT_TILE = (128, 128)
 # Compile options of every launch: no FMA contraction of the scaling's multiplies into the sum.
 LAUNCH_OPTIONS = {"num_warps": 8, "enable_fp_fusion": False}
@@ -105,6 +116,55 @@ def _scale_bytes(scales_ptr, rows, n_rows, kb, KB):
 
 
 @triton.jit
+def _e8m0_factor(byte):
+    """2^(byte - 127) from bits; byte 0 is the subnormal 2^-127 (0x00400000). Byte 255 gives Inf: its
+    row or column is replaced by NaN at the end."""
+    return tl.where(byte == 0, 0x400000, byte << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _max_finite_byte(scales_ptr, rows, n_rows, KB: tl.constexpr, R: tl.constexpr):
+    """The largest scale byte other than NaN (255) of `rows` over all K blocks (0 for rows past n_rows)."""
+    top = tl.zeros([R], dtype=tl.int32)
+    for kb in range(KB):
+        byte = _scale_bytes(scales_ptr, rows, n_rows, kb, KB)
+        top = tl.maximum(top, tl.where(byte == E8M0_NAN, 0, byte))
+    return tl.max(top, axis=0)
+
+
+@triton.jit
+def _accumulate(
+    a_codes, a_scales, b_codes, b_scales, rows_a, rows_b, M, N,
+    KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """The fp32 sum over the K blocks, in order, of each block's FP8 dot scaled by 2^(ea + eb): with
+    SPLIT through 2^e1 * 2^e2 (any bytes), else per row, then per column (A bytes <= ROW_FIRST_MAX_BYTE).
+    Also whether each row of A and each row of B has a NaN scale byte."""
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    nan_a = tl.zeros([BM], dtype=tl.int1)
+    nan_b = tl.zeros([BN], dtype=tl.int1)
+    for kb in range(KB):
+        a = _e4m3_block(a_codes, rows_a, M, kb, KB, BM)
+        b = _e4m3_block(b_codes, rows_b, N, kb, KB, BN)
+        partial = tl.dot(a, tl.trans(b), out_dtype=tl.float32)  # exact: n / 4, |n| < 2^13
+        ea = _scale_bytes(a_scales, rows_a, M, kb, KB)
+        eb = _scale_bytes(b_scales, rows_b, N, kb, KB)
+        if SPLIT:
+            # 2^(ea + eb - 254) as 2^(b1 - 127) * 2^(b2 - 127), both normal: b1 + b2 = ea + eb except
+            # where ea + eb < 2 (the result is +-0 either way). A NaN byte (255) may make b2 256 (-0.0):
+            # its row or column is replaced by NaN at the end.
+            biased = ea[:, None] + eb[None, :]
+            b1 = tl.minimum(tl.maximum(biased - 127, 1), 254)
+            b2 = tl.maximum(biased - b1, 1)
+            acc += (partial * (b1 << 23).to(tl.float32, bitcast=True)) * (b2 << 23).to(tl.float32, bitcast=True)
+        else:
+            acc += (partial * _e8m0_factor(ea)[:, None]) * _e8m0_factor(eb)[None, :]
+        nan_a |= ea == E8M0_NAN
+        nan_b |= eb == E8M0_NAN
+    return acc, nan_a, nan_b
+
+
+@triton.jit
 def _bf16_round(x):
     """float32 to bfloat16, round to nearest even, from bits: the same on the GPU and in the interpreter,
     whose bf16 cast truncates and flushes subnormals. Adding 0x7FFF plus the kept lowest bit carries
@@ -124,24 +184,10 @@ def _mxfp4_matmul_kernel(
     kernel per K, of which a model has few, and Triton's interpreter cannot loop to a runtime bound."""
     rows_a = tl.program_id(0) * BM + tl.arange(0, BM)
     rows_b = tl.program_id(1) * BN + tl.arange(0, BN)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    nan_a = tl.zeros([BM], dtype=tl.int1)
-    nan_b = tl.zeros([BN], dtype=tl.int1)
-    for kb in range(KB):
-        a = _e4m3_block(a_codes, rows_a, M, kb, KB, BM)
-        b = _e4m3_block(b_codes, rows_b, N, kb, KB, BN)
-        partial = tl.dot(a, tl.trans(b), out_dtype=tl.float32)  # exact: n / 4, |n| < 2^13
-        ea = _scale_bytes(a_scales, rows_a, M, kb, KB)
-        eb = _scale_bytes(b_scales, rows_b, N, kb, KB)
-        # 2^(ea + eb - 254) as 2^(b1 - 127) * 2^(b2 - 127), both normal: b1 + b2 = ea + eb except
-        # where ea + eb < 2 (the result is +-0 either way). A NaN byte (255) may make b2 256 (-0.0):
-        # its row or column is replaced by NaN below.
-        biased = ea[:, None] + eb[None, :]
-        b1 = tl.minimum(tl.maximum(biased - 127, 1), 254)
-        b2 = tl.maximum(biased - b1, 1)
-        acc += (partial * (b1 << 23).to(tl.float32, bitcast=True)) * (b2 << 23).to(tl.float32, bitcast=True)
-        nan_a |= ea == E8M0_NAN
-        nan_b |= eb == E8M0_NAN
+    if _max_finite_byte(a_scales, rows_a, M, KB, BM) <= ROW_FIRST_MAX_BYTE:
+        acc, nan_a, nan_b = _accumulate(a_codes, a_scales, b_codes, b_scales, rows_a, rows_b, M, N, KB, BM, BN, False)
+    else:
+        acc, nan_a, nan_b = _accumulate(a_codes, a_scales, b_codes, b_scales, rows_a, rows_b, M, N, KB, BM, BN, True)
     acc = tl.where(nan_a[:, None] | nan_b[None, :], float("nan"), acc)
     ptrs = out_ptr + rows_a.to(tl.int64)[:, None] * N + rows_b[None, :]
     tl.store(ptrs, _bf16_round(acc) if OUT_BF16 else acc, mask=(rows_a < M)[:, None] & (rows_b < N)[None, :])
