@@ -1,0 +1,493 @@
+"""Causal GQA flash attention in Triton that returns the two attention probes for free.
+
+`flash_attention(q, k, v)` computes softmax(q k^T / sqrt(D) + causal mask) v tile by tile, never
+materialising the [T, T] logits (the structure of Triton's "Fused Attention" tutorial), and while
+its online softmax runs it also keeps, per query row i, the statistics that
+`fp4lab.nn.attention.max_attention_logits` and `attention_entropy` compute from chunks of fp32
+logits. With s_ij = q_i.k_j / sqrt(D) over the causal keys j <= i:
+
+    m_i  = max_j s_ij                              (kept as the running max of the raw q_i.k_j)
+    l_i  = sum_j exp(s_ij - m_i)                   (the softmax denominator, rescaled as m_i grows)
+    u_i  = sum_j exp(s_ij - m_i) (s_ij - m_i)      (<= 0; rescaled as u <- a (u + (m_old - m_new) l))
+    LSE_i = m_i + log l_i
+    H_i  = -sum_j p_ij log p_ij = log l_i - u_i / l_i     (p_ij = exp(s_ij - m_i) / l_i)
+
+H_i is the usual m + log l - t / l with t = sum_j exp(s_ij - m_i) s_ij, written around the running
+max: u = t - m l, so H needs no difference of two numbers of the size of the logits (with QK-Clip's
+logits near 100, t / l and m would each carry ~1e-5 of rounding, more than the entropy's own error).
+The kernel works in base 2 (exp2 of the logits times log2(e)) as the tutorial does; u and the LSE
+are converted back to nats once per row.
+
+Per head the wrapper then returns what the probes return:
+    max_logits[h] = max over batch and rows of m_i      == max_attention_logits(q, k)
+    entropy[h]    = mean over the first `probe_batch` sequences and all rows of H_i
+                                                        ~= attention_entropy(q[:probe_batch], k[:probe_batch])
+m_i is the max of the same fp32 dot products, divided once by sqrt(D) with correct rounding as the
+probe's division is (fl(x / c) is monotonic in x, so the max commutes with it): the statistic equals
+the probe's bit for bit whenever the two compute the dot products with the same roundings (always for
+dyadic inputs whose partial sums are exact; otherwise within the summation-order error of one dot
+product, about D * 2^-24 of sum_d |q_d k_d|). On CUDA the probe's `logits / sqrt(D)` is a
+multiplication by the fp32 reciprocal (torch's scalar division there), one ulp away at most for D = 32
+and 128 and exact for D = 16 and 64. The entropy sums in another order than the probe's log_softmax:
+equal to a few fp32 ulps per row (tests/test_triton_attention.py states the tolerances).
+
+Cost of the statistics: per logit one more multiply-add (p (s - m) into u), per tile two row sums
+and per row three stores; the per-head reductions are torch ops over [B, H, T], not [B, H, T, T].
+
+Backward: the flash-attention backward from the saved LSE (P recomputed per tile; dV = P^T dO,
+dP = dO V^T, dS = P (dP - delta) with delta = rowsum(dO O), dQ = dS K / sqrt(D), dK = dS^T Q /
+sqrt(D)). One program owns a block of keys of one KV head and loops over the query heads of its group,
+so dK and dV are summed over the group without atomics. The statistics get no gradient.
+
+Precision: logits, softmax, statistics and accumulators in fp32. bf16 inputs run bf16 tensor-core
+GEMMs (P and dS rounded to bf16 before their GEMMs, as every flash attention does); fp32 inputs run
+IEEE fp32 dots (no TF32), the reference configuration the CPU tests check.
+
+`exp2_poly=True` replaces the MUFU ex2 (tl.exp2) by Cody-Waite range reduction (x = n + f, n =
+floor(x)) and a degree-3 minimax polynomial for 2^f on [0, 1) evaluated on the FMA units, the exponent
+n added to the result's bits (FlashAttention-4 offloads part of its exponentials the same way). Its
+relative error, measured over [-126, 0] in tests, is at most EXP2_POLY_MAX_REL_ERROR (8.6e-5): 45x
+below bf16's half ulp (2^-9), so it is meant for bf16 inputs; arguments below -126 give 0 (as ex2.ftz
+flushes). Default off: the default path keeps tl.exp2.
+
+Wiring into `fp4lab.nn.attention.Attention.forward` (not done here; it needs a GPU to validate):
+the SDPA call and the two probe calls are replaced, on the `quant is None` path, by
+
+    from fp4lab.nn.triton_attention import flash_attention   # lazily, after triton_available()
+    result = flash_attention(q, k, v, probe_batch=self.probe_batch)
+    out = result.out                                   # replaces F.scaled_dot_product_attention(...)
+    if self.record_max_logits:
+        self.last_max_logits = result.max_logits       # replaces max_attention_logits(q, k)
+    if self.probe:
+        self.last_entropy = result.entropy             # replaces attention_entropy(q[:pb], k[:pb])
+
+q, k, v there are the post-RoPE [B, H, T, D] transposes (strided views: the kernels read any strides
+whose last one is 1, no copy), bf16 under autocast; call it outside the `autocast(enabled=False)`
+block or inside it alike, it casts nothing. The FP4 path (`quant`) keeps its own probes.
+
+Tile shapes on a GPU (`_GPU_TILES`) are modelled on the tutorial's and not yet swept (nor run) on an
+H200; under TRITON_INTERPRET=1 small tiles with BLOCK_M != BLOCK_N keep the CPU tests fast and cover
+the diagonal tiles' masks. This module imports Triton: import it lazily, after
+`fp4lab.numerics.fast.triton_available()`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+HEAD_DIMS = (16, 32, 64, 128)
+DTYPES = (torch.bfloat16, torch.float32)
+# Measured in tests/test_triton_attention.py over [-126, 0] (8.57e-5 in fp32 Horner evaluation).
+EXP2_POLY_MAX_REL_ERROR = 8.6e-5
+# Triton's CPU interpreter runs these kernels on CPU tensors: the tests use it.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# (forward BLOCK_M, BLOCK_N, dK/dV BLOCK_M, BLOCK_N, dQ BLOCK_M, BLOCK_N, warps, pipeline stages)
+# per head dim. Each forward / dQ BLOCK_M is a multiple of its BLOCK_N and each dK/dV BLOCK_N of its
+# BLOCK_M: the diagonal region of a tile then splits into whole tiles of the other operand.
+_GPU_TILES = {
+    16: (128, 64, 32, 128, 128, 32, 4, 3),
+    32: (128, 64, 32, 128, 128, 32, 4, 3),
+    64: (128, 64, 32, 128, 128, 32, 4, 3),
+    128: (128, 64, 32, 64, 64, 32, 8, 2),
+}
+_INTERPRETER_TILES = (32, 16, 16, 32, 32, 16, 4, 1)
+
+LN2 = tl.constexpr(math.log(2.0))
+# The running max starts finite, so the first rescale multiplies l = 0 by a finite shift (not -inf).
+NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)
+# 2^f ~= 1 + f (C1 + f (C2 + f C3)) on [0, 1): relative minimax fit with the constant term pinned to 1,
+# so exp2(0) = 1 exactly (each row's max contributes exactly 1 to l).
+EXP2_C1 = tl.constexpr(0.6951168179512024)
+EXP2_C2 = tl.constexpr(0.22764484584331512)
+EXP2_C3 = tl.constexpr(0.07706718146800995)
+
+
+@dataclass(frozen=True)
+class FlashAttentionOutput:
+    """out: [B, H, T, D] in the input dtype, differentiable. lse: [B, H, T] fp32, log-sum-exp of each
+    row's logits (nats). row_max_logits, row_entropy: [B, H, T] fp32, m_i and H_i per query row.
+    max_logits: [H], S_max^h over the batch (the QK-Clip trigger). entropy: [H], the mean H_i over the
+    first `probe_batch` sequences (all of them for None). Everything but `out` is detached."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    row_max_logits: torch.Tensor
+    row_entropy: torch.Tensor
+    max_logits: torch.Tensor
+    entropy: torch.Tensor
+
+
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, probe_batch: int | None = None, exp2_poly: bool = False
+) -> FlashAttentionOutput:
+    """Causal GQA attention of q [B, H, T, D] over k, v [B, H_kv, T, D] with its per-head probes.
+
+    H a multiple of H_kv (query head h reads KV head h // (H / H_kv)); D in HEAD_DIMS; bf16 or fp32;
+    CUDA tensors (CPU ones under TRITON_INTERPRET=1). probe_batch limits the entropy to the first
+    sequences, as `Attention.probe_batch` does; exp2_poly picks the polynomial exp2 (module docstring).
+    """
+    _check_inputs(q, k, v, probe_batch)
+    out, lse, row_max_logits, row_entropy = _FlashAttention.apply(q, k, v, exp2_poly)
+    return FlashAttentionOutput(
+        out=out,
+        lse=lse,
+        row_max_logits=row_max_logits,
+        row_entropy=row_entropy,
+        max_logits=row_max_logits.amax(dim=(0, 2)),
+        entropy=row_entropy[:probe_batch].mean(dim=(0, 2)),
+    )
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, probe_batch: int | None) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(f"flash_attention: {name} has shape {tuple(x.shape)}; pass [batch, heads, seq, head_dim]")
+        if x.dtype not in DTYPES:
+            raise ValueError(f"flash_attention: {name} is {x.dtype}; cast q, k, v to torch.bfloat16 or torch.float32")
+    if k.shape != v.shape:
+        raise ValueError(f"flash_attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ; pass both as [batch, kv_heads, seq, head_dim]")
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(
+            f"flash_attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, seq or head_dim; only the head counts may differ"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"flash_attention: q's {q.shape[1]} heads are not a multiple of k's {k.shape[1]}; make n_heads a multiple of n_kv_heads")
+    if q.shape[3] not in HEAD_DIMS:
+        raise ValueError(f"flash_attention: head_dim {q.shape[3]} is not supported; use one of {HEAD_DIMS} (or SDPA)")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"flash_attention: q, k, v are {q.dtype}, {k.dtype}, {v.dtype}; give them one dtype")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"flash_attention: q, k, v are on {q.device}, {k.device}, {v.device}; put them on one device")
+    if probe_batch is not None and probe_batch < 1:
+        raise ValueError(f"flash_attention: probe_batch={probe_batch}; pass a positive count of sequences or None for all")
+    if not (q.is_cuda or _INTERPRETED and q.device.type == "cpu"):
+        raise ValueError(f"flash_attention: q, k, v are on {q.device}; move them to CUDA (CPU runs only under TRITON_INTERPRET=1)")
+
+
+def _tiles(head_dim: int) -> tuple[int, ...]:
+    return _INTERPRETER_TILES if _INTERPRETED else _GPU_TILES[head_dim]
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, exp2_poly: bool):
+        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+        batch, n_heads, seq, head_dim = q.shape
+        block_m, block_n, _, _, _, _, warps, stages = _tiles(head_dim)
+        out = torch.empty_like(q)
+        lse2, row_max_logits, row_entropy = (
+            torch.empty(batch, n_heads, seq, device=q.device, dtype=torch.float32) for _ in range(3)
+        )
+        grid = (triton.cdiv(seq, block_m), batch * n_heads)
+        _forward_kernel[grid](
+            q, k, v, out, lse2, row_max_logits, row_entropy,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            n_heads, n_heads // k.shape[1], seq, _log2e_scale(head_dim), math.sqrt(head_dim),
+            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), POLY=exp2_poly,
+            num_warps=warps, num_stages=stages,
+        )
+        ctx.save_for_backward(q, k, v, out, lse2)
+        ctx.exp2_poly = exp2_poly
+        lse = lse2 * math.log(2.0)
+        ctx.mark_non_differentiable(lse, row_max_logits, row_entropy)
+        return out, lse, row_max_logits, row_entropy
+
+    @staticmethod
+    def backward(ctx, grad_out, *_statistics):
+        q, k, v, out, lse2 = ctx.saved_tensors
+        grad_out = _last_dim_contiguous(grad_out)
+        batch, n_heads, seq, head_dim = q.shape
+        n_kv_heads = k.shape[1]
+        _, _, block_m1, block_n1, block_m2, block_n2, warps, stages = _tiles(head_dim)
+        delta = torch.empty_like(lse2)
+        _delta_kernel[(triton.cdiv(seq, block_m2), batch * n_heads)](
+            out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], n_heads, seq,
+            HEAD_DIM=head_dim, BLOCK_M=block_m2,
+        )
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        common = {
+            "HEAD_DIM": head_dim, "PRECISION": _precision(q), "POLY": ctx.exp2_poly, "num_warps": warps, "num_stages": stages
+        }
+        scales = (_log2e_scale(head_dim), 1.0 / math.sqrt(head_dim))
+        _grad_kv_kernel[(triton.cdiv(seq, block_n1), batch * n_kv_heads)](
+            q, k, v, grad_out, lse2, delta, grad_k, grad_v,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
+            *grad_k.stride()[:3], *grad_v.stride()[:3],
+            n_kv_heads, n_heads // n_kv_heads, seq, *scales, BLOCK_M=block_m1, BLOCK_N=block_n1, **common,
+        )
+        _grad_q_kernel[(triton.cdiv(seq, block_m2), batch * n_heads)](
+            q, k, v, grad_out, lse2, delta, grad_q,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *grad_q.stride()[:3],
+            n_heads, n_heads // n_kv_heads, seq, *scales, BLOCK_M=block_m2, BLOCK_N=block_n2, **common,
+        )
+        return grad_q, grad_k, grad_v, None
+
+
+def _log2e_scale(head_dim: int) -> float:
+    """The factor from raw q.k to base-2 logits: log2(e) / sqrt(D)."""
+    return math.log2(math.e) / math.sqrt(head_dim)
+
+
+def _precision(x: torch.Tensor) -> str:
+    # fp32 dots in IEEE fp32; Triton's default for fp32 is TF32 (10-bit mantissas). bf16 ignores it.
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+# --- kernels ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _exp2_poly(x):
+    """2^x on the FMA units: 2^floor(x) * p(x - floor(x)), the exponent added to p's bits; 0 below -126."""
+    clamped = tl.maximum(x, -127.0)
+    whole = tl.floor(clamped)
+    frac = clamped - whole  # exact: the fractional bits of an fp32 number
+    mantissa = 1.0 + frac * (EXP2_C1 + frac * (EXP2_C2 + frac * EXP2_C3))
+    bits = mantissa.to(tl.int32, bitcast=True) + (whole.to(tl.int32) << 23)
+    return tl.where(x < -126.0, 0.0, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _exp2(x, POLY: tl.constexpr):
+    if POLY:
+        return _exp2_poly(x)
+    return tl.exp2(x)
+
+
+@triton.jit
+def _head(ptr, batch, head, stride_b, stride_h):
+    """The start of one (batch, head) slice; int64, since batch * stride_b passes 2^31 at large shapes."""
+    return ptr + batch.to(tl.int64) * stride_b + head * stride_h
+
+
+@triton.jit
+def _rows(base, rows, stride_t, dims):
+    """Pointers to the [rows, dims] block of a slice whose rows are stride_t apart."""
+    return base + rows[:, None] * stride_t + dims[None, :]
+
+
+@triton.jit
+def _forward_tiles(
+    q, m, l, u, acc, k_base, v_base, stride_kt, stride_vt, rows, key_start, key_stop, seq, log2e_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, POLY: tl.constexpr,
+):
+    """Fold keys [key_start, key_stop) into the running (m, l, u, acc) of one query tile; CAUSAL masks
+    keys after their row (only the diagonal tiles need it)."""
+    dims = tl.arange(0, HEAD_DIM)
+    for start in range(key_start, key_stop, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        in_seq = keys < seq
+        k = tl.load(_rows(k_base, keys, stride_kt, dims), mask=in_seq[:, None], other=0.0)
+        v = tl.load(_rows(v_base, keys, stride_vt, dims), mask=in_seq[:, None], other=0.0)
+        dots = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if CAUSAL:
+            # finite: exp2 gives 0 and 0 * (s - m) stays 0 in u, where -inf would give NaN
+            dots = tl.where(keys[None, :] <= rows[:, None], dots, NEG_FLT_MAX)
+        m_new = tl.maximum(m, tl.max(dots, 1))
+        m_new_log2 = m_new * log2e_scale
+        max_shift = m * log2e_scale - m_new_log2  # <= 0, in base-2 units
+        rescale = _exp2(max_shift, POLY)
+        shifted = dots * log2e_scale - m_new_log2[:, None]
+        p = _exp2(shifted, POLY)
+        u = rescale * (u + max_shift * l) + tl.sum(p * shifted, 1)
+        l = rescale * l + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return m, l, u, acc
+
+
+@triton.jit
+def _forward_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse2_ptr, row_max_ptr, row_entropy_ptr,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_oh, stride_ot,
+    n_heads, group, seq, log2e_scale, sqrt_head_dim,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, POLY: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    batch = tl.program_id(1) // n_heads
+    head = tl.program_id(1) % n_heads
+    kv_head = head // group
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_in_seq = rows < seq
+    q = tl.load(_rows(_head(q_ptr, batch, head, stride_qb, stride_qh), rows, stride_qt, dims), mask=row_in_seq[:, None], other=0.0)
+    k_base = _head(k_ptr, batch, kv_head, stride_kb, stride_kh)
+    v_base = _head(v_ptr, batch, kv_head, stride_vb, stride_vh)
+
+    m = tl.full([BLOCK_M], NEG_FLT_MAX, tl.float32)  # running max of the raw q.k
+    l = tl.zeros([BLOCK_M], tl.float32)
+    u = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    diagonal = tile * BLOCK_M
+    m, l, u, acc = _forward_tiles(
+        q, m, l, u, acc, k_base, v_base, stride_kt, stride_vt, rows, 0, diagonal, seq, log2e_scale,
+        HEAD_DIM, BLOCK_N, False, PRECISION, POLY,
+    )
+    m, l, u, acc = _forward_tiles(
+        q, m, l, u, acc, k_base, v_base, stride_kt, stride_vt, rows, diagonal, diagonal + BLOCK_M, seq,
+        log2e_scale, HEAD_DIM, BLOCK_N, True, PRECISION, POLY,
+    )
+
+    log2_l = tl.log2(l)
+    out = (acc / l[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(_rows(_head(out_ptr, batch, head, stride_ob, stride_oh), rows, stride_ot, dims), out, mask=row_in_seq[:, None])
+    row_offsets = (batch.to(tl.int64) * n_heads + head) * seq + rows
+    tl.store(lse2_ptr + row_offsets, m * log2e_scale + log2_l, mask=row_in_seq)
+    # correctly rounded, as the probe's fp32 division by sqrt(D) is
+    tl.store(row_max_ptr + row_offsets, tl.math.div_rn(m, sqrt_head_dim), mask=row_in_seq)
+    tl.store(row_entropy_ptr + row_offsets, LN2 * (log2_l - u / l), mask=row_in_seq)
+
+
+@triton.jit
+def _delta_kernel(
+    out_ptr, grad_out_ptr, delta_ptr, stride_ob, stride_oh, stride_ot, stride_gb, stride_gh, stride_gt, n_heads, seq,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta_i = rowsum(dO_i * O_i) in fp32: the softmax backward's per-row term."""
+    batch = tl.program_id(1) // n_heads
+    head = tl.program_id(1) % n_heads
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_in_seq = rows < seq
+    out = tl.load(_rows(_head(out_ptr, batch, head, stride_ob, stride_oh), rows, stride_ot, dims), mask=row_in_seq[:, None])
+    grad_out_rows = _rows(_head(grad_out_ptr, batch, head, stride_gb, stride_gh), rows, stride_gt, dims)
+    grad_out = tl.load(grad_out_rows, mask=row_in_seq[:, None])
+    delta = tl.sum(out.to(tl.float32) * grad_out.to(tl.float32), 1)
+    tl.store(delta_ptr + (batch.to(tl.int64) * n_heads + head) * seq + rows, delta, mask=row_in_seq)
+
+
+@triton.jit
+def _grad_kv_tiles(
+    grad_k, grad_v, k, v, q_base, grad_out_base, lse2_base, delta_base, stride_qt, stride_gt, keys,
+    query_start, query_stop, seq, log2e_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, POLY: tl.constexpr,
+):
+    """Add the queries [query_start, query_stop) of one head to dK, dV of a key tile (transposed: keys x queries)."""
+    dims = tl.arange(0, HEAD_DIM)
+    for start in range(query_start, query_stop, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_in_seq = rows < seq
+        q = tl.load(_rows(q_base, rows, stride_qt, dims), mask=row_in_seq[:, None], other=0.0)
+        grad_out = tl.load(_rows(grad_out_base, rows, stride_gt, dims), mask=row_in_seq[:, None], other=0.0)
+        # rows past the end load q = dO = 0 (so dS = 0): they add nothing to dK, dV
+        lse2 = tl.load(lse2_base + rows, mask=row_in_seq, other=0.0)
+        delta = tl.load(delta_base + rows, mask=row_in_seq, other=0.0)
+        p_t = _exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * log2e_scale - lse2[None, :], POLY)
+        if CAUSAL:
+            p_t = tl.where(keys[:, None] <= rows[None, :], p_t, 0.0)
+        grad_v += tl.dot(p_t.to(grad_out.dtype), grad_out, input_precision=PRECISION)
+        grad_p_t = tl.dot(v, tl.trans(grad_out), input_precision=PRECISION)
+        grad_s_t = p_t * (grad_p_t - delta[None, :])
+        grad_k += tl.dot(grad_s_t.to(q.dtype), q, input_precision=PRECISION)
+    return grad_k, grad_v
+
+
+@triton.jit
+def _grad_kv_kernel(
+    q_ptr, k_ptr, v_ptr, grad_out_ptr, lse2_ptr, delta_ptr, grad_k_ptr, grad_v_ptr,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_gb, stride_gh, stride_gt, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
+    n_kv_heads, group, seq, log2e_scale, softmax_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, POLY: tl.constexpr,
+):
+    """dK, dV of one key tile of one KV head, summed over the query heads of its group."""
+    tile = tl.program_id(0)
+    batch = tl.program_id(1) // n_kv_heads
+    kv_head = tl.program_id(1) % n_kv_heads
+    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    key_in_seq = keys < seq
+    k = tl.load(_rows(_head(k_ptr, batch, kv_head, stride_kb, stride_kh), keys, stride_kt, dims), mask=key_in_seq[:, None], other=0.0)
+    v = tl.load(_rows(_head(v_ptr, batch, kv_head, stride_vb, stride_vh), keys, stride_vt, dims), mask=key_in_seq[:, None], other=0.0)
+    grad_k = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    grad_v = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    diagonal = tile * BLOCK_N
+    diagonal_stop = diagonal + BLOCK_N
+    for member in range(group):
+        head = kv_head * group + member
+        q_base = _head(q_ptr, batch, head, stride_qb, stride_qh)
+        grad_out_base = _head(grad_out_ptr, batch, head, stride_gb, stride_gh)
+        row_base = (batch.to(tl.int64) * n_kv_heads * group + head) * seq
+        lse2_base, delta_base = lse2_ptr + row_base, delta_ptr + row_base
+        grad_k, grad_v = _grad_kv_tiles(
+            grad_k, grad_v, k, v, q_base, grad_out_base, lse2_base, delta_base, stride_qt, stride_gt,
+            keys, diagonal, diagonal_stop, seq, log2e_scale, HEAD_DIM, BLOCK_M, True, PRECISION, POLY,
+        )
+        grad_k, grad_v = _grad_kv_tiles(
+            grad_k, grad_v, k, v, q_base, grad_out_base, lse2_base, delta_base, stride_qt, stride_gt,
+            keys, diagonal_stop, seq, seq, log2e_scale, HEAD_DIM, BLOCK_M, False, PRECISION, POLY,
+        )
+    grad_k_rows = _rows(_head(grad_k_ptr, batch, kv_head, stride_dkb, stride_dkh), keys, stride_dkt, dims)
+    tl.store(grad_k_rows, (grad_k * softmax_scale).to(grad_k_ptr.dtype.element_ty), mask=key_in_seq[:, None])
+    grad_v_rows = _rows(_head(grad_v_ptr, batch, kv_head, stride_dvb, stride_dvh), keys, stride_dvt, dims)
+    tl.store(grad_v_rows, grad_v.to(grad_v_ptr.dtype.element_ty), mask=key_in_seq[:, None])
+
+
+@triton.jit
+def _grad_q_tiles(
+    grad_q, q, grad_out, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows, key_start, key_stop, seq, log2e_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, POLY: tl.constexpr,
+):
+    """Add the keys [key_start, key_stop) to dQ of one query tile."""
+    dims = tl.arange(0, HEAD_DIM)
+    for start in range(key_start, key_stop, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        in_seq = keys < seq
+        k = tl.load(_rows(k_base, keys, stride_kt, dims), mask=in_seq[:, None], other=0.0)
+        v = tl.load(_rows(v_base, keys, stride_vt, dims), mask=in_seq[:, None], other=0.0)
+        p = _exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * log2e_scale - lse2[:, None], POLY)
+        if CAUSAL:
+            p = tl.where(keys[None, :] <= rows[:, None], p, 0.0)
+        grad_p = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)
+        grad_s = p * (grad_p - delta[:, None])
+        grad_q += tl.dot(grad_s.to(k.dtype), k, input_precision=PRECISION)
+    return grad_q
+
+
+@triton.jit
+def _grad_q_kernel(
+    q_ptr, k_ptr, v_ptr, grad_out_ptr, lse2_ptr, delta_ptr, grad_q_ptr,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_gb, stride_gh, stride_gt, stride_dqb, stride_dqh, stride_dqt,
+    n_heads, group, seq, log2e_scale, softmax_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, POLY: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    batch = tl.program_id(1) // n_heads
+    head = tl.program_id(1) % n_heads
+    kv_head = head // group
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_in_seq = rows < seq
+    q = tl.load(_rows(_head(q_ptr, batch, head, stride_qb, stride_qh), rows, stride_qt, dims), mask=row_in_seq[:, None], other=0.0)
+    grad_out_rows = _rows(_head(grad_out_ptr, batch, head, stride_gb, stride_gh), rows, stride_gt, dims)
+    grad_out = tl.load(grad_out_rows, mask=row_in_seq[:, None], other=0.0)
+    row_offsets = (batch.to(tl.int64) * n_heads + head) * seq + rows
+    lse2 = tl.load(lse2_ptr + row_offsets, mask=row_in_seq, other=0.0)
+    delta = tl.load(delta_ptr + row_offsets, mask=row_in_seq, other=0.0)
+    k_base = _head(k_ptr, batch, kv_head, stride_kb, stride_kh)
+    v_base = _head(v_ptr, batch, kv_head, stride_vb, stride_vh)
+    grad_q = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    diagonal = tile * BLOCK_M
+    grad_q = _grad_q_tiles(
+        grad_q, q, grad_out, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows, 0, diagonal, seq, log2e_scale,
+        HEAD_DIM, BLOCK_N, False, PRECISION, POLY,
+    )
+    grad_q = _grad_q_tiles(
+        grad_q, q, grad_out, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows, diagonal,
+        diagonal + BLOCK_M, seq, log2e_scale, HEAD_DIM, BLOCK_N, True, PRECISION, POLY,
+    )
+    grad_q_rows = _rows(_head(grad_q_ptr, batch, head, stride_dqb, stride_dqh), rows, stride_dqt, dims)
+    tl.store(grad_q_rows, (grad_q * softmax_scale).to(grad_q_ptr.dtype.element_ty), mask=row_in_seq[:, None])
