@@ -5,7 +5,9 @@ in a subprocess under TRITON_INTERPRET=1 (fp32, small shapes: B=2, H=4, H_kv=2, 
 64}, D in {16, 32}; the interpreter's tiles are 32 x 16 and 16 x 32: T=17 ends inside the first tile,
 T=40 in a second one, and every diagonal tile is split in two by the other operand's tiles); the CUDA
 tests (@pytest.mark.cuda, skipped without a GPU) run the same checks with bf16 inputs at training
-shapes.
+shapes. The bf16 check also runs under the interpreter at small shapes, with its bf16 dots and casts
+made to behave as the GPU's (INTERPRETED below): it covers the bf16 casts of P, dS and the outputs,
+not the GPU's own arithmetic.
 
 Errors of O, dQ, dK, dV are max |got - want| / max(max |want|, 1): elementwise relative error means
 nothing where a gradient cancels to ~0 (dQ, dK are exactly 0 at T=1, both sides give ~1e-7 noise),
@@ -210,12 +212,12 @@ def check_exp2_poly_error(device="cpu", points=1 << 16):
     assert torch.equal(out[-4:], torch.zeros(4)), "exp2 polynomial: arguments below -126 do not give 0"
 
 
-def check_bf16_against_references(shapes=GPU_SHAPES, exp2_poly=False):
+def check_bf16_against_references(device="cuda", shapes=GPU_SHAPES, exp2_poly=False):
     """bf16 inputs on CUDA: O and dQ, dK, dV within twice torch's bf16 SDPA error (+ one bf16 rounding),
     both against fp32 attention of the same bf16 values; LSE, max logits, entropy as in fp32."""
     for seed, shape in enumerate(shapes):
-        q, k, v = make_inputs(*shape, dtype=torch.bfloat16, device="cuda", seed=seed)
-        grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 100)).to("cuda", torch.bfloat16)
+        q, k, v = make_inputs(*shape, dtype=torch.bfloat16, device=device, seed=seed)
+        grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 100)).to(device, torch.bfloat16)
         result, grads = run_attention(q, k, v, grad_out, exp2_poly=exp2_poly)
         exact = sdpa_and_grads(q, k, v, grad_out, torch.float32)
         torch_bf16 = sdpa_and_grads(q, k, v, grad_out, torch.bfloat16)
@@ -231,17 +233,44 @@ def check_bf16_against_references(shapes=GPU_SHAPES, exp2_poly=False):
 
 # --- CPU: the checks under Triton's interpreter -------------------------------------------------
 
-# Triton 3.6's interpreter turns loop bounds that derive from program_id into ints with int() of a
-# 1-element array, which numpy >= 2.4 refuses (triton-lang/triton#9171, fixed upstream by #9172);
-# the subprocess applies that fix before running a check.
+# Three gaps of Triton 3.6's interpreter, filled in the subprocess before a check runs:
+# - loop bounds that derive from program_id become ints through int() of a 1-element array, which
+#   numpy >= 2.4 refuses (triton-lang/triton#9171, fixed upstream by #9172);
+# - tl.dot multiplies bf16 operands as their uint16 bit patterns: they are widened to fp32 first
+#   (exact, as the GPU's bf16 products are);
+# - fp32 -> bf16 casts truncate: they round to nearest even, as the GPU's do (torch's cast).
 INTERPRETED = """
 import sys
-import triton.runtime.interpreter as interpreter
-original = interpreter._patch_lang_tensor
+import numpy as np
+import torch
+import triton.language as tl
+from triton.runtime import interpreter
+
+original_patch, original_dot, original_cast = (
+    interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot, interpreter.InterpreterBuilder.cast_impl
+)
+
 def patch(tensor, scope):
-    original(tensor, scope)
+    original_patch(tensor, scope)
     scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+def widen(operand):
+    if operand.dtype != tl.bfloat16:
+        return operand
+    return interpreter.TensorHandle((operand.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+def create_dot(self, a, b, *rest):
+    return original_dot(self, widen(a), widen(b), *rest)
+
+def cast_impl(self, src, dst_type):
+    if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+        return original_cast(self, src, dst_type)
+    rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
+    return interpreter.TensorHandle(rounded.numpy().view(np.uint16), tl.bfloat16)
+
 interpreter._patch_lang_tensor = patch
+interpreter.InterpreterBuilder.create_dot = create_dot
+interpreter.InterpreterBuilder.cast_impl = cast_impl
 sys.path.insert(0, {tests!r})
 import test_triton_attention as checks
 checks.{call}
@@ -256,8 +285,10 @@ checks.{call}
         "check_probe_batch()",
         "check_exp2_poly_error()",
         "check_fp32_against_references(shapes=[(2, 4, 2, 17, 16), (2, 4, 2, 64, 32)], exp2_poly=True)",
+        "check_bf16_against_references(device='cpu', shapes=[(2, 4, 2, 64, 32), (2, 4, 2, 40, 16)])",
+        "check_bf16_against_references(device='cpu', shapes=[(2, 4, 2, 64, 32)], exp2_poly=True)",
     ],
-    ids=["references", "max_logits_exact", "probe_batch", "exp2_poly_error", "exp2_poly_attention"],
+    ids=["references", "max_logits_exact", "probe_batch", "exp2_poly_error", "exp2_poly_attention", "bf16", "bf16_exp2_poly"],
 )
 def test_kernels_under_triton_interpreter(call):
     env = dict(os.environ, TRITON_INTERPRET="1")
