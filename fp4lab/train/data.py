@@ -29,7 +29,7 @@ import hashlib
 import importlib.util
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -37,9 +37,10 @@ from typing import NoReturn
 import numpy as np
 import tokenizers
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from fp4lab.train.atomic import write_atomic
+from fp4lab.train.bpe import train_tokenizer
 from fp4lab.train.config import DataConfig
 
 NAMED_SOURCES = ("shakespeare", "synthetic", "pycode")
@@ -206,28 +207,7 @@ def split_text(text: str, val_fraction: float) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Byte-level BPE.
-
-
-def train_tokenizer(pieces: Iterable[str], vocab_size: int, special_tokens: Sequence[str] = ()) -> Tokenizer:
-    """A GPT-2-style byte-level BPE with `vocab_size` tokens (special tokens first, then the 256 bytes
-    and merges), trained on `pieces`: many pieces, not one string, because the trainer counts words in
-    parallel over them; a piece boundary must be one the pre-tokenizer would split at anyway.
-
-    Deterministic: the trainer breaks ties between equally frequent pairs by token ids, so training
-    twice gives the same vocabulary and merges (checked across processes and thread counts too).
-    """
-    if isinstance(pieces, str):  # a str is an iterable of characters: it would train on single letters
-        raise TypeError("train_tokenizer: pass an iterable of text pieces, not one string")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-        special_tokens=list(special_tokens),
-    )
-    tokenizer.train_from_iterator(pieces, trainer=trainer)
-    return tokenizer
+# Encoding (the tokenizer is trained in bpe.py).
 
 
 def encode(tokenizer: Tokenizer, text: str) -> np.ndarray:

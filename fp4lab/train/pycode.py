@@ -51,6 +51,7 @@ import tokenizers
 from tokenizers import Tokenizer
 
 from fp4lab.train.atomic import replace_atomically
+from fp4lab.train.bpe import train_tokenizer
 
 NAME = "pycode"
 FORMAT_VERSION = 1
@@ -224,7 +225,6 @@ def build(cache: Path, *, packages: Sequence[Sdist] = PACKAGES, vocab_size: int 
           status: Status = lambda message: None) -> dict:
     """Download, filter, split, train the tokenizer, tokenize; the manifest of the new corpus. Replaces
     the folder only when everything is written."""
-    from fp4lab.train.data import train_tokenizer
 
     seen: set[bytes] = set()
     skipped: Counter = Counter()
