@@ -50,7 +50,8 @@ def test_choice_values_are_the_library_constants():
     from fp4lab.train import config, data
 
     assert cli.MODEL_PRESETS == config.MODEL_PRESETS == tuple(model.PRESETS)
-    for name in ("OPTIMIZERS", "LR_SCHEDULES", "QK_CLIPS", "NS_POLYNOMIALS", "DEVICES", "COMPUTES", "COMPILES", "CUDA_GRAPHS"):
+    for name in ("OPTIMIZERS", "LR_SCHEDULES", "QK_CLIPS", "NS_POLYNOMIALS", "DEVICES", "COMPUTES", "COMPILES", "CUDA_GRAPHS",
+                 "ATTENTION_KERNELS", "MX_GEMMS"):
         assert getattr(cli, name) == getattr(config, name), name
     from fp4lab.nn import recipe
     from fp4lab.optim import muon
@@ -92,11 +93,15 @@ CHOICES = [  # (command path, option or an argument's metavar, allowed values, a
     (["train"], "--compute", cli.COMPUTES, []),
     (["train"], "--compile", cli.COMPILES, []),
     (["train"], "--cuda-graphs", cli.CUDA_GRAPHS, []),
+    (["train"], "--attention-kernel", cli.ATTENTION_KERNELS, []),
+    (["train"], "--mx-gemm", cli.MX_GEMMS, []),
     (["bench"], "--model", cli.MODEL_PRESETS, []),
     (["bench"], "--optimizer", cli.OPTIMIZERS, []),
     (["bench"], "--device", cli.DEVICES, []),
     (["bench"], "--compile", cli.COMPILES, []),
     (["bench"], "--cuda-graphs", cli.CUDA_GRAPHS, []),
+    (["bench"], "--attention-kernel", cli.ATTENTION_KERNELS, []),
+    (["bench"], "--mx-gemm", cli.MX_GEMMS, []),
     (["bench"], "WHAT", cli.BENCH_WHAT, []),  # an argument: its metavar
     (["scan"], "--preset", cli.LOG_PRESETS, ["some.log"]),
     (["numerics"], "--dist", cli.DISTRIBUTIONS, []),

@@ -62,6 +62,8 @@ def bench_steps(
     warmup: int,
     compile: str = "auto",
     cuda_graphs: str = "auto",
+    attention_kernel: str = "auto",
+    mx_gemm: str = "auto",
     optimizer: str = "adamw",
     vocab_size: int = 4096,
     on_result: Callable[[StepBench], None] | None = None,
@@ -79,7 +81,8 @@ def bench_steps(
     for name in [ANCHOR, *recipes]:
         config = TrainConfig(
             recipe="bf16" if name == ANCHOR else name, model=model, batch_size=batch_size, seq_len=seq_len,
-            device=device.type, compile=compile, cuda_graphs=cuda_graphs, optimizer=optimizer, adam_lr=3e-4, lr=0.02,
+            device=device.type, compile=compile, cuda_graphs=cuda_graphs, attention_kernel=attention_kernel, mx_gemm=mx_gemm,
+            optimizer=optimizer, adam_lr=3e-4, lr=0.02,
         )
         use_compile = compiled(config, device)
         if name == ANCHOR:

@@ -87,6 +87,8 @@ class Attention(nn.Module):
       probe              store `last_entropy` [n_heads]: mean over queries of the causal softmax rows'
                          entropy (nats), over the first `probe_batch` sequences.
       quant              an AttentionQuant to run FP4 attention instead of SDPA.
+      kernel             "sdpa" (PyTorch's attention beside the chunked probes) or "triton"
+                         (fp4lab.nn.triton_attention, the probes' statistics computed online).
     Both probes read the unquantized post-RoPE q and k, also under FP4 attention: they track the
     weights QK-Clip rescales, not the rounding noise.
     """
@@ -111,6 +113,7 @@ class Attention(nn.Module):
         self.probe_batch = 2
         self.last_entropy: torch.Tensor | None = None
         self.quant: AttentionQuant | None = None
+        self.kernel = "sdpa"
 
     def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
         """x [batch, seq, dim]; rope_cos and rope_sin [seq, head_dim // 2]."""

@@ -18,12 +18,15 @@ def derive_seed(seed: int, name: str) -> int:
 
 
 def build_model(
-    config: ModelConfig, recipe: Recipe, *, seed: int, device: torch.device | str = "cpu", tensor_cores: bool = False
+    config: ModelConfig, recipe: Recipe, *, seed: int, device: torch.device | str = "cpu", tensor_cores: bool = False,
+    attention_kernel: str = "sdpa", mx_gemm: str = "bf16",
 ) -> Llama:
     """Every block linear gets the recipe's linear for its depth, the head gets the head recipe;
     each FP4Linear and each FP4 attention draws its random bits from its own seeded generator (on
     `device`, where the model is moved). `tensor_cores` runs every linear's GEMMs on bf16 tensor
-    cores instead of the fp32 reference (fp4lab.nn.fp4_linear)."""
+    cores instead of the fp32 reference (fp4lab.nn.fp4_linear); `mx_gemm` "fp8" runs their MXFP4 x
+    MXFP4 GEMMs on FP8 tensor cores instead. `attention_kernel` "triton" runs unquantized attention
+    as fp4lab.nn.triton_attention's flash attention, "sdpa" as PyTorch's."""
 
     def make_linear(block_index: int | None, name: str, in_features: int, out_features: int) -> FP4Linear:
         if block_index is None:
@@ -33,10 +36,13 @@ def build_model(
         lora_rank = recipe.lora_svd_rank if block_index is not None and not linear.is_high_precision else 0
         layer = FP4Linear(in_features, out_features, linear, seed=derive_seed(seed, path), lora_rank=lora_rank)
         layer.tensor_cores = tensor_cores
+        layer.mx_gemm = mx_gemm
         return layer
 
     embedding_dtype = torch.bfloat16 if recipe.embedding == "bf16" else torch.float32
     model = Llama(config, make_linear, embedding_dtype=embedding_dtype).to(device)
+    for attention in model.attentions():
+        attention.kernel = attention_kernel
     if recipe.attention.format != "bf16":
         for index, attention in enumerate(model.attentions()):
             generator = torch.Generator(device=device).manual_seed(derive_seed(seed, f"layers.{index}.attention"))

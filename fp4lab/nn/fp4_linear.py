@@ -478,6 +478,9 @@ class FP4Linear(nn.Module):
             self.register_buffer("lora_u", torch.zeros(out_features, lora_rank, dtype=torch.bfloat16))
             self.register_buffer("lora_v", torch.zeros(in_features, lora_rank, dtype=torch.bfloat16))
         self.tensor_cores = False
+        # "fp8": on the tensor-core path, MXFP4 x MXFP4 GEMMs run on FP8 tensor cores
+        # (fp4lab.numerics.triton_mx_gemm) instead of bf16 ones; "bf16" keeps the decoded values.
+        self.mx_gemm = "bf16"
         # Set by fp4lab.train.encoded_gather when FSDP2 all-gathers this weight as its GEMMs' encodings.
         self.gathered: GatheredWeight | None = None
 

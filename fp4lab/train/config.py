@@ -26,6 +26,16 @@ COMPILES = ("auto", "on", "off")
 # Replay each step's forward and backward from a CUDA graph ("auto": on the fast path on CUDA when
 # nothing on the path draws from a torch.Generator); it changes nothing but the launch cost.
 CUDA_GRAPHS = ("auto", "on", "off")
+# Attention (unquantized) on the fast path: the Triton flash attention whose online softmax also yields
+# each head's max logit and entropy (fp4lab.nn.triton_attention: probes and QK-Clip cost nothing), or
+# PyTorch's SDPA beside the chunked fp32 probes. "auto": triton on CUDA where Triton is installed.
+# Summation order is all that changes. FP4 attention (fullstack) keeps its own path either way.
+ATTENTION_KERNELS = ("auto", "triton", "sdpa")
+# MXFP4 x MXFP4 GEMMs on the fast path: FP8 tensor cores with each 32-block's partial sum promoted
+# to fp32 and scaled there (fp4lab.numerics.triton_mx_gemm), or the decoded values on bf16 tensor
+# cores. "auto": fp8 on CUDA devices with FP8 tensor cores (compute capability 8.9 and up). Both are
+# exact products; summation order is all that changes.
+MX_GEMMS = ("auto", "fp8", "bf16")
 # Parallelism over torchrun's processes (fp4lab.train.distributed): none, DistributedDataParallel,
 # FSDP2, FSDP2 sharded within a node and replicated across nodes, or pipeline stages of transformer
 # blocks (fp4lab.train.pipeline). Not result-neutral: the gradient all-reduce sums in another order,
@@ -57,7 +67,7 @@ def summary_value(summary: dict[str, Any], key: str) -> Any:
 # Capturing GEMM operands only copies tensors a step already made (fp4lab.train.capture).
 RESULT_NEUTRAL = (
     "out_dir", "device", "max_minutes", "checkpoint_every", "compile", "cuda_graphs", "capture_steps", "capture_layers",
-    "gather_weights",
+    "gather_weights", "attention_kernel", "mx_gemm",
 )
 
 # Fields added after catalogs already held runs, with the value every earlier run had: a run id leaves
@@ -147,6 +157,8 @@ class TrainConfig:
     compute: str = "auto"
     compile: str = "auto"
     cuda_graphs: str = "auto"
+    attention_kernel: str = "auto"
+    mx_gemm: str = "auto"
     parallel: str = "none"
     gather_weights: str = "dense"
     # parallel='pp': the microbatches each global batch is cut into (batch_size must split into them).
@@ -173,6 +185,8 @@ class TrainConfig:
         _check.choice("compute", self.compute, COMPUTES)
         _check.choice("compile", self.compile, COMPILES)
         _check.choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
+        _check.choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
+        _check.choice("mx_gemm", self.mx_gemm, MX_GEMMS)
         _check.choice("parallel", self.parallel, PARALLELS)
         _check.choice("gather_weights", self.gather_weights, GATHER_WEIGHTS)
         if self.gather_weights == "encoded" and self.parallel not in ("fsdp", "hsdp"):

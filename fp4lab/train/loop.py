@@ -41,6 +41,7 @@ import torch
 from fp4lab.nn.build import attention_generators, build_model, cuda_graph_blocker, fp4_linears
 from fp4lab.nn.model import Llama, ModelConfig, count_parameters, preset
 from fp4lab.nn.recipe import Recipe, load_recipe
+from fp4lab.numerics.fast import triton_available
 from fp4lab.optim.build import OptimizerConfig, build_optimizer
 from fp4lab.optim.muon import NS_POLYNOMIALS
 from fp4lab.optim.qk_clip import all_reduce_max_logits_, qk_clip_
@@ -376,6 +377,29 @@ def fast_compute(config: TrainConfig, device: torch.device) -> bool:
     return config.compute == "fast" or (config.compute == "auto" and device.type == "cuda")
 
 
+def attention_kernel(config: TrainConfig, device: torch.device) -> str:
+    """Which kernel runs unquantized attention (config.attention_kernel): "triton" (flash attention
+    with the probes' statistics computed online) or "sdpa"; "auto" means triton on the fast path on
+    CUDA where Triton is installed."""
+    usable = device.type == "cuda" and fast_compute(config, device) and triton_available()
+    if config.attention_kernel == "triton" and not usable:
+        raise ConfigError("attention_kernel='triton' needs the fast path on CUDA with Triton installed; use attention_kernel='auto' or 'sdpa'")
+    return "triton" if config.attention_kernel == "triton" or (config.attention_kernel == "auto" and usable) else "sdpa"
+
+
+def mx_gemm(config: TrainConfig, device: torch.device) -> str:
+    """Where MXFP4 x MXFP4 GEMMs run (config.mx_gemm): "fp8" (FP8 tensor cores, per-block fp32
+    promotion) or "bf16" (decoded values on bf16 tensor cores, and every reference-path GEMM); "auto"
+    means fp8 on the fast path on CUDA devices with FP8 tensor cores (compute capability 8.9 and up)."""
+    usable = (
+        device.type == "cuda" and fast_compute(config, device) and triton_available()
+        and torch.cuda.get_device_capability(device) >= (8, 9)
+    )
+    if config.mx_gemm == "fp8" and not usable:
+        raise ConfigError("mx_gemm='fp8' needs the fast path on a CUDA device with FP8 tensor cores (compute capability 8.9+) and Triton; use mx_gemm='auto' or 'bf16'")
+    return "fp8" if config.mx_gemm == "fp8" or (config.mx_gemm == "auto" and usable) else "bf16"
+
+
 def compiled(config: TrainConfig, device: torch.device) -> bool:
     """Whether the forward and loss run under torch.compile (config.compile; "auto" means: on CUDA)."""
     return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
@@ -399,7 +423,10 @@ def build_training(
         # fp32 accumulation, exactly what an FP4 tensor core does.
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.manual_seed(config.seed)
-    model = build_model(model_config, recipe, seed=config.seed, device=device, tensor_cores=fast)
+    model = build_model(
+        model_config, recipe, seed=config.seed, device=device, tensor_cores=fast,
+        attention_kernel=attention_kernel(config, device), mx_gemm=mx_gemm(config, device),
+    )
     optimizer_config = _optimizer_config(config, recipe, fused=fast and device.type == "cuda")
     if ranks.mode == "pp":
         # Every block lives on one rank and sees the whole batch: its random streams stay the one-process ones.
