@@ -47,7 +47,7 @@ LOG_PRESETS = ("nanogpt", "megatron", "torchtitan", "fp4lab")  # fp4lab.lab.reco
 SWEEP_EXECUTORS = ("local", "slurm", "sbatch")  # fp4lab.lab.runs.executors.EXECUTORS
 RATCHET_EXECUTORS = ("local", "slurm")  # what fp4lab.lab.ratchet.loop.Ratchet accepts
 PROPOSERS = ("optuna", "llm", "command")  # fp4lab.lab.ratchet.proposers.PROPOSERS
-BENCH_WHAT = ("all", "kernels", "steps")
+BENCH_WHAT = ("all", "kernels", "steps", "gemm", "attention")
 CORPORA = ("pycode",)  # fp4lab.train.pycode.NAME: the corpora `fp4lab data build` makes
 
 # typer turns a Literal into a choice: --help shows <a|b|c>, any other value is a usage error (exit 2).
@@ -507,7 +507,7 @@ BENCH_DEFAULTS = {"cuda": ("125m", 16, 1024, 20, 5, "8192x8192"), "cpu": ("tiny"
 
 @app.command()
 def bench(
-    what: Annotated[BenchWhat, typer.Argument(help="kernels (quantizers vs a copy), steps (training steps vs the plain PyTorch loop) or all.")] = "all",
+    what: Annotated[BenchWhat, typer.Argument(help="kernels (quantizers vs a copy), steps (training steps vs the plain PyTorch loop), gemm (the MXFP4 GEMM on FP8 tensor cores vs bf16 cuBLAS, the 125m and 350m GEMMs at --batch-size x --seq-len), attention (Triton flash attention with the fused probes vs SDPA, fwd + bwd, head dims 64 and 128, seq 1024-8192) or all. gemm and attention need CUDA.")] = "all",
     recipes: Annotated[str, typer.Option(help="Comma-separated recipes to time beside the anchor.")] = "bf16,nvfp4,nvfp4-all,mxfp4-rowsr-h32",
     model: Annotated[Optional[ModelPreset], typer.Option(help="Model preset (default 125m on CUDA, tiny on the CPU).")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Sequences per step (default 16 on CUDA, 8 on the CPU).")] = None,
@@ -567,6 +567,23 @@ def bench(
         console.print(f"quantizers on a {rows} x {cols} bf16 tensor ({report['device']})")
         kernels = bench_kernels(rows, cols, target, on_result=lambda r: console.print(f"  {r.case}: {r.gb_per_s:,.3g} GB/s"))
         report["kernels"] = [k.as_dict() for k in kernels]
+    if what in ("all", "gemm"):
+        from fp4lab.bench.kernels import bench_mx_gemm, training_gemm_shapes
+
+        shapes = [shape for name in ("125m", "350m") for shape in training_gemm_shapes(name, batch_size, seq_len)]
+        console.print(f"MXFP4 GEMMs on FP8 tensor cores vs bf16 cuBLAS ({report['device']})")
+        gemms = [bench_mx_gemm(m, n, k, target, label=label) for label, m, n, k in shapes]
+        report["gemm"] = [g.as_dict() for g in gemms if g is not None]
+        if not report["gemm"]:
+            console.print("  skipped: the FP8 GEMM needs CUDA and Triton")
+    if what in ("all", "attention"):
+        from fp4lab.bench.attention import ATTENTION_SHAPES, bench_attention
+
+        console.print(f"attention fwd + bwd, fused probes vs SDPA ({report['device']})")
+        results = [bench_attention(*shape, target) for shape in ATTENTION_SHAPES]
+        report["attention"] = [r.as_dict() for r in results if r is not None]
+        if not report["attention"]:
+            console.print("  skipped: the Triton attention needs CUDA")
     if what in ("all", "steps"):
         from fp4lab.bench.steps import bench_steps
 
@@ -613,6 +630,22 @@ def _print_bench(report: dict) -> None:
         for k in report["kernels"]:
             table.add_row(k["case"], k["implementation"], f"{k['rows']}x{k['cols']}", f"{k['ms']:.3f}", f"{k['gb_per_s']:,.3g}",
                           f"{k['copy_gb_per_s']:,.3g}", f"{k['fraction_of_copy']:.2f}")
+        console.print(table)
+    if report.get("gemm"):
+        table = Table(title=f"MXFP4 GEMM on FP8 tensor cores vs bf16 cuBLAS ({report['device']})")
+        for column in ("GEMM", "m x n x k", "ms", "TFLOP/s", "bf16 ms", "bf16 TFLOP/s", "throughput vs bf16"):
+            table.add_column(column, justify="left" if column == "GEMM" else "right")
+        for g in report["gemm"]:
+            table.add_row(g["case"], f"{g['m']}x{g['n']}x{g['k']}", f"{g['ms']:.3f}", f"{g['tflops']:,.0f}", f"{g['bf16_ms']:.3f}",
+                          f"{g['bf16_tflops']:,.0f}", f"{g['throughput_vs_bf16']:.2f}")
+        console.print(table)
+    if report.get("attention"):
+        table = Table(title=f"Attention fwd + bwd, bf16, causal GQA ({report['device']})")
+        for column in ("B x H/Hkv x T x D", "SDPA ms", "fused ms", "fused / SDPA", "poly exp2 / SDPA", "SDPA + probes ms"):
+            table.add_column(column, justify="left" if column.startswith("B") else "right")
+        for a in report["attention"]:
+            table.add_row(f"{a['batch']} x {a['heads']}/{a['kv_heads']} x {a['seq']} x {a['head_dim']}", f"{a['sdpa_ms']:.3f}",
+                          f"{a['fused_ms']:.3f}", f"{a['fused_vs_sdpa']:.2f}", f"{a['fused_poly_vs_sdpa']:.2f}", f"{a['sdpa_with_probes_ms']:.3f}")
         console.print(table)
     if "steps" in report:
         steps = report["steps"]

@@ -225,6 +225,23 @@ def test_bench_on_the_cpu_times_kernels_and_steps_beside_the_anchor(run_cli, tmp
     ratios = report["ratios"]
     assert ratios["bf16_tokens_per_s_vs_anchor"] == steps["bf16"]["tokens_per_s"] / steps["anchor"]["tokens_per_s"]
     assert ratios["nvfp4_step_time_vs_bf16"] == steps["nvfp4"]["step_ms"] / steps["bf16"]["step_ms"]
+    assert report["gemm"] == [] and report["attention"] == []  # CUDA-only kernels
+    text = run_cli("bench", "gemm", "--device", "cpu")
+    assert text.returncode == 0 and "skipped: the FP8 GEMM needs CUDA and Triton" in text.stderr, text.stderr
+
+
+@pytest.mark.cuda
+def test_bench_gemm_and_attention_on_a_gpu(run_cli):
+    out = run_cli("bench", "gemm", "--json")
+    assert out.returncode == 0, out.stderr
+    gemm = json.loads(out.stdout)["gemm"]
+    assert [g["case"] for g in gemm][:3] == ["125m w1 Fprop", "125m w1 Dgrad", "125m w1 Wgrad"] and len(gemm) == 8
+    assert all(g["throughput_vs_bf16"] == pytest.approx(g["bf16_ms"] / g["ms"]) for g in gemm)
+    out = run_cli("bench", "attention", "--json")
+    assert out.returncode == 0, out.stderr
+    attention = json.loads(out.stdout)["attention"]
+    assert {(a["seq"], a["head_dim"]) for a in attention} == {(t, d) for t in (1024, 4096, 8192) for d in (64, 128)}
+    assert all(a["fused_vs_sdpa"] == pytest.approx(a["fused_ms"] / a["sdpa_ms"]) for a in attention)
 
 
 

@@ -232,7 +232,7 @@ class GemmBench:
         return asdict(self) | {"tflops": self.tflops, "bf16_tflops": self.bf16_tflops, "throughput_vs_bf16": self.throughput_vs_bf16}
 
 
-def bench_mx_gemm(m: int, n: int, k: int, device: torch.device, repeats: int = 20) -> GemmBench | None:
+def bench_mx_gemm(m: int, n: int, k: int, device: torch.device, repeats: int = 20, label: str = "") -> GemmBench | None:
     """Time `mxfp4_matmul` against `torch.mm` in bf16 on one shape; None off CUDA or without Triton (the
     kernel is CUDA only). k must be a multiple of 32."""
     from fp4lab.numerics.fast import triton_available
@@ -247,7 +247,7 @@ def bench_mx_gemm(m: int, n: int, k: int, device: torch.device, repeats: int = 2
     a16, b16 = a32.to(torch.bfloat16), b32.to(torch.bfloat16)
     ms = _median_ms(lambda: mxfp4_matmul(a, b, torch.bfloat16), device, repeats)
     bf16_ms = _median_ms(lambda: torch.mm(a16, b16.T), device, repeats)
-    return GemmBench(f"mxfp4 GEMM on FP8 tensor cores vs bf16 cuBLAS, {m}x{n}x{k}", m, n, k, str(device), ms, bf16_ms)
+    return GemmBench(label or f"{m}x{n}x{k}", m, n, k, str(device), ms, bf16_ms)
 
 
 _CALLS_PER_GRAPH = 10
@@ -299,3 +299,18 @@ def _cuda_median_ms(fn, repeats: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def training_gemm_shapes(model: str, batch_size: int, seq_len: int) -> list[tuple[str, int, int, int]]:
+    """(label, m, n, k) of the largest linears' GEMMs in one training step of `model` at batch_size x
+    seq_len tokens (C [m, n] = A [m, k] @ B [n, k]^T): w1's Fprop, Dgrad and Wgrad, and wq's Fprop."""
+    from fp4lab.nn.model import preset
+
+    config = preset(model, 32768, seq_len)
+    tokens, dim, hidden = batch_size * seq_len, config.dim, config.ffn_hidden
+    return [
+        (f"{model} w1 Fprop", tokens, hidden, dim),
+        (f"{model} w1 Dgrad", tokens, dim, hidden),
+        (f"{model} w1 Wgrad", hidden, dim, tokens),
+        (f"{model} wq Fprop", tokens, dim, dim),
+    ]
