@@ -1,0 +1,327 @@
+"""Fused FP4 producers (fp4lab.numerics.triton_fusion) against their torch reference
+(fp4lab.numerics.fusion), bit for bit, and the reference against the unfused ops of the model.
+
+Two kinds of check:
+- faithful: each reference is the unfused composition fp4lab runs today: FeedForward's
+  silu(w1 x) * w3 x (under bf16 autocast too) then `quantize`; autograd's gradients of it; the
+  residual add then nn.RMSNorm (equal up to the sum order of the mean of squares, which torch leaves
+  to the device: a few float32 ulps) then `quantize`. CPU, no Triton.
+- exact: kernel == reference, torch.equal on the bits of every tensor (values, outer, codes, scale
+  bytes, h / s / rstd / n, d_gate / d_up). On CUDA at realistic shapes (marked `cuda`), and on the
+  CPU under Triton's interpreter at small ones. Under the interpreter exp is numpy's, which differs
+  from torch's CPU exp in the last bit of some float32 results: there, bf16 inputs are compared bit
+  for bit as everywhere (h rounds to bf16), and for fp32 inputs the produced tensor is compared to
+  within 4 ulps and every encoding bit for bit against the reference quantizer applied to the
+  kernel's own produced tensor. RMSNorm has no exp: bit for bit in every case.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4lab.numerics import BLOCK_SIZE, hadamard_signs, quantize
+from fp4lab.numerics.fusion import (
+    encode_reference,
+    residual_rmsnorm_quantize_reference,
+    rmsnorm_reference,
+    swiglu_backward_reference,
+    swiglu_quantize_reference,
+)
+
+FIELDS = ("values", "outer", "codes", "scales")
+
+
+def _gen(seed: int, device="cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def assert_same_bits(got, want, label: str) -> None:
+    """Equal bit for bit (-0.0 stays -0.0; the inputs hold no NaN)."""
+    assert got is not None and got.dtype == want.dtype and got.shape == want.shape, f"{label}: {got.dtype if got is not None else None} vs {want.dtype}, shape"
+    view = {torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.uint8: torch.uint8}[want.dtype]
+    bad = got.reshape(-1).view(view) != want.reshape(-1).view(view)
+    assert not bad.any(), f"{label}: {int(bad.sum())} of {bad.numel()} differ, e.g. {got.reshape(-1)[bad][:3].tolist()} vs {want.reshape(-1)[bad][:3].tolist()}"
+
+
+def assert_encoding(got, want, label: str) -> None:
+    for field in FIELDS:
+        expected = getattr(want, field)
+        if expected is None:
+            assert getattr(got, field) is None, f"{label}: {field} should be None"
+        else:
+            assert_same_bits(getattr(got, field), expected, f"{label} {field}")
+
+
+def assert_within_ulps(got, want, ulps: int, label: str) -> None:
+    """float32 tensors of one sign pattern within `ulps` units in the last place."""
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape, label
+    distance = (got.view(torch.int32).long() - want.view(torch.int32).long()).abs()
+    worst = int(distance.max()) if distance.numel() else 0
+    assert worst <= ulps, f"{label}: {worst} ulps apart"
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases shared by the CUDA tests and the interpreter check
+# ----------------------------------------------------------------------------------------------
+
+# (fmt, scale_mode, rounding, signs size) for the row orientation; the col orientation takes the next one
+ORIENTATIONS = [("mxfp4", None, "rtn", 0), ("nvfp4", None, "rtn", 0), ("mxfp4", "rceil", "sr", 32), ("nvfp4", None, "sr", 16)]
+
+
+def orientation(index: int, device, seed: int) -> dict:
+    fmt, mode, rounding, size = ORIENTATIONS[index % len(ORIENTATIONS)]
+    signs = hadamard_signs(size, "random", _gen(size)).to(device) if size else None
+    return {"fmt": fmt, "scale_mode": mode, "rounding": rounding, "signs": signs, "seed": seed}
+
+
+def expected(t: torch.Tensor, spec: dict, transpose: bool = False):
+    """(reference encoding, kernel options) for `t` (the produced tensor) and one orientation: SR
+    draws the reference's uniforms from a generator seeded with spec's seed, and the kernel is given
+    the same draws (e2m1.round_stochastic's torch.rand over the [rows, blocks, block] view)."""
+    fmt, rounding = spec["fmt"], spec["rounding"]
+    shape = (t.shape[1], t.shape[0]) if transpose else tuple(t.shape)
+    options = {"scale_mode": spec["scale_mode"], "rounding": rounding, "signs": spec["signs"]}
+    kernel = {"fmt": fmt, "emit_codes": True, **options}
+    if rounding == "sr":
+        block = BLOCK_SIZE[fmt]
+        draws = torch.rand((shape[0], shape[1] // block, block), generator=_gen(spec["seed"], t.device), device=t.device)
+        kernel["uniforms"] = draws.reshape(shape).contiguous()
+        options["generator"] = _gen(spec["seed"], t.device)
+    return encode_reference(t, fmt, transpose=transpose, **options), kernel
+
+
+def swiglu_inputs(shape, dtype, device, seed: int, magnitude: float = 1.0):
+    g = _gen(seed)
+    gate, up = (torch.randn(shape, generator=g) * 3 for _ in range(2))
+    return gate.mul(magnitude).to(device, dtype), up.mul(magnitude).to(device, dtype)
+
+
+def check_swiglu(gate, up, row: dict, col: dict | None, exact: bool, label: str) -> None:
+    from fp4lab.numerics.triton_fusion import swiglu_quantize_fused
+
+    ref = swiglu_quantize_reference(gate, up, row["fmt"])  # h only: the encodings come from `expected`
+    h = ref.h
+    if not exact:  # the kernel's h (numpy's exp under the interpreter), within ulps of the reference's
+        probe = swiglu_quantize_fused(gate, up, fmt="mxfp4", emit_h=True)
+        assert_within_ulps(probe.h, ref.h, 4, f"{label} h")
+        h = probe.h
+    want_row, row_kernel = expected(h, row)
+    want_col, col_kernel = expected(h, col, transpose=True) if col is not None else (None, None)
+    out = swiglu_quantize_fused(gate, up, col=col_kernel, emit_h=True, **row_kernel)
+    assert_same_bits(out.h, h, f"{label} h")
+    assert_encoding(out.row, want_row, f"{label} row")
+    if col is not None:
+        assert_encoding(out.col, want_col, f"{label} col")
+    assert swiglu_quantize_fused(gate, up, **row_kernel).h is None
+
+
+def rmsnorm_inputs(shape, dtypes, device, seed: int, magnitude: float = 1.0):
+    g = _gen(seed)
+    x, residual = (torch.randn(shape, generator=g) * magnitude for _ in range(2))
+    weight = 1 + torch.randn(shape[1], generator=g) / 4
+    return x.to(device, dtypes[0]), residual.to(device, dtypes[1]), weight.to(device, dtypes[2])
+
+
+def check_rmsnorm(x, residual, weight, eps, row: dict, col: dict | None, label: str) -> None:
+    from fp4lab.numerics.triton_fusion import residual_rmsnorm_quantize_fused
+
+    ref = residual_rmsnorm_quantize_reference(x, residual, weight, eps, row["fmt"])
+    want_row, row_kernel = expected(ref.normed, row)
+    want_col, col_kernel = expected(ref.normed, col, transpose=True) if col is not None else (None, None)
+    out = residual_rmsnorm_quantize_fused(x, residual, weight, eps, col=col_kernel, emit_normed=True, **row_kernel)
+    assert_same_bits(out.residual, ref.residual, f"{label} residual")
+    assert_same_bits(out.rstd, ref.rstd, f"{label} rstd")
+    assert_same_bits(out.normed, ref.normed, f"{label} normed")
+    assert_encoding(out.row, want_row, f"{label} row")
+    if col is not None:
+        assert_encoding(out.col, want_col, f"{label} col")
+
+
+def check_backward(grad_h, gate, up, row: dict | None, col: dict | None, exact: bool, label: str) -> None:
+    from fp4lab.numerics.triton_fusion import swiglu_backward_fused
+
+    ref = swiglu_backward_reference(grad_h, gate, up)
+    plain = swiglu_backward_fused(grad_h, gate, up)
+    if exact:
+        assert_same_bits(plain.d_gate, ref.d_gate, f"{label} d_gate")
+        assert_same_bits(plain.d_up, ref.d_up, f"{label} d_up")
+    else:
+        # 1 + g (1 - sig) cancels near g = -1.28: relative to the largest gradient, not in ulps
+        scale = float(ref.d_gate.abs().max()) if ref.d_gate.numel() else 0.0
+        assert torch.allclose(plain.d_gate, ref.d_gate, rtol=1e-5, atol=scale * 1e-6), f"{label} d_gate"
+        assert_within_ulps(plain.d_up, ref.d_up, 4, f"{label} d_up")
+    if row is None and col is None:
+        return
+    kernel = {}
+    wants = {}
+    for name, produced in (("gate", plain.d_gate), ("up", plain.d_up)):
+        if row is not None:
+            wants[f"{name}_row"], kernel["row"] = expected(produced, row)
+        if col is not None:
+            wants[f"{name}_col"], kernel["col"] = expected(produced, col, transpose=True)
+    out = swiglu_backward_fused(grad_h, gate, up, **kernel)
+    assert_same_bits(out.d_gate, plain.d_gate, f"{label} d_gate (quantizing)")
+    assert_same_bits(out.d_up, plain.d_up, f"{label} d_up (quantizing)")
+    for name, want in wants.items():
+        assert_encoding(getattr(out, name), want, f"{label} {name}")
+
+
+def run_cases(device, token_shapes, widths, exact_fp32: bool, magnitudes=(1.0,)) -> None:
+    """Every producer over dtypes, formats, both orientations, SR and transforms, odd and zero token
+    counts and the given magnitudes."""
+    case = 0
+    for tokens in token_shapes:
+        for width in widths:
+            for dtype in (torch.bfloat16, torch.float32):
+                for magnitude in magnitudes:
+                    exact = exact_fp32 or dtype == torch.bfloat16
+                    row, col = orientation(case, device, case), orientation(case + 1, device, case + 100)
+                    label = f"{tokens}x{width} {dtype} x{magnitude} {row['fmt']}/{col['fmt']}"
+                    gate, up = swiglu_inputs((tokens, width), dtype, device, case, magnitude)
+                    check_swiglu(gate, up, row, None, exact, f"swiglu {label}")
+                    check_swiglu(gate, up, row, col, exact, f"swiglu+col {label}")
+                    dtypes = [(torch.bfloat16, torch.float32, torch.float32), (dtype,) * 3][case % 2]
+                    x, residual, weight = rmsnorm_inputs((tokens, width), dtypes, device, case, magnitude)
+                    check_rmsnorm(x, residual, weight, 1e-5, row, None, f"rmsnorm {dtypes} {label}")
+                    check_rmsnorm(x, residual, weight, 1e-5, col, row, f"rmsnorm+col {dtypes} {label}")
+                    grad_h = swiglu_inputs((tokens, width), dtype, device, case + 7)[0]
+                    check_backward(grad_h, gate, up, None, None, exact, f"backward {label}")
+                    check_backward(grad_h, gate, up, row, col, exact, f"backward+q {label}")
+                    case += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Faithful: the references are the unfused ops (CPU)
+# ----------------------------------------------------------------------------------------------
+
+
+def _feed_forward(dim: int, hidden: int, seed: int):
+    from fp4lab.nn.model import FeedForward
+
+    torch.manual_seed(seed)
+    return FeedForward(dim, hidden, lambda name, fan_in, fan_out: nn.Linear(fan_in, fan_out, bias=False))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_swiglu_reference_is_the_model_feed_forward(autocast, fmt):
+    """What FeedForward feeds w2 (captured by a hook), under bf16 autocast or in fp32, is the
+    reference's h, and its encoding is `quantize` of it: the fused producer replaces exactly that."""
+    ff = _feed_forward(64, 128, seed=0)
+    x = torch.randn(24, 64, generator=_gen(1))
+    captured = {}
+    ff.w2.register_forward_pre_hook(lambda module, args: captured.update(h=args[0]))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ff(x)
+        gate, up = ff.w1(x), ff.w3(x)
+    ref = swiglu_quantize_reference(gate, up, fmt)
+    assert ref.h.dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert_same_bits(ref.h, captured["h"], "h")
+    q = quantize(captured["h"].float(), fmt)
+    assert_same_bits(ref.row.codes, q.data, "codes")
+    assert_same_bits(ref.row.scales, q.scales, "scales")
+    assert_same_bits(ref.row.values, q.factored().values.bfloat16(), "values")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_backward_reference_is_autograd(dtype):
+    """d_gate and d_up are autograd's gradients of silu(gate) * up, bit for bit; their encodings are
+    `quantize` of them along either dim."""
+    gate, up = swiglu_inputs((32, 64), dtype, "cpu", seed=3)
+    grad_h = swiglu_inputs((32, 64), dtype, "cpu", seed=4)[0]
+    leaves = [t.clone().requires_grad_() for t in (gate, up)]
+    (F.silu(leaves[0]) * leaves[1]).backward(grad_h)
+    ref = swiglu_backward_reference(grad_h, gate, up, row={"fmt": "nvfp4"}, col={"fmt": "mxfp4"})
+    assert_same_bits(ref.d_gate, leaves[0].grad, "d_gate")
+    assert_same_bits(ref.d_up, leaves[1].grad, "d_up")
+    assert_same_bits(ref.gate_row.codes, quantize(leaves[0].grad.float(), "nvfp4").data, "d_gate row codes")
+    assert_same_bits(ref.up_col.codes, quantize(leaves[1].grad.float().T.contiguous(), "mxfp4").data, "d_up col codes")
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 2.0**-9, 2.0**40])
+@pytest.mark.parametrize("dims", [(16, 96), (8, 1024)])
+def test_rmsnorm_reference_is_nn_rmsnorm(dims, magnitude):
+    """s = x + residual as the block adds them (fp32 residual + bf16 branch), and n within 4 float32
+    ulps of nn.RMSNorm (the sum order of the mean of squares is torch's own; at 2^-9 eps dominates
+    the mean, so a dropped or misplaced eps shows); `quantize` of n is the reference's encoding."""
+    rows, dim = dims
+    branch, residual, weight = rmsnorm_inputs(dims, (torch.bfloat16, torch.float32, torch.float32), "cpu", 5, magnitude)
+    norm = nn.RMSNorm(dim, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        ref = residual_rmsnorm_quantize_reference(branch, residual, weight, 1e-5, "nvfp4")
+        s = residual + branch
+        assert_same_bits(ref.residual, s, "residual")
+        assert_within_ulps(ref.normed, norm(s), 4, "normed")
+        rstd = torch.rsqrt(s.double().square().mean(1) + 1e-5)
+        assert torch.allclose(ref.rstd.double(), rstd, rtol=1e-6, atol=0)
+    q = quantize(ref.normed, "nvfp4")
+    assert_same_bits(ref.row.codes, q.data, "codes")
+    assert_same_bits(ref.row.scales, q.scales, "scales")
+
+
+def test_rmsnorm_reference_sums_by_halving():
+    """The mean of squares is summed in the kernel's order, by halving: squares [2^24, 1 x 7, 0, 1 x 7]
+    sum to 2^24 + 14 that way (the ones meet each other first), to 2^24 left to right (each 1 is a tie
+    that rounds away)."""
+    s = torch.ones(1, 16)
+    s[0, 0], s[0, 8] = 2.0**12, 0.0
+    _, rstd = rmsnorm_reference(s, torch.ones(16), eps=0.0)
+
+    def rstd_of(total: float) -> torch.Tensor:
+        return 1.0 / torch.sqrt(torch.tensor([total / 16], dtype=torch.float64)).float()  # total / 16: exact
+
+    assert_same_bits(rstd, rstd_of(2.0**24 + 14), "rstd")
+    assert not torch.equal(rstd, rstd_of(2.0**24))
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact: under Triton's interpreter (CPU) and on CUDA
+# ----------------------------------------------------------------------------------------------
+
+INTERPRETED_CHECK = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_triton_fusion import run_cases
+# Small shapes: the interpreter runs every block op in numpy. 32 and 64 tokens (h^T's blocks run along
+# them) and 0; widths 64 and 96, narrower than a tile (masked loads and stores; RMSNorm rows padded to
+# 128). Magnitudes 2^-40 and 2^40 keep h, n and every scale normal: the interpreter's float casts
+# mishandle subnormals, the GPU's do not (the CUDA tests cover them).
+run_cases("cpu", (32, 0), (64, 96), exact_fp32=False, magnitudes=(1.0,))
+run_cases("cpu", (64,), (64,), exact_fp32=False, magnitudes=(2.0**-40, 2.0**40))
+print("ok")
+"""
+
+
+def test_kernels_under_triton_interpreter():
+    """The fused kernels, run by Triton's CPU interpreter, equal their references (see the module
+    docstring for fp32 exp)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = INTERPRETED_CHECK.format(tests=os.path.dirname(__file__))
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("width", [768, 2048])
+def test_kernels_on_cuda(width):
+    """16 x 1024 tokens (and a masked 1000), both dtypes, both formats, both orientations, SR, H16 /
+    H32: bit for bit, fp32 included (libdevice's expf is torch's CUDA silu's)."""
+    pytest.importorskip("triton")
+    run_cases("cuda", (16 * 1024, 1056), (width,), exact_fp32=True)
+
+
+@pytest.mark.cuda
+def test_extreme_magnitudes_on_cuda():
+    """Tiny (fp32-subnormal h and n, E8M0 scales near 2^-127, NVFP4 S_enc at FLT_MAX) and huge inputs,
+    800 features: tiles that end inside the tensor (masked)."""
+    pytest.importorskip("triton")
+    run_cases("cuda", (256,), (800,), exact_fp32=True, magnitudes=(2.0**-70, 2.0**-40, 2.0**50))
