@@ -187,7 +187,10 @@ def run_cases(device, token_shapes, widths, exact_fp32: bool, magnitudes=(1.0,))
                     gate, up = swiglu_inputs((tokens, width), dtype, device, case, magnitude)
                     check_swiglu(gate, up, row, None, exact, f"swiglu {label}")
                     check_swiglu(gate, up, row, col, exact, f"swiglu+col {label}")
-                    dtypes = [(torch.bfloat16, torch.float32, torch.float32), (dtype,) * 3][case % 2]
+                    # (x, residual, weight): the model's (bf16 branch, fp32 residual and gain), all bf16
+                    # (s rounded to bf16 before and after the rstd product), bf16 stream, fp32 gain
+                    mixes = [(torch.bfloat16, torch.float32, torch.float32), (dtype,) * 3, (dtype, dtype, torch.float32)]
+                    dtypes = mixes[case % 3] if dtype == torch.bfloat16 else (dtype,) * 3
                     x, residual, weight = rmsnorm_inputs((tokens, width), dtypes, device, case, magnitude)
                     check_rmsnorm(x, residual, weight, 1e-5, row, None, f"rmsnorm {dtypes} {label}")
                     check_rmsnorm(x, residual, weight, 1e-5, col, row, f"rmsnorm+col {dtypes} {label}")
