@@ -328,3 +328,28 @@ def test_extreme_magnitudes_on_cuda():
     800 features: tiles that end inside the tensor (masked)."""
     pytest.importorskip("triton")
     run_cases("cuda", (256,), (800,), exact_fp32=True, magnitudes=(2.0**-70, 2.0**-40, 2.0**50))
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bench_refuses_off_cuda():
+    from fp4lab.bench.fusion import bench_producer_fusion
+
+    assert bench_producer_fusion((64, 256), "mxfp4", torch.device("cpu"), repeats=1) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_bench_times_every_producer(fmt):
+    pytest.importorskip("triton")
+    from fp4lab.bench.fusion import PRODUCERS, bench_producer_fusion
+
+    bench = bench_producer_fusion((1024, 768), fmt, torch.device("cuda"), repeats=3)
+    assert set(bench.timings) == set(PRODUCERS)
+    for timing in bench.timings.values():
+        assert timing.unfused_ms > 0 and timing.compiled_ms > 0 and timing.fused_ms > 0
+        assert timing.gain == timing.unfused_ms / timing.fused_ms
+    assert bench.as_dict()["swiglu"]["gain_over_compiled"] > 0
