@@ -18,8 +18,11 @@ and scale bytes, about a quarter of a bf16 unit per orientation, are left out of
     swiglu, nvfp4          as mxfp4 + the amax pass r1 = 7               amax pass r2, quantize r2 = 4
     add + rmsnorm, mxfp4   add r2 w1, rmsnorm r1 w1, quantize r1 = 6     r2 w1 = 3 (one pass)
     add + rmsnorm, nvfp4   as mxfp4 + amax r1 = 7                        stats r2 w1, quantize r1 = 4
-      (with n^T also)      + nothing (quantize_fused_both)               + a tile amax pass r1 (nvfp4)
+    (either, with n^T)     the same (quantize_fused_both: one read)      4; nvfp4 + a tile amax r1 = 5
     swiglu backward        mul r2 w1, mul r2 w1, silu' r2 w1 = 9         r3 w2 = 5
+
+(torch's rms_norm may itself take more than one pass; the swiglu backward needs no saved silu(gate),
+which autograd keeps from the forward for the unfused product: one activation of memory per layer.)
 
 NVFP4's tensor scale needs the amax of the whole produced tensor before any block is quantized, so
 its producers run twice: an amax pass that computes the tile and folds its finite block amax into one
@@ -28,12 +31,19 @@ the tile from the inputs (cheaper than writing and reading it back: h is never s
 writes s anyway (the residual stream), so its quantize pass reads s and the row's rstd.
 
 Exactness: every float32 operation is the reference's, in its order, compiled without FMA
-contraction; divisions are `div_rn` and the square root `sqrt_rn`; roundings to bf16 are done on
+contraction (the one fma, in silu's derivative on CUDA, is written out: nvcc contracts torch's);
+divisions are `div_rn` and the square root `sqrt_rn`; roundings to bf16 are done on
 the bits (round to nearest even), since the interpreter's float casts truncate. The one function
 outside that control is exp (in silu and its derivative): on CUDA the kernels call libdevice's expf,
-the function torch's CUDA silu calls, and under Triton's CPU interpreter numpy's exp, which differs
+the function torch's CUDA silu calls (Triton links libdevice with flush-to-zero on, so an exp whose
+result is subnormal gives 0; 1 + that is 1 either way, so silu and its derivative do not change),
+and under Triton's CPU interpreter numpy's exp, which differs
 from torch's CPU exp in the last bit of a fraction of fp32 results (after rounding to bf16 that
 almost never shows; the tests say how it is checked).
+
+Status (2026-12-01): checked against the references under Triton's CPU interpreter only. The CUDA
+tests (tests/test_triton_fusion.py, marked `cuda`) and the benchmark have not yet run on a GPU; the
+claims above about libdevice's expf and nvcc's fma are what those tests check first.
 
 Not supported (ValueError): inputs other than 2D contiguous bf16/fp32 CUDA tensors (CPU under the
 interpreter), the quantize options quantize_fused rejects, and for RMSNorm a last dim above 16384.
