@@ -313,6 +313,69 @@ def test_kernels_under_triton_interpreter():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+def _recorded_launches(monkeypatch, tf) -> list:
+    """(kernel, args, kwargs) of every launch the host functions make for a spread of options, on CPU
+    tensors that are never read: the kernels are replaced by recorders."""
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+
+    for name in ("_producer_quantize_kernel", "_producer_amax_kernel", "_rmsnorm_rows_kernel", "_swiglu_backward_kernel"):
+        monkeypatch.setattr(tf, name, Recorder(getattr(tf, name)))
+    monkeypatch.setattr(tf, "_check_inputs", lambda *args, **kwargs: None)  # CPU tensors outside the interpreter
+    gate, up = swiglu_inputs((64, 256), torch.bfloat16, "cpu", seed=0)
+    x, residual, weight = rmsnorm_inputs((64, 768), (torch.bfloat16, torch.float32, torch.float32), "cpu", seed=0)
+    signs = hadamard_signs(16, "random", _gen(16))
+    tf.swiglu_quantize_fused(gate, up, fmt="nvfp4", emit_codes=True, emit_h=True, col={"fmt": "mxfp4", "signs": signs})
+    tf.residual_rmsnorm_quantize_fused(x, residual, weight, 1e-5, fmt="mxfp4", emit_codes=True, emit_normed=True)
+    tf.residual_rmsnorm_quantize_fused(x, residual, weight, 1e-5, fmt="nvfp4", col={"fmt": "nvfp4"})
+    tf.swiglu_backward_fused(gate, gate, up)
+    tf.swiglu_backward_fused(gate, gate, up, row={"fmt": "nvfp4"})
+    return launches
+
+
+def test_kernels_compile_for_hopper(monkeypatch):
+    """Every kernel, as the host functions launch it, compiles for sm_90 without a GPU (Triton's bundled
+    ptxas), and its PTX does what the exactness argument needs: no flush of subnormals in an add, mul,
+    div or sqrt, correctly rounded div and sqrt, no fma outside libdevice's expf (fma.rn.ftz / fma.rm.ftz
+    there) except the one written out in silu's derivative (fma.rn.f32, as nvcc contracts torch's)."""
+    pytest.importorskip("triton")
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    from fp4lab.numerics import triton_fusion as tf
+
+    launches = _recorded_launches(monkeypatch, tf)
+    assert len(launches) == 11
+    options = ("num_warps", "enable_fp_fusion")
+    for kernel, args, kwargs in launches:
+        values = dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in options}
+        constexpr = {p.name for p in kernel.params if p.is_constexpr}
+        signature = {n: "constexpr" if n in constexpr or values[n] is None else mangle_type(values[n]) for n in kernel.arg_names}
+        source = ASTSource(fn=kernel, signature=signature, constexprs={n: values[n] for n in signature if signature[n] == "constexpr"})
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={k: kwargs[k] for k in options}).asm["ptx"]
+        label = f"{kernel.__name__} P={values.get('P')}"
+        assert not re.search(r"\b(add|sub|mul|div|sqrt|rcp)\.[a-z.]*ftz", ptx), label
+        assert not re.search(r"\b(div|sqrt|rcp)\.approx", ptx), label
+        has = {op: op in ptx for op in ("ex2.approx", "fma.rn.f32", "fma", "sqrt.rn.f32", "div.rn.f32")}
+        uses_exp = values.get("P", 0) != tf._NORM_APPLY.value and kernel.__name__ != "_rmsnorm_rows_kernel"
+        explicit_fma = kernel.__name__ == "_swiglu_backward_kernel" or values.get("P") == tf._GRAD_GATE.value
+        assert has["ex2.approx"] == uses_exp, f"{label}: {has}"
+        assert has["fma.rn.f32"] == explicit_fma, f"{label}: {has}"
+        assert uses_exp or not has["fma"], f"{label}: {has}"
+        if kernel.__name__ == "_rmsnorm_rows_kernel":
+            assert has["sqrt.rn.f32"] and has["div.rn.f32"], f"{label}: {has}"
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("width", [768, 2048])
 def test_kernels_on_cuda(width):

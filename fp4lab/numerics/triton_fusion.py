@@ -41,9 +41,11 @@ and under Triton's CPU interpreter numpy's exp, which differs
 from torch's CPU exp in the last bit of a fraction of fp32 results (after rounding to bf16 that
 almost never shows; the tests say how it is checked).
 
-Status (2026-12-01): checked against the references under Triton's CPU interpreter only. The CUDA
-tests (tests/test_triton_fusion.py, marked `cuda`) and the benchmark have not yet run on a GPU; the
-claims above about libdevice's expf and nvcc's fma are what those tests check first.
+Status (2026-12-01): checked against the references under Triton's CPU interpreter, and compiled
+for sm_90 without a GPU (the PTX has no flushed add/mul/div/sqrt, correctly rounded div and sqrt,
+and fma only in libdevice's expf and the written-out one). The CUDA tests (tests/test_triton_fusion.py,
+marked `cuda`) and the benchmark have not yet run on a GPU; that libdevice's expf and nvcc's fma
+give torch's CUDA bits is what those tests check first.
 
 Not supported (ValueError): inputs other than 2D contiguous bf16/fp32 CUDA tensors (CPU under the
 interpreter), the quantize options quantize_fused rejects, and for RMSNorm a last dim above 16384.
