@@ -271,10 +271,19 @@ def cast_impl(self, src, dst_type):
 interpreter._patch_lang_tensor = patch
 interpreter.InterpreterBuilder.create_dot = create_dot
 interpreter.InterpreterBuilder.cast_impl = cast_impl
-sys.path.insert(0, {tests!r})
-import test_triton_attention as checks
+sys.path.insert(0, {root!r})
+import importlib
+checks = importlib.import_module({module!r})
 checks.{call}
 """
+
+
+def run_interpreted(module: str, call: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`module.call` (module: e.g. "tests.test_triton_attention") in a fresh Python under TRITON_INTERPRET=1,
+    with the interpreter's gaps above filled; the completed process (check its returncode)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = INTERPRETED.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), module=module, call=call)
+    return subprocess.run([sys.executable, "-c", code], check=False, env=env, timeout=timeout, capture_output=True, text=True)
 
 
 @pytest.mark.parametrize(
@@ -291,9 +300,7 @@ checks.{call}
     ids=["references", "max_logits_exact", "probe_batch", "exp2_poly_error", "exp2_poly_attention", "bf16", "bf16_exp2_poly"],
 )
 def test_kernels_under_triton_interpreter(call):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = INTERPRETED.format(tests=os.path.dirname(__file__), call=call)
-    done = subprocess.run([sys.executable, "-c", code], check=False, env=env, timeout=300, capture_output=True, text=True)
+    done = run_interpreted("tests.test_triton_attention", call)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -1,11 +1,15 @@
 """Causal grouped-query attention with RoPE, the two training probes, and FP4 attention.
 
-`Attention` has three paths, picked by attributes the training loop toggles:
+`Attention` has these paths, picked by attributes the training loop and build_model set:
 
-- default: `F.scaled_dot_product_attention` (fused, no logits materialised);
-- probes, computed beside the default output and never changing it:
+- `kernel="sdpa"` (the default): `F.scaled_dot_product_attention` (fused, no logits materialised),
+  and the probes computed beside it from chunks of fp32 logits, never changing the output:
   `record_max_logits` stores the per-head max attention logit S_max^h (the QK-Clip trigger, Kimi K2),
   `probe` stores the per-head attention entropy (Zhai et al. 2023);
+- `kernel="triton"` (what build_model sets on the fast path on CUDA): the Triton flash attention of
+  fp4lab.nn.triton_attention, whose online softmax also returns both probes' statistics, so they
+  cost one more multiply-add per logit instead of a pass over all logits: QK-Clip reads them every
+  step. The same two flags say which of them are stored;
 - `quant`: FP4 attention after Full-Stack FP4 (arXiv 2607.04422), fake-quantized, with a
   hand-written backward (`fp4_attention`): QK^T, dS K and dS^T Q in FP4, V and PV, dO V^T in BF16.
 
@@ -86,9 +90,10 @@ class Attention(nn.Module):
                          positions of q.k / sqrt(head_dim), after RoPE.
       probe              store `last_entropy` [n_heads]: mean over queries of the causal softmax rows'
                          entropy (nats), over the first `probe_batch` sequences.
-      quant              an AttentionQuant to run FP4 attention instead of SDPA.
+      quant              an AttentionQuant to run FP4 attention instead of SDPA (whatever `kernel`).
       kernel             "sdpa" (PyTorch's attention beside the chunked probes) or "triton"
-                         (fp4lab.nn.triton_attention, the probes' statistics computed online).
+                         (fp4lab.nn.triton_attention, the probes' statistics computed online; its
+                         inputs in the autocast dtype under autocast, as SDPA's are).
     Both probes read the unquantized post-RoPE q and k, also under FP4 attention: they track the
     weights QK-Clip rescales, not the rounding noise.
     """
@@ -123,6 +128,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.quant is None and self.kernel == "triton":
+            out = self._flash_attention(q, k, v)
+            return self.wo(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
 
         # Probes and FP4 attention compute their own precision (fp32 logits, bf16 PV); under autocast
         # (bf16 activations) their products would otherwise be cast down to bf16.
@@ -136,6 +144,24 @@ class Attention(nn.Module):
         if self.quant is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+
+    def _flash_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The "triton" kernel: attention whose online softmax also yields both probes' statistics, so
+        they cost no extra pass over the logits and can run every step."""
+        # Imported here: the module imports Triton, and only runs where build_model chose the kernel.
+        from fp4lab.nn.triton_attention import flash_attention
+
+        device = q.device.type
+        if torch.is_autocast_enabled(device):
+            # SDPA runs in the autocast dtype there; the kernel casts nothing, so it gets what SDPA would.
+            dtype = torch.get_autocast_dtype(device)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        result = flash_attention(q, k, v, probe_batch=self.probe_batch)
+        if self.record_max_logits:
+            self.last_max_logits = result.max_logits
+        if self.probe:
+            self.last_entropy = result.entropy
+        return result.out
 
 
 # --- probes -------------------------------------------------------------------------------------

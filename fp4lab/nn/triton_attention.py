@@ -50,20 +50,8 @@ relative error, measured over [-126, 0] in tests, is at most EXP2_POLY_MAX_REL_E
 below bf16's half ulp (2^-9), so it is meant for bf16 inputs; arguments below -126 give 0 (as ex2.ftz
 flushes). Default off: the default path keeps tl.exp2.
 
-Wiring into `fp4lab.nn.attention.Attention.forward` (not done here; it needs a GPU to validate):
-the SDPA call and the two probe calls are replaced, on the `quant is None` path, by
-
-    from fp4lab.nn.triton_attention import flash_attention   # lazily, after triton_available()
-    result = flash_attention(q, k, v, probe_batch=self.probe_batch)
-    out = result.out                                   # replaces F.scaled_dot_product_attention(...)
-    if self.record_max_logits:
-        self.last_max_logits = result.max_logits       # replaces max_attention_logits(q, k)
-    if self.probe:
-        self.last_entropy = result.entropy             # replaces attention_entropy(q[:pb], k[:pb])
-
-q, k, v there are the post-RoPE [B, H, T, D] transposes (strided views: the kernels read any strides
-whose last one is 1, no copy), bf16 under autocast; call it outside the `autocast(enabled=False)`
-block or inside it alike, it casts nothing. The FP4 path (`quant`) keeps its own probes.
+Wired into `fp4lab.nn.attention.Attention.forward` (`kernel="triton"`, unquantized attention), which
+stores `max_logits` and `entropy` as the probes' `last_max_logits` and `last_entropy`.
 
 Tile shapes on a GPU (`_GPU_TILES`) are modelled on the tutorial's and not yet swept (nor run) on an
 H200; under TRITON_INTERPRET=1 small tiles with BLOCK_M != BLOCK_N keep the CPU tests fast and cover
@@ -134,10 +122,11 @@ def flash_attention(
     sequences, as `Attention.probe_batch` does; exp2_poly picks the polynomial exp2 (module docstring).
     """
     _check_inputs(q, k, v, probe_batch)
-    out, lse, row_max_logits, row_entropy = _FlashAttention.apply(q, k, v, exp2_poly)
+    out, lse2, row_max_logits, row_entropy = torch.ops.fp4lab.flash_attention_forward(q, k, v, exp2_poly)
+    row_max_logits, row_entropy = row_max_logits.detach(), row_entropy.detach()
     return FlashAttentionOutput(
         out=out,
-        lse=lse,
+        lse=lse2.detach() * math.log(2.0),
         row_max_logits=row_max_logits,
         row_entropy=row_entropy,
         max_logits=row_max_logits.amax(dim=(0, 2)),
@@ -179,59 +168,99 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-class _FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, exp2_poly: bool):
-        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-        batch, n_heads, seq, head_dim = q.shape
-        block_m, block_n, _, _, _, _, warps, stages = _tiles(head_dim)
-        out = torch.empty_like(q)
-        lse2, row_max_logits, row_entropy = (
-            torch.empty(batch, n_heads, seq, device=q.device, dtype=torch.float32) for _ in range(3)
-        )
-        grid = (triton.cdiv(seq, block_m), batch * n_heads)
-        _forward_kernel[grid](
-            q, k, v, out, lse2, row_max_logits, row_entropy,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            n_heads, n_heads // k.shape[1], seq, _log2e_scale(head_dim), math.sqrt(head_dim),
-            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), POLY=exp2_poly,
-            num_warps=warps, num_stages=stages,
-        )
-        ctx.save_for_backward(q, k, v, out, lse2)
-        ctx.exp2_poly = exp2_poly
-        lse = lse2 * math.log(2.0)
-        ctx.mark_non_differentiable(lse, row_max_logits, row_entropy)
-        return out, lse, row_max_logits, row_entropy
+# --- the kernels as torch operators ---------------------------------------------------------------
+# Custom operators with fake (meta) implementations and a registered backward: torch.compile traces them
+# into the model's graph as opaque calls (no graph break per attention layer, where a compiler.disable'd
+# autograd.Function would cut every block in two), AOTAutograd finds the backward, and a CUDA graph
+# captures their launches like any other kernel. Both allocate their outputs exactly as the fakes do.
 
-    @staticmethod
-    def backward(ctx, grad_out, *_statistics):
-        q, k, v, out, lse2 = ctx.saved_tensors
-        grad_out = _last_dim_contiguous(grad_out)
-        batch, n_heads, seq, head_dim = q.shape
-        n_kv_heads = k.shape[1]
-        _, _, block_m1, block_n1, block_m2, block_n2, warps, stages = _tiles(head_dim)
-        delta = torch.empty_like(lse2)
-        _delta_kernel[(triton.cdiv(seq, block_m2), batch * n_heads)](
-            out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], n_heads, seq,
-            HEAD_DIM=head_dim, BLOCK_M=block_m2,
-        )
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        common = {
-            "HEAD_DIM": head_dim, "PRECISION": _precision(q), "POLY": ctx.exp2_poly, "num_warps": warps, "num_stages": stages
-        }
-        scales = (_log2e_scale(head_dim), 1.0 / math.sqrt(head_dim))
-        _grad_kv_kernel[(triton.cdiv(seq, block_n1), batch * n_kv_heads)](
-            q, k, v, grad_out, lse2, delta, grad_k, grad_v,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
-            *grad_k.stride()[:3], *grad_v.stride()[:3],
-            n_kv_heads, n_heads // n_kv_heads, seq, *scales, BLOCK_M=block_m1, BLOCK_N=block_n1, **common,
-        )
-        _grad_q_kernel[(triton.cdiv(seq, block_m2), batch * n_heads)](
-            q, k, v, grad_out, lse2, delta, grad_q,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *grad_q.stride()[:3],
-            n_heads, n_heads // n_kv_heads, seq, *scales, BLOCK_M=block_m2, BLOCK_N=block_n2, **common,
-        )
-        return grad_q, grad_k, grad_v, None
+
+def _forward_outputs(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """out (q's dtype and strides), and the base-2 LSE, m_i / sqrt(D), H_i: fp32 [B, H, T]."""
+    batch, n_heads, seq, _ = q.shape
+    statistics = (torch.empty(batch, n_heads, seq, device=q.device, dtype=torch.float32) for _ in range(3))
+    return torch.empty_like(q), *statistics
+
+
+@torch.library.custom_op("fp4lab::flash_attention_forward", mutates_args=())
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exp2_poly: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """O, the base-2 LSE (what the backward reads), and the per-row max logit and entropy."""
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    batch, n_heads, seq, head_dim = q.shape
+    block_m, block_n, _, _, _, _, warps, stages = _tiles(head_dim)
+    out, lse2, row_max_logits, row_entropy = _forward_outputs(q)
+    grid = (triton.cdiv(seq, block_m), batch * n_heads)
+    _forward_kernel[grid](
+        q, k, v, out, lse2, row_max_logits, row_entropy,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        n_heads, n_heads // k.shape[1], seq, _log2e_scale(head_dim), math.sqrt(head_dim),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), POLY=exp2_poly,
+        num_warps=warps, num_stages=stages,
+    )
+    return out, lse2, row_max_logits, row_entropy
+
+
+@_forward.register_fake
+def _(q, k, v, exp2_poly):
+    return _forward_outputs(_last_dim_contiguous(q))
+
+
+@torch.library.custom_op("fp4lab::flash_attention_backward", mutates_args=())
+def _backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse2: torch.Tensor, exp2_poly: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV (in q's, k's, v's dtype and strides) from dO and the forward's O and base-2 LSE."""
+    q, k, v, grad_out = (_last_dim_contiguous(x) for x in (q, k, v, grad_out))
+    batch, n_heads, seq, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    _, _, block_m1, block_n1, block_m2, block_n2, warps, stages = _tiles(head_dim)
+    delta = torch.empty_like(lse2)
+    _delta_kernel[(triton.cdiv(seq, block_m2), batch * n_heads)](
+        out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], n_heads, seq,
+        HEAD_DIM=head_dim, BLOCK_M=block_m2,
+    )
+    grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    common = {
+        "HEAD_DIM": head_dim, "PRECISION": _precision(q), "POLY": exp2_poly, "num_warps": warps, "num_stages": stages
+    }
+    scales = (_log2e_scale(head_dim), 1.0 / math.sqrt(head_dim))
+    _grad_kv_kernel[(triton.cdiv(seq, block_n1), batch * n_kv_heads)](
+        q, k, v, grad_out, lse2, delta, grad_k, grad_v,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
+        *grad_k.stride()[:3], *grad_v.stride()[:3],
+        n_kv_heads, n_heads // n_kv_heads, seq, *scales, BLOCK_M=block_m1, BLOCK_N=block_n1, **common,
+    )
+    _grad_q_kernel[(triton.cdiv(seq, block_m2), batch * n_heads)](
+        q, k, v, grad_out, lse2, delta, grad_q,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *grad_q.stride()[:3],
+        n_heads, n_heads // n_kv_heads, seq, *scales, BLOCK_M=block_m2, BLOCK_N=block_n2, **common,
+    )
+    return grad_q, grad_k, grad_v
+
+
+@_backward.register_fake
+def _(grad_out, q, k, v, out, lse2, exp2_poly):
+    return tuple(torch.empty_like(_last_dim_contiguous(x)) for x in (q, k, v))
+
+
+def _save_for_backward(ctx, inputs, output) -> None:
+    q, k, v, exp2_poly = inputs
+    out, lse2, _, _ = output
+    ctx.save_for_backward(q, k, v, out, lse2)
+    ctx.exp2_poly = exp2_poly
+
+
+def _gradients(ctx, grad_out, _grad_lse2, _grad_row_max_logits, _grad_row_entropy):
+    # The statistics are detached by flash_attention: their gradients are None or zeros, and ignored.
+    q, k, v, out, lse2 = ctx.saved_tensors
+    grad_q, grad_k, grad_v = torch.ops.fp4lab.flash_attention_backward(grad_out, q, k, v, out, lse2, ctx.exp2_poly)
+    return grad_q, grad_k, grad_v, None
+
+
+_forward.register_autograd(_gradients, setup_context=_save_for_backward)
 
 
 def _log2e_scale(head_dim: int) -> float:
