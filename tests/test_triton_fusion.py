@@ -200,6 +200,29 @@ def run_cases(device, token_shapes, widths, exact_fp32: bool, magnitudes=(1.0,))
                     case += 1
 
 
+def check_seeded_sr(device, shape) -> None:
+    """SR from an in-kernel Philox seed draws, per element, what quantize_fused draws for the same
+    element of the produced tensor: the fused producers equal quantize_fused of the reference's h and
+    n (bf16 inputs: h exact everywhere), codes-only orientations included."""
+    from fp4lab.numerics.triton_fusion import residual_rmsnorm_quantize_fused, swiglu_quantize_fused
+    from fp4lab.numerics.triton_quantize import quantize_fused, quantize_fused_both
+
+    seed = torch.tensor([20261201], dtype=torch.int64, device=device)
+    for fmt in ("mxfp4", "nvfp4"):
+        row = {"fmt": fmt, "rounding": "sr", "seed": seed, "emit_codes": True}
+        col = {"fmt": fmt, "rounding": "sr", "seed": seed, "emit_codes": True, "emit_values": False}
+        gate, up = swiglu_inputs(shape, torch.bfloat16, device, seed=11)
+        h = swiglu_quantize_reference(gate, up, fmt).h
+        fused = swiglu_quantize_fused(gate, up, col=col, **row)
+        want_row, want_col = quantize_fused_both(h, row, col)
+        assert_encoding(fused.row, want_row, f"seeded swiglu {fmt} row")
+        assert_encoding(fused.col, want_col, f"seeded swiglu {fmt} col")
+        x, residual, weight = rmsnorm_inputs(shape, (torch.bfloat16, torch.float32, torch.float32), device, seed=12)
+        n = residual_rmsnorm_quantize_reference(x, residual, weight, 1e-5, fmt).normed
+        fused = residual_rmsnorm_quantize_fused(x, residual, weight, 1e-5, **row)  # mxfp4: the one-pass kernel
+        assert_encoding(fused.row, quantize_fused(n, **row), f"seeded rmsnorm {fmt} row")
+
+
 # ----------------------------------------------------------------------------------------------
 # Faithful: the references are the unfused ops (CPU)
 # ----------------------------------------------------------------------------------------------
@@ -292,13 +315,14 @@ def test_rmsnorm_reference_sums_by_halving():
 INTERPRETED_CHECK = """
 import sys, torch
 sys.path.insert(0, {tests!r})
-from test_triton_fusion import run_cases
+from test_triton_fusion import check_seeded_sr, run_cases
 # Small shapes: the interpreter runs every block op in numpy. 32 tokens (h^T's blocks run along them)
 # and 0; widths 64 and 96, narrower than a tile (masked loads and stores; RMSNorm rows padded to
 # 128). Magnitudes 2^-40 and 2^40 keep h, n and every scale normal: the interpreter's float casts
 # mishandle subnormals, the GPU's do not (the CUDA tests cover them).
 run_cases("cpu", (32, 0), (64, 96), exact_fp32=False, magnitudes=(1.0,))
 run_cases("cpu", (32,), (64,), exact_fp32=False, magnitudes=(2.0**-40, 2.0**40))
+check_seeded_sr("cpu", (32, 96))
 print("ok")
 """
 
@@ -383,6 +407,7 @@ def test_kernels_on_cuda(width):
     H32: bit for bit, fp32 included (libdevice's expf is torch's CUDA silu's)."""
     pytest.importorskip("triton")
     run_cases("cuda", (16 * 1024, 1056), (width,), exact_fp32=True)
+    check_seeded_sr("cuda", (16 * 1024, width))
 
 
 @pytest.mark.cuda
