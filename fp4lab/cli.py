@@ -550,7 +550,10 @@ def bench(
         )
         from fp4lab.train.loop import attention_kernel as resolve_attention, mx_gemm as resolve_mx_gemm
 
-        resolve_attention(kernels, target), resolve_mx_gemm(kernels, target)  # refused here, not after the anchor ran
+        from fp4lab.nn.model import preset
+
+        model_shape = preset(model, 4096, seq_len)
+        resolve_attention(kernels, target, model_shape.head_dim), resolve_mx_gemm(kernels, target)  # refused here, not after the anchor ran
     except ConfigError as exc:
         fail(f"bench: {exc}")
     rows, cols = _parse_shape(shape or d_shape, "bench: --shape")

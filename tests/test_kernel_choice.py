@@ -14,12 +14,12 @@ CPU = torch.device("cpu")
 
 
 def test_auto_takes_the_torch_kernels_on_the_cpu_and_a_named_gpu_kernel_is_refused_there():
-    assert attention_kernel(TrainConfig(), CPU) == "sdpa"
+    assert attention_kernel(TrainConfig(), CPU, 64) == "sdpa"
     assert mx_gemm(TrainConfig(), CPU) == "bf16"
-    assert attention_kernel(TrainConfig(attention_kernel="sdpa"), CPU) == "sdpa"
+    assert attention_kernel(TrainConfig(attention_kernel="sdpa"), CPU, 64) == "sdpa"
     assert mx_gemm(TrainConfig(mx_gemm="bf16"), CPU) == "bf16"
     with pytest.raises(ConfigError, match="attention_kernel='triton' needs the fast path on CUDA"):
-        attention_kernel(TrainConfig(attention_kernel="triton"), CPU)
+        attention_kernel(TrainConfig(attention_kernel="triton"), CPU, 64)
     with pytest.raises(ConfigError, match=r"mx_gemm='fp8' needs the fast path on a CUDA device with FP8 tensor cores"):
         mx_gemm(TrainConfig(mx_gemm="fp8"), CPU)
     with pytest.raises(ConfigError, match="attention_kernel='flash' is not supported"):
@@ -65,3 +65,6 @@ def test_auto_takes_the_triton_attention_and_fp8_gemms_on_a_gpu():
                                 load_recipe("mxfp4"), preset("tiny", 256, 64), cuda)
     assert {a.kernel for a in sdpa.attentions()} == {"sdpa"}
     assert {linear.mx_gemm for linear in fp4_linears(sdpa).values()} == {"bf16"}
+    assert attention_kernel(config, cuda, 96) == "sdpa"  # a head_dim the kernel does not take
+    with pytest.raises(ConfigError, match="attention_kernel='triton' takes head dims 16, 32, 64, 128; this model's is 96"):
+        attention_kernel(TrainConfig(device="cuda", attention_kernel="triton"), cuda, 96)

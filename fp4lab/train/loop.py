@@ -377,13 +377,20 @@ def fast_compute(config: TrainConfig, device: torch.device) -> bool:
     return config.compute == "fast" or (config.compute == "auto" and device.type == "cuda")
 
 
-def attention_kernel(config: TrainConfig, device: torch.device) -> str:
+def attention_kernel(config: TrainConfig, device: torch.device, head_dim: int) -> str:
     """Which kernel runs unquantized attention (config.attention_kernel): "triton" (flash attention
     with the probes' statistics computed online) or "sdpa"; "auto" means triton on the fast path on
-    CUDA where Triton is installed."""
+    CUDA where Triton is installed and the kernel takes the model's head_dim."""
     usable = device.type == "cuda" and fast_compute(config, device) and triton_available()
     if config.attention_kernel == "triton" and not usable:
         raise ConfigError("attention_kernel='triton' needs the fast path on CUDA with Triton installed; use attention_kernel='auto' or 'sdpa'")
+    if usable:
+        from fp4lab.nn.triton_attention import HEAD_DIMS
+
+        if head_dim not in HEAD_DIMS:
+            if config.attention_kernel == "triton":
+                raise ConfigError(f"attention_kernel='triton' takes head dims {', '.join(map(str, HEAD_DIMS))}; this model's is {head_dim}: use attention_kernel='auto' or 'sdpa'")
+            usable = False
     return "triton" if config.attention_kernel == "triton" or (config.attention_kernel == "auto" and usable) else "sdpa"
 
 
@@ -425,7 +432,7 @@ def build_training(
     torch.manual_seed(config.seed)
     model = build_model(
         model_config, recipe, seed=config.seed, device=device, tensor_cores=fast,
-        attention_kernel=attention_kernel(config, device), mx_gemm=mx_gemm(config, device),
+        attention_kernel=attention_kernel(config, device, model_config.head_dim), mx_gemm=mx_gemm(config, device),
     )
     optimizer_config = _optimizer_config(config, recipe, fused=fast and device.type == "cuda")
     if ranks.mode == "pp":
