@@ -27,7 +27,7 @@ unfused composition of fp4lab's ops (tests/test_triton_fusion.py checks both):
         kernel can match nn.RMSNorm on every device. Here the squares are summed by halving (the row
         zero-padded to a power of two P, then t[:, :w/2] + t[:, w/2:] until one is left), divided by
         D, and rstd = 1 / sqrt(mean + eps), each a correctly rounded float32 operation. The result is
-        within a few float32 ulps of nn.RMSNorm's on either device (tested); the wiring that uses
+        within a few float32 ulps of nn.RMSNorm's (tested on the CPU, and on CUDA by the cuda tests); the wiring that uses
         these kernels must use this formula for its unfused path too.
 
 Encodings are `OperandEncoding`s: the bf16 block values a tensor-core GEMM reads (`fake_quantize_
