@@ -420,13 +420,14 @@ def residual_rmsnorm_quantize_fused(
     m = max(1, min(16, _NORM_ELEMENTS // width))
     one_pass = col_spec is None and not row_spec.nv  # MXFP4 rows: the whole row is all a scale needs
     row_out = _allocate(x.device, (rows, dim), row_spec)
-    row_amax = torch.zeros(1, dtype=torch.int32, device=x.device) if row_spec.nv else None
+    amax = _amax_slots(row_spec, col_spec, x.device)
+    row_amax_done = row_spec.nv and col_spec is None  # folded by the row pass (n^T's needs 16-row blocks)
     if rows:
         _rmsnorm_rows_kernel[(triton.cdiv(rows, m),)](
             x, residual, weight, s, rstd, n, rows, dim, eps,
-            row_out.values, row_out.codes, row_out.scales, row_spec.signs, row_spec.seed, row_spec.uniforms, row_amax, row_out.outer,
+            row_out.values, row_out.codes, row_out.scales, row_spec.signs, row_spec.seed, row_spec.uniforms, amax, row_out.outer,
             M=m, PW=width, S_BF16=s_dtype == torch.bfloat16, N_BF16=n_dtype == torch.bfloat16, STORE_N=emit_normed,
-            QUANTIZE=one_pass, AMAX=row_spec.nv and col_spec is None, **_orientation_constexprs(row_spec),
+            QUANTIZE=one_pass, AMAX=row_amax_done, **_orientation_constexprs(row_spec),
             num_warps=4 if width * m <= 4096 else 8, enable_fp_fusion=False,
         )  # fmt: skip
     if one_pass:
@@ -434,7 +435,7 @@ def residual_rmsnorm_quantize_fused(
     n_bf16 = n_dtype == torch.bfloat16
     outs = _launch_producer(
         _NORM_APPLY.value, (s, None, None, rstd, weight), (rows, dim), x.device, s_dtype == torch.bfloat16, n_bf16,
-        None, row_spec, col_spec, row_out=row_out, row_amax=row_amax if col_spec is None else None,
+        None, row_spec, col_spec, row_out=row_out, amax=amax, row_amax_done=row_amax_done,
     )  # fmt: skip
     return FusedRmsnorm(s, rstd, n, outs[0], outs[1])
 
@@ -469,17 +470,18 @@ def swiglu_backward_fused(
     return FusedSwigluGrads(d_gate, d_up, **encodings)
 
 
-def _launch_producer(producer, inputs, shape, device, in_bf16, out_bf16, store, row, col, row_out=None, row_amax=None):
-    """The NVFP4 amax pass where needed, then the quantize pass, over the produced [R, C] tensor."""
+def _launch_producer(producer, inputs, shape, device, in_bf16, out_bf16, store, row, col, row_out=None, amax=None, row_amax_done=False):
+    """The NVFP4 amax pass where needed, then the quantize pass, over the produced [R, C] tensor.
+    `amax`: the int32 [row, col] amax slots when the caller made them, its row slot already folded
+    with row_amax_done (RMSNorm's row pass)."""
     rows, cols = shape
     accurate = not _INTERPRETED
     outs = [row_out if row_out is not None else (_allocate(device, (rows, cols), row) if row else None)]
     outs.append(_allocate(device, (cols, rows), col) if col else None)
-    need_row = row is not None and row.nv and row_amax is None
+    need_row = row is not None and row.nv and not row_amax_done
     need_col = col is not None and col.nv
-    amax = torch.zeros(2, dtype=torch.int32, device=device)
-    if row_amax is not None:
-        amax[0:1] = row_amax
+    if amax is None:
+        amax = _amax_slots(row, col, device)
     if rows and (need_row or need_col):
         br, bc, warps = _TILE_AMAX if not need_col else _TILE_COL
         _producer_amax_kernel[(triton.cdiv(rows, br * _AMAX_TILES), triton.cdiv(cols, bc))](
@@ -507,6 +509,13 @@ def _launch_producer(producer, inputs, shape, device, in_bf16, out_bf16, store, 
             num_warps=warps, enable_fp_fusion=False,
         )  # fmt: skip
     return outs
+
+
+def _amax_slots(row: _Orientation | None, col: _Orientation | None, device) -> torch.Tensor | None:
+    """int32 bits of the NVFP4 tensor amax of each orientation, [row, col], zeroed; None for MXFP4."""
+    if (row is not None and row.nv) or (col is not None and col.nv):
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    return None
 
 
 def _orientation_constexprs(spec: _Orientation) -> dict:
