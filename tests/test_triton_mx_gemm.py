@@ -1,4 +1,5 @@
-"""MXFP4 GEMM on FP8 tensor cores (fp4lab.numerics.triton_mx_gemm) against its torch reference, bit for bit.
+"""MXFP4 GEMM on FP8 tensor cores (fp4lab.numerics.triton_mx_gemm) against its torch reference
+(fp4lab.numerics.mx_gemm), bit for bit.
 
 Three facts are checked, on the CPU (the reference in-process, the kernel under Triton's interpreter)
 and on CUDA (@pytest.mark.cuda, skipped without a GPU, see conftest.py):
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 from fp4lab.numerics import e2m1, quantize
+from fp4lab.numerics.mx_gemm import mxfp4_matmul_reference
 from fp4lab.numerics.qtensor import QTensor
 
 MX = 32
@@ -207,46 +209,46 @@ def mx():
 # ----------------------------------------------------------------------------------------------
 
 
-def test_reference_single_block_rounds_once_for_every_scale_pair(mx):
+def test_reference_single_block_rounds_once_for_every_scale_pair():
     """The split 2^(ea + eb) = 2^e1 * 2^e2 rounds partial * 2^(ea + eb) once, for all 255 x 255 byte
     pairs: to zero, through the subnormals, and to Inf."""
     a, b = every_scale_pair()
-    c = mx.mxfp4_matmul_reference(a, b)
+    c = mxfp4_matmul_reference(a, b)
     assert_single_block_exact(c, a, b, "every scale pair")
     assert torch.isinf(c).any() and (c == 0).any() and ((c != 0) & (c.abs() < 2.0**-126)).any()
 
 
 @pytest.mark.parametrize("kind", BOUNDED_KINDS)
 @pytest.mark.parametrize("shape", SMALL_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_reference_within_fp64_bound_and_decoded_gemm(mx, kind, shape):
+def test_reference_within_fp64_bound_and_decoded_gemm(kind, shape):
     a, b = operands(kind, *shape, seed=sum(shape))
-    c = mx.mxfp4_matmul_reference(a, b)
+    c = mxfp4_matmul_reference(a, b)
     assert_within_fp64_bound(c, a, b, kind)
     assert_matches_decoded_gemm(c, a, b, kind)
 
 
 @pytest.mark.parametrize("top_byte", [244, 245, 254])
-def test_reference_single_block_largest_partials(mx, top_byte):
+def test_reference_single_block_largest_partials(top_byte):
     a, b = largest_partials(top_byte)
-    assert_single_block_exact(mx.mxfp4_matmul_reference(a, b), a, b, f"largest partials {top_byte}")
+    assert_single_block_exact(mxfp4_matmul_reference(a, b), a, b, f"largest partials {top_byte}")
 
 
-def test_reference_single_block_tiny_and_huge(mx):
+def test_reference_single_block_tiny_and_huge():
     for kind in ("tiny", "huge", "any_byte"):
         a, b = operands(kind, 40, 24, MX, seed=5)
-        assert_single_block_exact(mx.mxfp4_matmul_reference(a, b), a, b, kind)
+        assert_single_block_exact(mxfp4_matmul_reference(a, b), a, b, kind)
 
 
-def test_reference_nan_byte_poisons_its_row_and_column(mx):
+def test_reference_nan_byte_poisons_its_row_and_column():
     a, b = operands("nan_bytes", 64, 48, 128, seed=3)
-    c = mx.mxfp4_matmul_reference(a, b)
+    c = mxfp4_matmul_reference(a, b)
     want = (a.scales == 0xFF).any(1)[:, None] | (b.scales == 0xFF).any(1)[None, :]
     assert want.any() and not want.all() and torch.equal(torch.isnan(c), want)
 
 
-def test_reference_bf16_is_one_rounding_of_fp32(mx):
+def test_reference_bf16_is_one_rounding_of_fp32():
     a, b = operands("student_t", 33, 50, 96, seed=1)
-    assert_same_bits(mx.mxfp4_matmul_reference(a, b, torch.bfloat16), mx.mxfp4_matmul_reference(a, b).bfloat16(), "bf16")
+    assert_same_bits(mxfp4_matmul_reference(a, b, torch.bfloat16), mxfp4_matmul_reference(a, b).bfloat16(), "bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,8 +261,8 @@ def _zeros(rows: int, k: int, block: int = MX) -> QTensor:
 
 
 @pytest.mark.parametrize("name", ["mxfp4_matmul", "mxfp4_matmul_reference"])
-def test_bad_operands_raise_one_line_value_errors(mx, name):
-    fn = getattr(mx, name)
+def test_bad_operands_raise_one_line_value_errors(name):
+    fn = mxfp4_matmul_reference if name == "mxfp4_matmul_reference" else pytest.importorskip("fp4lab.numerics.triton_mx_gemm").mxfp4_matmul
     x = torch.randn(16, 64)
     cases = [
         ((_zeros(4, 48, 16), _zeros(4, 48, 16)), {}, "K=48 of a is not a multiple of 32; pad"),
@@ -296,7 +298,8 @@ INTERPRETED_CHECK = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from test_triton_mx_gemm import *
-from fp4lab.numerics.triton_mx_gemm import mxfp4_matmul, mxfp4_matmul_reference
+from fp4lab.numerics.mx_gemm import mxfp4_matmul_reference
+from fp4lab.numerics.triton_mx_gemm import mxfp4_matmul
 
 a, b = every_scale_pair()
 c = mxfp4_matmul(a, b, tile=(64, 64))
@@ -369,7 +372,7 @@ def test_kernel_compiles_for_hopper_to_fp8_wgmma_without_fma_or_ftz(mx):
 def test_cuda_every_scale_pair(mx):
     a, b = every_scale_pair(device="cuda")
     c = mx.mxfp4_matmul(a, b)
-    assert_same_bits(c, mx.mxfp4_matmul_reference(a, b), "every scale pair")
+    assert_same_bits(c, mxfp4_matmul_reference(a, b), "every scale pair")
     assert_single_block_exact(c, _on(a, "cpu"), _on(b, "cpu"), "every scale pair")
     for top_byte in (243, 244, 245, 254):
         a, b = largest_partials(top_byte, device="cuda")
@@ -384,7 +387,7 @@ def test_cuda_small_shapes_match_reference(mx, kind, shape):
     label = f"{kind} {shape}"
     for out_dtype in (torch.float32, torch.bfloat16):
         c = mx.mxfp4_matmul(a, b, out_dtype)
-        assert_same_bits(c, mx.mxfp4_matmul_reference(a, b, out_dtype), f"{label} {out_dtype}")
+        assert_same_bits(c, mxfp4_matmul_reference(a, b, out_dtype), f"{label} {out_dtype}")
     c = mx.mxfp4_matmul(a, b).cpu()
     a, b = _on(a, "cpu"), _on(b, "cpu")
     if kind in BOUNDED_KINDS:
@@ -401,7 +404,7 @@ def test_cuda_linear_shapes_match_reference(mx, gemm, kind):
     m, n, k = GPU_SHAPES[gemm]
     a, b = operands(kind, m, n, k, seed=k, device="cuda")
     c = mx.mxfp4_matmul(a, b)
-    assert_same_bits(c, mx.mxfp4_matmul_reference(a, b), f"{gemm} {kind}")
+    assert_same_bits(c, mxfp4_matmul_reference(a, b), f"{gemm} {kind}")
     assert_same_bits(mx.mxfp4_matmul(a, b, torch.bfloat16), c.bfloat16(), f"{gemm} {kind} bf16")
     if kind in BOUNDED_KINDS:
         assert_matches_decoded_gemm(c, a, b, f"{gemm} {kind}")

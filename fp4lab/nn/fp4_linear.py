@@ -19,7 +19,7 @@ block and transform sizes for Wgrad (zeros add nothing to the product). A full-d
 (`transform_length`), so its GEMMs take any in_features, out_features and token count. FP8 operands
 are encoded with one current scale per tensor or per row (`numerics.fp8`).
 
-Two ways to run the same GEMMs (`FP4Linear.tensor_cores`):
+Three ways to run the same GEMMs (`FP4Linear.tensor_cores`, then `FP4Linear.mx_gemm`):
 
 - reference (default, the CPU path CI checks): decoded operands in fp32, fp32 GEMMs, output in the
   input's dtype.
@@ -32,6 +32,22 @@ Two ways to run the same GEMMs (`FP4Linear.tensor_cores`):
   the reference makes when it folds the outer scale in). The output takes the autocast dtype (bf16
   activations) and the weight gradient stays fp32. An all-bf16 recipe is a plain `F.linear` on bf16
   casts, as in any bf16 PyTorch loop.
+- FP8 tensor cores (tensor cores with mx_gemm = "fp8"): a GEMM whose two operands are both MXFP4
+  (`FP4Linear.takes_fp8_gemm`) runs as `numerics.triton_mx_gemm.mxfp4_matmul` on the operands' packed
+  E2M1 codes and E8M0 scale bytes, which the quantizers then also write (`GemmOperand.packed`;
+  Wgrad's saved x^T and a 2D-tiled W^T are kept packed anyway). Each 32-block is one FP8 dot, exact,
+  scaled in fp32, so Fprop, Dgrad and Wgrad equal the fp32 GEMM of the decoded operands up to fp32
+  summation order (within (K / 32)(u sum |a b| + 2^-149) of the exact product, u = 2^-24), and
+  `numerics.mx_gemm.mxfp4_matmul_reference` of the same operands bit for bit; the output takes the
+  same dtypes as on bf16 tensor cores, rounded once. Taken: 1D blocks of 32 along the contraction dim,
+  any scale mode, rounding (RTN, SR) or Hadamard transform (both operands are quantized after it), the
+  token dim zero-padded for Wgrad; 2D weight tiles (mxfp4-rowsr's 32 x 32; their sides are multiples
+  of the 32-block), whose per-tile scales are exactly per-block scales repeated
+  (`numerics.mx_gemm.along_k`), also transposed for Dgrad. Falls back to the bf16 tensor cores above:
+  any GEMM with an NVFP4, FP8, bf16 or fp32 operand (so mixed formats, e.g. hybrid-operand's NVFP4
+  Dgrad), and tensors where the kernel cannot run (`numerics.mx_gemm.kernel_runs_on`: CUDA with
+  Triton, or the CPU under Triton's interpreter). A K that is not a multiple of 32 never reaches it:
+  MXFP4 operands are whole blocks along K. With mx_gemm = "bf16" nothing here changes a bit.
 """
 
 from __future__ import annotations
@@ -63,6 +79,7 @@ from fp4lab.numerics import (
     quantize,
 )
 from fp4lab.numerics.fast import triton_available
+from fp4lab.numerics.mx_gemm import MX_BLOCK, OUT_DTYPES, along_k, kernel_runs_on
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.survey import error_stats
 
@@ -128,6 +145,12 @@ def _kernel_options(spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tens
     run (no CUDA tensor, no Triton). `seed()` gives the Philox seed of a stochastically rounded one."""
     if not (t.is_cuda and kernel_covers(spec) and triton_available()):
         return None
+    return fused_options(spec, signs, t, seed)
+
+
+def fused_options(spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor, seed) -> dict:
+    """`triton_quantize.quantize_fused`'s arguments for a spec it covers (`kernel_covers`); tests under
+    Triton's CPU interpreter call it for CPU tensors, where `_kernel_options` says None."""
     options = {"fmt": spec.format, "scale_mode": spec.scale_mode, "rounding": spec.rounding, "signs": signs}
     options["seed"] = seed(t.device) if spec.rounding == "sr" else None
     if spec.adaptive:
@@ -172,7 +195,7 @@ class GemmOperand:
     def T(self) -> GemmOperand:  # noqa: N802 (reads like tensor.T)
         """The transposed operand, for an encoding valid in both orientations (2D weight tiles)."""
         _check_transposable(self.outer, "GemmOperand")
-        return GemmOperand(self.values.T, self.outer)
+        return GemmOperand(self.values.T, self.outer, self.packed.T if self.packed is not None else None)
 
 
 def _check_transposable(outer: torch.Tensor | None, what: str) -> None:
@@ -206,9 +229,41 @@ class PackedOperand:
         values = decode_fused(self.codes, self.scales, fmt=self.fmt, shape=self.shape, tile=self.tile)
         return GemmOperand(values.T if self.transposed else values, self.outer)
 
+    def along_k(self) -> QTensor | None:
+        """This operand as the FP8 GEMM's MXFP4 operand, 1D blocks of 32 along its last dim
+        (`numerics.mx_gemm.along_k`: 2D tiles expressed per block), or None where it is not one."""
+        if self.fmt != "mxfp4":
+            return None
+        encoded = QTensor(self.codes, self.scales, None, self.fmt, torch.Size(self.shape), MX_BLOCK, tile=self.tile)
+        return along_k(encoded, self.transposed)
+
 
 def unpacked(operand: GemmOperand | PackedOperand) -> GemmOperand:
     return operand.unpack() if isinstance(operand, PackedOperand) else operand
+
+
+def fp8_gemm_operands(a: GemmOperand | PackedOperand, b: GemmOperand | PackedOperand) -> tuple[QTensor, QTensor] | None:
+    """(A, B) for `mxfp4_matmul` when both operands carry MXFP4 encodings along K (the contraction
+    dim, then a multiple of 32: whole blocks) that the kernel takes on their device, else None: the
+    GEMM falls back to bf16 tensor cores."""
+    packed_a = a if isinstance(a, PackedOperand) else a.packed
+    packed_b = b if isinstance(b, PackedOperand) else b.packed
+    if packed_a is None or packed_b is None:
+        return None
+    qa, qb = packed_a.along_k(), packed_b.along_k()
+    if qa is None or qb is None:
+        return None
+    return (qa, qb) if kernel_runs_on(qa.data.device) and qa.data.device == qb.data.device else None
+
+
+def fp8_tensor_core_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b^T on FP8 tensor cores (`numerics.triton_mx_gemm.mxfp4_matmul`): exact per 32-block, so
+    the fp32 GEMM of the decoded operands up to fp32 summation order; one rounding to `out_dtype`
+    (in the kernel for fp32 and bf16)."""
+    from fp4lab.numerics import triton_mx_gemm
+
+    out = triton_mx_gemm.mxfp4_matmul(a, b, out_dtype if out_dtype in OUT_DTYPES else torch.float32)
+    return out.to(out_dtype)
 
 
 @dataclass(frozen=True)
@@ -254,20 +309,26 @@ class _SiblingOperands:
 SIBLING_OPERANDS = _SiblingOperands()
 
 
-def gemm_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator, encoded=None) -> GemmOperand:
+def gemm_operand(
+    t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator, encoded=None, keep_codes: bool = False
+) -> GemmOperand:
     """What a tensor-core GEMM reads for a 2D operand quantized along its last dim. `encoded` (a QTensor
     of the same operand, made for a probe) is used instead of quantizing again, so the random bits
-    drawn are the same either way."""
+    drawn are the same either way. `keep_codes` (an FP4 spec): the operand also carries its codes and
+    scales (`GemmOperand.packed`), which the FP8 GEMM reads."""
     t = transform_operand(t.to(torch.float32), spec, signs) if signs is not None else t
     if spec.format == "fp32":
         return GemmOperand(t.to(torch.float32))
     if spec.format == "bf16":
         return GemmOperand(t.to(torch.bfloat16))
-    if spec.format == "fp8":  # E4M3 / E5M2 values are exact in bf16; the scale goes to the epilogue
+    if spec.format == "fp8" or keep_codes:  # FP8: E4M3 / E5M2 values are exact in bf16; the scale goes to the epilogue
         encoded = encoded if encoded is not None else encode_operand(t, spec, None, generator)
     parts = encoded.factored() if encoded is not None else fake_quantize_factored(t, spec.format, **_quantize_options(spec, generator))
     values = parts.values.to(torch.bfloat16) if parts.bf16_exact else parts.values
-    return GemmOperand(values, parts.outer)
+    packed = None
+    if keep_codes:
+        packed = PackedOperand(encoded.data, encoded.scales, parts.outer, encoded.fmt, tuple(encoded.shape), tile=encoded.tile)
+    return GemmOperand(values, parts.outer, packed)
 
 
 def tensor_core_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype) -> torch.Tensor:
@@ -332,7 +393,7 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
         gathered = layer.gathered_encoding("fprop_w", weight, signs["fprop"])
         ctx.gathered_weight = None
         if gathered is not None:  # signs=None: the encoding is made, the NaN placeholder is not transformed
-            w_op = gemm_operand(weight, recipe.fprop_w, None, g, encoded=gathered)
+            w_op = gemm_operand(weight, recipe.fprop_w, None, g, encoded=gathered, keep_codes=layer.wants_codes("fprop_w", weight.device))
             wt_op = w_op.T if recipe.shares_weight_encoding else None
             ctx.gathered_weight = weight  # Dgrad's encoding comes with the backward's all-gather of it
         elif recipe.shares_weight_encoding:  # Dgrad decodes Fprop's encoding, kept packed where possible
@@ -340,7 +401,7 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
             wt_op = w_op.packed.T if w_op.packed is not None else w_op.T
         else:
             w_op, wt_op = layer.operand_pair(("fprop_w", "dgrad_w"), weight, (signs["fprop"], signs["dgrad"]), g, keep_packed=True)
-        out = tensor_core_mm(x_op, w_op, out_dtype)
+        out = layer.mm(x_op, w_op, out_dtype)
 
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.layer, ctx.signs, ctx.wt_op, ctx.xt_op = layer, signs, wt_op, xt_op
@@ -363,9 +424,10 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
             gathered = layer.gathered_encoding("dgrad_w", ctx.gathered_weight, signs["dgrad"])
             if gathered is None:  # never quantize the NaN placeholder
                 raise RuntimeError("FP4Linear: the backward found no all-gathered encoding of this weight")
-            wt_op = gemm_operand(ctx.gathered_weight.T, layer.recipe.dgrad_w, None, g, encoded=gathered)
-        grad_x = tensor_core_mm(dy_op, unpacked(wt_op), ctx.x_dtype).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        grad_w = tensor_core_mm(dyt_op, unpacked(ctx.xt_op), torch.float32)
+            keep_codes = layer.wants_codes("dgrad_w", grad_out.device)
+            wt_op = gemm_operand(ctx.gathered_weight.T, layer.recipe.dgrad_w, None, g, encoded=gathered, keep_codes=keep_codes)
+        grad_x = layer.mm(dy_op, wt_op, ctx.x_dtype).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        grad_w = layer.mm(dyt_op, ctx.xt_op, torch.float32)
         return grad_x, grad_w, None
 
 
@@ -479,7 +541,8 @@ class FP4Linear(nn.Module):
             self.register_buffer("lora_v", torch.zeros(in_features, lora_rank, dtype=torch.bfloat16))
         self.tensor_cores = False
         # "fp8": on the tensor-core path, MXFP4 x MXFP4 GEMMs run on FP8 tensor cores
-        # (fp4lab.numerics.triton_mx_gemm) instead of bf16 ones; "bf16" keeps the decoded values.
+        # (fp4lab.numerics.triton_mx_gemm) instead of bf16 ones (module docstring: what falls back);
+        # "bf16" keeps the decoded values.
         self.mx_gemm = "bf16"
         # Set by fp4lab.train.encoded_gather when FSDP2 all-gathers this weight as its GEMMs' encodings.
         self.gathered: GatheredWeight | None = None
@@ -573,22 +636,45 @@ class FP4Linear(nn.Module):
             return decode_operand(encoded)
         return operand_values(t, spec, signs, generator)
 
+    def takes_fp8_gemm(self, gemm: str, device: torch.device) -> bool:
+        """Whether `gemm` runs on FP8 tensor cores: mx_gemm "fp8" on the tensor-core path, both operands
+        MXFP4 (1D blocks, any scale mode, rounding or transform; or 2D tiles, which
+        `numerics.mx_gemm.along_k` writes as 1D blocks), and the kernel runs on `device`."""
+        if self.mx_gemm != "fp8" or not self.tensor_cores:
+            return False
+        both_mxfp4 = all(self.recipe.operand(name).format == "mxfp4" for name in GEMMS[gemm])
+        return both_mxfp4 and kernel_runs_on(device)
+
+    def wants_codes(self, name: str, device: torch.device) -> bool:
+        """Whether operand `name` is made with its codes and scales, for a GEMM on FP8 tensor cores."""
+        return self.takes_fp8_gemm(next(gemm for gemm, pair in GEMMS.items() if name in pair), device)
+
+    def mm(self, a: GemmOperand | PackedOperand, b: GemmOperand | PackedOperand, out_dtype: torch.dtype) -> torch.Tensor:
+        """a @ b^T of two operands: on FP8 tensor cores where mx_gemm is "fp8" and both are MXFP4
+        encodings the kernel takes (`fp8_gemm_operands`), else `tensor_core_mm` of their values."""
+        operands = fp8_gemm_operands(a, b) if self.mx_gemm == "fp8" else None
+        if operands is not None:
+            return fp8_tensor_core_mm(*operands, out_dtype)
+        return tensor_core_mm(unpacked(a), unpacked(b), out_dtype)
+
     def operand(self, name: str, t: torch.Tensor, signs: torch.Tensor | None, generator, keep_packed: bool = False) -> GemmOperand:
         """The tensor-core operand `name` of t, quantized along its last dim: by the fused kernel where
         it covers the spec (CUDA), else by the torch reference (probed through the packed encoding,
         as `consume`). `keep_packed`: the operand is also saved for the backward pass, so the kernel
-        writes its packed codes and scales too (`GemmOperand.packed`)."""
+        writes its packed codes and scales too (`GemmOperand.packed`); so does an operand of a GEMM on
+        FP8 tensor cores (`wants_codes`), which reads them."""
         spec = self.recipe.operand(name)
+        codes = self.wants_codes(name, t.device)
         options = _kernel_options(spec, signs, t, self.philox_seed) if self.fused_quantizers else None
         if options is not None:
-            if keep_packed and self.pack_saved:
+            if (keep_packed and self.pack_saved) or codes:
                 options["emit_codes"] = True
             return self._fused(t, [(name, options, False)])[0]
         encoded = None
         if self.probe and spec.is_quantized:
             encoded = encode_operand(t, spec, signs, generator)
             self.record(name, t, encoded, signs)
-        return gemm_operand(t, spec, signs, generator, encoded)
+        return gemm_operand(t, spec, signs, generator, encoded, keep_codes=codes)
 
     def operand_pair(
         self,
@@ -612,8 +698,12 @@ class FP4Linear(nn.Module):
         row = _kernel_options(row_spec, signs[0], t, self.philox_seed) if covered else None
         col = _kernel_options(col_spec, signs[1], t, self.philox_seed) if row is not None else None
         if row is not None and col is not None:
+            if self.wants_codes(row_name, t.device):
+                row = row | {"emit_codes": True}
             if keep_packed and self.pack_saved:
                 col = col | {"emit_codes": True, "emit_values": False}
+            elif self.wants_codes(col_name, t.device):
+                col = col | {"emit_codes": True}
             return tuple(self._fused(t, [(row_name, row, False), (col_name, col, True)]))
         return self.operand(row_name, t, signs[0], generator), self.operand(col_name, _pad_last(t.T, multiple), signs[1], generator)
 
@@ -651,7 +741,8 @@ class FP4Linear(nn.Module):
         if self.probe or not all(_deterministic(self.recipe.operand(name)) for name in names):
             return make()
         key = (self.tensor_cores, *(self.recipe.operand(name) for name in names),
-               self._contraction_multiples["wgrad"], self.fused_quantizers, self.pack_saved)
+               self._contraction_multiples["wgrad"], self.fused_quantizers, self.pack_saved,
+               *(self.wants_codes(name, x.device) for name in names))
         return SIBLING_OPERANDS.get(x, key, make)
 
     def record(self, operand: str, exact: torch.Tensor, encoded, signs: torch.Tensor | None) -> None:

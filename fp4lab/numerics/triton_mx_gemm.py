@@ -53,8 +53,9 @@ wrapped as `QTensor(codes, scales, None, "mxfp4", torch.Size(shape), 32)`. The k
 operand's packed codes (half a byte per element) and scale bytes; the E2M1 to E4M3 conversion is bit
 arithmetic in registers.
 
-This module imports Triton: import it lazily, after `fp4lab.numerics.fast.triton_available()`.
-Without a GPU, `mxfp4_matmul_reference` (pure torch, any device) computes the same bits.
+This module imports Triton: import it lazily, after `fp4lab.numerics.mx_gemm.kernel_runs_on(device)`.
+Without a GPU, `fp4lab.numerics.mx_gemm.mxfp4_matmul_reference` (pure torch, any device, re-exported
+here) computes the same bits.
 """
 
 from __future__ import annotations
@@ -65,16 +66,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lab.numerics import e2m1
+from fp4lab.numerics.mx_gemm import check_operands
+from fp4lab.numerics.mx_gemm import mxfp4_matmul_reference as mxfp4_matmul_reference  # the kernel's bits, re-exported beside it
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.scales import E8M0_NAN_BITS
 
-MX_BLOCK = 32  # elements per E8M0 scale along K: one tl.dot and one fp32 promotion each
 E8M0_NAN = tl.constexpr(E8M0_NAN_BITS)  # a kernel reads globals only as constexprs
 # The largest A scale byte of a tile that takes the per-row, per-column factors: 2^117, so that
 # partial * 2^ea < 2^11 * 2^117 cannot overflow.
 ROW_FIRST_MAX_BYTE = tl.constexpr(127 + 117)
-OUT_DTYPES = (torch.float32, torch.bfloat16)
 # Output tile (rows of A, rows of B) per program, and warps. 128 x 128 with 8 warps is the usual
 # Hopper FP8 tile; not yet timed on a GPU. ptxas (sm_90, K = 2048) gives it 255 registers and 88 bytes
 # of stack (the fp32 accumulator and the block's partial are both live); 128 x 64 with 8 warps takes
@@ -207,7 +207,7 @@ def mxfp4_matmul(
     out_dtype: torch.float32, or torch.bfloat16 (the fp32 result rounded once, to nearest even).
     tile: (rows of A, rows of B) per program, powers of two >= 16. Both operands on one CUDA device.
     """
-    m, n, kb = _check_operands("mxfp4_matmul", a, b, out_dtype)
+    m, n, kb = check_operands("mxfp4_matmul", a, b, out_dtype)
     if not (isinstance(tile, (tuple, list)) and len(tile) == 2 and all(isinstance(t, int) and t >= 16 and t & (t - 1) == 0 for t in tile)):
         raise ValueError(f"mxfp4_matmul: tile={tile!r} must be (rows of A, rows of B) per program, powers of two >= 16")
     for name, q in (("a", a), ("b", b)):
@@ -220,50 +220,3 @@ def mxfp4_matmul(
         KB=kb, BM=bm, BN=bn, OUT_BF16=out_dtype == torch.bfloat16, **LAUNCH_OPTIONS,
     )  # fmt: skip
     return out
-
-
-def mxfp4_matmul_reference(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """What `mxfp4_matmul` computes, in torch, on any device: per K block the exact fp32 GEMM of the
-    raw E2M1 values, times 2^(ea + eb) applied as the kernel applies it, added in block order into an
-    fp32 accumulator that starts at +0; then one rounding to out_dtype."""
-    m, n, kb = _check_operands("mxfp4_matmul_reference", a, b, out_dtype)
-    a_values = e2m1.decode(a.codes()).reshape(m, kb, MX_BLOCK)
-    b_values = e2m1.decode(b.codes()).reshape(n, kb, MX_BLOCK)
-    a_bytes, b_bytes = a.scales.to(torch.int32), b.scales.to(torch.int32)
-    acc = torch.zeros((m, n), dtype=torch.float32, device=a.data.device)
-    for k in range(kb):
-        partial = a_values[:, k] @ b_values[:, k].T  # multiples of 1/4 below 2^11: exact in any order, and in TF32
-        biased = a_bytes[:, k, None] + b_bytes[None, :, k]
-        b1 = (biased - 127).clamp(1, 254)
-        b2 = (biased - b1).clamp(min=1)
-        scaled = partial * (b1 << 23).view(torch.float32) * (b2 << 23).view(torch.float32)
-        nan = (a_bytes[:, k, None] == E8M0_NAN_BITS) | (b_bytes[None, :, k] == E8M0_NAN_BITS)
-        acc = acc + torch.where(nan, float("nan"), scaled)
-    return acc.to(out_dtype)
-
-
-def _check_operands(where: str, a, b, out_dtype) -> tuple[int, int, int]:
-    """(M, N, K / 32) of valid operands, else a one-line ValueError naming the argument."""
-    for name, q in (("a", a), ("b", b)):
-        if not isinstance(q, QTensor):
-            raise ValueError(f"{where}: {name} must be a QTensor, got {type(q).__name__}; pass quantize(t, 'mxfp4')")
-        if q.fmt != "mxfp4" or q.tile is not None:
-            what = f"fmt {q.fmt!r}" if q.fmt != "mxfp4" else f"2D tiles {q.tile}"
-            raise ValueError(f"{where}: {name} has {what}; pass an MXFP4 operand with 1D blocks along K, quantize(t, 'mxfp4')")
-        if len(q.shape) != 2:
-            raise ValueError(f"{where}: {name} has shape {list(q.shape)}; pass a 2D operand [rows, K] (flatten leading dims first)")
-        rows, k = q.shape
-        if k % MX_BLOCK:
-            raise ValueError(f"{where}: K={k} of {name} is not a multiple of {MX_BLOCK}; pad the contraction dim with zeros to a multiple of {MX_BLOCK}")
-        for part, t, want in (("data", q.data, (rows, k // 2)), ("scales", q.scales, (rows, k // MX_BLOCK))):
-            if t.dtype != torch.uint8 or tuple(t.shape) != want:
-                raise ValueError(f"{where}: {name}.{part} must be uint8 of shape {list(want)}, got {t.dtype} {list(t.shape)}")
-    if a.shape[1] != b.shape[1]:
-        raise ValueError(
-            f"{where}: a is [M, K={a.shape[1]}] and b is [N, K={b.shape[1]}]; both must be quantized along the same K (C = a @ b^T)"
-        )
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"{where}: out_dtype={out_dtype} is not supported; allowed: torch.float32, torch.bfloat16")
-    if b.data.device != a.data.device:
-        raise ValueError(f"{where}: b is on {b.data.device} and a on {a.data.device}; put both operands on one device")
-    return a.shape[0], b.shape[0], a.shape[1] // MX_BLOCK
