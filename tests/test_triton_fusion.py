@@ -161,6 +161,7 @@ def check_backward(grad_h, gate, up, row: dict | None, col: dict | None, exact: 
         return
     kernel = {}
     wants = {}
+    # One seed per orientation: the same SR draws for both gradients, as the kernel uses them
     for name, produced in (("gate", plain.d_gate), ("up", plain.d_up)):
         if row is not None:
             wants[f"{name}_row"], kernel["row"] = expected(produced, row)
@@ -351,7 +352,7 @@ def _recorded_launches(monkeypatch, tf) -> list:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
 
-    for name in ("_producer_quantize_kernel", "_producer_amax_kernel", "_rmsnorm_rows_kernel", "_swiglu_backward_kernel"):
+    for name in ("_producer_quantize_kernel", "_producer_amax_kernel", "_rmsnorm_rows_kernel", "_swiglu_backward_kernel", "_swiglu_backward_amax_kernel"):
         monkeypatch.setattr(tf, name, Recorder(getattr(tf, name)))
     monkeypatch.setattr(tf, "_check_inputs", lambda *args, **kwargs: None)  # CPU tensors outside the interpreter
     gate, up = swiglu_inputs((64, 256), torch.bfloat16, "cpu", seed=0)
@@ -381,7 +382,7 @@ def test_kernels_compile_for_hopper(monkeypatch):
     from fp4lab.numerics import triton_fusion as tf
 
     launches = _recorded_launches(monkeypatch, tf)
-    assert len(launches) == 11
+    assert len(launches) == 9
     options = ("num_warps", "enable_fp_fusion")
     for kernel, args, kwargs in launches:
         values = dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in options}
@@ -394,7 +395,7 @@ def test_kernels_compile_for_hopper(monkeypatch):
         assert not re.search(r"\b(div|sqrt|rcp)\.approx", ptx), label
         has = {op: op in ptx for op in ("ex2.approx", "fma.rn.f32", "fma", "sqrt.rn.f32", "div.rn.f32")}
         uses_exp = values.get("P", 0) != tf._NORM_APPLY.value and kernel.__name__ != "_rmsnorm_rows_kernel"
-        explicit_fma = kernel.__name__ == "_swiglu_backward_kernel" or values.get("P") == tf._GRAD_GATE.value
+        explicit_fma = kernel.__name__.startswith("_swiglu_backward")
         assert has["ex2.approx"] == uses_exp, f"{label}: {has}"
         assert has["fma.rn.f32"] == explicit_fma, f"{label}: {has}"
         assert uses_exp or not has["fma"], f"{label}: {has}"

@@ -19,7 +19,8 @@ and scale bytes, about a quarter of a bf16 unit per orientation, are left out of
     add + rmsnorm, mxfp4   add r2 w1, rmsnorm r1 w1, quantize r1 = 6     r2 w1 = 3 (one pass)
     add + rmsnorm, nvfp4   as mxfp4 + amax r1 = 7                        stats r2 w1, quantize r1 = 4
     (either, with n^T)     the same (quantize_fused_both: one read)      4; nvfp4 + a tile amax r1 = 5
-    swiglu backward        mul r2 w1, mul r2 w1, silu' r2 w1 = 9         r3 w2 = 5
+    swiglu backward        mul r2 w1, mul r2 w1, silu' r2 w1 = 9         r3 w2 = 5 (encodings too)
+      (quantized, nvfp4)   + per gradient an amax r1 and a read r1 = 13  + an amax pass r3 = 8
 
 (torch's rms_norm may itself take more than one pass; the swiglu backward needs no saved silu(gate),
 which autograd keeps from the forward for the unfused product: one activation of memory per layer.)
@@ -81,8 +82,6 @@ from fp4lab.numerics.triton_quantize import (
 # Producers of the generic tile kernels (constexpr P)
 _SWIGLU = tl.constexpr(0)  # a = gate, b = up: h
 _NORM_APPLY = tl.constexpr(1)  # a = s, rstd, w: n = (s * rstd) * w
-_GRAD_GATE = tl.constexpr(2)  # a = grad_h, b = gate, c = up: d_gate
-_GRAD_UP = tl.constexpr(3)  # a = grad_h, b = gate: d_up
 _MAX_NORM_WIDTH = 16384  # the RMSNorm row lives in registers, padded to a power of two
 _NORM_ELEMENTS = 8192  # rows per RMSNorm program: this many elements (not yet swept on a GPU)
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -151,7 +150,7 @@ def _silu(g, ACCURATE: tl.constexpr):
 
 @triton.jit
 def _produce(
-    P: tl.constexpr, a_ptr, b_ptr, c_ptr, rstd_ptr, w_ptr, rows, cols, R, C,
+    P: tl.constexpr, a_ptr, b_ptr, rstd_ptr, w_ptr, rows, cols, R, C,
     EVEN: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, ACCURATE: tl.constexpr,
 ):  # fmt: skip
     """The produced tile at [rows, cols] as float32 (0 outside [R, C]): the reference's expression,
@@ -163,23 +162,12 @@ def _produce(
         if IN_BF16:
             s = _round_bf16(s)
         out = s * _load(b_ptr, rows, cols, R, C, EVEN)
-    elif P == _NORM_APPLY:
+    else:  # _NORM_APPLY
         rstd = tl.load(rstd_ptr + rows, mask=rows < R, other=0.0)
         t = a * rstd[:, None]
         if IN_BF16:  # .type_as(s)
             t = _round_bf16(t)
         out = t * tl.load(w_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)[None, :]
-    elif P == _GRAD_GATE:
-        g = _load(b_ptr, rows, cols, R, C, EVEN)
-        t = a * _load(c_ptr, rows, cols, R, C, EVEN)  # MulBackward's grad of silu(gate)
-        if IN_BF16:
-            t = _round_bf16(t)
-        out = _silu_backward(t, g, ACCURATE)
-    else:  # _GRAD_UP
-        s = _silu(_load(b_ptr, rows, cols, R, C, EVEN), ACCURATE)
-        if IN_BF16:
-            s = _round_bf16(s)
-        out = a * s
     if OUT_BF16:
         out = _round_bf16(out)
     return out
@@ -205,7 +193,7 @@ def _silu_backward(t, g, ACCURATE: tl.constexpr):
 
 @triton.jit
 def _producer_quantize_kernel(
-    a_ptr, b_ptr, c_ptr, rstd_ptr, w_ptr, out_ptr, R, C,
+    a_ptr, b_ptr, rstd_ptr, w_ptr, out_ptr, R, C,
     r_val, r_codes, r_scales, r_signs, r_seed, r_u, r_amax, r_outer,
     c_val, c_codes, c_scales, c_signs, c_seed, c_u, c_amax, c_outer,
     P: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, ACCURATE: tl.constexpr, STORE: tl.constexpr,
@@ -221,7 +209,7 @@ def _producer_quantize_kernel(
     c0 = tl.program_id(1) * BC
     rows = r0 + tl.arange(0, BR)
     cols = c0 + tl.arange(0, BC)
-    x = _produce(P, a_ptr, b_ptr, c_ptr, rstd_ptr, w_ptr, rows, cols, R, C, EVEN, IN_BF16, OUT_BF16, ACCURATE)
+    x = _produce(P, a_ptr, b_ptr, rstd_ptr, w_ptr, rows, cols, R, C, EVEN, IN_BF16, OUT_BF16, ACCURATE)
     if STORE:
         _store(out_ptr, rows, cols, R, C, x.to(out_ptr.dtype.element_ty), EVEN)  # exact: x is rounded already
     if ROW:
@@ -238,7 +226,7 @@ def _producer_quantize_kernel(
 
 @triton.jit
 def _producer_amax_kernel(
-    a_ptr, b_ptr, c_ptr, rstd_ptr, w_ptr, R, C, r_amax, r_signs, c_amax, c_signs,
+    a_ptr, b_ptr, rstd_ptr, w_ptr, R, C, r_amax, r_signs, c_amax, c_signs,
     P: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, ACCURATE: tl.constexpr,
     BR: tl.constexpr, BC: tl.constexpr, TILES: tl.constexpr, EVEN: tl.constexpr,
     ROW: tl.constexpr, R_H: tl.constexpr, COL: tl.constexpr, C_H: tl.constexpr,
@@ -251,7 +239,7 @@ def _producer_amax_kernel(
     cols = c0 + tl.arange(0, BC)
     for i in tl.static_range(TILES):
         rows = (tl.program_id(0) * TILES + i) * BR + tl.arange(0, BR)
-        x = _produce(P, a_ptr, b_ptr, c_ptr, rstd_ptr, w_ptr, rows, cols, R, C, EVEN, IN_BF16, OUT_BF16, ACCURATE)
+        x = _produce(P, a_ptr, b_ptr, rstd_ptr, w_ptr, rows, cols, R, C, EVEN, IN_BF16, OUT_BF16, ACCURATE)
         if ROW:
             row_max = tl.maximum(row_max, _finite_amax(x, r_signs, BR, BC, R_H, 1, 16))
         if COL:
@@ -342,17 +330,12 @@ def _rmsnorm_rows_kernel(
 
 
 @triton.jit
-def _swiglu_backward_kernel(
-    grad_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, R, C,
-    BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr, BF16: tl.constexpr, ACCURATE: tl.constexpr,
-):  # fmt: skip
-    """d_gate and d_up from one read of grad_h, gate and up."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+def _swiglu_grads(grad_ptr, gate_ptr, up_ptr, rows, cols, R, C, EVEN: tl.constexpr, BF16: tl.constexpr, ACCURATE: tl.constexpr):
+    """(d_gate, d_up) at [rows, cols] as float32, rounded as autograd rounds them (0 outside [R, C])."""
     grad = _load(grad_ptr, rows, cols, R, C, EVEN)
     g = _load(gate_ptr, rows, cols, R, C, EVEN)
-    t = grad * _load(up_ptr, rows, cols, R, C, EVEN)
-    s = _silu(g, ACCURATE)
+    t = grad * _load(up_ptr, rows, cols, R, C, EVEN)  # MulBackward's gradient of silu(gate)
+    s = _silu(g, ACCURATE)  # the silu(gate) autograd saved
     if BF16:
         t = _round_bf16(t)
         s = _round_bf16(s)
@@ -361,8 +344,80 @@ def _swiglu_backward_kernel(
     if BF16:
         d_gate = _round_bf16(d_gate)
         d_up = _round_bf16(d_up)
-    _store(dg_ptr, rows, cols, R, C, d_gate.to(dg_ptr.dtype.element_ty), EVEN)
+    return d_gate, d_up
+
+
+@triton.jit
+def _swiglu_backward_kernel(
+    grad_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, R, C,
+    gr_val, gr_codes, gr_scales, gr_u, gr_amax, gr_outer, ur_val, ur_codes, ur_scales, ur_u, ur_amax, ur_outer,
+    gc_val, gc_codes, gc_scales, gc_u, gc_amax, gc_outer, uc_val, uc_codes, uc_scales, uc_u, uc_amax, uc_outer,
+    r_signs, r_seed, c_signs, c_seed,
+    BR: tl.constexpr, BC: tl.constexpr, EVEN: tl.constexpr, BF16: tl.constexpr, ACCURATE: tl.constexpr,
+    ROW: tl.constexpr, R_NV: tl.constexpr, R_MODE: tl.constexpr, R_H: tl.constexpr,
+    R_SR: tl.constexpr, R_GIVEN_U: tl.constexpr, R_CODES: tl.constexpr, R_VALUES: tl.constexpr,
+    COL: tl.constexpr, C_NV: tl.constexpr, C_MODE: tl.constexpr, C_H: tl.constexpr,
+    C_SR: tl.constexpr, C_GIVEN_U: tl.constexpr, C_CODES: tl.constexpr, C_VALUES: tl.constexpr,
+):  # fmt: skip
+    """d_gate and d_up from one read of grad_h, gate and up, stored, and with ROW / COL each quantized
+    along the hidden dim / the tokens (one set of options per orientation, one output set per
+    gradient; a Philox seed draws the same bits for both gradients, as two quantize_fused calls with
+    that seed would)."""
+    r0 = tl.program_id(0) * BR
+    c0 = tl.program_id(1) * BC
+    rows = r0 + tl.arange(0, BR)
+    cols = c0 + tl.arange(0, BC)
+    d_gate, d_up = _swiglu_grads(grad_ptr, gate_ptr, up_ptr, rows, cols, R, C, EVEN, BF16, ACCURATE)
+    _store(dg_ptr, rows, cols, R, C, d_gate.to(dg_ptr.dtype.element_ty), EVEN)  # exact: rounded already
     _store(du_ptr, rows, cols, R, C, d_up.to(du_ptr.dtype.element_ty), EVEN)
+    if ROW:
+        _quantize_store(
+            d_gate, r0, c0, R, C, gr_val, gr_codes, gr_scales, r_signs, r_seed, gr_u, gr_amax, gr_outer,
+            BR, BC, R_NV, R_MODE, R_H, R_SR, R_GIVEN_U, R_CODES, R_VALUES, EVEN,
+        )  # fmt: skip
+        _quantize_store(
+            d_up, r0, c0, R, C, ur_val, ur_codes, ur_scales, r_signs, r_seed, ur_u, ur_amax, ur_outer,
+            BR, BC, R_NV, R_MODE, R_H, R_SR, R_GIVEN_U, R_CODES, R_VALUES, EVEN,
+        )  # fmt: skip
+    if COL:
+        _quantize_store(
+            tl.trans(d_gate), c0, r0, C, R, gc_val, gc_codes, gc_scales, c_signs, c_seed, gc_u, gc_amax, gc_outer,
+            BC, BR, C_NV, C_MODE, C_H, C_SR, C_GIVEN_U, C_CODES, C_VALUES, EVEN,
+        )  # fmt: skip
+        _quantize_store(
+            tl.trans(d_up), c0, r0, C, R, uc_val, uc_codes, uc_scales, c_signs, c_seed, uc_u, uc_amax, uc_outer,
+            BC, BR, C_NV, C_MODE, C_H, C_SR, C_GIVEN_U, C_CODES, C_VALUES, EVEN,
+        )  # fmt: skip
+
+
+@triton.jit
+def _swiglu_backward_amax_kernel(
+    grad_ptr, gate_ptr, up_ptr, R, C, amax_ptr, r_signs, c_signs,
+    BR: tl.constexpr, BC: tl.constexpr, TILES: tl.constexpr, EVEN: tl.constexpr, BF16: tl.constexpr,
+    ACCURATE: tl.constexpr, ROW: tl.constexpr, R_H: tl.constexpr, COL: tl.constexpr, C_H: tl.constexpr,
+):  # fmt: skip
+    """The NVFP4 tensor amaxes of d_gate and d_up, row-wise and/or transposed, from one read of the
+    inputs: int32 slots [d_gate row, d_up row, d_gate col, d_up col]."""
+    gate_row = tl.zeros([], tl.float32)
+    up_row = tl.zeros([], tl.float32)
+    gate_col = tl.zeros([], tl.float32)
+    up_col = tl.zeros([], tl.float32)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    for i in tl.static_range(TILES):
+        rows = (tl.program_id(0) * TILES + i) * BR + tl.arange(0, BR)
+        d_gate, d_up = _swiglu_grads(grad_ptr, gate_ptr, up_ptr, rows, cols, R, C, EVEN, BF16, ACCURATE)
+        if ROW:
+            gate_row = tl.maximum(gate_row, _finite_amax(d_gate, r_signs, BR, BC, R_H, 1, 16))
+            up_row = tl.maximum(up_row, _finite_amax(d_up, r_signs, BR, BC, R_H, 1, 16))
+        if COL:
+            gate_col = tl.maximum(gate_col, _finite_amax(tl.trans(d_gate), c_signs, BC, BR, C_H, 1, 16))
+            up_col = tl.maximum(up_col, _finite_amax(tl.trans(d_up), c_signs, BC, BR, C_H, 1, 16))
+    if ROW:
+        tl.atomic_max(amax_ptr, gate_row.to(tl.int32, bitcast=True))
+        tl.atomic_max(amax_ptr + 1, up_row.to(tl.int32, bitcast=True))
+    if COL:
+        tl.atomic_max(amax_ptr + 2, gate_col.to(tl.int32, bitcast=True))
+        tl.atomic_max(amax_ptr + 3, up_col.to(tl.int32, bitcast=True))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,7 +439,7 @@ def swiglu_quantize_fused(
     row_spec, col_spec = _specs("swiglu_quantize_fused", gate, row, col)
     bf16 = gate.dtype == torch.bfloat16
     h = torch.empty_like(gate) if emit_h else None
-    outs = _launch_producer(_SWIGLU.value, (gate, up, None, None, None), gate.shape, gate.device, bf16, bf16, h, row_spec, col_spec)
+    outs = _launch_producer(_SWIGLU.value, (gate, up, None, None), gate.shape, gate.device, bf16, bf16, h, row_spec, col_spec)
     return FusedSwiglu(h, outs[0], outs[1])
 
 
@@ -434,7 +489,7 @@ def residual_rmsnorm_quantize_fused(
         return FusedRmsnorm(s, rstd, n, row_out, None)
     n_bf16 = n_dtype == torch.bfloat16
     outs = _launch_producer(
-        _NORM_APPLY.value, (s, None, None, rstd, weight), (rows, dim), x.device, s_dtype == torch.bfloat16, n_bf16,
+        _NORM_APPLY.value, (s, None, rstd, weight), (rows, dim), x.device, s_dtype == torch.bfloat16, n_bf16,
         None, row_spec, col_spec, row_out=row_out, amax=amax, row_amax_done=row_amax_done,
     )  # fmt: skip
     return FusedRmsnorm(s, rstd, n, outs[0], outs[1])
@@ -444,30 +499,54 @@ def swiglu_backward_fused(
     grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, row: dict | None = None, col: dict | None = None
 ) -> FusedSwigluGrads:
     """d_gate, d_up of h = silu(gate) * up (swiglu_backward_reference) from one read of grad_h, gate
-    and up. With `row` / `col` (quantize_fused options, fmt included) each gradient is also quantized
-    along the hidden dim / the tokens; then d_gate and d_up are each produced by their own pass (the
-    second reads grad_h and gate again, as an NVFP4 amax pass does), still never re-read from HBM."""
+    and up. With `row` / `col` (quantize_fused options, fmt included, one set for both gradients) each
+    gradient is also quantized along the hidden dim / the tokens in the same pass; NVFP4 first reads
+    the inputs once more for the four tensor amaxes. SR's seed or uniforms serve both gradients: the
+    same draws for d_gate and d_up, each unbiased on its own, as two quantize_fused calls with one seed."""
     _check_inputs("swiglu_backward_fused", grad_h=grad_h, gate=gate, up=up)
-    bf16 = gate.dtype == torch.bfloat16
+    name = "swiglu_backward_fused"
+    row_spec = _orientation(gate, {"rounding": "rtn", **_known(name, "row", row)}, False) if row is not None else None
+    col_spec = _orientation(gate, {"rounding": "rtn", **_known(name, "col", col)}, True) if col is not None else None
+    return _swiglu_backward(grad_h, gate, up, row_spec, col_spec)
+
+
+def _swiglu_backward(grad_h, gate, up, row: _Orientation | None, col: _Orientation | None) -> FusedSwigluGrads:
+    rows, cols = gate.shape
+    device, bf16, accurate = gate.device, gate.dtype == torch.bfloat16, not _INTERPRETED
     d_gate, d_up = torch.empty_like(gate), torch.empty_like(gate)
-    if row is None and col is None:
-        rows, cols = gate.shape
-        br, bc, warps = _TILE_ROW
-        if rows:
-            _swiglu_backward_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](
-                grad_h, gate, up, d_gate, d_up, rows, cols,
-                BR=br, BC=bc, EVEN=rows % br == 0 and cols % bc == 0, BF16=bf16, ACCURATE=not _INTERPRETED,
-                num_warps=warps, enable_fp_fusion=False,
-            )  # fmt: skip
-        return FusedSwigluGrads(d_gate, d_up)
-    row_spec = _orientation(gate, {"rounding": "rtn", **_known("swiglu_backward_fused", "row", row)}, False) if row is not None else None
-    col_spec = _orientation(gate, {"rounding": "rtn", **_known("swiglu_backward_fused", "col", col)}, True) if col is not None else None
-    inputs = {_GRAD_GATE.value: (grad_h, gate, up, None, None), _GRAD_UP.value: (grad_h, gate, None, None, None)}
-    encodings = {}
-    for name, producer, out in (("gate", _GRAD_GATE.value, d_gate), ("up", _GRAD_UP.value, d_up)):
-        r, c = _launch_producer(producer, inputs[producer], gate.shape, gate.device, bf16, bf16, out, row_spec, col_spec)
-        encodings[f"{name}_row"], encodings[f"{name}_col"] = r, c
-    return FusedSwigluGrads(d_gate, d_up, **encodings)
+    outs = {}
+    for suffix, spec, shape in (("row", row, (rows, cols)), ("col", col, (cols, rows))):
+        for which in ("gate", "up"):
+            outs[f"{which}_{suffix}"] = _allocate(device, shape, spec) if spec is not None else None
+    nv_row, nv_col = row is not None and row.nv, col is not None and col.nv
+    amax = torch.zeros(4, dtype=torch.int32, device=device) if nv_row or nv_col else None
+    if rows and amax is not None:
+        br, bc, warps = _TILE_AMAX if not nv_col else _TILE_COL
+        _swiglu_backward_amax_kernel[(triton.cdiv(rows, br * _AMAX_TILES), triton.cdiv(cols, bc))](
+            grad_h, gate, up, rows, cols, amax, row.signs if nv_row else None, col.signs if nv_col else None,
+            BR=br, BC=bc, TILES=_AMAX_TILES, EVEN=rows % (br * _AMAX_TILES) == 0 and cols % bc == 0, BF16=bf16,
+            ACCURATE=accurate, ROW=nv_row, R_H=row.transform if nv_row else 0, COL=nv_col, C_H=col.transform if nv_col else 0,
+            num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
+    args = []
+    for slot, key in enumerate(("gate_row", "up_row", "gate_col", "up_col")):
+        spec, out = (row, outs[key]) if key.endswith("row") else (col, outs[key])
+        if spec is None:
+            args += [None] * 6
+            continue
+        args += [out.values, out.codes, out.scales, spec.uniforms, amax[slot:] if spec.nv else None, out.outer]
+        if spec.nv and not rows:  # nothing was quantized: the reference's outer scale of an empty tensor
+            out.outer.fill_(1.0)
+    args += [row.signs if row else None, row.seed if row else None, col.signs if col else None, col.seed if col else None]
+    br, bc, warps = _TILE_COL if col is not None else _TILE_ROW
+    if rows:
+        _swiglu_backward_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](
+            grad_h, gate, up, d_gate, d_up, rows, cols, *args,
+            BR=br, BC=bc, EVEN=rows % br == 0 and cols % bc == 0, BF16=bf16, ACCURATE=accurate,
+            **_constexprs("R_", row), **_constexprs("C_", col), ROW=row is not None, COL=col is not None,
+            num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
+    return FusedSwigluGrads(d_gate, d_up, **outs)
 
 
 def _launch_producer(producer, inputs, shape, device, in_bf16, out_bf16, store, row, col, row_out=None, amax=None, row_amax_done=False):
