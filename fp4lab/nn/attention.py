@@ -11,7 +11,8 @@
   cost one more multiply-add per logit instead of a pass over all logits: QK-Clip reads them every
   step. The same two flags say which of them are stored;
 - `quant`: FP4 attention after Full-Stack FP4 (arXiv 2607.04422), fake-quantized, with a
-  hand-written backward (`fp4_attention`): QK^T, dS K and dS^T Q in FP4, V and PV, dO V^T in BF16.
+  hand-written backward (`fp4_attention`): QK^T, dS K and dS^T Q in FP4, V and PV, dO V^T in BF16;
+  it materialises its fp32 scores and their gradients for chunks of query rows, not all [T, T].
 
 Tensors inside are laid out [batch, heads, seq, head_dim]; RoPE pairs dims (2i, 2i+1) as Meta's Llama
 and torchtitan do, so checkpoints keep torchtitan's layout.
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4lab.numerics import BLOCK_SIZE, quantize
+from fp4lab.numerics.quantize import finite_amax
 
 ATTENTION_FORMATS = ("nvfp4", "mxfp4")
 DS_ROUNDINGS = ("sr", "rtn")
@@ -35,6 +37,9 @@ DS_ROUNDINGS = ("sr", "rtn")
 FP4_BLOCK_MULTIPLE = max(BLOCK_SIZE[fmt] for fmt in ATTENTION_FORMATS)
 # A probe materialises at most this many fp32 logits at once (64 MiB), whatever the model size.
 PROBE_CHUNK_ELEMENTS = 1 << 24
+# FP4 attention materialises its fp32 scores, P, dP and dS (and dS's quantizations) for chunks of query
+# rows of at most this many elements each (64 MiB), not [B, H, T, T]; a chunk holds 32 rows at least.
+FP4_ATTENTION_CHUNK_ELEMENTS = 1 << 24
 
 LinearFactory = Callable[[str, int, int], nn.Module]
 
@@ -214,7 +219,15 @@ def attention_entropy(q: torch.Tensor, k: torch.Tensor, max_elements: int = PROB
 # --- FP4 attention ------------------------------------------------------------------------------
 
 
-def fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: AttentionQuant) -> torch.Tensor:
+
+
+def fp4_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    quant: AttentionQuant,
+    chunk_elements: int = FP4_ATTENTION_CHUNK_ELEMENTS,
+) -> torch.Tensor:
     """Causal attention with FP4 QK^T, dS K and dS^T Q GEMMs (Full-Stack FP4), fake-quantized; [B, H, T, D].
 
     q [B, H, T, D], k and v [B, H_kv, T, D]. Every FP4 GEMM quantizes each of its two operands along that
@@ -242,7 +255,22 @@ def fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: Atte
     and 0.167 when re-quantizing the exact Q, K (2.6 points more; mxfp4 0.224 against 0.221); their
     distance from the gradient of the forward's own function (the same dSq times Kq, Qq in fp32) is
     0.093 against 0.131: the alignment the reuse buys. P is recomputed from Qq, Kq, bit-identical to
-    the forward. It materialises [B, H, T, T]: a research path.
+    the forward.
+
+    Both passes walk the query rows in chunks (`_query_chunks`): S, P, dP, dS and dS's quantizations
+    exist for one chunk at a time, [B, H, rows, keys] with B * H * rows * T <= chunk_elements (rows a
+    multiple of 32, at least 32), not [B, H, T, T]. Rows [start, stop) read keys [0, stop) only: the
+    causal mask makes P, and so dS, zero beyond, and stop is a multiple of 32, so the keys left out are
+    whole blocks that would contribute zero to O, dQ and dK. Chunking keeps the numerics of one chunk:
+    - a row's scores and softmax are whole, and O, dP, dS and dQ are per query row: the same values
+      (bit-equal on CPU; tests/test_fp4_attention_chunked.py);
+    - dS along keys (for dQ) is quantized per row; dS^T along queries (for dK) in blocks of 16 or 32
+      queries, which chunk boundaries at multiples of 32 keep whole;
+    - NVFP4's tensor scale is that of the whole dS: a first pass over the chunks finds its amax
+      (`_ds_tensor_amaxes`), so with RTN every element is quantized exactly as in one chunk. That pass
+      recomputes P and dP once more (where there is more than one chunk);
+    - dK and dV add their chunks' products in fp32: the summation order changes, nothing else;
+    - SR draws dS then dS^T chunk by chunk: other draws than one chunk's, of the same distribution.
     """
     seq, head_dim = q.shape[-2], q.shape[-1]
     if seq % FP4_BLOCK_MULTIPLE:
@@ -252,18 +280,30 @@ def fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: Atte
         )
     if head_dim % FP4_BLOCK_MULTIPLE:
         raise ValueError(f"FP4 attention: head_dim {head_dim} must be a multiple of {FP4_BLOCK_MULTIPLE}")
-    return _FP4Attention.apply(q, k, v, quant)
+    return _FP4Attention.apply(q, k, v, quant, chunk_elements)
+
+
+def _query_chunks(q: torch.Tensor, chunk_elements: int) -> list[slice]:
+    """Query rows of q [B, H, T, D] in chunks of B * H * rows * T <= chunk_elements scores, rows a
+    multiple of FP4_BLOCK_MULTIPLE (at least one block, whatever the budget): chunks then cut dS^T
+    along queries at block boundaries only. The last chunk may be shorter."""
+    batch, n_heads, seq, _ = q.shape
+    rows = max(1, chunk_elements // (batch * n_heads * seq * FP4_BLOCK_MULTIPLE)) * FP4_BLOCK_MULTIPLE
+    return [slice(start, min(start + rows, seq)) for start in range(0, seq, rows)]
 
 
 class _FP4Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, quant: AttentionQuant):
+    def forward(ctx, q, k, v, quant: AttentionQuant, chunk_elements: int):
         q_q, k_q = _fake_quant(q, quant.format, "rtn", None), _fake_quant(k, quant.format, "rtn", None)
         group = q.shape[1] // k.shape[1]
-        probs = _causal_softmax(q_q, k_q.repeat_interleave(group, dim=1))
-        out = _bf16_matmul(probs, v.repeat_interleave(group, dim=1), quant)
+        k_heads, v_heads = k_q.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = q_q.new_empty(q_q.shape)
+        for rows in _query_chunks(q, chunk_elements):
+            probs = _causal_softmax(q_q[:, :, rows], k_heads, rows)
+            out[:, :, rows] = _bf16_matmul(probs, v_heads[:, :, : rows.stop], quant)
         ctx.save_for_backward(q_q, k_q, v)
-        ctx.quant = quant
+        ctx.quant, ctx.chunk_elements = quant, chunk_elements
         return out.to(q.dtype)
 
     @staticmethod
@@ -271,29 +311,64 @@ class _FP4Attention(torch.autograd.Function):
         q_q, k_q, v = ctx.saved_tensors
         quant: AttentionQuant = ctx.quant
         group = q_q.shape[1] // k_q.shape[1]
-        # Recomputed rather than saved: P is [B, H, T, T], and the recomputation is bit-identical.
-        probs = _causal_softmax(q_q, k_q.repeat_interleave(group, dim=1))
+        k_heads, v_heads = k_q.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         grad_out = grad_out.float()
+        chunks = _query_chunks(q_q, ctx.chunk_elements)
 
-        grad_v = _bf16_matmul(probs.transpose(-1, -2), grad_out, quant)
-        grad_probs = _bf16_matmul(grad_out, v.repeat_interleave(group, dim=1).transpose(-1, -2), quant)
-        grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
+        def grad_scores_by_chunk() -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+            """(rows, P, dS) per chunk, P recomputed rather than saved (it is bit-identical)."""
+            for rows in chunks:
+                probs = _causal_softmax(q_q[:, :, rows], k_heads, rows)
+                v_keys = v_heads[:, :, : rows.stop]
+                grad_probs = _bf16_matmul(grad_out[:, :, rows], v_keys.transpose(-1, -2), quant)
+                yield rows, probs, probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
 
-        scale = 1.0 / math.sqrt(q_q.shape[-1])
-        ds_keys = _quant_ds(grad_scores, quant)
-        k_keys = _fake_quant_seq(k_q, quant.format)
-        grad_q = ds_keys @ k_keys.repeat_interleave(group, dim=1) * scale
-        ds_queries = _quant_ds(grad_scores.transpose(-1, -2), quant)
+        amax_keys, amax_queries = _ds_tensor_amaxes(grad_scores_by_chunk(), quant, len(chunks))
+        k_keys = _fake_quant_seq(k_q, quant.format).repeat_interleave(group, dim=1)
         q_queries = _fake_quant_seq(q_q, quant.format)
-        grad_k = ds_queries @ q_queries * scale
-        return grad_q, _sum_over_group(grad_k, group), _sum_over_group(grad_v, group), None
+        scale = 1.0 / math.sqrt(q_q.shape[-1])
+        grad_q = torch.empty_like(q_q)
+        grad_k, grad_v = torch.zeros_like(q_q), torch.zeros_like(q_q)
+        for rows, probs, grad_scores in grad_scores_by_chunk():
+            keys = slice(0, rows.stop)
+            grad_v[:, :, keys] += _bf16_matmul(probs.transpose(-1, -2), grad_out[:, :, rows], quant)
+            ds_keys = _quant_ds(grad_scores, quant, amax_keys)
+            grad_q[:, :, rows] = ds_keys @ k_keys[:, :, keys] * scale
+            ds_queries = _quant_ds(grad_scores.transpose(-1, -2), quant, amax_queries)
+            grad_k[:, :, keys] += ds_queries @ q_queries[:, :, rows]
+        grad_k *= scale
+        return grad_q, _sum_over_group(grad_k, group), _sum_over_group(grad_v, group), None, None
 
 
-def _fake_quant(x: torch.Tensor, fmt: str | None, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+def _ds_tensor_amaxes(
+    grad_scores_by_chunk: Iterator[tuple[slice, torch.Tensor, torch.Tensor]], quant: AttentionQuant, n_chunks: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The amaxes behind NVFP4's tensor scales of the whole dS along keys and dS^T along queries, from
+    the chunks' own (`finite_amax`: chunks hold whole blocks in both orientations, and the keys a chunk
+    leaves out are zero). Both are max |dS| unless a block holds a NaN or Inf, which is left out, and
+    that block differs between the orientations. (None, None) where no tensor scale applies, or where one
+    chunk is the whole dS and quantize finds the same amaxes itself."""
+    if quant.format != "nvfp4" or quant.ds_rounding is None or n_chunks == 1:
+        return None, None
+    per_chunk = [
+        (finite_amax(grad_scores, "nvfp4"), finite_amax(grad_scores.transpose(-1, -2), "nvfp4"))
+        for _, _, grad_scores in grad_scores_by_chunk
+    ]
+    along_keys, along_queries = zip(*per_chunk)
+    return torch.stack(along_keys).amax(), torch.stack(along_queries).amax()
+
+
+def _fake_quant(
+    x: torch.Tensor,
+    fmt: str | None,
+    rounding: str,
+    generator: torch.Generator | None,
+    tensor_amax: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x quantized along its last dim and dequantized to fp32; fmt None returns x in fp32."""
     if fmt is None:
         return x.float()
-    return quantize(x, fmt, rounding=rounding, generator=generator).dequantize()
+    return quantize(x, fmt, rounding=rounding, generator=generator, tensor_amax=tensor_amax).dequantize()
 
 
 def _fake_quant_seq(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
@@ -301,17 +376,21 @@ def _fake_quant_seq(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     return _fake_quant(x.transpose(-1, -2), fmt, "rtn", None).transpose(-1, -2)
 
 
-def _quant_ds(grad_scores: torch.Tensor, quant: AttentionQuant) -> torch.Tensor:
-    """dS (or dS^T) quantized along its last dim with quant.ds_rounding; None leaves it in fp32."""
+def _quant_ds(grad_scores: torch.Tensor, quant: AttentionQuant, tensor_amax: torch.Tensor | None) -> torch.Tensor:
+    """dS (or dS^T), or a chunk of it, quantized along its last dim with quant.ds_rounding (NVFP4's tensor
+    scale from `tensor_amax`, the whole dS's, where given); None leaves it in fp32."""
     if quant.ds_rounding is None:
         return grad_scores
-    return _fake_quant(grad_scores, quant.format, quant.ds_rounding, quant.generator)
+    return _fake_quant(grad_scores, quant.format, quant.ds_rounding, quant.generator, tensor_amax)
 
 
-def _causal_softmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    seq = q.shape[-2]
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+def _causal_softmax(q_rows: torch.Tensor, k: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Softmax of the causal scores of query rows `rows` (q_rows [B, H, rows, D]) over keys [0, rows.stop)
+    of k [B, H, T, D]: [B, H, rows, rows.stop]. The keys past the last row would all be masked."""
+    keys = k[:, :, : rows.stop]
+    scores = q_rows @ keys.transpose(-1, -2) / math.sqrt(q_rows.shape[-1])
+    positions = torch.arange(rows.stop, device=q_rows.device)
+    future = positions > positions[rows, None]
     return torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
 
 
