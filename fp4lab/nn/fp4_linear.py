@@ -34,8 +34,8 @@ Three ways to run the same GEMMs (`FP4Linear.tensor_cores`, then `FP4Linear.mx_g
   casts, as in any bf16 PyTorch loop.
 - FP8 tensor cores (tensor cores with mx_gemm = "fp8"): a GEMM whose two operands are both MXFP4
   (`FP4Linear.takes_fp8_gemm`) runs as `numerics.triton_mx_gemm.mxfp4_matmul` on the operands' packed
-  E2M1 codes and E8M0 scale bytes, which the quantizers then also write (`GemmOperand.packed`;
-  Wgrad's saved x^T and a 2D-tiled W^T are kept packed anyway). Each 32-block is one FP8 dot, exact,
+  E2M1 codes and E8M0 scale bytes, which the quantizers then write (the fused ones write nothing else:
+  `PackedOperand`; the torch ones add them to the values, `GemmOperand.packed`). Each 32-block is one FP8 dot, exact,
   scaled in fp32, so Fprop, Dgrad and Wgrad equal the fp32 GEMM of the decoded operands up to fp32
   summation order (within (K / 32)(u sum |a b| + 2^-149) of the exact product, u = 2^-24), and
   `numerics.mx_gemm.mxfp4_matmul_reference` of the same operands bit for bit; the output takes the
@@ -242,12 +242,16 @@ def unpacked(operand: GemmOperand | PackedOperand) -> GemmOperand:
     return operand.unpack() if isinstance(operand, PackedOperand) else operand
 
 
+def packed_form(operand: GemmOperand | PackedOperand) -> PackedOperand | None:
+    """The operand's codes and scales, where they were written."""
+    return operand if isinstance(operand, PackedOperand) else operand.packed
+
+
 def fp8_gemm_operands(a: GemmOperand | PackedOperand, b: GemmOperand | PackedOperand) -> tuple[QTensor, QTensor] | None:
     """(A, B) for `mxfp4_matmul` when both operands carry MXFP4 encodings along K (the contraction
     dim, then a multiple of 32: whole blocks) that the kernel takes on their device, else None: the
     GEMM falls back to bf16 tensor cores."""
-    packed_a = a if isinstance(a, PackedOperand) else a.packed
-    packed_b = b if isinstance(b, PackedOperand) else b.packed
+    packed_a, packed_b = packed_form(a), packed_form(b)
     if packed_a is None or packed_b is None:
         return None
     qa, qb = packed_a.along_k(), packed_b.along_k()
@@ -398,7 +402,8 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
             ctx.gathered_weight = weight  # Dgrad's encoding comes with the backward's all-gather of it
         elif recipe.shares_weight_encoding:  # Dgrad decodes Fprop's encoding, kept packed where possible
             w_op = layer.operand("fprop_w", weight, signs["fprop"], g, keep_packed=True)
-            wt_op = w_op.packed.T if w_op.packed is not None else w_op.T
+            packed = packed_form(w_op)
+            wt_op = packed.T if packed is not None else w_op.T
         else:
             w_op, wt_op = layer.operand_pair(("fprop_w", "dgrad_w"), weight, (signs["fprop"], signs["dgrad"]), g, keep_packed=True)
         out = layer.mm(x_op, w_op, out_dtype)
@@ -657,17 +662,22 @@ class FP4Linear(nn.Module):
             return fp8_tensor_core_mm(*operands, out_dtype)
         return tensor_core_mm(unpacked(a), unpacked(b), out_dtype)
 
-    def operand(self, name: str, t: torch.Tensor, signs: torch.Tensor | None, generator, keep_packed: bool = False) -> GemmOperand:
+    def operand(
+        self, name: str, t: torch.Tensor, signs: torch.Tensor | None, generator, keep_packed: bool = False
+    ) -> GemmOperand | PackedOperand:
         """The tensor-core operand `name` of t, quantized along its last dim: by the fused kernel where
         it covers the spec (CUDA), else by the torch reference (probed through the packed encoding,
         as `consume`). `keep_packed`: the operand is also saved for the backward pass, so the kernel
-        writes its packed codes and scales too (`GemmOperand.packed`); so does an operand of a GEMM on
-        FP8 tensor cores (`wants_codes`), which reads them."""
+        writes its packed codes and scales too (`GemmOperand.packed`). An operand of a GEMM on FP8
+        tensor cores (`wants_codes`) is made with its codes and scales; the fused kernel writes only
+        those (`PackedOperand`), as the GEMM reads nothing else."""
         spec = self.recipe.operand(name)
         codes = self.wants_codes(name, t.device)
         options = _kernel_options(spec, signs, t, self.philox_seed) if self.fused_quantizers else None
         if options is not None:
-            if (keep_packed and self.pack_saved) or codes:
+            if codes:
+                options |= {"emit_codes": True, "emit_values": False}
+            elif keep_packed and self.pack_saved:
                 options["emit_codes"] = True
             return self._fused(t, [(name, options, False)])[0]
         encoded = None
@@ -683,11 +693,12 @@ class FP4Linear(nn.Module):
         signs: tuple[torch.Tensor | None, torch.Tensor | None],
         generator,
         keep_packed: bool = False,
-    ) -> tuple[GemmOperand, GemmOperand | PackedOperand]:
+    ) -> tuple[GemmOperand | PackedOperand, GemmOperand | PackedOperand]:
         """Operand names[0] of t (blocked along its last dim) and names[1] of t^T (blocked along t's
         rows, which are zero-padded to the GEMM's contraction multiple): one read of t when the fused
         kernel covers both specs. `keep_packed`: names[1] is saved for the backward pass, so the
-        kernel writes it as packed codes and scales only (`PackedOperand`)."""
+        kernel writes it as packed codes and scales only (`PackedOperand`); so it does for an operand
+        of a GEMM on FP8 tensor cores (`wants_codes`)."""
         row_name, col_name = names
         multiple = self._contraction_multiples[next(g for g, pair in GEMMS.items() if col_name in pair)]
         row_spec, col_spec = self.recipe.operand(row_name), self.recipe.operand(col_name)
@@ -699,15 +710,13 @@ class FP4Linear(nn.Module):
         col = _kernel_options(col_spec, signs[1], t, self.philox_seed) if row is not None else None
         if row is not None and col is not None:
             if self.wants_codes(row_name, t.device):
-                row = row | {"emit_codes": True}
-            if keep_packed and self.pack_saved:
+                row = row | {"emit_codes": True, "emit_values": False}
+            if (keep_packed and self.pack_saved) or self.wants_codes(col_name, t.device):
                 col = col | {"emit_codes": True, "emit_values": False}
-            elif self.wants_codes(col_name, t.device):
-                col = col | {"emit_codes": True}
             return tuple(self._fused(t, [(row_name, row, False), (col_name, col, True)]))
         return self.operand(row_name, t, signs[0], generator), self.operand(col_name, _pad_last(t.T, multiple), signs[1], generator)
 
-    def _fused(self, t: torch.Tensor, requests: list[tuple[str, dict, bool]]) -> list[GemmOperand]:
+    def _fused(self, t: torch.Tensor, requests: list[tuple[str, dict, bool]]) -> list[GemmOperand | PackedOperand]:
         """Run the fused quantizer for (name, options, transposed) requests on one read of t; probes
         record from the codes it emits, so probing never changes the bits a step draws."""
         from fp4lab.numerics import triton_quantize
