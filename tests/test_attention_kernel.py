@@ -259,7 +259,7 @@ def train_tiny(out_dir: str, kernel: str) -> tuple[list[dict], list[torch.Tensor
     saved = loop.qk_clip_, loop.attention_kernel
     loop.qk_clip_ = recording_clip
     if kernel == "triton":
-        loop.attention_kernel = lambda config, device: "triton"
+        loop.attention_kernel = lambda config, device, head_dim: "triton"
     try:
         with only_the_kernel() if kernel == "triton" else contextlib.nullcontext():
             config = TrainConfig(  # both steps probed: step 0 (probe_every) and the last
