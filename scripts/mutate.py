@@ -48,6 +48,8 @@ def m(name: str, what: str, edits, tests) -> Mutation:
 
 LOOP = "fp4lab/train/loop.py"
 ATTN = "fp4lab/nn/attention.py"
+MX_GEMM = "fp4lab/numerics/triton_mx_gemm.py"
+MX_INTERPRETED = "tests/test_triton_mx_gemm.py::test_kernel_under_triton_interpreter"
 LIN = "fp4lab/nn/fp4_linear.py"
 BUILD = "fp4lab/nn/build.py"
 RECIPE = "fp4lab/nn/recipe.py"
@@ -299,6 +301,15 @@ MUTATIONS = [
     m("gemm-error-dgrad-w-axis", "the diagnostic blocks Dgrad's W along K, not its contraction dim N",
       (GEMM_ERROR, "wt_hat = operand_values(w.T.contiguous(), linear.dgrad_w, signs[\"dgrad\"], generator)",
        "wt_hat = operand_values(w, linear.dgrad_w, signs[\"dgrad\"], generator).T"), [CAPTURE_EXACT]),
+    # --- the MXFP4 GEMM on FP8 tensor cores (run by Triton's interpreter on the CPU) -----------------
+    m("mx-gemm-second-block-scales", "the second K block of a step is scaled by the first block's scale bytes",
+      (MX_GEMM, "p1, a_scales, b_scales, rows_a, rows_b, M, N, kb + 1, SPLIT)", "p1, a_scales, b_scales, rows_a, rows_b, M, N, kb, SPLIT)"),
+      [MX_INTERPRETED]),
+    m("mx-gemm-no-split", "tiles with A scale bytes above 2^117 skip the overflow-safe split of 2^(ea + eb)",
+      (MX_GEMM, "<= ROW_FIRST_MAX_BYTE:", "<= 255:"), [MX_INTERPRETED]),
+    m("mx-gemm-scales-row-major", "the kernel reads the scale bytes row-major, not block-major",
+      (MX_GEMM, "a.scales.T.contiguous(), e4m3_values(b.data), b.scales.T.contiguous()",
+       "a.scales.contiguous(), e4m3_values(b.data), b.scales.contiguous()"), [MX_INTERPRETED]),
 ]
 
 

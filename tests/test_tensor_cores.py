@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from fp4lab.nn.fp4_linear import FP4Linear, GemmOperand, gemm_operand, tensor_core_mm
+from fp4lab.nn.fp4_linear import FP4Linear, gemm_operand, tensor_core_mm
 from fp4lab.nn.recipe import LinearRecipe, OperandSpec, load_recipe
 from fp4lab.numerics import fake_quantize, fp8_quantize
 

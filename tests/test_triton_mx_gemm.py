@@ -299,7 +299,7 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 from test_triton_mx_gemm import *
 from fp4lab.numerics.mx_gemm import mxfp4_matmul_reference
-from fp4lab.numerics.triton_mx_gemm import mxfp4_matmul
+from fp4lab.numerics.triton_mx_gemm import GemmConfig, mxfp4_matmul
 
 a, b = every_scale_pair()
 c = mxfp4_matmul(a, b, tile=(64, 64))
@@ -326,9 +326,17 @@ for i, (m, n, k) in enumerate(SMALL_SHAPES):
         want = mxfp4_matmul_reference(a, b, torch.bfloat16)
         assert_same_bits(mxfp4_matmul(a, b, torch.bfloat16, tile=tile), want, f"bf16 {{kind}} {{m}}x{{n}}x{{k}}")
 
-# the default 128 x 128 tile, its masks on both sides
+# the default launch shape, its masks on both sides
 a, b = operands("row_scaled", 130, 129, 64, seed=9)
 assert_same_bits(mxfp4_matmul(a, b), mxfp4_matmul_reference(a, b), "default tile")
+# 1, 2 and 4 K blocks per loop iteration (and 4 falling back to 2 where K / 32 is 6)
+for k in (128, 192):
+    for kind in ("normal", "any_byte"):
+        a, b = operands(kind, 40, 24, k, seed=k)
+        want = mxfp4_matmul_reference(a, b)
+        for step in (1, 2, 4):
+            got = mxfp4_matmul(a, b, config=GemmConfig(tile=(16, 16), blocks_per_step=step))
+            assert_same_bits(got, want, f"{{kind}} K={{k}} blocks_per_step={{step}}")
 print("ok")
 """
 
@@ -344,21 +352,25 @@ def test_kernel_under_triton_interpreter():
 
 
 def test_kernel_compiles_for_hopper_to_fp8_wgmma_without_fma_or_ftz(mx):
-    """Compiled for sm_90 without a GPU (Triton's bundled ptxas), with the wrapper's launch options: each
-    K block is one FP8 wgmma with an fp32 accumulator, and the scaling is plain mul.rn / add.rn (no
-    contraction into FMA, no flush of subnormals), for both output dtypes."""
+    """Compiled for sm_90 without a GPU (Triton's bundled ptxas), with the wrapper's launch options and
+    default launch shape: each K block is one FP8 wgmma with an fp32 accumulator, and the scaling is
+    plain mul.rn / add.rn (no contraction into FMA, no flush of subnormals), for both output dtypes."""
     pytest.importorskip("triton")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    config = mx.DEFAULT_CONFIG
     for out_type, bf16 in (("*fp32", False), ("*bf16", True)):
-        signature = {name: "*u8" for name in ("a_codes", "a_scales", "b_codes", "b_scales")}
-        signature |= {"out_ptr": out_type, "M": "i32", "N": "i32", "KB": "constexpr", "BM": "constexpr", "BN": "constexpr", "OUT_BF16": "constexpr"}
-        constexprs = {"KB": 4, "BM": mx.DEFAULT_TILE[0], "BN": mx.DEFAULT_TILE[1], "OUT_BF16": bf16}
+        signature = {name: "*u8" for name in ("a_values", "a_scales", "b_values", "b_scales")}
+        signature |= {"out_ptr": out_type, "M": "i32", "N": "i32"}
+        constexprs = {"KB": 4, "BM": config.tile[0], "BN": config.tile[1], "STEP": config.blocks_per_step,
+                      "GROUP": mx.GROUP_ROWS, "OUT_BF16": bf16}
+        signature |= dict.fromkeys(constexprs, "constexpr")
         source = ASTSource(fn=mx._mxfp4_matmul_kernel, signature=signature, constexprs=constexprs)
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=mx.LAUNCH_OPTIONS).asm["ptx"]
-        assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx, out_type
+        options = mx.LAUNCH_OPTIONS | {"num_warps": config.warps, "num_stages": config.stages}
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        assert f"wgmma.mma_async.sync.aligned.m64n{config.tile[1]}k32.f32.e4m3.e4m3" in ptx, out_type
         assert "mul.rn.f32" in ptx and "add.rn.f32" in ptx, out_type
         assert "fma.rn.f32" not in ptx and ".ftz" not in ptx, out_type
 

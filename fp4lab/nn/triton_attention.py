@@ -43,7 +43,8 @@ Precision: logits, softmax, statistics and accumulators in fp32. bf16 inputs run
 GEMMs (P and dS rounded to bf16 before their GEMMs, as every flash attention does); fp32 inputs run
 IEEE fp32 dots (no TF32), the reference configuration the CPU tests check.
 
-`exp2_poly=True` replaces the MUFU ex2 (tl.exp2) by Cody-Waite range reduction (x = n + f, n =
+`exp2_poly=True` replaces the MUFU ex2 (tl.exp2) of every probability (the per-row rescale factors of
+the online softmax keep tl.exp2: their errors multiply once per key block) by Cody-Waite range reduction (x = n + f, n =
 floor(x)) and a degree-3 minimax polynomial for 2^f on [0, 1) evaluated on the FMA units, the exponent
 n added to the result's bits (FlashAttention-4 offloads part of its exponentials the same way). Its
 relative error, measured over [-126, 0] in tests, is at most EXP2_POLY_MAX_REL_ERROR (8.6e-5): 45x
@@ -53,8 +54,7 @@ flushes). Default off: the default path keeps tl.exp2.
 Wired into `fp4lab.nn.attention.Attention.forward` (`kernel="triton"`, unquantized attention), which
 stores `max_logits` and `entropy` as the probes' `last_max_logits` and `last_entropy`.
 
-Tile shapes on a GPU (`_GPU_TILES`) are modelled on the tutorial's and not yet swept (nor run) on an
-H200; under TRITON_INTERPRET=1 small tiles with BLOCK_M != BLOCK_N keep the CPU tests fast and cover
+Tile shapes on a GPU (`_GPU_TILES`) come from a sweep on an H200; under TRITON_INTERPRET=1 small tiles with BLOCK_M != BLOCK_N keep the CPU tests fast and cover
 the diagonal tiles' masks. This module imports Triton: import it lazily, after
 `fp4lab.numerics.fast.triton_available()`.
 """
@@ -79,11 +79,14 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # (forward BLOCK_M, BLOCK_N, dK/dV BLOCK_M, BLOCK_N, dQ BLOCK_M, BLOCK_N, warps, pipeline stages)
 # per head dim. Each forward / dQ BLOCK_M is a multiple of its BLOCK_N and each dK/dV BLOCK_N of its
 # BLOCK_M: the diagonal region of a tile then splits into whole tiles of the other operand.
+# Swept on an H200 (bf16, causal GQA, 16k tokens, sequences 1024 and 4096; docs/BENCHMARKS.md): 64 x 64
+# tiles with 4 warps and 3 stages were the fastest forward at both head dims and the fastest
+# backward at 64; at 128 the backward's dK/dV kernel prefers 32 query rows per step.
 _GPU_TILES = {
-    16: (128, 64, 32, 128, 128, 32, 4, 3),
-    32: (128, 64, 32, 128, 128, 32, 4, 3),
-    64: (128, 64, 32, 128, 128, 32, 4, 3),
-    128: (128, 64, 32, 64, 64, 32, 8, 2),
+    16: (64, 64, 64, 64, 64, 64, 4, 3),
+    32: (64, 64, 64, 64, 64, 64, 4, 3),
+    64: (64, 64, 64, 64, 64, 64, 4, 3),
+    128: (64, 64, 32, 64, 64, 32, 4, 3),
 }
 _INTERPRETER_TILES = (32, 16, 16, 32, 32, 16, 4, 1)
 
@@ -326,7 +329,7 @@ def _forward_tiles(
         m_new = tl.maximum(m, tl.max(dots, 1))
         m_new_log2 = m_new * log2e_scale
         max_shift = m * log2e_scale - m_new_log2  # <= 0, in base-2 units
-        rescale = _exp2(max_shift, POLY)
+        rescale = tl.exp2(max_shift)  # one per row: the polynomial's error would compound once per key block
         shifted = dots * log2e_scale - m_new_log2[:, None]
         p = _exp2(shifted, POLY)
         u = rescale * (u + max_shift * l) + tl.sum(p * shifted, 1)

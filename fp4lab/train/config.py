@@ -33,8 +33,9 @@ CUDA_GRAPHS = ("auto", "on", "off")
 ATTENTION_KERNELS = ("auto", "triton", "sdpa")
 # MXFP4 x MXFP4 GEMMs on the fast path: FP8 tensor cores with each 32-block's partial sum promoted
 # to fp32 and scaled there (fp4lab.numerics.triton_mx_gemm), or the decoded values on bf16 tensor
-# cores. "auto": fp8 on CUDA devices with FP8 tensor cores (compute capability 8.9 and up). Both are
-# exact products; summation order is all that changes.
+# cores. "auto": bf16, the faster of the two wherever measured (on an H200 the FP8 kernel runs at about
+# 0.2x of cuBLAS's bf16 rate: docs/BENCHMARKS.md); "fp8" is opt-in. Both are exact products;
+# summation order is all that changes.
 MX_GEMMS = ("auto", "fp8", "bf16")
 # Parallelism over torchrun's processes (fp4lab.train.distributed): none, DistributedDataParallel,
 # FSDP2, FSDP2 sharded within a node and replicated across nodes, or pipeline stages of transformer

@@ -396,15 +396,16 @@ def attention_kernel(config: TrainConfig, device: torch.device, head_dim: int) -
 
 def mx_gemm(config: TrainConfig, device: torch.device) -> str:
     """Where MXFP4 x MXFP4 GEMMs run (config.mx_gemm): "fp8" (FP8 tensor cores, per-block fp32
-    promotion) or "bf16" (decoded values on bf16 tensor cores, and every reference-path GEMM); "auto"
-    means fp8 on the fast path on CUDA devices with FP8 tensor cores (compute capability 8.9 and up)."""
+    promotion; on the fast path on CUDA devices with FP8 tensor cores, compute capability 8.9 and up) or
+    "bf16" (decoded values on bf16 tensor cores, and every reference-path GEMM); "auto" means bf16, the
+    faster wherever measured (fp4lab.train.config.MX_GEMMS)."""
     usable = (
         device.type == "cuda" and fast_compute(config, device) and triton_available()
         and torch.cuda.get_device_capability(device) >= (8, 9)
     )
     if config.mx_gemm == "fp8" and not usable:
         raise ConfigError("mx_gemm='fp8' needs the fast path on a CUDA device with FP8 tensor cores (compute capability 8.9+) and Triton; use mx_gemm='auto' or 'bf16'")
-    return "fp8" if config.mx_gemm == "fp8" or (config.mx_gemm == "auto" and usable) else "bf16"
+    return "fp8" if config.mx_gemm == "fp8" else "bf16"
 
 
 def compiled(config: TrainConfig, device: torch.device) -> bool:
