@@ -50,6 +50,8 @@ LOOP = "fp4lab/train/loop.py"
 ATTN = "fp4lab/nn/attention.py"
 MX_GEMM = "fp4lab/numerics/triton_mx_gemm.py"
 MX_INTERPRETED = "tests/test_triton_mx_gemm.py::test_kernel_under_triton_interpreter"
+FUSION_WIRE = "tests/test_producer_fusion.py::test_producer_fusion_reaches_every_w2_and_the_feed_forward_calls_it"
+FUSION_EXACT = "tests/test_producer_fusion.py::test_fused_swiglu_equals_the_unfused_feed_forward_under_the_interpreter"
 LIN = "fp4lab/nn/fp4_linear.py"
 BUILD = "fp4lab/nn/build.py"
 RECIPE = "fp4lab/nn/recipe.py"
@@ -301,6 +303,15 @@ MUTATIONS = [
     m("gemm-error-dgrad-w-axis", "the diagnostic blocks Dgrad's W along K, not its contraction dim N",
       (GEMM_ERROR, "wt_hat = operand_values(w.T.contiguous(), linear.dgrad_w, signs[\"dgrad\"], generator)",
        "wt_hat = operand_values(w, linear.dgrad_w, signs[\"dgrad\"], generator).T"), [CAPTURE_EXACT]),
+    # --- producer fusion: the SwiGLU fused into W2's GEMMs ------------------------------------------
+    m("swiglu-fusion-unwired", "FeedForward never hands the SwiGLU to W2 (producer_fusion on changes nothing)",
+      ("fp4lab/nn/model.py", 'if getattr(self.w2, "fuse_swiglu", False):', "if False:"), [FUSION_WIRE]),
+    m("swiglu-wgrad-fprop-signs", "the fused SwiGLU's Wgrad operand h^T takes Fprop's Hadamard signs",
+      (LIN, 'col = fused_options(col_spec, signs["wgrad"], gate, self.philox_seed)',
+       'col = fused_options(col_spec, signs["fprop"], gate, self.philox_seed)'), [FUSION_EXACT + "[nvfp4]"]),
+    m("swiglu-backward-swapped", "the fused SwiGLU's backward swaps d_gate and d_up",
+      (LIN, "return grads.d_gate.view(ctx.x_shape), grads.d_up.view(ctx.x_shape), grad_w, None",
+       "return grads.d_up.view(ctx.x_shape), grads.d_gate.view(ctx.x_shape), grad_w, None"), [FUSION_EXACT + "[mxfp4]"]),
     # --- the MXFP4 GEMM on FP8 tensor cores (run by Triton's interpreter on the CPU) -----------------
     m("mx-gemm-second-block-scales", "the second K block of a step is scaled by the first block's scale bytes",
       (MX_GEMM, "p1, a_scales, b_scales, rows_a, rows_b, M, N, kb + 1, SPLIT)", "p1, a_scales, b_scales, rows_a, rows_b, M, N, kb, SPLIT)"),

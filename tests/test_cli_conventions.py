@@ -51,7 +51,7 @@ def test_choice_values_are_the_library_constants():
 
     assert cli.MODEL_PRESETS == config.MODEL_PRESETS == tuple(model.PRESETS)
     for name in ("OPTIMIZERS", "LR_SCHEDULES", "QK_CLIPS", "NS_POLYNOMIALS", "DEVICES", "COMPUTES", "COMPILES", "CUDA_GRAPHS",
-                 "ATTENTION_KERNELS", "MX_GEMMS"):
+                 "ATTENTION_KERNELS", "MX_GEMMS", "PRODUCER_FUSIONS"):
         assert getattr(cli, name) == getattr(config, name), name
     from fp4lab.nn import recipe
     from fp4lab.optim import muon
@@ -95,6 +95,7 @@ CHOICES = [  # (command path, option or an argument's metavar, allowed values, a
     (["train"], "--cuda-graphs", cli.CUDA_GRAPHS, []),
     (["train"], "--attention-kernel", cli.ATTENTION_KERNELS, []),
     (["train"], "--mx-gemm", cli.MX_GEMMS, []),
+    (["train"], "--producer-fusion", cli.PRODUCER_FUSIONS, []),
     (["bench"], "--model", cli.MODEL_PRESETS, []),
     (["bench"], "--optimizer", cli.OPTIMIZERS, []),
     (["bench"], "--device", cli.DEVICES, []),
@@ -102,6 +103,7 @@ CHOICES = [  # (command path, option or an argument's metavar, allowed values, a
     (["bench"], "--cuda-graphs", cli.CUDA_GRAPHS, []),
     (["bench"], "--attention-kernel", cli.ATTENTION_KERNELS, []),
     (["bench"], "--mx-gemm", cli.MX_GEMMS, []),
+    (["bench"], "--producer-fusion", cli.PRODUCER_FUSIONS, []),
     (["bench"], "WHAT", cli.BENCH_WHAT, []),  # an argument: its metavar
     (["scan"], "--preset", cli.LOG_PRESETS, ["some.log"]),
     (["numerics"], "--dist", cli.DISTRIBUTIONS, []),

@@ -40,6 +40,7 @@ def test_build_model_sets_the_kernels_on_every_attention_and_linear():
 @pytest.mark.parametrize("flag, value, message", [
     ("--attention-kernel", "triton", "attention_kernel='triton' needs the fast path on CUDA"),
     ("--mx-gemm", "fp8", "mx_gemm='fp8' needs the fast path on a CUDA device"),
+    ("--producer-fusion", "on", "producer_fusion='on' needs the fast path on CUDA"),
 ])
 def test_the_train_and_bench_flags_reach_the_choice(run_cli, tmp_path, flag, value, message):
     train = run_cli("train", "--data", "synthetic", "--steps", "1", "--device", "cpu", flag, value, "--out", str(tmp_path / "run"))
@@ -60,6 +61,10 @@ def test_auto_takes_the_triton_attention_and_bf16_gemms_on_a_gpu():
     model, _, _ = build_training(config, load_recipe("mxfp4"), preset("tiny", 256, 64), cuda)
     assert {a.kernel for a in model.attentions()} == {"triton"}
     assert {linear.mx_gemm for linear in fp4_linears(model).values()} == {"bf16"}  # fp8 is opt-in
+    assert not any(linear.fuse_swiglu for linear in fp4_linears(model).values())  # producer fusion is opt-in
+    fused, _, _ = build_training(TrainConfig(recipe="mxfp4", device="cuda", producer_fusion="on"), load_recipe("mxfp4"),
+                                 preset("tiny", 256, 64), cuda)
+    assert all(block.feed_forward.w2.fuse_swiglu for block in fused.layers)
     if torch.cuda.get_device_capability() >= (8, 9):
         assert mx_gemm(TrainConfig(recipe="mxfp4", device="cuda", mx_gemm="fp8"), cuda) == "fp8"
     sdpa, _, _ = build_training(TrainConfig(recipe="mxfp4", device="cuda", attention_kernel="sdpa", mx_gemm="bf16"),

@@ -64,6 +64,7 @@ def bench_steps(
     cuda_graphs: str = "auto",
     attention_kernel: str = "auto",
     mx_gemm: str = "auto",
+    producer_fusion: str = "off",
     optimizer: str = "adamw",
     vocab_size: int = 4096,
     on_result: Callable[[StepBench], None] | None = None,
@@ -82,7 +83,7 @@ def bench_steps(
         config = TrainConfig(
             recipe="bf16" if name == ANCHOR else name, model=model, batch_size=batch_size, seq_len=seq_len,
             device=device.type, compile=compile, cuda_graphs=cuda_graphs, attention_kernel=attention_kernel, mx_gemm=mx_gemm,
-            optimizer=optimizer, adam_lr=3e-4, lr=0.02,
+            producer_fusion=producer_fusion, optimizer=optimizer, adam_lr=3e-4, lr=0.02,
         )
         use_compile = compiled(config, device)
         if name == ANCHOR:

@@ -48,6 +48,14 @@ Three ways to run the same GEMMs (`FP4Linear.tensor_cores`, then `FP4Linear.mx_g
   Dgrad), and tensors where the kernel cannot run (`numerics.mx_gemm.kernel_runs_on`: CUDA with
   Triton, or the CPU under Triton's interpreter). A K that is not a multiple of 32 never reaches it:
   MXFP4 operands are whole blocks along K. With mx_gemm = "bf16" nothing here changes a bit.
+
+Producer fusion (`fuse_swiglu`, set on each feed-forward's W2 by producer_fusion = "on"): the
+feed-forward calls `swiglu(gate, up)` instead of `self(F.silu(gate) * up)`; on the tensor-core path
+one Triton kernel (`numerics.triton_fusion.swiglu_quantize_fused`) reads gate and up and writes W2's
+Fprop x and Wgrad x^T operands, so h is never written, and the backward makes d_gate and d_up from
+Dgrad's dh in one kernel (`swiglu_backward_fused`). The same bits as the unfused ops (the kernels
+equal the torch references bit for bit; stochastic rounding draws from the same Philox seeds).
+`fuses_swiglu` says where it falls back to the unfused ops.
 """
 
 from __future__ import annotations
@@ -78,7 +86,7 @@ from fp4lab.numerics import (
     hadamard_signs,
     quantize,
 )
-from fp4lab.numerics.fast import triton_available
+from fp4lab.numerics.fast import triton_available, triton_runs_on
 from fp4lab.numerics.mx_gemm import MX_BLOCK, OUT_DTYPES, along_k, kernel_runs_on
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.survey import error_stats
@@ -238,6 +246,13 @@ class PackedOperand:
         return along_k(encoded, self.transposed)
 
 
+def _operand_of(q, fmt: str, shape: tuple, tile: tuple[int, int] | None = None) -> GemmOperand | PackedOperand:
+    """The operand a fused kernel's output (`triton_quantize.FusedQuant`) gives a GEMM: its values
+    (with the packed codes where written), or the packed codes and scales alone."""
+    packed = PackedOperand(q.codes, q.scales, q.outer, fmt, shape, tile=tile) if q.codes is not None else None
+    return packed if q.values is None else GemmOperand(q.values, q.outer, packed)
+
+
 def unpacked(operand: GemmOperand | PackedOperand) -> GemmOperand:
     return operand.unpack() if isinstance(operand, PackedOperand) else operand
 
@@ -382,58 +397,90 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: FP4Linear) -> torch.Tensor:
         out_dtype = _activation_dtype(x)
         with torch.autocast(x.device.type, enabled=False):  # every GEMM here picks its own dtypes
-            return _TensorCoreFP4LinearFunction._forward(ctx, x, weight, layer, out_dtype)
-
-    @staticmethod
-    def _forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: FP4Linear, out_dtype: torch.dtype) -> torch.Tensor:
-        recipe, g = layer.recipe, layer.generator_for(x.device)
-        x2 = x.reshape(-1, x.shape[-1])
-        signs = layer.draw_all_signs(g, x2.shape[0])
-
-        # x and x^T (Fprop, Wgrad) from one read of x; W and W^T (Fprop, Dgrad) from one read of W,
-        # unless 2D tiles make W^T's encoding the transpose of W's.
-        x_op, xt_op = layer.x_operands(x, lambda: layer.operand_pair(
-            ("fprop_x", "wgrad_x"), x2, (signs["fprop"], signs["wgrad"]), g, keep_packed=True))
-        gathered = layer.gathered_encoding("fprop_w", weight, signs["fprop"])
-        ctx.gathered_weight = None
-        if gathered is not None:  # signs=None: the encoding is made, the NaN placeholder is not transformed
-            w_op = gemm_operand(weight, recipe.fprop_w, None, g, encoded=gathered, keep_codes=layer.wants_codes("fprop_w", weight.device))
-            wt_op = w_op.T if recipe.shares_weight_encoding else None
-            ctx.gathered_weight = weight  # Dgrad's encoding comes with the backward's all-gather of it
-        elif recipe.shares_weight_encoding:  # Dgrad decodes Fprop's encoding, kept packed where possible
-            w_op = layer.operand("fprop_w", weight, signs["fprop"], g, keep_packed=True)
-            packed = packed_form(w_op)
-            wt_op = packed.T if packed is not None else w_op.T
-        else:
-            w_op, wt_op = layer.operand_pair(("fprop_w", "dgrad_w"), weight, (signs["fprop"], signs["dgrad"]), g, keep_packed=True)
-        out = layer.mm(x_op, w_op, out_dtype)
-
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.layer, ctx.signs, ctx.wt_op, ctx.xt_op = layer, signs, wt_op, xt_op
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+            x2 = x.reshape(-1, x.shape[-1])
+            g = layer.generator_for(x.device)
+            signs = layer.draw_all_signs(g, x2.shape[0])
+            # x and x^T (Fprop, Wgrad) from one read of x
+            x_operands = layer.x_operands(x, lambda: layer.operand_pair(
+                ("fprop_x", "wgrad_x"), x2, (signs["fprop"], signs["wgrad"]), g, keep_packed=True))
+            return _gemms_forward(ctx, x, x_operands, weight, layer, signs, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         with torch.autocast(grad_out.device.type, enabled=False):
-            return _TensorCoreFP4LinearFunction._backward(ctx, grad_out)
+            grad_x, grad_w = _gemms_backward(ctx, grad_out, ctx.needs_input_grad[0])
+        return grad_x, grad_w, None
+
+
+class _SwigluFP4LinearFunction(torch.autograd.Function):
+    """w2(silu(gate) * up) with the SwiGLU fused into its neighbours (Format-Aware Fusion, section 3):
+    forward, one kernel reads gate and up and writes W2's Fprop x and Wgrad x^T operands, never h;
+    backward, Dgrad's dh and the SiLU derivative make d_gate and d_up in one kernel. The same bits as
+    `layer(F.silu(gate) * up)` on the tensor-core path (`FP4Linear.swiglu`)."""
 
     @staticmethod
-    def _backward(ctx, grad_out: torch.Tensor):
-        SIBLING_OPERANDS.clear()
-        layer, signs = ctx.layer, ctx.signs
-        g = layer.generator_for(grad_out.device)
-        dy = grad_out.reshape(-1, grad_out.shape[-1])
-        dy_op, dyt_op = layer.operand_pair(("dgrad_dy", "wgrad_dy"), dy, (signs["dgrad"], signs["wgrad"]), g)
-        wt_op = ctx.wt_op
-        if wt_op is None and ctx.needs_input_grad[0]:
-            gathered = layer.gathered_encoding("dgrad_w", ctx.gathered_weight, signs["dgrad"])
-            if gathered is None:  # never quantize the NaN placeholder
-                raise RuntimeError("FP4Linear: the backward found no all-gathered encoding of this weight")
-            keep_codes = layer.wants_codes("dgrad_w", grad_out.device)
-            wt_op = gemm_operand(ctx.gathered_weight.T, layer.recipe.dgrad_w, None, g, encoded=gathered, keep_codes=keep_codes)
-        grad_x = layer.mm(dy_op, wt_op, ctx.x_dtype).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        grad_w = layer.mm(dyt_op, ctx.xt_op, torch.float32)
-        return grad_x, grad_w, None
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, layer: FP4Linear) -> torch.Tensor:
+        out_dtype = _activation_dtype(gate)
+        with torch.autocast(gate.device.type, enabled=False):
+            gate2, up2 = (t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))
+            signs = layer.draw_all_signs(layer.generator_for(gate.device), gate2.shape[0])
+            x_operands = layer.swiglu_operands(gate2, up2, signs)
+            ctx.save_for_backward(gate2, up2)
+            return _gemms_forward(ctx, gate, x_operands, weight, layer, signs, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        from fp4lab.numerics import triton_fusion
+
+        gate2, up2 = ctx.saved_tensors
+        with torch.autocast(grad_out.device.type, enabled=False):
+            grad_h, grad_w = _gemms_backward(ctx, grad_out, True)
+            grads = triton_fusion.swiglu_backward_fused(grad_h.reshape(gate2.shape).contiguous(), gate2, up2)
+        return grads.d_gate.view(ctx.x_shape), grads.d_up.view(ctx.x_shape), grad_w, None
+
+
+def _gemms_forward(ctx, x, x_operands, weight: torch.Tensor, layer: FP4Linear, signs, out_dtype: torch.dtype) -> torch.Tensor:
+    """Fprop of x's operands (x, x^T) with W's, whose encodings for Fprop and Dgrad come from one read
+    of W (unless 2D tiles make W^T's encoding the transpose of W's, or FSDP2 all-gathered them); ctx
+    keeps what `_gemms_backward` needs."""
+    recipe, g = layer.recipe, layer.generator_for(weight.device)
+    x_op, xt_op = x_operands
+    gathered = layer.gathered_encoding("fprop_w", weight, signs["fprop"])
+    ctx.gathered_weight = None
+    if gathered is not None:  # signs=None: the encoding is made, the NaN placeholder is not transformed
+        w_op = gemm_operand(weight, recipe.fprop_w, None, g, encoded=gathered, keep_codes=layer.wants_codes("fprop_w", weight.device))
+        wt_op = w_op.T if recipe.shares_weight_encoding else None
+        ctx.gathered_weight = weight  # Dgrad's encoding comes with the backward's all-gather of it
+    elif recipe.shares_weight_encoding:  # Dgrad decodes Fprop's encoding, kept packed where possible
+        w_op = layer.operand("fprop_w", weight, signs["fprop"], g, keep_packed=True)
+        packed = packed_form(w_op)
+        wt_op = packed.T if packed is not None else w_op.T
+    else:
+        w_op, wt_op = layer.operand_pair(("fprop_w", "dgrad_w"), weight, (signs["fprop"], signs["dgrad"]), g, keep_packed=True)
+    out = layer.mm(x_op, w_op, out_dtype)
+
+    ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+    ctx.layer, ctx.signs, ctx.wt_op, ctx.xt_op = layer, signs, wt_op, xt_op
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _gemms_backward(ctx, grad_out: torch.Tensor, needs_grad_x: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Dgrad (x's gradient, in x's shape and dtype, if needed) and Wgrad from what `_gemms_forward` kept."""
+    SIBLING_OPERANDS.clear()
+    layer, signs = ctx.layer, ctx.signs
+    g = layer.generator_for(grad_out.device)
+    dy = grad_out.reshape(-1, grad_out.shape[-1])
+    dy_op, dyt_op = layer.operand_pair(("dgrad_dy", "wgrad_dy"), dy, (signs["dgrad"], signs["wgrad"]), g)
+    wt_op = ctx.wt_op
+    if wt_op is None and needs_grad_x:
+        gathered = layer.gathered_encoding("dgrad_w", ctx.gathered_weight, signs["dgrad"])
+        if gathered is None:  # never quantize the NaN placeholder
+            raise RuntimeError("FP4Linear: the backward found no all-gathered encoding of this weight")
+        keep_codes = layer.wants_codes("dgrad_w", grad_out.device)
+        wt_op = gemm_operand(ctx.gathered_weight.T, layer.recipe.dgrad_w, None, g, encoded=gathered, keep_codes=keep_codes)
+    grad_x = layer.mm(dy_op, wt_op, ctx.x_dtype).reshape(ctx.x_shape) if needs_grad_x else None
+    grad_w = layer.mm(dyt_op, ctx.xt_op, torch.float32)
+    return grad_x, grad_w
 
 
 class _FP4LinearFunction(torch.autograd.Function):
@@ -551,6 +598,9 @@ class FP4Linear(nn.Module):
         self.mx_gemm = "bf16"
         # Set by fp4lab.train.encoded_gather when FSDP2 all-gathers this weight as its GEMMs' encodings.
         self.gathered: GatheredWeight | None = None
+        # A SwiGLU's W2: FeedForward calls `swiglu(gate, up)`, which fuses the SwiGLU into this layer's
+        # x operands and into its backward where it can (producer fusion, `swiglu`).
+        self.fuse_swiglu = False
 
     @property
     def tensor_cores(self) -> bool:
@@ -737,10 +787,7 @@ class FP4Linear(nn.Module):
                     tile=options.get("tile"), scale_mode=options["scale_mode"],
                 )
                 self.record(name, t.T if transposed else t, encoded, options["signs"])
-            packed = None
-            if q.codes is not None:
-                packed = PackedOperand(q.codes, q.scales, q.outer, options["fmt"], shape, tile=options.get("tile"))
-            operands.append(packed if q.values is None else GemmOperand(q.values, q.outer, packed))
+            operands.append(_operand_of(q, options["fmt"], shape, options.get("tile")))
         return operands
 
     def x_operands(self, x: torch.Tensor, make):
@@ -753,6 +800,47 @@ class FP4Linear(nn.Module):
                self._contraction_multiples["wgrad"], self.fused_quantizers, self.pack_saved,
                *(self.wants_codes(name, x.device) for name in names))
         return SIBLING_OPERANDS.get(x, key, make)
+
+    @torch.compiler.disable
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """self(F.silu(gate) * up): the SwiGLU fused into this layer's GEMMs where `fuses_swiglu`
+        (`_SwigluFP4LinearFunction`, the same bits), else the unfused ops (probing steps, hooks,
+        devices without the kernels)."""
+        if self.fuses_swiglu(gate, up):
+            return _SwigluFP4LinearFunction.apply(gate, up, self.weight, self)
+        return self(F.silu(gate) * up)
+
+    def fuses_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> bool:
+        """Whether `swiglu` fuses: the tensor-core path with fused quantizers, not probing (probes record
+        the operands from h), no forward hooks (operand capture reads h), no LoRA-SVD (its bf16 branch
+        reads h), both x operands FP4 formats the fused kernels cover without 2D tiles, tokens a multiple
+        of Wgrad's contraction multiple (no padding), and the Triton kernels run on gate's device."""
+        if not (self.fuse_swiglu and self.tensor_cores and self.fused_quantizers) or self.probe or self.lora_rank:
+            return False
+        if self._forward_hooks or self._forward_pre_hooks or gate.dtype != up.dtype or gate.shape != up.shape:
+            return False
+        specs = (self.recipe.fprop_x, self.recipe.wgrad_x)
+        if not all(kernel_covers(spec) and spec.tile is None for spec in specs):
+            return False
+        tokens = gate.numel() // gate.shape[-1]
+        return tokens % self._contraction_multiples["wgrad"] == 0 and triton_runs_on(gate.device)
+
+    def swiglu_operands(self, gate: torch.Tensor, up: torch.Tensor, signs: dict) -> tuple:
+        """Fprop's x and Wgrad's x^T operands of h = silu(gate) * up, from one fused read of gate and up
+        (`triton_fusion.swiglu_quantize_fused`), with `operand_pair`'s options: x^T kept packed for the
+        backward, codes only for a GEMM on FP8 tensor cores."""
+        from fp4lab.numerics import triton_fusion
+
+        row_spec, col_spec = self.recipe.fprop_x, self.recipe.wgrad_x
+        row = fused_options(row_spec, signs["fprop"], gate, self.philox_seed)
+        col = fused_options(col_spec, signs["wgrad"], gate, self.philox_seed)
+        if self.wants_codes("fprop_x", gate.device):
+            row |= {"emit_codes": True, "emit_values": False}
+        if self.pack_saved or self.wants_codes("wgrad_x", gate.device):
+            col |= {"emit_codes": True, "emit_values": False}
+        fused = triton_fusion.swiglu_quantize_fused(gate, up, col=col, **row)
+        shapes = (tuple(gate.shape), tuple(gate.T.shape))
+        return tuple(_operand_of(q, options["fmt"], shape) for q, options, shape in zip((fused.row, fused.col), (row, col), shapes))
 
     def record(self, operand: str, exact: torch.Tensor, encoded, signs: torch.Tensor | None) -> None:
         if not self.probe or not isinstance(encoded, (QTensor, Fp8Tensor)):

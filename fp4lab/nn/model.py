@@ -197,7 +197,10 @@ class FeedForward(nn.Module):
         self.w3 = linear("w3", dim, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w1(x), self.w3(x)
+        if getattr(self.w2, "fuse_swiglu", False):  # an FP4Linear that fuses the SwiGLU into its GEMMs
+            return self.w2.swiglu(gate, up)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):

@@ -6,6 +6,8 @@ stay fast and work without it. Callers ask `triton_available()` and import the k
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from functools import cache
 
 import torch
@@ -21,3 +23,11 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether fp4lab's Triton kernels can run on tensors on `device`: a CUDA device with Triton, or
+    the CPU under Triton's interpreter (TRITON_INTERPRET=1, read when a kernel module is imported)."""
+    if device.type == "cuda":
+        return triton_available()
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None

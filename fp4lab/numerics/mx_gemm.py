@@ -8,13 +8,10 @@ ask `kernel_runs_on(device)` and build the kernel's operands (`along_k`) before 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
 from fp4lab.numerics import e2m1
-from fp4lab.numerics.fast import triton_available
+from fp4lab.numerics.fast import triton_runs_on
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.scales import E8M0_NAN_BITS
 
@@ -23,11 +20,8 @@ OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def kernel_runs_on(device: torch.device) -> bool:
-    """Whether `mxfp4_matmul` can run on operands on `device`: a CUDA device with Triton, or the CPU
-    under Triton's interpreter (TRITON_INTERPRET=1, read when the kernel module is imported)."""
-    if device.type == "cuda":
-        return triton_available()
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+    """Whether `mxfp4_matmul` can run on operands on `device` (`fast.triton_runs_on`)."""
+    return triton_runs_on(device)
 
 
 def along_k(q: QTensor, transposed: bool = False) -> QTensor | None:

@@ -37,6 +37,12 @@ ATTENTION_KERNELS = ("auto", "triton", "sdpa")
 # 0.2x of cuBLAS's bf16 rate: docs/BENCHMARKS.md); "fp8" is opt-in. Both are exact products;
 # summation order is all that changes.
 MX_GEMMS = ("auto", "fp8", "bf16")
+# Format-aware producer fusion (fp4lab.nn.fp4_linear.FP4Linear.swiglu): "on" fuses each feed-forward's
+# SwiGLU into its W2's GEMMs: the forward writes W2's quantized x operands straight from gate and up
+# (h never reaches memory), the backward makes d_gate and d_up from Dgrad's dh in one pass. The same
+# bits as "off" (stochastic rounding included: the same Philox seeds). Off by default until its
+# step-time gain is measured on a GPU (docs/BENCHMARKS.md).
+PRODUCER_FUSIONS = ("off", "on")
 # Parallelism over torchrun's processes (fp4lab.train.distributed): none, DistributedDataParallel,
 # FSDP2, FSDP2 sharded within a node and replicated across nodes, or pipeline stages of transformer
 # blocks (fp4lab.train.pipeline). Not result-neutral: the gradient all-reduce sums in another order,
@@ -68,7 +74,7 @@ def summary_value(summary: dict[str, Any], key: str) -> Any:
 # Capturing GEMM operands only copies tensors a step already made (fp4lab.train.capture).
 RESULT_NEUTRAL = (
     "out_dir", "device", "max_minutes", "checkpoint_every", "compile", "cuda_graphs", "capture_steps", "capture_layers",
-    "gather_weights", "attention_kernel", "mx_gemm",
+    "gather_weights", "attention_kernel", "mx_gemm", "producer_fusion",
 )
 
 # Fields added after catalogs already held runs, with the value every earlier run had: a run id leaves
@@ -160,6 +166,7 @@ class TrainConfig:
     cuda_graphs: str = "auto"
     attention_kernel: str = "auto"
     mx_gemm: str = "auto"
+    producer_fusion: str = "off"
     parallel: str = "none"
     gather_weights: str = "dense"
     # parallel='pp': the microbatches each global batch is cut into (batch_size must split into them).
@@ -188,6 +195,7 @@ class TrainConfig:
         _check.choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         _check.choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         _check.choice("mx_gemm", self.mx_gemm, MX_GEMMS)
+        _check.choice("producer_fusion", self.producer_fusion, PRODUCER_FUSIONS)
         _check.choice("parallel", self.parallel, PARALLELS)
         _check.choice("gather_weights", self.gather_weights, GATHER_WEIGHTS)
         if self.gather_weights == "encoded" and self.parallel not in ("fsdp", "hsdp"):

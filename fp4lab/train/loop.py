@@ -408,6 +408,15 @@ def mx_gemm(config: TrainConfig, device: torch.device) -> str:
     return "fp8" if config.mx_gemm == "fp8" else "bf16"
 
 
+def producer_fusion(config: TrainConfig, device: torch.device) -> bool:
+    """Whether each feed-forward's SwiGLU is fused into its W2's GEMMs (config.producer_fusion "on":
+    fp4lab.nn.fp4_linear.FP4Linear.swiglu): needs the fast path on CUDA with Triton."""
+    usable = device.type == "cuda" and fast_compute(config, device) and triton_available()
+    if config.producer_fusion == "on" and not usable:
+        raise ConfigError("producer_fusion='on' needs the fast path on CUDA with Triton installed; use producer_fusion='off'")
+    return config.producer_fusion == "on"
+
+
 def compiled(config: TrainConfig, device: torch.device) -> bool:
     """Whether the forward and loss run under torch.compile (config.compile; "auto" means: on CUDA)."""
     return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
@@ -434,6 +443,7 @@ def build_training(
     model = build_model(
         model_config, recipe, seed=config.seed, device=device, tensor_cores=fast,
         attention_kernel=attention_kernel(config, device, model_config.head_dim), mx_gemm=mx_gemm(config, device),
+        producer_fusion=producer_fusion(config, device),
     )
     optimizer_config = _optimizer_config(config, recipe, fused=fast and device.type == "cuda")
     if ranks.mode == "pp":

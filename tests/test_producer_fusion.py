@@ -1,0 +1,194 @@
+"""The SwiGLU fused into W2's GEMMs (producer_fusion = "on": FP4Linear.swiglu, _SwigluFP4LinearFunction)
+computes what the unfused feed-forward computes, bit for bit, and the config reaches every W2.
+
+CPU (CI): under Triton's interpreter, in a fresh Python with TRITON_INTERPRET=1, where the fused
+kernels run on CPU tensors. Both paths use the fused Triton quantizers there (`_kernel_options`
+answers for CPU tensors as for CUDA ones, as in tests/test_mx_gemm_linear.py), so stochastic rounding
+draws from the same Philox seeds in both: the output and dW2 are equal bit for bit, and d_gate, d_up
+are the backward kernel's on the unfused path's dh, bit for bit. Against autograd's d_gate they may
+differ by one bf16 ulp in rare elements: the interpreter's exp is numpy's, and torch's CPU exp
+differs in the last float32 bit between its vectorised body and its scalar edges, whose place moves
+with the tensors' alignment (seen: 1 element of 6144, in some runs). On CUDA both call libdevice's
+expf, and tests/test_triton_fusion.py holds the kernel to autograd bit for bit.
+CUDA: a short training run with the fusion on equals one with it off, loss for loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp4lab.nn.build import build_model, fp4_linears
+from fp4lab.nn.fp4_linear import FP4Linear
+from fp4lab.nn.model import preset
+from fp4lab.nn.recipe import load_recipe
+
+# RTN x operands (mxfp4, nvfp4 with its random-sign RHT16 Wgrad, mxfp4-rowsr-h32 with its fixed H32),
+# and fprop_x stochastically rounded (sr-x, a test recipe below).
+FUSED_RECIPES = ("mxfp4", "nvfp4", "mxfp4-rowsr-h32")
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor, label: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{label}: {got.dtype} {tuple(got.shape)} vs {want.dtype} {tuple(want.shape)}"
+    view = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[want.dtype]
+    bad = got.reshape(-1).view(view) != want.reshape(-1).view(view)
+    assert not bad.any(), f"{label}: {int(bad.sum())} of {bad.numel()} differ"
+
+
+def w2_layer(recipe_name: str, hidden: int, dim: int, fprop_x_sr: bool = False) -> FP4Linear:
+    linear = load_recipe(recipe_name).linear_for_block(0, 4)
+    if fprop_x_sr:
+        linear = replace(linear, fprop_x=replace(linear.fprop_x, rounding="sr"))
+    layer = FP4Linear(hidden, dim, linear, seed=7)
+    layer.tensor_cores = True
+    return layer
+
+
+def check_swiglu_matches_unfused(recipe_name: str, tokens: int = 64, hidden: int = 96, dim: int = 64, fprop_x_sr: bool = False) -> None:
+    """One forward and backward of w2(silu(gate) * up), fused and unfused, from the same layer state."""
+    from fp4lab.nn import fp4_linear
+    from fp4lab.numerics import triton_fusion
+
+    fp4_linear._kernel_options = lambda spec, signs, t, seed: (
+        fp4_linear.fused_options(spec, signs, t, seed) if fp4_linear.kernel_covers(spec) else None)
+    g = torch.Generator().manual_seed(3)
+    gate, up = (torch.randn(2, tokens // 2, hidden, generator=g).to(torch.bfloat16) for _ in range(2))
+    grad = torch.randn(2, tokens // 2, dim, generator=g).to(torch.bfloat16)
+    unfused, fused = (w2_layer(recipe_name, hidden, dim, fprop_x_sr) for _ in range(2))
+    with torch.no_grad():
+        fused.weight.copy_(unfused.weight)
+    fused.fuse_swiglu = True
+
+    calls = []
+    producer = triton_fusion.swiglu_quantize_fused
+    triton_fusion.swiglu_quantize_fused = lambda *a, **k: calls.append(1) or producer(*a, **k)
+    results, grad_h = [], []
+    for layer in (unfused, fused):
+        g_in, u_in = gate.clone().requires_grad_(), up.clone().requires_grad_()
+        if layer is unfused:  # FeedForward's expression, keeping dh (W2's Dgrad output)
+            h = F.silu(g_in) * u_in
+            h.register_hook(grad_h.append)
+            out = layer(h)
+        else:
+            out = layer.swiglu(g_in, u_in)
+        out.backward(grad)
+        results.append((out, g_in.grad, u_in.grad, layer.weight.grad))
+    triton_fusion.swiglu_quantize_fused = producer
+    assert len(calls) == 1, f"{recipe_name}: the fused path ran {len(calls)} times (expected once: the fused layer only)"
+    for name, got, want in zip(("out", "dW2"), results[1][::3], results[0][::3]):
+        assert_same_bits(got, want, f"{recipe_name} {name}")
+    # The backward kernel fed the same dh, gate and up gives the fused path's gradients bit for bit;
+    # autograd's (torch's CPU exp) are within one bf16 ulp of them (see run_interpreted).
+    want = triton_fusion.swiglu_backward_fused(grad_h[0].reshape(-1, hidden).contiguous(), gate.reshape(-1, hidden), up.reshape(-1, hidden))
+    for name, got, kernel, autograd in zip(("d_gate", "d_up"), results[1][1:3], (want.d_gate, want.d_up), results[0][1:3]):
+        assert_same_bits(got.reshape(-1, hidden), kernel, f"{recipe_name} {name}")
+        assert_within_one_bf16_ulp(autograd.reshape(-1, hidden), kernel, f"{recipe_name} {name} (autograd)")
+
+
+def assert_within_one_bf16_ulp(got: torch.Tensor, want: torch.Tensor, label: str) -> None:
+    """bf16 tensors of finite values that differ by at most one ulp, in at most 1 element in 1000."""
+    steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert steps.max() <= 1 and (steps > 0).sum() <= got.numel() // 1000, f"{label}: {int((steps > 0).sum())} differ, by up to {int(steps.max())} ulps"
+
+
+def check_fallbacks() -> None:
+    """Where it cannot fuse, swiglu is the unfused expression: probing, a forward hook (operand
+    capture), tokens not a multiple of Wgrad's block."""
+    g = torch.Generator().manual_seed(4)
+    layer = w2_layer("mxfp4", 64, 32)
+    layer.fuse_swiglu = True
+    gate, up = (torch.randn(64, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    assert layer.fuses_swiglu(gate, up)
+    layer.probe = True
+    assert not layer.fuses_swiglu(gate, up)
+    layer.probe = False
+    handle = layer.register_forward_hook(lambda *args: None)
+    assert not layer.fuses_swiglu(gate, up)
+    handle.remove()
+    assert not layer.fuses_swiglu(gate[:40], up[:40])  # 40 tokens: Wgrad would pad to 64
+    layer.fuse_swiglu = False
+    assert not layer.fuses_swiglu(gate, up)
+
+
+INTERPRETED = """
+import sys
+sys.path.insert(0, {root!r})
+from tests.test_producer_fusion import *
+{call}
+print("ok")
+"""
+
+
+def run_interpreted(call: str) -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = INTERPRETED.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), call=call)
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+
+
+@pytest.mark.parametrize("recipe", FUSED_RECIPES)
+def test_fused_swiglu_equals_the_unfused_feed_forward_under_the_interpreter(recipe):
+    run_interpreted(f"check_swiglu_matches_unfused({recipe!r})")
+
+
+def test_fused_swiglu_draws_the_same_stochastic_rounding_under_the_interpreter():
+    run_interpreted("check_swiglu_matches_unfused('mxfp4', fprop_x_sr=True)")
+
+
+def test_swiglu_falls_back_where_it_cannot_fuse_under_the_interpreter():
+    run_interpreted("check_fallbacks()")
+
+
+def test_producer_fusion_reaches_every_w2_and_the_feed_forward_calls_it():
+    """build_model(producer_fusion=True) marks each block's W2 and only those; FeedForward then calls
+    W2.swiglu (here, on the CPU without the interpreter, the unfused expression: the same output as
+    a model without the fusion)."""
+    config = preset("tiny", 256, 32)
+    recipe = load_recipe("mxfp4")
+    models = []
+    for on in (False, True):
+        torch.manual_seed(0)  # the initial weights, as build_training seeds them
+        models.append(build_model(config, recipe, seed=0, tensor_cores=True, producer_fusion=on))
+    marked = {name for name, layer in fp4_linears(models[1]).items() if layer.fuse_swiglu}
+    assert marked == {f"layers.{i}.feed_forward.w2" for i in range(config.n_layers)}
+    assert not any(layer.fuse_swiglu for layer in fp4_linears(models[0]).values())
+    calls = []
+    for block in models[1].layers:
+        w2 = block.feed_forward.w2
+        w2.swiglu = lambda gate, up, w2=w2: calls.append(1) or w2(F.silu(gate) * up)
+    tokens = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        outputs = [model(tokens) for model in models]
+    assert len(calls) == config.n_layers
+    assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.cuda
+def test_cuda_training_with_the_fused_swiglu_equals_training_without(tmp_path):
+    """Eight steps of the 125m-shaped tiny model on mxfp4 (round-to-nearest x operands), compiled and
+    graphed as by default: the same loss at every step with producer_fusion on and off."""
+    from fp4lab.numerics.fast import triton_available
+    from fp4lab.train import loop
+    from fp4lab.train.config import DataConfig, TrainConfig
+
+    if not triton_available():
+        pytest.skip("needs Triton")
+    losses = []
+    for fusion in ("off", "on"):
+        config = TrainConfig(
+            recipe="mxfp4", model="tiny", data=DataConfig(source="synthetic"), seq_len=256, batch_size=8, steps=8,
+            eval_every=100, checkpoint_every=100, probe_every=100, device="cuda", producer_fusion=fusion,
+            out_dir=str(tmp_path / fusion),
+        )
+        assert loop.run(config, progress=False)["status"] == "completed"
+        with open(tmp_path / fusion / "metrics.jsonl") as f:
+            losses.append([json.loads(line)["loss"] for line in f if '"loss"' in line])
+    assert losses[0] == losses[1] and len(losses[0]) >= 8, losses
