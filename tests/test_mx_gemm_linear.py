@@ -22,9 +22,6 @@ training run with mx_gemm fp8 against bf16.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -37,6 +34,7 @@ from fp4lab.numerics.mx_gemm import along_k, mxfp4_matmul_reference
 from fp4lab.numerics.qtensor import QTensor
 from tests.test_tensor_cores import training_like
 from tests.test_triton_mx_gemm import assert_same_bits
+from tests import interpreted
 
 # MXFP4 on both operands of all three GEMMs: 1D blocks (floor scales, RTN); RCEIL scales with 2D
 # 32 x 32 adaptive weight tiles (W^T for Dgrad transposed from W's tiles) and SR on Dgrad's dY; and that
@@ -186,22 +184,8 @@ def check_fallbacks() -> None:
                 assert_same_bits(got, want, f"{recipe} {gemm}: the fallback vs mx_gemm bf16")
 
 
-INTERPRETED = """
-import sys
-sys.path.insert(0, {root!r})
-from tests.test_mx_gemm_linear import *
-{call}
-print("ok")
-"""
-
-
 def run_interpreted(call: str) -> None:
-    """`call` (of this module) in a fresh Python under TRITON_INTERPRET=1; fails with its stderr."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = INTERPRETED.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), call=call)
-    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=600, capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+    interpreted.run_interpreted("test_mx_gemm_linear", call)
 
 
 # ----------------------------------------------------------------------------------------------

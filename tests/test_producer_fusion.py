@@ -16,9 +16,6 @@ CUDA: a short training run with the fusion on equals one with it off, loss for l
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -29,6 +26,7 @@ from fp4lab.nn.build import build_model, fp4_linears
 from fp4lab.nn.fp4_linear import FP4Linear
 from fp4lab.nn.model import preset
 from fp4lab.nn.recipe import load_recipe
+from tests import interpreted
 
 # RTN x operands (mxfp4, nvfp4 with its random-sign RHT16 Wgrad, mxfp4-rowsr-h32 with its fixed H32),
 # and fprop_x stochastically rounded (sr-x, a test recipe below).
@@ -117,21 +115,8 @@ def check_fallbacks() -> None:
     assert not layer.fuses_swiglu(gate, up)
 
 
-INTERPRETED = """
-import sys
-sys.path.insert(0, {root!r})
-from tests.test_producer_fusion import *
-{call}
-print("ok")
-"""
-
-
 def run_interpreted(call: str) -> None:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = INTERPRETED.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), call=call)
-    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=600, capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+    interpreted.run_interpreted("test_producer_fusion", call)
 
 
 @pytest.mark.parametrize("recipe", FUSED_RECIPES)
