@@ -53,8 +53,9 @@ Producer fusion (`fuse_swiglu`, set on each feed-forward's W2 by producer_fusion
 feed-forward calls `swiglu(gate, up)` instead of `self(F.silu(gate) * up)`; on the tensor-core path
 one Triton kernel (`numerics.triton_fusion.swiglu_quantize_fused`) reads gate and up and writes W2's
 Fprop x and Wgrad x^T operands, so h is never written, and the backward makes d_gate and d_up from
-Dgrad's dh in one kernel (`swiglu_backward_fused`). The same bits as the unfused ops (the kernels
-equal the torch references bit for bit; stochastic rounding draws from the same Philox seeds).
+Dgrad's dh in one kernel (`swiglu_backward_fused`). The same bits as the eager unfused ops (the
+kernels equal the torch references bit for bit; stochastic rounding draws from the same Philox
+seeds); under torch.compile the unfused SiLU is Inductor's, whose exp may round differently.
 `fuses_swiglu` says where it falls back to the unfused ops.
 """
 

@@ -40,8 +40,9 @@ MX_GEMMS = ("auto", "fp8", "bf16")
 # Format-aware producer fusion (fp4lab.nn.fp4_linear.FP4Linear.swiglu): "on" fuses each feed-forward's
 # SwiGLU into its W2's GEMMs: the forward writes W2's quantized x operands straight from gate and up
 # (h never reaches memory), the backward makes d_gate and d_up from Dgrad's dh in one pass. The same
-# bits as "off" (stochastic rounding included: the same Philox seeds). Off by default until its
-# step-time gain is measured on a GPU (docs/BENCHMARKS.md).
+# bits as "off" without torch.compile (stochastic rounding included: the same Philox seeds); compiled,
+# the unfused SiLU is Inductor's, whose exp may round a rare element differently. Off by default until
+# its step-time gain is measured on a GPU (docs/BENCHMARKS.md).
 PRODUCER_FUSIONS = ("off", "on")
 # Parallelism over torchrun's processes (fp4lab.train.distributed): none, DistributedDataParallel,
 # FSDP2, FSDP2 sharded within a node and replicated across nodes, or pipeline stages of transformer
