@@ -52,15 +52,16 @@ def test_submitit_sweep_jobs_record_their_own_results(cli, tmp_path):  # noqa: F
 
 
 def test_a_timed_out_job_is_requeued_resumes_and_ends_as_timeout(cli, tmp_path):  # noqa: F811
-    # 2-minute limit, signal 90 s before it: each attempt is warned 30-60 s after it starts (Slurm checks
-    # every ~30 s), checkpoints, and submitit requeues it once (max_requeues = 1); the second warning ends
-    # it. Not sooner: a warning that lands while the job still imports torch (a loaded CI machine takes
-    # 10 s and more) reaches submitit before the trainer, so that attempt never counts as started.
-    (tmp_path / "long.toml").write_text(LONG + "\n[slurm]\ncpus_per_task = 1\ntime = 2\nsignal_before_timeout_s = 90\nmax_requeues = 1\n")
+    # 3-minute limit, signal 90 s before it: each attempt is warned 90-120 s after Slurm allocates it
+    # (Slurm checks every ~30 s), checkpoints, and submitit requeues it once (max_requeues = 1); the
+    # second warning ends it. Not sooner: a warning that lands before the trainer runs (the job still
+    # launching or importing torch: a CI machine once took 30 s from allocation to Python) reaches
+    # submitit alone, which spends the one requeue on an attempt that never counts as started.
+    (tmp_path / "long.toml").write_text(LONG + "\n[slurm]\ncpus_per_task = 1\ntime = 3\nsignal_before_timeout_s = 90\nmax_requeues = 1\n")
     out = cli("sweep", "long.toml", "--executor", "slurm")
     assert out.returncode == 0, out.stderr
     catalog = Catalog(tmp_path / "sweep_catalog.json")
-    (record,) = wait_for(catalog, lambda rs: rs[0]["state"] == "timeout", timeout=420)
+    (record,) = wait_for(catalog, lambda rs: rs[0]["state"] == "timeout", timeout=600)
     assert record["attempts"] == 2 and record["requeues"] == 1, record
     run_dir = Path(record["paths"]["run_dir"])
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
