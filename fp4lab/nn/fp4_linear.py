@@ -45,7 +45,7 @@ Three ways to run the same GEMMs (`FP4Linear.tensor_cores`, then `FP4Linear.mx_g
   of the 32-block), whose per-tile scales are exactly per-block scales repeated
   (`numerics.mx_gemm.along_k`), also transposed for Dgrad. Falls back to the bf16 tensor cores above:
   any GEMM with an NVFP4, FP8, bf16 or fp32 operand (so mixed formats, e.g. hybrid-operand's NVFP4
-  Dgrad), and tensors where the kernel cannot run (`numerics.mx_gemm.kernel_runs_on`: CUDA with
+  Dgrad), and tensors where the kernel cannot run (`numerics.fast.triton_runs_on`: CUDA with
   Triton, or the CPU under Triton's interpreter). A K that is not a multiple of 32 never reaches it:
   MXFP4 operands are whole blocks along K. With mx_gemm = "bf16" nothing here changes a bit.
 
@@ -88,7 +88,7 @@ from fp4lab.numerics import (
     quantize,
 )
 from fp4lab.numerics.fast import triton_available, triton_runs_on
-from fp4lab.numerics.mx_gemm import MX_BLOCK, OUT_DTYPES, along_k, kernel_runs_on
+from fp4lab.numerics.mx_gemm import MX_BLOCK, OUT_DTYPES, along_k
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.survey import error_stats
 
@@ -273,7 +273,7 @@ def fp8_gemm_operands(a: GemmOperand | PackedOperand, b: GemmOperand | PackedOpe
     qa, qb = packed_a.along_k(), packed_b.along_k()
     if qa is None or qb is None:
         return None
-    return (qa, qb) if kernel_runs_on(qa.data.device) and qa.data.device == qb.data.device else None
+    return (qa, qb) if triton_runs_on(qa.data.device) and qa.data.device == qb.data.device else None
 
 
 def fp8_tensor_core_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -699,7 +699,7 @@ class FP4Linear(nn.Module):
         if self.mx_gemm != "fp8" or not self.tensor_cores:
             return False
         both_mxfp4 = all(self.recipe.operand(name).format == "mxfp4" for name in GEMMS[gemm])
-        return both_mxfp4 and kernel_runs_on(device)
+        return both_mxfp4 and triton_runs_on(device)
 
     def wants_codes(self, name: str, device: torch.device) -> bool:
         """Whether operand `name` is made with its codes and scales, for a GEMM on FP8 tensor cores."""

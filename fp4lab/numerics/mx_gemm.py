@@ -3,7 +3,7 @@
 the fp32 additions across K blocks), with the operand checks both share.
 
 Torch only, as `fp4lab.numerics.fast`: nothing here imports Triton, so callers can check operands,
-ask `kernel_runs_on(device)` and build the kernel's operands (`along_k`) before importing the kernel.
+ask `fast.triton_runs_on(device)` and build the kernel's operands (`along_k`) before importing the kernel.
 """
 
 from __future__ import annotations
@@ -11,17 +11,11 @@ from __future__ import annotations
 import torch
 
 from fp4lab.numerics import e2m1
-from fp4lab.numerics.fast import triton_runs_on
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.scales import E8M0_NAN_BITS
 
 MX_BLOCK = 32  # elements per E8M0 scale along K: one FP8 dot and one fp32 promotion each
 OUT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def kernel_runs_on(device: torch.device) -> bool:
-    """Whether `mxfp4_matmul` can run on operands on `device` (`fast.triton_runs_on`)."""
-    return triton_runs_on(device)
 
 
 def along_k(q: QTensor, transposed: bool = False) -> QTensor | None:

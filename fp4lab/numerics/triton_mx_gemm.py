@@ -60,7 +60,7 @@ Speed: a K block is one FP8 wgmma with K = 32 whose result the fp32 scaling must
 serialisation, not the tensor cores, bounds the kernel. `GemmConfig.blocks_per_step` issues several
 blocks' dots before their scaled sums, so that Triton's pipeliner can overlap them.
 
-This module imports Triton: import it lazily, after `fp4lab.numerics.mx_gemm.kernel_runs_on(device)`.
+This module imports Triton: import it lazily, after `fp4lab.numerics.fast.triton_runs_on(device)`.
 Without a GPU, `fp4lab.numerics.mx_gemm.mxfp4_matmul_reference` (pure torch, any device, re-exported
 here) computes the same bits.
 """
