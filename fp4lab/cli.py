@@ -35,7 +35,7 @@ COMPILES = ("auto", "on", "off")  # fp4lab.train.config.COMPILES
 CUDA_GRAPHS = ("auto", "on", "off")  # fp4lab.train.config.CUDA_GRAPHS
 ATTENTION_KERNELS = ("auto", "triton", "sdpa")  # fp4lab.train.config.ATTENTION_KERNELS
 MX_GEMMS = ("auto", "fp8", "bf16")  # fp4lab.train.config.MX_GEMMS
-PRODUCER_FUSIONS = ("off", "on")  # fp4lab.train.config.PRODUCER_FUSIONS
+PRODUCER_FUSIONS = ("off", "on", "all")  # fp4lab.train.config.PRODUCER_FUSIONS
 PARALLELS = ("none", "ddp", "fsdp", "hsdp", "pp")  # fp4lab.train.config.PARALLELS
 GATHER_WEIGHTS = ("dense", "encoded")  # fp4lab.train.config.GATHER_WEIGHTS
 TOKEN_DTYPES = ("uint16", "uint32")  # fp4lab.train.data.TOKEN_DTYPES
@@ -369,7 +369,7 @@ def train(
     cuda_graphs: Annotated[Optional[CudaGraphs], typer.Option(help="Replay steps from a CUDA graph (default auto: on CUDA where nothing draws from a torch.Generator).")] = None,
     attention_kernel: Annotated[Optional[AttentionKernel], typer.Option(help="Unquantized attention on the fast path: triton (flash attention that yields the max-logit and entropy probes online) or sdpa (PyTorch's) (default auto: triton on CUDA).")] = None,
     mx_gemm: Annotated[Optional[MxGemm], typer.Option(help="MXFP4 x MXFP4 GEMMs on the fast path: fp8 (FP8 tensor cores, each 32-block promoted to fp32) or bf16 (decoded values on bf16 tensor cores) (default auto: bf16, the faster on an H200; fp8 is opt-in).")] = None,
-    producer_fusion: Annotated[Optional[ProducerFusion], typer.Option(help="on: fuse each feed-forward's SwiGLU into its W2's GEMMs (the quantized operands written straight from gate and up; the SiLU derivative fused into the backward), the same bits (default off).")] = None,
+    producer_fusion: Annotated[Optional[ProducerFusion], typer.Option(help="on: fuse each feed-forward's SwiGLU into its W2's GEMMs (the quantized operands written straight from gate and up; the SiLU derivative fused into the backward), the same bits; all: also the residual add and RMSNorm into W1's and W3's operands, the norm within a few ulps (default off).")] = None,
     parallel: Annotated[Optional[Parallel], typer.Option(help="Parallelism over torchrun's processes: ddp (DistributedDataParallel), fsdp (FSDP2), hsdp (FSDP2 sharded within a node, replicated across nodes), pp (pipeline stages of transformer blocks) or none (default).")] = None,
     pp_microbatches: Annotated[Optional[int], typer.Option(help="With --parallel pp: microbatches each global batch is split into (default 4, DualPipeV's minimum on 2 ranks).")] = None,
     gather_weights: Annotated[Optional[GatherWeights], typer.Option(help="What FSDP2's weight all-gathers move (fsdp, hsdp): dense rows (default) or, where exact, the FP4 encoding the GEMMs consume (the same run, fewer bytes; summary.json reports them).")] = None,
@@ -522,7 +522,7 @@ def bench(
     cuda_graphs: Annotated[CudaGraphs, typer.Option(help="Replay fp4lab's steps from a CUDA graph (auto: where possible on CUDA).")] = "auto",
     attention_kernel: Annotated[AttentionKernel, typer.Option(help="fp4lab's unquantized attention: triton (fused probes) or sdpa (auto: triton on CUDA).")] = "auto",
     mx_gemm: Annotated[MxGemm, typer.Option(help="fp4lab's MXFP4 GEMMs: fp8 or bf16 tensor cores (auto: bf16, the faster on an H200).")] = "auto",
-    producer_fusion: Annotated[ProducerFusion, typer.Option(help="on: fp4lab's feed-forwards fuse the SwiGLU into W2's GEMMs (time it against off).")] = "off",
+    producer_fusion: Annotated[ProducerFusion, typer.Option(help="on: fp4lab's feed-forwards fuse the SwiGLU into W2's GEMMs; all: also the residual add and RMSNorm into W1's and W3's operands (time them against off).")] = "off",
     shape: Annotated[Optional[str], typer.Option(help="ROWSxCOLS of the quantized tensor (default 8192x8192 on CUDA, 1024x1024 on the CPU).")] = None,
     device: Annotated[Device, typer.Option(help="Where to time (auto: CUDA if there is one).")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's).")] = None,

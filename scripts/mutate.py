@@ -50,7 +50,8 @@ LOOP = "fp4lab/train/loop.py"
 ATTN = "fp4lab/nn/attention.py"
 MX_GEMM = "fp4lab/numerics/triton_mx_gemm.py"
 MX_INTERPRETED = "tests/test_triton_mx_gemm.py::test_kernel_under_triton_interpreter"
-FUSION_WIRE = "tests/test_producer_fusion.py::test_producer_fusion_reaches_every_w2_and_the_feed_forward_calls_it"
+FUSION_WIRE = "tests/test_producer_fusion.py::test_producer_fusion_reaches_every_w2_and_w1_and_the_blocks_call_them"
+NORM_EXACT = "tests/test_producer_fusion.py::test_fused_residual_rmsnorm_equals_the_pinned_unfused_block_under_the_interpreter"
 FUSION_EXACT = "tests/test_producer_fusion.py::test_fused_swiglu_equals_the_unfused_feed_forward_under_the_interpreter"
 LIN = "fp4lab/nn/fp4_linear.py"
 BUILD = "fp4lab/nn/build.py"
@@ -307,11 +308,18 @@ MUTATIONS = [
     m("swiglu-fusion-unwired", "FeedForward never hands the SwiGLU to W2 (producer_fusion on changes nothing)",
       ("fp4lab/nn/model.py", 'if getattr(self.w2, "fuse_swiglu", False):', "if False:"), [FUSION_WIRE]),
     m("swiglu-wgrad-fprop-signs", "the fused SwiGLU's Wgrad operand h^T takes Fprop's Hadamard signs",
-      (LIN, 'col = fused_options(col_spec, signs["wgrad"], gate, self.philox_seed)',
-       'col = fused_options(col_spec, signs["fprop"], gate, self.philox_seed)'), [FUSION_EXACT + "[nvfp4]"]),
+      (LIN, 'col = fused_options(self.recipe.wgrad_x, signs["wgrad"], t, self.philox_seed)',
+       'col = fused_options(self.recipe.wgrad_x, signs["fprop"], t, self.philox_seed)'), [FUSION_EXACT + "[nvfp4]"]),
     m("swiglu-backward-swapped", "the fused SwiGLU's backward swaps d_gate and d_up",
       (LIN, "return grads.d_gate.view(ctx.x_shape), grads.d_up.view(ctx.x_shape), grad_w, None",
        "return grads.d_up.view(ctx.x_shape), grads.d_gate.view(ctx.x_shape), grad_w, None"), [FUSION_EXACT + "[mxfp4]"]),
+    m("residual-rmsnorm-unwired", "the block never hands the residual add and RMSNorm to W1 (producer_fusion all = on)",
+      ("fp4lab/nn/model.py", 'if getattr(w1, "fuse_residual_rmsnorm", False):', "if False:"), [FUSION_WIRE]),
+    m("residual-rmsnorm-not-offered", "the fused norm's operands are not offered to W1 and W3, which quantize again",
+      (LIN, "SIBLING_OPERANDS.put(normed, self.sibling_key(normed), operands)", "del operands"), [NORM_EXACT + "[mxfp4]"]),
+    m("residual-rmsnorm-no-gain-grad", "the fused norm's backward drops the gain's gradient",
+      (LIN, "grad_weight = (dn.float() * t.to(s.dtype).float()).sum(0).to(weight.dtype)",
+       "grad_weight = torch.zeros_like(weight)"), [NORM_EXACT + "[mxfp4]"]),
     # --- the MXFP4 GEMM on FP8 tensor cores (run by Triton's interpreter on the CPU) -----------------
     m("mx-gemm-second-block-scales", "the second K block of a step is scaled by the first block's scale bytes",
       (MX_GEMM, "p1, a_scales, b_scales, rows_a, rows_b, M, N, kb + 1, SPLIT)", "p1, a_scales, b_scales, rows_a, rows_b, M, N, kb, SPLIT)"),

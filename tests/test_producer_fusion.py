@@ -1,5 +1,8 @@
 """The SwiGLU fused into W2's GEMMs (producer_fusion = "on": FP4Linear.swiglu, _SwigluFP4LinearFunction)
-computes what the unfused feed-forward computes, bit for bit, and the config reaches every W2.
+computes what the unfused feed-forward computes, bit for bit, and the config reaches every W2; the
+residual add and RMSNorm fused into W1's and W3's x operands ("all": FP4Linear.residual_rmsnorm,
+_ResidualRmsnormFunction) compute what the unfused block computes with its norm pinned to the kernel's
+formula (its sum of squares in a fixed order), forward bit for bit, and the config reaches every W1.
 
 CPU (CI): under Triton's interpreter, in a fresh Python with TRITON_INTERPRET=1, where the fused
 kernels run on CPU tensors. Both paths use the fused Triton quantizers there (`_kernel_options`
@@ -115,6 +118,92 @@ def check_fallbacks() -> None:
     assert not layer.fuses_swiglu(gate, up)
 
 
+class PinnedRmsnorm(torch.nn.Module):
+    """nn.RMSNorm with the fused kernel's formula (numerics.fusion.rmsnorm_reference: the sum of squares
+    in a fixed order), so the unfused block computes what the fused one should, bit for bit."""
+
+    def __init__(self, norm: torch.nn.RMSNorm):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from fp4lab.numerics.fusion import rmsnorm_reference
+
+        normed, _ = rmsnorm_reference(h.reshape(-1, h.shape[-1]), self.weight, self.eps)
+        return normed.view(h.shape)
+
+
+def fusion_block(recipe_name: str, fused: bool):
+    """Block 0 of the tiny model on the tensor-core path, its RMSNorm before the feed-forward fused
+    into W1's and W3's x operands or pinned to the fused kernel's formula; its rope tables."""
+    torch.manual_seed(0)
+    model = build_model(preset("tiny", 256, 32), load_recipe(recipe_name), seed=0, tensor_cores=True, producer_fusion="all" if fused else "off")
+    block = model.layers[0]
+    if not fused:
+        block.ffn_norm = PinnedRmsnorm(block.ffn_norm)
+    with torch.no_grad():
+        block.ffn_norm.weight.uniform_(0.5, 1.5)  # a gain that is not 1, so its gradient and use are seen
+    return block, model.rope_cos[:32], model.rope_sin[:32]
+
+
+def check_residual_rmsnorm_matches_unfused(recipe_name: str) -> None:
+    """One forward and backward of a block, fused and unfused: the output and the feed-forward's weight
+    gradients bit for bit (W1 and W3 read the kernel's operands, which equal quantizing the pinned
+    norm), the rest within float32 rounding (the norm's backward is the fused function's own); W1 and W3
+    made no x operands of their own on the fused path."""
+    from fp4lab.nn import fp4_linear
+
+    fp4_linear._kernel_options = lambda spec, signs, t, seed: (
+        fp4_linear.fused_options(spec, signs, t, seed) if fp4_linear.kernel_covers(spec) else None)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 32, 128, generator=g)
+    grad = torch.randn(2, 32, 128, generator=g)
+    results = []
+    for fused in (False, True):
+        block, rope_cos, rope_sin = fusion_block(recipe_name, fused)
+        made = []
+        for layer in (block.feed_forward.w1, block.feed_forward.w3):
+            pair = layer.operand_pair
+            layer.operand_pair = lambda names, *a, pair=pair, **k: made.append(names[0]) or pair(names, *a, **k)
+        assert block.feed_forward.w1.fuse_residual_rmsnorm is fused
+        x_in = x.clone().requires_grad_()
+        out = block(x_in, rope_cos, rope_sin)
+        out.backward(grad)
+        assert made.count("fprop_x") == (0 if fused else 1), f"{recipe_name}: fused={fused}: W1/W3 made their x operands {made.count('fprop_x')} times"
+        results.append((out, x_in.grad, {name: p.grad for name, p in block.named_parameters()}))
+    (out, dx, grads), (fused_out, fused_dx, fused_grads) = results
+    assert_same_bits(fused_out, out, f"{recipe_name} out")
+    for name in ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight"):
+        assert_same_bits(fused_grads[name], grads[name], f"{recipe_name} d{name}")
+    torch.testing.assert_close(fused_dx, dx, rtol=1e-4, atol=1e-6)
+    for name, want in grads.items():
+        torch.testing.assert_close(fused_grads[name], want, rtol=1e-3, atol=1e-5, msg=lambda m, name=name: f"{recipe_name} d{name}: {m}")
+
+
+def check_residual_rmsnorm_fallbacks() -> None:
+    """Where it cannot fuse, residual_rmsnorm is the unfused add and norm: the flag off, probing, a
+    forward hook, tokens not a multiple of Wgrad's block, an x operand that draws random bits
+    (stochastically rounded: W1 and W3 each draw their own)."""
+    block, _, _ = fusion_block("mxfp4", True)
+    w1, norm = block.feed_forward.w1, block.ffn_norm
+    x, branch = torch.randn(64, 128), torch.randn(64, 128).to(torch.bfloat16)
+    assert w1.fuses_residual_rmsnorm(x, branch, norm)
+    w1.probe = True
+    assert not w1.fuses_residual_rmsnorm(x, branch, norm)
+    w1.probe = False
+    handle = w1.register_forward_hook(lambda *args: None)
+    assert not w1.fuses_residual_rmsnorm(x, branch, norm)
+    handle.remove()
+    assert not w1.fuses_residual_rmsnorm(x[:40], branch[:40], norm)
+    w1.fuse_residual_rmsnorm = False
+    assert not w1.fuses_residual_rmsnorm(x, branch, norm)
+    w1.fuse_residual_rmsnorm = True
+    w1.recipe = replace(w1.recipe, fprop_x=replace(w1.recipe.fprop_x, rounding="sr"))
+    assert not w1.fuses_residual_rmsnorm(x, branch, norm)
+    h, normed = w1.residual_rmsnorm(x, branch, norm)
+    assert torch.equal(h, x + branch) and torch.equal(normed, norm(x + branch))
+
+
 def run_interpreted(call: str) -> None:
     interpreted.run_interpreted("test_producer_fusion", call)
 
@@ -132,28 +221,41 @@ def test_swiglu_falls_back_where_it_cannot_fuse_under_the_interpreter():
     run_interpreted("check_fallbacks()")
 
 
-def test_producer_fusion_reaches_every_w2_and_the_feed_forward_calls_it():
-    """build_model(producer_fusion=True) marks each block's W2 and only those; FeedForward then calls
-    W2.swiglu (here, on the CPU without the interpreter, the unfused expression: the same output as
-    a model without the fusion)."""
+@pytest.mark.parametrize("recipe", FUSED_RECIPES)
+def test_fused_residual_rmsnorm_equals_the_pinned_unfused_block_under_the_interpreter(recipe):
+    run_interpreted(f"check_residual_rmsnorm_matches_unfused({recipe!r})")
+
+
+def test_residual_rmsnorm_falls_back_where_it_cannot_fuse_under_the_interpreter():
+    run_interpreted("check_residual_rmsnorm_fallbacks()")
+
+
+def test_producer_fusion_reaches_every_w2_and_w1_and_the_blocks_call_them():
+    """build_model(producer_fusion="on") marks each block's W2 and only those, "all" also each W1;
+    FeedForward then calls W2.swiglu and the block W1.residual_rmsnorm (here, on the CPU without the
+    interpreter, the unfused expressions: the same output as a model without the fusion)."""
     config = preset("tiny", 256, 32)
     recipe = load_recipe("mxfp4")
-    models = []
-    for on in (False, True):
+    models = {}
+    for fusion in ("off", "on", "all"):
         torch.manual_seed(0)  # the initial weights, as build_training seeds them
-        models.append(build_model(config, recipe, seed=0, tensor_cores=True, producer_fusion=on))
-    marked = {name for name, layer in fp4_linears(models[1]).items() if layer.fuse_swiglu}
-    assert marked == {f"layers.{i}.feed_forward.w2" for i in range(config.n_layers)}
-    assert not any(layer.fuse_swiglu for layer in fp4_linears(models[0]).values())
+        models[fusion] = build_model(config, recipe, seed=0, tensor_cores=True, producer_fusion=fusion)
+    w2s = {f"layers.{i}.feed_forward.w2" for i in range(config.n_layers)}
+    w1s = {f"layers.{i}.feed_forward.w1" for i in range(config.n_layers)}
+    for fusion, swiglu, norm in (("off", set(), set()), ("on", w2s, set()), ("all", w2s, w1s)):
+        layers = fp4_linears(models[fusion]).items()
+        assert {name for name, layer in layers if layer.fuse_swiglu} == swiglu, fusion
+        assert {name for name, layer in layers if layer.fuse_residual_rmsnorm} == norm, fusion
     calls = []
-    for block in models[1].layers:
-        w2 = block.feed_forward.w2
-        w2.swiglu = lambda gate, up, w2=w2: calls.append(1) or w2(F.silu(gate) * up)
+    for block in models["all"].layers:
+        w1, w2 = block.feed_forward.w1, block.feed_forward.w2
+        w2.swiglu = lambda gate, up, w2=w2: calls.append("swiglu") or w2(F.silu(gate) * up)
+        w1.residual_rmsnorm = lambda x, branch, norm: calls.append("norm") or (x + branch, norm(x + branch))
     tokens = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        outputs = [model(tokens) for model in models]
-    assert len(calls) == config.n_layers
-    assert torch.equal(outputs[0], outputs[1])
+        outputs = [model(tokens) for model in models.values()]
+    assert sorted(calls) == ["norm"] * config.n_layers + ["swiglu"] * config.n_layers
+    assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[2])
 
 
 @pytest.mark.cuda
@@ -178,3 +280,36 @@ def test_cuda_training_with_the_fused_swiglu_equals_training_without(tmp_path):
         with open(tmp_path / fusion / "metrics.jsonl") as f:
             losses.append([json.loads(line)["loss"] for line in f if '"loss"' in line])
     assert losses[0] == losses[1] and len(losses[0]) >= 8, losses
+
+
+@pytest.mark.cuda
+def test_cuda_training_with_the_fused_residual_rmsnorm_tracks_training_without(tmp_path):
+    """Eight steps of the tiny model on mxfp4, eager and graphed as by default, with producer_fusion
+    "all" and "on": the fused kernel ran in every block, and the losses agree to within what a few
+    ulps in the normed activations (then quantized to FP4) can move them."""
+    from fp4lab.numerics import triton_fusion
+    from fp4lab.numerics.fast import triton_available
+    from fp4lab.train import loop
+    from fp4lab.train.config import DataConfig, TrainConfig
+
+    if not triton_available():
+        pytest.skip("needs Triton")
+    calls = []
+    producer = triton_fusion.residual_rmsnorm_quantize_fused
+    losses = []
+    try:
+        triton_fusion.residual_rmsnorm_quantize_fused = lambda *a, **k: calls.append(1) or producer(*a, **k)
+        for fusion in ("on", "all"):
+            config = TrainConfig(
+                recipe="mxfp4", model="tiny", data=DataConfig(source="synthetic"), seq_len=256, batch_size=8, steps=8,
+                eval_every=100, checkpoint_every=100, probe_every=100, device="cuda", compile="off", producer_fusion=fusion,
+                out_dir=str(tmp_path / fusion),
+            )
+            assert loop.run(config, progress=False)["status"] == "completed"
+            with open(tmp_path / fusion / "metrics.jsonl") as f:
+                losses.append([json.loads(line)["loss"] for line in f if '"loss"' in line])
+    finally:
+        triton_fusion.residual_rmsnorm_quantize_fused = producer
+    assert len(calls) >= preset("tiny", 256, 256).n_layers, calls
+    assert len(losses[0]) == len(losses[1]) >= 8
+    assert max(abs(a - b) for a, b in zip(*losses)) < 0.02, losses

@@ -19,15 +19,17 @@ def derive_seed(seed: int, name: str) -> int:
 
 def build_model(
     config: ModelConfig, recipe: Recipe, *, seed: int, device: torch.device | str = "cpu", tensor_cores: bool = False,
-    attention_kernel: str = "sdpa", mx_gemm: str = "bf16", producer_fusion: bool = False,
+    attention_kernel: str = "sdpa", mx_gemm: str = "bf16", producer_fusion: str = "off",
 ) -> Llama:
     """Every block linear gets the recipe's linear for its depth, the head gets the head recipe;
     each FP4Linear and each FP4 attention draws its random bits from its own seeded generator (on
     `device`, where the model is moved). `tensor_cores` runs every linear's GEMMs on bf16 tensor
     cores instead of the fp32 reference (fp4lab.nn.fp4_linear); `mx_gemm` "fp8" runs their MXFP4 x
     MXFP4 GEMMs on FP8 tensor cores instead. `attention_kernel` "triton" runs unquantized attention
-    as fp4lab.nn.triton_attention's flash attention, "sdpa" as PyTorch's. `producer_fusion` fuses each
-    feed-forward's SwiGLU into its W2's GEMMs (`FP4Linear.swiglu`: the same bits, fewer passes)."""
+    as fp4lab.nn.triton_attention's flash attention, "sdpa" as PyTorch's. `producer_fusion` "on" fuses each
+    feed-forward's SwiGLU into its W2's GEMMs (`FP4Linear.swiglu`: the same bits, fewer passes); "all"
+    also the residual add and RMSNorm before each feed-forward into its W1's and W3's x operands
+    (`FP4Linear.residual_rmsnorm`: the norm within a few ulps of nn.RMSNorm's)."""
 
     def make_linear(block_index: int | None, name: str, in_features: int, out_features: int) -> FP4Linear:
         if block_index is None:
@@ -46,7 +48,9 @@ def build_model(
         attention.kernel = attention_kernel
     for block in model.layers:
         if isinstance(block.feed_forward.w2, FP4Linear):
-            block.feed_forward.w2.fuse_swiglu = producer_fusion
+            block.feed_forward.w2.fuse_swiglu = producer_fusion != "off"
+        if isinstance(block.feed_forward.w1, FP4Linear):
+            block.feed_forward.w1.fuse_residual_rmsnorm = producer_fusion == "all"
     if recipe.attention.format != "bf16":
         for index, attention in enumerate(model.attentions()):
             generator = torch.Generator(device=device).manual_seed(derive_seed(seed, f"layers.{index}.attention"))

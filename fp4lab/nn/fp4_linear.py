@@ -88,6 +88,7 @@ from fp4lab.numerics import (
     quantize,
 )
 from fp4lab.numerics.fast import triton_available, triton_runs_on
+from fp4lab.numerics.fusion import RMSNORM_MAX_WIDTH
 from fp4lab.numerics.mx_gemm import MX_BLOCK, OUT_DTYPES, along_k
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.survey import error_stats
@@ -322,6 +323,10 @@ class _SiblingOperands:
         self._slot = (weakref.ref(x), x._version, key, value)
         return value
 
+    def put(self, x: torch.Tensor, key: tuple, value) -> None:
+        """Offer operands made elsewhere (a fused producer) for x: the siblings' `get` then finds them."""
+        self._slot = (weakref.ref(x), x._version, key, value)
+
     def clear(self) -> None:
         self._slot = None
 
@@ -438,6 +443,48 @@ class _SwigluFP4LinearFunction(torch.autograd.Function):
             grad_h, grad_w = _gemms_backward(ctx, grad_out, True)
             grads = triton_fusion.swiglu_backward_fused(grad_h.reshape(gate2.shape).contiguous(), gate2, up2)
         return grads.d_gate.view(ctx.x_shape), grads.d_up.view(ctx.x_shape), grad_w, None
+
+
+class _ResidualRmsnormFunction(torch.autograd.Function):
+    """(h, n) = (x + branch, rmsnorm(h) * weight) from one kernel that also quantizes n into the x
+    operands of the layer after it (Format-Aware Fusion, section 3), left in `layer._produced_operands`
+    for `FP4Linear.residual_rmsnorm` to offer its siblings. n is nn.RMSNorm's formula with the mean of
+    squares summed in a fixed order (`numerics.fusion.rmsnorm_reference`, bit for bit): within a few
+    ulps of torch's rms_norm, whose order is its own. The backward is RMSNorm's, in float32:
+    ds = dh + rstd (dt - t mean(dt t)) with t = s rstd and dt = dn weight."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor, eps: float, layer: FP4Linear):
+        from fp4lab.numerics import triton_fusion
+
+        shape = x.shape
+        with torch.autocast(x.device.type, enabled=False):
+            x2, branch2 = (t.reshape(-1, shape[-1]).contiguous() for t in (x, branch))
+            # Deterministic x operands (fuses_residual_rmsnorm): their signs, if any, are fixed, not drawn.
+            g = layer.generator_for(x.device)
+            signs = {gemm: layer.draw_signs(layer.recipe, gemm, g, length) for gemm, length in (("fprop", shape[-1]), ("wgrad", x2.shape[0]))}
+            row, col = layer.x_operand_options(x2, signs)
+            fused = triton_fusion.residual_rmsnorm_quantize_fused(x2, branch2, weight.detach().contiguous(), eps, col=col, emit_normed=True, **row)
+        layer._produced_operands = (
+            _operand_of(fused.row, row["fmt"], tuple(x2.shape)), _operand_of(fused.col, col["fmt"], tuple(x2.T.shape)))
+        ctx.save_for_backward(fused.residual, fused.rstd, weight)
+        ctx.x_dtype, ctx.branch_dtype = x.dtype, branch.dtype
+        return fused.residual.view(shape), fused.normed.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad_h: torch.Tensor | None, grad_normed: torch.Tensor | None):
+        s, rstd, weight = ctx.saved_tensors
+        width = s.shape[-1]
+        grad_s = torch.zeros(s.shape, dtype=torch.float32, device=s.device) if grad_h is None else grad_h.reshape(s.shape).float()
+        grad_weight = None
+        if grad_normed is not None:
+            dn = grad_normed.reshape(s.shape)
+            t = s.float() * rstd[:, None]
+            grad_weight = (dn.float() * t.to(s.dtype).float()).sum(0).to(weight.dtype)
+            dt = (dn * weight).float()
+            grad_s = grad_s + rstd[:, None] * (dt - t * (dt * t).sum(-1, keepdim=True) / width)
+        grad_s = grad_s.reshape(grad_h.shape if grad_h is not None else grad_normed.shape)
+        return grad_s.to(ctx.x_dtype), grad_s.to(ctx.branch_dtype), grad_weight, None, None
 
 
 def _gemms_forward(ctx, x, x_operands, weight: torch.Tensor, layer: FP4Linear, signs, out_dtype: torch.dtype) -> torch.Tensor:
@@ -602,6 +649,10 @@ class FP4Linear(nn.Module):
         # A SwiGLU's W2: FeedForward calls `swiglu(gate, up)`, which fuses the SwiGLU into this layer's
         # x operands and into its backward where it can (producer fusion, `swiglu`).
         self.fuse_swiglu = False
+        # The first of a block's feed-forward linears (w1): the block calls `residual_rmsnorm(x, branch,
+        # norm)`, which fuses the residual add, the RMSNorm and the quantization of its x operands.
+        self.fuse_residual_rmsnorm = False
+        self._produced_operands: tuple | None = None
 
     @property
     def tensor_cores(self) -> bool:
@@ -794,13 +845,45 @@ class FP4Linear(nn.Module):
     def x_operands(self, x: torch.Tensor, make):
         """`make()`: this layer's x operands (Fprop's x and Wgrad's x^T), shared with sibling layers
         that read the same x with the same deterministic specs (`_SiblingOperands`)."""
+        key = self.sibling_key(x)
+        return make() if key is None else SIBLING_OPERANDS.get(x, key, make)
+
+    def sibling_key(self, x: torch.Tensor) -> tuple | None:
+        """What identifies this layer's x operands of x among siblings, or None where they are not shared
+        (probing, or an x operand that draws random bits: each layer draws its own)."""
         names = ("fprop_x", "wgrad_x")
         if self.probe or not all(_deterministic(self.recipe.operand(name)) for name in names):
-            return make()
-        key = (self.tensor_cores, *(self.recipe.operand(name) for name in names),
-               self._contraction_multiples["wgrad"], self.fused_quantizers, self.pack_saved,
-               *(self.wants_codes(name, x.device) for name in names))
-        return SIBLING_OPERANDS.get(x, key, make)
+            return None
+        return (self.tensor_cores, *(self.recipe.operand(name) for name in names),
+                self._contraction_multiples["wgrad"], self.fused_quantizers, self.pack_saved,
+                *(self.wants_codes(name, x.device) for name in names))
+
+    def x_operand_options(self, t: torch.Tensor, signs: dict) -> tuple[dict, dict]:
+        """The fused kernels' options for Fprop's x (along t's last dim) and Wgrad's x^T made by a fused
+        producer from t's inputs, as `operand_pair` asks for them: x^T kept packed for the backward,
+        codes only for a GEMM on FP8 tensor cores."""
+        row = fused_options(self.recipe.fprop_x, signs["fprop"], t, self.philox_seed)
+        col = fused_options(self.recipe.wgrad_x, signs["wgrad"], t, self.philox_seed)
+        if self.wants_codes("fprop_x", t.device):
+            row |= {"emit_codes": True, "emit_values": False}
+        if self.pack_saved or self.wants_codes("wgrad_x", t.device):
+            col |= {"emit_codes": True, "emit_values": False}
+        return row, col
+
+    def _producer_covers_x(self, t: torch.Tensor) -> bool:
+        """Whether a fused producer can make this layer's x operands of t ([..., in_features]) in place of
+        its own quantizers: the tensor-core path with fused quantizers, not probing (probes record the
+        operands from x), no forward hooks (operand capture reads x), no LoRA-SVD (its bf16 branch reads
+        x), both x operands FP4 formats the kernels cover without 2D tiles, tokens a multiple of Wgrad's
+        contraction multiple (no padding), and the Triton kernels run on t's device."""
+        if not (self.tensor_cores and self.fused_quantizers) or self.probe or self.lora_rank:
+            return False
+        if self._forward_hooks or self._forward_pre_hooks:
+            return False
+        if not all(kernel_covers(spec) and spec.tile is None for spec in (self.recipe.fprop_x, self.recipe.wgrad_x)):
+            return False
+        tokens = t.numel() // t.shape[-1]
+        return tokens % self._contraction_multiples["wgrad"] == 0 and triton_runs_on(t.device)
 
     @torch.compiler.disable
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -812,19 +895,11 @@ class FP4Linear(nn.Module):
         return self(F.silu(gate) * up)
 
     def fuses_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> bool:
-        """Whether `swiglu` fuses: the tensor-core path with fused quantizers, not probing (probes record
-        the operands from h), no forward hooks (operand capture reads h), no LoRA-SVD (its bf16 branch
-        reads h), both x operands FP4 formats the fused kernels cover without 2D tiles, tokens a multiple
-        of Wgrad's contraction multiple (no padding), and the Triton kernels run on gate's device."""
-        if not (self.fuse_swiglu and self.tensor_cores and self.fused_quantizers) or self.probe or self.lora_rank:
+        """Whether `swiglu` fuses: fuse_swiglu is set, gate and up have one shape and dtype, and the
+        fused producer can make this layer's x operands (`_producer_covers_x`)."""
+        if not self.fuse_swiglu or gate.dtype != up.dtype or gate.shape != up.shape:
             return False
-        if self._forward_hooks or self._forward_pre_hooks or gate.dtype != up.dtype or gate.shape != up.shape:
-            return False
-        specs = (self.recipe.fprop_x, self.recipe.wgrad_x)
-        if not all(kernel_covers(spec) and spec.tile is None for spec in specs):
-            return False
-        tokens = gate.numel() // gate.shape[-1]
-        return tokens % self._contraction_multiples["wgrad"] == 0 and triton_runs_on(gate.device)
+        return self._producer_covers_x(gate)
 
     def swiglu_operands(self, gate: torch.Tensor, up: torch.Tensor, signs: dict) -> tuple:
         """Fprop's x and Wgrad's x^T operands of h = silu(gate) * up, from one fused read of gate and up
@@ -832,16 +907,38 @@ class FP4Linear(nn.Module):
         backward, codes only for a GEMM on FP8 tensor cores."""
         from fp4lab.numerics import triton_fusion
 
-        row_spec, col_spec = self.recipe.fprop_x, self.recipe.wgrad_x
-        row = fused_options(row_spec, signs["fprop"], gate, self.philox_seed)
-        col = fused_options(col_spec, signs["wgrad"], gate, self.philox_seed)
-        if self.wants_codes("fprop_x", gate.device):
-            row |= {"emit_codes": True, "emit_values": False}
-        if self.pack_saved or self.wants_codes("wgrad_x", gate.device):
-            col |= {"emit_codes": True, "emit_values": False}
+        row, col = self.x_operand_options(gate, signs)
         fused = triton_fusion.swiglu_quantize_fused(gate, up, col=col, **row)
         shapes = (tuple(gate.shape), tuple(gate.T.shape))
         return tuple(_operand_of(q, options["fmt"], shape) for q, options, shape in zip((fused.row, fused.col), (row, col), shapes))
+
+    @torch.compiler.disable
+    def residual_rmsnorm(self, x: torch.Tensor, branch: torch.Tensor, norm: nn.RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) for h = x + branch, the input of this layer and its siblings: where
+        `fuses_residual_rmsnorm`, one Triton kernel (`triton_fusion.residual_rmsnorm_quantize_fused`)
+        writes h and norm(h) and quantizes norm(h) into the x operands this layer and its siblings
+        would make of it, so none of them reads it again (`_ResidualRmsnormFunction`); else the
+        unfused ops."""
+        if not self.fuses_residual_rmsnorm(x, branch, norm):
+            h = x + branch
+            return h, norm(h)
+        h, normed = _ResidualRmsnormFunction.apply(x, branch, norm.weight, norm.eps, self)
+        operands, self._produced_operands = self._produced_operands, None
+        SIBLING_OPERANDS.put(normed, self.sibling_key(normed), operands)
+        return h, normed
+
+    def fuses_residual_rmsnorm(self, x: torch.Tensor, branch: torch.Tensor, norm: nn.RMSNorm) -> bool:
+        """Whether `residual_rmsnorm` fuses: fuse_residual_rmsnorm is set, x and branch have one shape
+        (bf16 or fp32 each), the norm has a gain and an eps, its width fits the kernel's row, the x
+        operands are shared among siblings (deterministic: one quantization serves them all), and the
+        fused producer can make them (`_producer_covers_x`)."""
+        if not self.fuse_residual_rmsnorm or x.shape != branch.shape or norm.weight is None or norm.eps is None:
+            return False
+        if {x.dtype, branch.dtype, norm.weight.dtype} - {torch.bfloat16, torch.float32} or x.shape[-1] > RMSNORM_MAX_WIDTH:
+            return False
+        if self.sibling_key(x) is None:
+            return False
+        return self._producer_covers_x(x)
 
     def record(self, operand: str, exact: torch.Tensor, encoded, signs: torch.Tensor | None) -> None:
         if not self.probe or not isinstance(encoded, (QTensor, Fp8Tensor)):

@@ -220,8 +220,14 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
 
     def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        branch = self.attention(self.attention_norm(x), rope_cos, rope_sin)
+        w1 = self.feed_forward.w1
+        if getattr(w1, "fuse_residual_rmsnorm", False):  # an FP4Linear that fuses the add and the norm into its x operands
+            h, normed = w1.residual_rmsnorm(x, branch, self.ffn_norm)
+        else:
+            h = x + branch
+            normed = self.ffn_norm(h)
+        return h + self.feed_forward(normed)
 
 
 class Llama(nn.Module):

@@ -48,6 +48,7 @@ from fp4lab.numerics.hadamard import hadamard
 from fp4lab.numerics.quantize import quantize
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+RMSNORM_MAX_WIDTH = 16384  # the fused kernel holds an RMSNorm row in registers, padded to a power of two
 
 
 @dataclass(frozen=True)

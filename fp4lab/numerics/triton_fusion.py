@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from fp4lab.numerics.fusion import RMSNORM_MAX_WIDTH
 from fp4lab.numerics.triton_quantize import (
     _AMAX_TILES,
     _INTERPRETED,
@@ -82,7 +83,6 @@ from fp4lab.numerics.triton_quantize import (
 # Producers of the generic tile kernels (constexpr P)
 _SWIGLU = tl.constexpr(0)  # a = gate, b = up: h
 _NORM_APPLY = tl.constexpr(1)  # a = s, rstd, w: n = (s * rstd) * w
-_MAX_NORM_WIDTH = 16384  # the RMSNorm row lives in registers, padded to a power of two
 _NORM_ELEMENTS = 8192  # rows per RMSNorm program: this many elements (not yet swept on a GPU)
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -460,8 +460,8 @@ def residual_rmsnorm_quantize_fused(
     _check_inputs("residual_rmsnorm_quantize_fused", x=x, residual=residual)
     if weight.shape != (x.shape[1],) or weight.dtype not in _DTYPES or weight.device != x.device or not weight.is_contiguous():
         raise ValueError(f"residual_rmsnorm_quantize_fused: weight must be a contiguous bf16/fp32 [{x.shape[1]}] tensor on x's device")
-    if x.shape[1] > _MAX_NORM_WIDTH:
-        raise ValueError(f"residual_rmsnorm_quantize_fused: dim {x.shape[1]} > {_MAX_NORM_WIDTH} (the row is held in registers)")
+    if x.shape[1] > RMSNORM_MAX_WIDTH:
+        raise ValueError(f"residual_rmsnorm_quantize_fused: dim {x.shape[1]} > {RMSNORM_MAX_WIDTH} (the row is held in registers)")
     if not isinstance(emit_normed, bool):
         raise ValueError(f"residual_rmsnorm_quantize_fused: emit_normed must be a bool, got {emit_normed!r}")
     row_spec, col_spec = _specs("residual_rmsnorm_quantize_fused", x, row, col)

@@ -42,8 +42,11 @@ MX_GEMMS = ("auto", "fp8", "bf16")
 # (h never reaches memory), the backward makes d_gate and d_up from Dgrad's dh in one pass. The same
 # bits as "off" without torch.compile (stochastic rounding included: the same Philox seeds); compiled,
 # the unfused SiLU is Inductor's, whose exp may round a rare element differently. Off by default until
-# its step-time gain is measured on a GPU (docs/BENCHMARKS.md).
-PRODUCER_FUSIONS = ("off", "on")
+# its step-time gain is measured on a GPU (docs/BENCHMARKS.md). "all" also fuses the residual add and
+# RMSNorm before each feed-forward into its W1's and W3's x operands (FP4Linear.residual_rmsnorm),
+# where those are deterministic (shared by W1 and W3): the norm's sum of squares then runs in a fixed
+# order, so the normed activations are within a few ulps of nn.RMSNorm's, not the same bits.
+PRODUCER_FUSIONS = ("off", "on", "all")
 # Parallelism over torchrun's processes (fp4lab.train.distributed): none, DistributedDataParallel,
 # FSDP2, FSDP2 sharded within a node and replicated across nodes, or pipeline stages of transformer
 # blocks (fp4lab.train.pipeline). Not result-neutral: the gradient all-reduce sums in another order,

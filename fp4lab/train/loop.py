@@ -408,13 +408,14 @@ def mx_gemm(config: TrainConfig, device: torch.device) -> str:
     return "fp8" if config.mx_gemm == "fp8" else "bf16"
 
 
-def producer_fusion(config: TrainConfig, device: torch.device) -> bool:
-    """Whether each feed-forward's SwiGLU is fused into its W2's GEMMs (config.producer_fusion "on":
-    fp4lab.nn.fp4_linear.FP4Linear.swiglu): needs the fast path on CUDA with Triton."""
+def producer_fusion(config: TrainConfig, device: torch.device) -> str:
+    """config.producer_fusion, checked: "on" fuses each feed-forward's SwiGLU into its W2's GEMMs, "all"
+    also the residual add and RMSNorm into W1's and W3's x operands (fp4lab.nn.build.build_model);
+    either needs the fast path on CUDA with Triton."""
     usable = device.type == "cuda" and fast_compute(config, device) and triton_available()
-    if config.producer_fusion == "on" and not usable:
-        raise ConfigError("producer_fusion='on' needs the fast path on CUDA with Triton installed; use producer_fusion='off'")
-    return config.producer_fusion == "on"
+    if config.producer_fusion != "off" and not usable:
+        raise ConfigError(f"producer_fusion={config.producer_fusion!r} needs the fast path on CUDA with Triton installed; use producer_fusion='off'")
+    return config.producer_fusion
 
 
 def compiled(config: TrainConfig, device: torch.device) -> bool:
