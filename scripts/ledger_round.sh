@@ -8,8 +8,12 @@
 # 2. each SPEC swept into docs/ledger/sweep_catalog.json (runs already completed there are skipped, so
 #    rounds accumulate) until SECONDS have passed: then the sweep gets Ctrl-C, the run in progress
 #    checkpoints, and the next round on the same machine resumes it;
-# 3. the report of each sweep into reports/<sweep>/, and one file, RESULTS_DIR/ledger_round.tar.xz,
-#    with the catalog, those reports and every run's summary.json and metrics.jsonl (no checkpoints).
+# 3. the report of each sweep into reports/<sweep>/; into RESULTS_DIR: the catalog, runs.tar.xz (every
+#    run's summary.json and metrics.jsonl, no checkpoints) and reports.tar.xz.
+#
+# The runs of earlier rounds come from docs/ledger/runs.tar.xz, unpacked first. Where the rounds are
+# published, copy RESULTS_DIR/sweep_catalog.json and RESULTS_DIR/runs.tar.xz over docs/ledger/'s and
+# commit them: the next round, on a fresh machine, skips the completed runs and keeps their metrics.
 #
 # The sweeps run one at a time on one GPU, so the ledger's tokens/s are those of a GPU to itself.
 set -euo pipefail
@@ -24,8 +28,10 @@ shift 2
 specs=("$@")
 [ ${#specs[@]} -gt 0 ] || specs=(sweeps/ledger.toml)
 catalog=docs/ledger/sweep_catalog.json
+runs_archive=docs/ledger/runs.tar.xz
 deadline=$((SECONDS + budget))
 mkdir -p "$results" "$(dirname "$catalog")"
+[ ! -f "$runs_archive" ] || tar -xJf "$runs_archive"
 
 if [ -f .corpus/pycode/manifest.json ]; then
   python3 -m fp4lab.cli data build pycode --from .corpus/pycode
@@ -47,5 +53,7 @@ for spec in "${specs[@]}"; do
   name=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["name"])' "$spec")
   python3 -m fp4lab.cli report "$name" --catalog "$catalog" --out "reports/$name" || true
 done
-find runs -maxdepth 3 \( -name summary.json -o -name metrics.jsonl \) -print0 2>/dev/null \
-  | tar -cJf "$results/ledger_round.tar.xz" --null -T - "$catalog" reports
+find runs -maxdepth 3 \( -name summary.json -o -name metrics.jsonl \) -print0 2>/dev/null | sort -z \
+  | tar -cJf "$results/runs.tar.xz" --null -T -
+cp "$catalog" "$results/sweep_catalog.json"
+tar -cJf "$results/reports.tar.xz" reports
