@@ -56,7 +56,12 @@ Fprop x and Wgrad x^T operands, so h is never written, and the backward makes d_
 Dgrad's dh in one kernel (`swiglu_backward_fused`). The same bits as the eager unfused ops (the
 kernels equal the torch references bit for bit; stochastic rounding draws from the same Philox
 seeds); under torch.compile the unfused SiLU is Inductor's, whose exp may round differently.
-`fuses_swiglu` says where it falls back to the unfused ops.
+`fuses_swiglu` says where it falls back to the unfused ops. With producer_fusion = "all" each block
+also hands the residual add and RMSNorm before its feed-forward to W1 (`residual_rmsnorm`,
+`fuse_residual_rmsnorm`): one kernel (`triton_fusion.residual_rmsnorm_quantize_fused`) writes h, the
+normed activations and their Fprop x and Wgrad x^T operands, which it offers W1 and W3 through the
+sibling slot; the norm's sum of squares runs in the kernel's fixed order, so the normed activations
+are within a few ulps of nn.RMSNorm's (docs/BENCHMARKS.md: neither fusion gains step time on an H200).
 """
 
 from __future__ import annotations
