@@ -315,6 +315,8 @@ MUTATIONS = [
        "return grads.d_up.view(ctx.x_shape), grads.d_gate.view(ctx.x_shape), grad_w, None"), [FUSION_EXACT + "[mxfp4]"]),
     m("residual-rmsnorm-unwired", "the block never hands the residual add and RMSNorm to W1 (producer_fusion all = on)",
       ("fp4lab/nn/model.py", 'if getattr(w1, "fuse_residual_rmsnorm", False):', "if False:"), [FUSION_WIRE]),
+    m("fusion-marks-bf16-layers", "build_model marks bf16 W1s for the fused norm (a graph break that only falls back)",
+      (BUILD, " and w1.x_operands_fusable(shared=True)", ""), [FUSION_WIRE]),
     m("residual-rmsnorm-not-offered", "the fused norm's operands are not offered to W1 and W3, which quantize again",
       (LIN, "SIBLING_OPERANDS.put(normed, self.sibling_key(normed), operands)", "del operands"), [NORM_EXACT + "[mxfp4]"]),
     m("residual-rmsnorm-no-gain-grad", "the fused norm's backward drops the gain's gradient",

@@ -231,8 +231,8 @@ def test_residual_rmsnorm_falls_back_where_it_cannot_fuse_under_the_interpreter(
 
 
 def test_producer_fusion_reaches_every_w2_and_w1_and_the_blocks_call_them():
-    """build_model(producer_fusion="on") marks each block's W2 and only those, "all" also each W1;
-    FeedForward then calls W2.swiglu and the block W1.residual_rmsnorm (here, on the CPU without the
+    """build_model(producer_fusion="on") marks each block's W2 and only those, "all" also each W1,
+    and neither marks a bf16 layer (its fused call would only fall back); FeedForward then calls W2.swiglu and the block W1.residual_rmsnorm (here, on the CPU without the
     interpreter, the unfused expressions: the same output as a model without the fusion)."""
     config = preset("tiny", 256, 32)
     recipe = load_recipe("mxfp4")
@@ -246,6 +246,9 @@ def test_producer_fusion_reaches_every_w2_and_w1_and_the_blocks_call_them():
         layers = fp4_linears(models[fusion]).items()
         assert {name for name, layer in layers if layer.fuse_swiglu} == swiglu, fusion
         assert {name for name, layer in layers if layer.fuse_residual_rmsnorm} == norm, fusion
+    torch.manual_seed(0)
+    plain = build_model(config, load_recipe("bf16"), seed=0, tensor_cores=True, producer_fusion="all")
+    assert not any(layer.fuse_swiglu or layer.fuse_residual_rmsnorm for layer in fp4_linears(plain).values())
     calls = []
     for block in models["all"].layers:
         w1, w2 = block.feed_forward.w1, block.feed_forward.w2

@@ -48,9 +48,11 @@ def build_model(
         attention.kernel = attention_kernel
     for block in model.layers:
         if isinstance(block.feed_forward.w2, FP4Linear):
-            block.feed_forward.w2.fuse_swiglu = producer_fusion != "off"
+            w2 = block.feed_forward.w2
+            w2.fuse_swiglu = producer_fusion != "off" and w2.x_operands_fusable()
         if isinstance(block.feed_forward.w1, FP4Linear):
-            block.feed_forward.w1.fuse_residual_rmsnorm = producer_fusion == "all"
+            w1 = block.feed_forward.w1
+            w1.fuse_residual_rmsnorm = producer_fusion == "all" and w1.x_operands_fusable(shared=True)
     if recipe.attention.format != "bf16":
         for index, attention in enumerate(model.attentions()):
             generator = torch.Generator(device=device).manual_seed(derive_seed(seed, f"layers.{index}.attention"))

@@ -875,17 +875,26 @@ class FP4Linear(nn.Module):
             col |= {"emit_codes": True, "emit_values": False}
         return row, col
 
+    def x_operands_fusable(self, shared: bool = False) -> bool:
+        """Whether a fused producer could ever make this layer's x operands, whatever the tensors: no
+        LoRA-SVD (its bf16 branch reads x), both x operands FP4 formats the fused kernels cover without
+        2D tiles, and with `shared` (one quantization serving sibling layers) drawn deterministically.
+        build_model marks only such layers, so a bf16 layer never routes its block through the fused
+        call (a graph break under torch.compile) to fall back."""
+        specs = (self.recipe.fprop_x, self.recipe.wgrad_x)
+        if self.lora_rank or not all(kernel_covers(spec) and spec.tile is None for spec in specs):
+            return False
+        return not shared or all(_deterministic(spec) for spec in specs)
+
     def _producer_covers_x(self, t: torch.Tensor) -> bool:
         """Whether a fused producer can make this layer's x operands of t ([..., in_features]) in place of
-        its own quantizers: the tensor-core path with fused quantizers, not probing (probes record the
-        operands from x), no forward hooks (operand capture reads x), no LoRA-SVD (its bf16 branch reads
-        x), both x operands FP4 formats the kernels cover without 2D tiles, tokens a multiple of Wgrad's
-        contraction multiple (no padding), and the Triton kernels run on t's device."""
-        if not (self.tensor_cores and self.fused_quantizers) or self.probe or self.lora_rank:
+        its own quantizers: the tensor-core path with fused quantizers, x operands a producer can make
+        (`x_operands_fusable`), not probing (probes record the operands from x), no forward hooks
+        (operand capture reads x), tokens a multiple of Wgrad's contraction multiple (no padding), and
+        the Triton kernels run on t's device."""
+        if not (self.tensor_cores and self.fused_quantizers and self.x_operands_fusable()) or self.probe:
             return False
         if self._forward_hooks or self._forward_pre_hooks:
-            return False
-        if not all(kernel_covers(spec) and spec.tile is None for spec in (self.recipe.fprop_x, self.recipe.wgrad_x)):
             return False
         tokens = t.numel() // t.shape[-1]
         return tokens % self._contraction_multiples["wgrad"] == 0 and triton_runs_on(t.device)
