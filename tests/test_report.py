@@ -173,6 +173,23 @@ def test_seeds_are_grouped_with_mean_and_std(tmp_path):
     assert written["max_logit"].read_bytes().startswith(PNG_MAGIC)
 
 
+def test_steady_throughput_is_the_median_of_the_second_half_of_the_steps(tmp_path):
+    """tok/s from the summary counts compilation, probe and evaluation steps; the steady column is the
+    median per-step rate over the second half of the steps, mean over the seeds."""
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    paces = {0: 400.0, 1: 500.0}
+    for seed, pace in paces.items():
+        run_dir = _add_run(catalog, tmp_path, f"b{seed}", "bf16", seed, [5.0, 4.8, 4.6, 4.4, 4.2, 4.0, 3.9, 3.8, 3.7])
+        # steps 0-8: compiling (slow) in the first half, one probe step (slow) in the second
+        rates = [1.0, 50.0, 300.0, 300.0, pace, pace, 20.0, pace, pace]
+        lines = [json.loads(line) | {"tokens_per_s": rate} for line, rate in zip(
+            (run_dir / "metrics.jsonl").read_text().splitlines(), rates)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    row = build_report(tmp_path / "sweep_catalog.json").ledger.set_index("recipe").loc["bf16"]
+    assert row["steady_tokens_per_s_mean"] == pytest.approx(statistics.mean(paces.values()))
+    assert row["tokens_per_s_mean"] == pytest.approx(100.5)  # the summaries' figure, kept beside it
+
+
 def test_sweep_without_bf16_has_empty_excess_and_says_so(tmp_path):
     catalog = Catalog(tmp_path / "sweep_catalog.json")
     _add_run(catalog, tmp_path, "m0", "mxfp4", 0, [5.0, 4.0])
@@ -525,11 +542,11 @@ def test_seed_noise_columns_in_every_export_and_the_markdown_is_reproducible(see
     assert lines[2] == (
         "| recipe | config | seeds | seed list | val loss | ± std | train loss | ± std | excess % (mean) | ± std "
         "| excess % (last) | ± std | @step | val excess % | ± std | val excess 95 % CI | vs bf16 | bf16 runs | tok/s "
-        "| verdicts | first event | runs |"
+        "| steady tok/s | verdicts | first event | runs |"
     )
     nvfp4 = lines[5]
     assert nvfp4.startswith("| nvfp4 | default | 3 | 0,1,2 | 3.3000 | 0.0200 | 3.2000 | 0.0200 |")
-    assert nvfp4.endswith("| 6.45 | 0.65 | +4.99..+7.91 | above | bf16-0 bf16-1 bf16-2 | 101.0 | converged x3 |  "
+    assert nvfp4.endswith("| 6.45 | 0.65 | +4.99..+7.91 | above | bf16-0 bf16-1 bf16-2 | 101.0 | 100.0 | converged x3 |  "
                           "| nvfp4-0 nvfp4-1 nvfp4-2 |")  # fmt: skip
     assert f"- **vs bf16**: {COLUMN_DOCS['vs_bf16']}" in markdown and "Welch's t-test" in markdown
     text = html.unescape(written["html"].read_text())

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ COLUMNS = (
     "final_val_loss_mean", "final_val_loss_std", "final_train_loss_mean", "final_train_loss_std",
     "excess_pct_mean", "excess_pct_std", "excess_pct_last", "excess_pct_last_std", "excess_last_step",
     "val_excess_pct_mean", "val_excess_pct_std", "val_excess_ci95", "vs_bf16", "baseline_runs", "tokens_per_s_mean",
-    "verdicts", "first_bad_event", "runs",
+    "steady_tokens_per_s_mean", "verdicts", "first_bad_event", "runs",
 )  # fmt: skip
 
 COLUMN_DOCS = {
@@ -82,7 +83,10 @@ COLUMN_DOCS = {
     "vs_bf16": "above or below bf16 when that interval excludes 0, within noise when it contains 0, n/a when "
     "either side has fewer than two finite final validation losses (empty on bf16 rows)",
     "baseline_runs": "the bf16 runs whose mean train and validation losses are the reference of the excess",
-    "tokens_per_s_mean": "training throughput in tokens/s, mean over the seeds",
+    "tokens_per_s_mean": "training throughput in tokens/s, the run's tokens over its training seconds (compilation, "
+    "probe and evaluation steps included), mean over the seeds",
+    "steady_tokens_per_s_mean": "the median of the per-step throughput over the second half of each run's steps "
+    "(a median leaves out the probe and evaluation steps; compilation is over by then), mean over the seeds",
     "verdicts": "the log scanner's verdicts and how many seeds got each",
     "first_bad_event": "the earliest scanner event (NaN, loss spike, entropy collapse, large logit) over the seeds",
     "runs": "the catalog ids of the runs",
@@ -100,6 +104,7 @@ class RunMetrics:
     val: list[tuple[int, float]] = field(default_factory=list)  # (step, val_loss)
     entropy: list[tuple[int, list[float]]] = field(default_factory=list)  # (step, mean over heads per layer)
     max_logit: list[tuple[int, list[float]]] = field(default_factory=list)  # (step, max over heads per layer)
+    throughput: list[tuple[int, float]] = field(default_factory=list)  # (step, tokens_per_s of that step)
     skipped_lines: int = 0  # torn or corrupt lines left out
 
 
@@ -221,6 +226,15 @@ def _per_layer(value: Any, reduce) -> list[float] | None:
     return out
 
 
+def steady_tokens_per_s(metrics: RunMetrics | None) -> float | None:
+    """The median per-step throughput over the second half of a run's recorded steps (None without any):
+    the pace once compiled, which probe and evaluation steps, the few slow ones, do not move."""
+    if metrics is None or not metrics.throughput:
+        return None
+    last = metrics.throughput[-1][0]
+    return statistics.median(v for step, v in metrics.throughput if 2 * step >= last)
+
+
 def read_metrics(path: Path) -> RunMetrics:
     """Parse a metrics.jsonl (torn or corrupt lines skipped and counted in `skipped_lines`, as every
     reader does); raises ValueError when it is missing, unreadable or has no loss."""
@@ -240,6 +254,9 @@ def read_metrics(path: Path) -> RunMetrics:
         val = _num(row.get("val_loss"))
         if val is not None:
             metrics.val.append((step, val))
+        tokens_per_s = _num(row.get("tokens_per_s"))
+        if tokens_per_s is not None:
+            metrics.throughput.append((step, tokens_per_s))
         if "attn_entropy" in row or "attn_entropy_mean" in row:
             layers = _per_layer(row.get("attn_entropy"), _mean) or _per_layer(row.get("attn_entropy_mean"), _mean)
             if layers:
@@ -329,6 +346,7 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
         vals = [v for v in map(final_val, members) if v is not None]
         trains = [v for v in (_num(s.get("final_train_loss")) for s in summaries) if v is not None]
         tps = [v for v in (_num(s.get("tokens_per_s")) for s in summaries) if v is not None]
+        steady = [v for v in (steady_tokens_per_s(metrics.get(r["id"])) for r in members) if v is not None]
         ex_mean, ex_last, last_steps = [], [], []
         if has_baseline:
             for r in members:
@@ -376,6 +394,7 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
                 "vs_bf16": versus,
                 "baseline_runs": " ".join(baseline_of[members[0]["id"]]) if has_baseline else "",
                 "tokens_per_s_mean": _mean(tps),
+                "steady_tokens_per_s_mean": _mean(steady),
                 "verdicts": ", ".join(f"{v} x{n}" for v, n in verdict_counts.items()),
                 "first_bad_event": f"{first_bad[1]}@{first_bad[0]}" if first_bad else "",
                 "runs": " ".join(r["id"] for r in members),
@@ -419,7 +438,7 @@ _HEADERS = {  # column -> (header, digits) of the full table (Markdown, HTML)
     "excess_pct_last": ("excess % (last)", 2), "excess_pct_last_std": ("± std", 2), "excess_last_step": ("@step", 0),
     "val_excess_pct_mean": ("val excess %", 2), "val_excess_pct_std": ("± std", 2),
     "val_excess_ci95": ("val excess 95 % CI", 0), "vs_bf16": ("vs bf16", 0), "baseline_runs": ("bf16 runs", 0),
-    "tokens_per_s_mean": ("tok/s", 1),
+    "tokens_per_s_mean": ("tok/s", 1), "steady_tokens_per_s_mean": ("steady tok/s", 1),
     "verdicts": ("verdicts", 0), "first_bad_event": ("first event", 0), "runs": ("runs", 0),
 }  # fmt: skip
 
@@ -438,7 +457,7 @@ def _full_rows(report: Report) -> list[list[str]]:
 _CONSOLE_COLUMNS = (  # header, right-aligned, may wrap
     ("sweep", False, True), ("recipe", False, False), ("config", False, True), ("seeds", True, False),
     ("val loss", True, False), ("excess %", True, False), ("val loss\nvs bf16", True, False),
-    ("tok/s", True, False), ("verdicts", False, True),
+    ("steady\ntok/s", True, False), ("verdicts", False, True),
 )  # fmt: skip
 
 
@@ -454,7 +473,7 @@ def _console_rows(report: Report) -> list[list[str]]:
             row["sweep"], row["recipe"], row["config"], str(row["n_seeds"]),
             _fmt(row["final_val_loss_mean"], 4) + (f"\n±{val_std}" if val_std else ""),
             _signed(row["excess_pct_mean"]) + (f"\n±{excess_std}" if excess_std else ""), versus,
-            _fmt(row["tokens_per_s_mean"], 0), verdicts + (f"\nfirst: {first_bad}" if first_bad else ""),
+            _fmt(row["steady_tokens_per_s_mean"], 0), verdicts + (f"\nfirst: {first_bad}" if first_bad else ""),
         ])  # fmt: skip
     return rows
 
