@@ -1065,6 +1065,7 @@ def report(
     out: Annotated[Optional[Path], typer.Option(help="Output folder (default: reports/<SWEEP or all>/, reports/ratchet-<TAG>/).")] = None,
     catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
     ratchet: Annotated[Optional[str], typer.Option(help="Report a ratchet run instead: its TAG (metric vs iteration).")] = None,
+    claims: Annotated[Optional[Path], typer.Option(help="A TOML file of papers' claims (recipe, excess_pct, source) to set against the ledger: claims.csv and a section of ledger.md.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the ledger rows and the files written as JSON instead of the table.")] = False,
 ) -> None:
     """The recipe ledger of a sweep (seeds grouped, loss excess vs bf16) as CSV, Markdown and HTML with plots."""
@@ -1072,8 +1073,8 @@ def report(
 
     console = _console()
     if ratchet is not None:
-        if sweep_name is not None:
-            fail("report: give a SWEEP or --ratchet TAG, not both")
+        if sweep_name is not None or claims is not None:
+            fail("report: --ratchet TAG reports a ratchet run; drop the SWEEP and --claims")
         try:
             table, written = ratchet_report(catalog, ratchet, out)
         except (ValueError, OSError) as exc:
@@ -1089,15 +1090,31 @@ def report(
             console.print(f"wrote {path}")
         return
     try:
+        checked = None
+        if claims is not None:
+            from fp4lab.lab.records.claims import load_claims
+
+            checked = load_claims(claims)  # a malformed file is refused before anything is written
         built = build_report(catalog, sweep=sweep_name, out_dir=out)
+        if checked is not None:
+            from fp4lab.lab.records.claims import attach_claims
+
+            attach_claims(built, checked)
         written = write_report(built, out)
     except (ValueError, OSError) as exc:
         fail(str(exc).splitlines()[0])
     if as_json:  # the ledger as in ledger.csv; a value with no data (no bf16 reference, one seed) is null
         rows = json.loads(built.ledger.to_json(orient="records"))
-        _print_json({"sweep": sweep_name, "catalog": str(catalog), "notes": built.notes, "rows": rows, "written": written})
+        document = {"sweep": sweep_name, "catalog": str(catalog), "notes": built.notes, "rows": rows, "written": written}
+        if built.claims is not None:
+            document["claims"] = json.loads(built.claims.to_json(orient="records"))
+        _print_json(document)
         return
     console.print(render_ledger(built))
+    if built.claims is not None:
+        from fp4lab.lab.records.claims import render_claims
+
+        console.print(render_claims(built.claims))
     for path in written.values():
         console.print(f"wrote {path}")
 

@@ -86,7 +86,7 @@ def _add_run(
     catalog.upsert(
         {
             "id": run_id, "sweep": extra.pop("sweep", "hand"), "recipe": recipe, "config": config,
-            "state": "completed", "verdict": extra.pop("verdict", "converged"), "events": extra.pop("events", []),
+            "state": extra.pop("state", "completed"), "verdict": extra.pop("verdict", "converged"), "events": extra.pop("events", []),
             "summary": summary, "paths": {"run_dir": f"runs/{run_id}"},
             "git_commit": extra.pop("git_commit", None), "git_dirty": extra.pop("git_dirty", None),
             "extra": {"name": f"recipe={recipe},seed={seed}", "params": {"recipe": recipe, "seed": seed}},
@@ -560,3 +560,80 @@ def test_seed_noise_columns_in_every_export_and_the_markdown_is_reproducible(see
     assert f"{row['excess_pct_mean']:+.2f}" in first and f"±{row['excess_pct_std']:.2f}" in second
     assert "above" in first and "+4.99..+7.91" in second
     assert any(line.strip("│ ").startswith("val loss vs bf16: Welch's 95 % CI") for line in lines)
+
+
+CLAIMS = """
+[[claim]]
+recipe = "nvfp4"
+excess_pct = 6.0
+source = "inside the interval"
+
+[[claim]]
+recipe = "mxfp4-rowsr-h32"
+excess_pct = 2.11
+source = "above the interval (which lies below bf16)"
+
+[[claim]]
+recipe = "nvfp4"
+excess_pct = 1.0
+source = "below the interval"
+
+[[claim]]
+recipe = "nvfp4-last4-bf16"
+excess_pct = 0.87
+source = "one seed"
+
+[[claim]]
+recipe = "nvfp4-all"
+excess_pct = 1.34
+source = "not in the ledger"
+"""
+
+
+def test_claims_are_set_against_the_welch_interval_of_their_recipe(seed_noise_catalog, run_cli, tmp_path):
+    """Each claim gets its recipe's measured val excess and Welch interval (the ledger row's, as numbers)
+    and a verdict: agrees inside it, smaller/larger here when the interval lies below/above the claim, n/a with one seed, not run without a row;
+    `fp4lab report --claims` writes claims.csv, a section of ledger.md and the JSON rows."""
+    from fp4lab.lab.records.claims import check_claims, load_claims
+
+    claims_file = tmp_path / "claims.toml"
+    claims_file.write_text(CLAIMS)
+    # an interrupted seed, its last validation far above: not a final loss, left out of the claims
+    _add_run(Catalog(seed_noise_catalog), tmp_path, "nvfp4-3", "nvfp4", 3, [5.0, 4.9, 4.8], state="interrupted")
+    table = check_claims(build_report(seed_noise_catalog, "hand"), load_claims(claims_file))
+    assert table["verdict"].tolist() == ["agrees", "smaller here", "larger here", "n/a", "not run"]
+    nvfp4 = table.iloc[0]
+    low, high = _welch_ci_pct(_vals("nvfp4"), _vals("bf16"))
+    assert (nvfp4["measured_ci95_low"], nvfp4["measured_ci95_high"]) == (pytest.approx(low), pytest.approx(high))
+    ref = statistics.mean(_vals("bf16"))
+    assert nvfp4["measured_excess_pct"] == pytest.approx(statistics.mean(100 * (v - ref) / ref for v in _vals("nvfp4")))
+    assert nvfp4["n_seeds"] == 3 and nvfp4["n_bf16"] == 3
+    assert table.iloc[1]["measured_ci95_high"] < 0 < 2.11  # mxfp4-rowsr-h32 is below bf16 here: smaller than claimed
+    assert table.iloc[2]["measured_ci95_low"] > 1.0
+
+    out = tmp_path / "out"
+    done = run_cli("report", "hand", "--catalog", str(seed_noise_catalog), "--out", str(out), "--claims", str(claims_file), "--json")
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    assert [row["verdict"] for row in document["claims"]] == table["verdict"].tolist()
+    assert (out / "claims.csv").exists() and "## Claims" in (out / "ledger.md").read_text()
+    assert "| nvfp4 | default | inside the interval | +6.00 |" in (out / "ledger.md").read_text()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[[claim]]\nrecipe = 'nvfp4'\nsource = 's'\n", "claim 1: excess_pct must be a finite number"),
+    ("[[claim]]\nrecipe = 'nvfp4'\nexcess_pct = 1.0\nsource = 's'\npaper = 'x'\n", "claim 1.paper: unknown key"),
+    ("[[claim]]\nrecipe = ''\nexcess_pct = 1.0\nsource = 's'\n", "claim 1: recipe must be a non-empty string"),
+    ("title = 'x'\n", "title: unknown key"),
+    ("claim = 3\n", "no claims; add [[claim]] tables"),
+    ("[[claim\n", "not valid TOML"),
+])  # fmt: skip
+def test_a_malformed_claims_file_is_refused_before_anything_is_written(seed_noise_catalog, run_cli, tmp_path, text, message):
+    claims_file = tmp_path / "claims.toml"
+    claims_file.write_text(text)
+    out = tmp_path / "out"
+    done = run_cli("report", "hand", "--catalog", str(seed_noise_catalog), "--out", str(out), "--claims", str(claims_file))
+    assert done.returncode == 2 and message in done.stderr and str(claims_file) in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not out.exists()
+    missing = run_cli("report", "hand", "--catalog", str(seed_noise_catalog), "--claims", str(tmp_path / "none.toml"))
+    assert missing.returncode == 2 and "claims file" in missing.stderr and "does not exist" in missing.stderr

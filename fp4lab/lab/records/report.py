@@ -122,6 +122,8 @@ class Report:
     default_out_dir: Path | None = None
     groups: list[list[str]] = field(default_factory=list)  # run ids of each ledger row, in ledger order
     baseline_of: dict[str, list[str]] = field(default_factory=dict)  # run id -> the bf16 run ids of its reference
+    claims: Any = None  # pandas.DataFrame of fp4lab.lab.records.claims.check_claims, when claims were checked
+    sections: list[str] = field(default_factory=list)  # further Markdown sections of ledger.md (the claims')
 
 
 # --- small helpers -------------------------------------------------------------------------------------
@@ -224,6 +226,19 @@ def _per_layer(value: Any, reduce) -> list[float] | None:
             v = _num(layer)
             out.append(math.nan if v is None else v)
     return out
+
+
+def final_val(record: dict[str, Any]) -> float | None:
+    """A run's final validation loss from its catalog record, or None where it has none (finite only)."""
+    return _num((record.get("summary") or {}).get("final_val_loss"))
+
+
+def final_val_losses(report: Report, run_ids: list[str], completed_only: bool = False) -> list[float]:
+    """The finite final validation losses of these runs of a built report, in order (of the completed
+    ones only, with completed_only)."""
+    by_id = {r["id"]: r for r in report.records}
+    runs = [by_id[i] for i in run_ids if i in by_id and (not completed_only or by_id[i].get("state") == "completed")]
+    return [v for v in map(final_val, runs) if v is not None]
 
 
 def steady_tokens_per_s(metrics: RunMetrics | None) -> float | None:
@@ -333,9 +348,6 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
     for record in records:
         key = (record.get("sweep"), record.get("recipe"), _config_key(record.get("config") or {}, RUN_SPECIFIC))
         grouped.setdefault(key, []).append(record)
-
-    def final_val(record: dict[str, Any]) -> float | None:
-        return _num((record.get("summary") or {}).get("final_val_loss"))
 
     def baseline_vals(record: dict[str, Any]) -> list[float]:
         return [v for v in map(final_val, baseline_records(record)) if v is not None]
@@ -533,9 +545,10 @@ def ledger_markdown(report: Report) -> str:
     title = f"# Recipe ledger{': ' + report.sweep if report.sweep else ''}\n\n"
     glossary = "".join(f"- **{_HEADERS[c][0]}**: {COLUMN_DOCS[c]}\n" for c in columns)
     notes = "".join(f"- {n}\n" for n in report.notes)
+    claims = "".join("\n" + section for section in report.sections)
     return (
         title + "\n".join(lines) + "\n\nColumns:\n\n" + glossary + "\n" + _excess_method(report) + "\n"
-        + ("\nNotes:\n\n" + notes if notes else "")
+        + ("\nNotes:\n\n" + notes if notes else "") + claims
     )  # fmt: skip
 
 
@@ -886,7 +899,7 @@ def _html(report: Report, pngs: dict[str, bytes]) -> str:
 
 
 def write_report(report: Report, out_dir: str | os.PathLike[str] | None = None) -> dict[str, Path]:
-    """Write ledger.csv, ledger.md, the PNG plots and report.html (PNGs embedded) into `out_dir`
+    """Write ledger.csv, ledger.md, claims.csv (where claims were checked), the PNG plots and report.html (PNGs embedded) into `out_dir`
     (default: report.default_out_dir, i.e. reports/<sweep or all>/), each atomically. Returns
     name -> path of every file written ("csv", "md", "html" and the plot names that had data)."""
     out = (
@@ -898,6 +911,9 @@ def write_report(report: Report, out_dir: str | os.PathLike[str] | None = None) 
     written["csv"] = out / "ledger.csv"
     write_atomic(out / "ledger.md", ledger_markdown(report).encode())
     written["md"] = out / "ledger.md"
+    if report.claims is not None:
+        write_atomic(out / "claims.csv", report.claims.to_csv(index=False).encode())
+        written["claims"] = out / "claims.csv"
     pngs: dict[str, bytes] = {}
     for name in PLOTS:
         data = _plot_png(report, name)
