@@ -48,7 +48,7 @@ LOG_PRESETS = ("nanogpt", "megatron", "torchtitan", "fp4lab")  # fp4lab.lab.reco
 SWEEP_EXECUTORS = ("local", "slurm", "sbatch")  # fp4lab.lab.runs.executors.EXECUTORS
 RATCHET_EXECUTORS = ("local", "slurm")  # what fp4lab.lab.ratchet.loop.Ratchet accepts
 PROPOSERS = ("optuna", "llm", "command")  # fp4lab.lab.ratchet.proposers.PROPOSERS
-BENCH_WHAT = ("all", "kernels", "steps", "gemm", "attention")
+BENCH_WHAT = ("all", "kernels", "steps", "gemm", "attention", "fusion")
 CORPORA = ("pycode",)  # fp4lab.train.pycode.NAME: the corpora `fp4lab data build` makes
 
 # typer turns a Literal into a choice: --help shows <a|b|c>, any other value is a usage error (exit 2).
@@ -510,7 +510,7 @@ BENCH_DEFAULTS = {"cuda": ("125m", 16, 1024, 20, 5, "8192x8192"), "cpu": ("tiny"
 
 @app.command()
 def bench(
-    what: Annotated[BenchWhat, typer.Argument(help="kernels (quantizers vs a copy), steps (training steps vs the plain PyTorch loop), gemm (the MXFP4 GEMM on FP8 tensor cores vs bf16 cuBLAS, the 125m and 350m GEMMs at --batch-size x --seq-len), attention (Triton flash attention with the fused probes vs SDPA, fwd + bwd, head dims 64 and 128, seq 1024-8192) or all. gemm and attention need CUDA.")] = "all",
+    what: Annotated[BenchWhat, typer.Argument(help="kernels (quantizers vs a copy), steps (training steps vs the plain PyTorch loop), gemm (the MXFP4 GEMM on FP8 tensor cores vs bf16 cuBLAS, the 125m and 350m GEMMs at --batch-size x --seq-len), attention (Triton flash attention with the fused probes vs SDPA, fwd + bwd, head dims 64 and 128, seq 1024-8192), fusion (each fused FP4 producer vs its torch ops, eager and compiled, at the --model's widths and --batch-size x --seq-len tokens) or all. gemm, attention and fusion need CUDA.")] = "all",
     recipes: Annotated[str, typer.Option(help="Comma-separated recipes to time beside the anchor.")] = "bf16,nvfp4,nvfp4-all,mxfp4-rowsr-h32",
     model: Annotated[Optional[ModelPreset], typer.Option(help="Model preset (default 125m on CUDA, tiny on the CPU).")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Sequences per step (default 16 on CUDA, 8 on the CPU).")] = None,
@@ -592,6 +592,17 @@ def bench(
         report["attention"] = [r.as_dict() for r in results if r is not None]
         if not report["attention"]:
             console.print("  skipped: the Triton attention needs CUDA")
+    if what in ("all", "fusion"):
+        from fp4lab.bench.fusion import bench_producer_fusion
+
+        tokens = batch_size * seq_len
+        console.print(f"fused FP4 producers vs their torch ops, eager and compiled: {model}, {tokens} tokens ({report['device']})")
+        widths = ((model_shape.dim, ("residual_rmsnorm",)), (model_shape.ffn_hidden, ("swiglu", "swiglu_backward")))
+        results = [bench_producer_fusion((tokens, width), fmt, target, producers=producers)
+                   for fmt in ("mxfp4", "nvfp4") for width, producers in widths]  # fmt: skip
+        report["fusion"] = [r.as_dict() for r in results if r is not None]
+        if not report["fusion"]:
+            console.print("  skipped: the fused producers need CUDA and Triton")
     if what in ("all", "steps"):
         from fp4lab.bench.steps import bench_steps
 
@@ -630,6 +641,8 @@ def _print_bench(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from fp4lab.bench.fusion import PRODUCERS
+
     console = Console()
     if "kernels" in report:
         table = Table(title=f"Quantizers vs a device-to-device copy ({report['device']})")
@@ -654,6 +667,17 @@ def _print_bench(report: dict) -> None:
         for a in report["attention"]:
             table.add_row(f"{a['batch']} x {a['heads']}/{a['kv_heads']} x {a['seq']} x {a['head_dim']}", f"{a['sdpa_ms']:.3f}",
                           f"{a['fused_ms']:.3f}", f"{a['fused_vs_sdpa']:.2f}", f"{a['fused_poly_vs_sdpa']:.2f}", f"{a['sdpa_with_probes_ms']:.3f}")
+        console.print(table)
+    if report.get("fusion"):
+        table = Table(title=f"Fused FP4 producers vs their torch ops ({report['device']})")
+        for column in ("producer", "format", "tokens x features", "eager ms", "compiled ms", "fused ms", "eager / fused", "compiled / fused"):
+            table.add_column(column, justify="left" if column in ("producer", "format") else "right")
+        for bench in report["fusion"]:
+            for name in PRODUCERS:
+                if name in bench:
+                    t = bench[name]
+                    table.add_row(name, bench["fmt"], f"{bench['tokens']} x {bench['features']}", f"{t['unfused_ms']:.3f}", f"{t['compiled_ms']:.3f}",
+                                  f"{t['fused_ms']:.3f}", f"{t['gain']:.2f}", f"{t['gain_over_compiled']:.2f}")
         console.print(table)
     if "steps" in report:
         steps = report["steps"]

@@ -225,13 +225,15 @@ def test_bench_on_the_cpu_times_kernels_and_steps_beside_the_anchor(run_cli, tmp
     ratios = report["ratios"]
     assert ratios["bf16_tokens_per_s_vs_anchor"] == steps["bf16"]["tokens_per_s"] / steps["anchor"]["tokens_per_s"]
     assert ratios["nvfp4_step_time_vs_bf16"] == steps["nvfp4"]["step_ms"] / steps["bf16"]["step_ms"]
-    assert report["gemm"] == [] and report["attention"] == []  # CUDA-only kernels
+    assert report["gemm"] == [] and report["attention"] == [] and report["fusion"] == []  # CUDA-only kernels
     text = run_cli("bench", "gemm", "--device", "cpu")
     assert text.returncode == 0 and "skipped: the FP8 GEMM needs CUDA and Triton" in text.stderr, text.stderr
+    text = run_cli("bench", "fusion", "--device", "cpu")
+    assert text.returncode == 0 and "skipped: the fused producers need CUDA and Triton" in text.stderr, text.stderr
 
 
 @pytest.mark.cuda
-def test_bench_gemm_and_attention_on_a_gpu(run_cli):
+def test_bench_gemm_attention_and_fusion_on_a_gpu(run_cli):
     out = run_cli("bench", "gemm", "--json")
     assert out.returncode == 0, out.stderr
     gemm = json.loads(out.stdout)["gemm"]
@@ -242,6 +244,13 @@ def test_bench_gemm_and_attention_on_a_gpu(run_cli):
     attention = json.loads(out.stdout)["attention"]
     assert {(a["seq"], a["head_dim"]) for a in attention} == {(t, d) for t in (1024, 4096, 8192) for d in (64, 128)}
     assert all(a["fused_vs_sdpa"] == pytest.approx(a["fused_ms"] / a["sdpa_ms"]) for a in attention)
+    out = run_cli("bench", "fusion", "--json")
+    assert out.returncode == 0, out.stderr
+    fusion = json.loads(out.stdout)["fusion"]
+    assert [(f["fmt"], f["features"], sorted(set(f) & {"swiglu", "swiglu_backward", "residual_rmsnorm"})) for f in fusion] == [
+        (fmt, width, names) for fmt in ("mxfp4", "nvfp4")
+        for width, names in ((768, ["residual_rmsnorm"]), (2048, ["swiglu", "swiglu_backward"]))]  # fmt: skip
+    assert all(f["tokens"] == 16 * 1024 for f in fusion)
 
 
 

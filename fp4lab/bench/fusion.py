@@ -65,9 +65,9 @@ class ProducerFusionBench:
 
 
 def bench_producer_fusion(
-    shape: tuple[int, int], fmt: str, device: torch.device, repeats: int = 20
+    shape: tuple[int, int], fmt: str, device: torch.device, repeats: int = 20, producers: tuple[str, ...] = PRODUCERS
 ) -> ProducerFusionBench | None:
-    """Time each producer unfused, compiled and fused on a [tokens, features] shape (features a
+    """Time each of `producers` unfused, compiled and fused on a [tokens, features] shape (features a
     multiple of the format's block). None off CUDA or without Triton: the fused kernels are CUDA
     kernels, and a CPU time of Triton's interpreter would measure nothing."""
     from fp4lab.numerics.fast import triton_available
@@ -98,7 +98,7 @@ def bench_producer_fusion(
     def swiglu_backward(grad_h, gate, up):
         return torch.ops.aten.silu_backward(grad_h * up, gate), grad_h * F.silu(gate)
 
-    compiled = {name: torch.compile(fn, dynamic=False) for name, fn in (("swiglu", swiglu), ("residual_rmsnorm", residual_rmsnorm), ("swiglu_backward", swiglu_backward))}
+    compiled = {name: torch.compile(fn, dynamic=False) for name, fn in (("swiglu", swiglu), ("residual_rmsnorm", residual_rmsnorm), ("swiglu_backward", swiglu_backward))}  # compiled on first call: only those timed
     calls = {
         "swiglu": (
             lambda: quantize_fused(swiglu(gate, up), fmt=fmt),
@@ -116,7 +116,10 @@ def bench_producer_fusion(
             lambda: swiglu_backward_fused(grad_h, gate, up),
         ),
     }
+    unknown = set(producers) - set(PRODUCERS)
+    if unknown:
+        raise ValueError(f"bench_producer_fusion: unknown producers {sorted(unknown)}; known: {', '.join(PRODUCERS)}")
     timings = {
-        name: ProducerTiming(*(_median_ms(fn, device, repeats) for fn in variants)) for name, variants in calls.items()
+        name: ProducerTiming(*(_median_ms(fn, device, repeats) for fn in calls[name])) for name in producers
     }
     return ProducerFusionBench(fmt, tokens, features, str(device), timings)
