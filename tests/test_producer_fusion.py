@@ -273,27 +273,32 @@ def test_producer_fusion_reaches_every_w2_and_w1_and_the_blocks_call_them():
     assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[2])
 
 
+def cuda_training_losses(tmp_path, fusion: str) -> list[float]:
+    """The losses of eight eager steps of the tiny model on mxfp4 on CUDA (graphed as by default) with
+    producer_fusion `fusion`."""
+    from fp4lab.train import loop
+    from fp4lab.train.config import DataConfig, TrainConfig
+
+    config = TrainConfig(
+        recipe="mxfp4", model="tiny", data=DataConfig(source="synthetic"), seq_len=256, batch_size=8, steps=8,
+        eval_every=100, checkpoint_every=100, probe_every=100, device="cuda", compile="off", producer_fusion=fusion,
+        out_dir=str(tmp_path / fusion),
+    )
+    assert loop.run(config, progress=False)["status"] == "completed"
+    with open(tmp_path / fusion / "metrics.jsonl") as f:
+        return [json.loads(line)["loss"] for line in f if '"loss"' in line]
+
+
 @pytest.mark.cuda
 def test_cuda_training_with_the_fused_swiglu_equals_training_without(tmp_path):
     """Eight steps of the tiny model on mxfp4 (round-to-nearest x operands), eager (torch.compile would
     give the unfused SiLU Inductor's own exp) and graphed as by default: the same loss at every step
     with producer_fusion on and off."""
     from fp4lab.numerics.fast import triton_available
-    from fp4lab.train import loop
-    from fp4lab.train.config import DataConfig, TrainConfig
 
     if not triton_available():
         pytest.skip("needs Triton")
-    losses = []
-    for fusion in ("off", "on"):
-        config = TrainConfig(
-            recipe="mxfp4", model="tiny", data=DataConfig(source="synthetic"), seq_len=256, batch_size=8, steps=8,
-            eval_every=100, checkpoint_every=100, probe_every=100, device="cuda", compile="off", producer_fusion=fusion,
-            out_dir=str(tmp_path / fusion),
-        )
-        assert loop.run(config, progress=False)["status"] == "completed"
-        with open(tmp_path / fusion / "metrics.jsonl") as f:
-            losses.append([json.loads(line)["loss"] for line in f if '"loss"' in line])
+    losses = [cuda_training_losses(tmp_path, fusion) for fusion in ("off", "on")]
     assert losses[0] == losses[1] and len(losses[0]) >= 8, losses
 
 
@@ -304,25 +309,14 @@ def test_cuda_training_with_the_fused_residual_rmsnorm_tracks_training_without(t
     ulps in the normed activations (then quantized to FP4) can move them."""
     from fp4lab.numerics import triton_fusion
     from fp4lab.numerics.fast import triton_available
-    from fp4lab.train import loop
-    from fp4lab.train.config import DataConfig, TrainConfig
 
     if not triton_available():
         pytest.skip("needs Triton")
     calls = []
     producer = triton_fusion.residual_rmsnorm_quantize_fused
-    losses = []
     try:
         triton_fusion.residual_rmsnorm_quantize_fused = lambda *a, **k: calls.append(1) or producer(*a, **k)
-        for fusion in ("on", "all"):
-            config = TrainConfig(
-                recipe="mxfp4", model="tiny", data=DataConfig(source="synthetic"), seq_len=256, batch_size=8, steps=8,
-                eval_every=100, checkpoint_every=100, probe_every=100, device="cuda", compile="off", producer_fusion=fusion,
-                out_dir=str(tmp_path / fusion),
-            )
-            assert loop.run(config, progress=False)["status"] == "completed"
-            with open(tmp_path / fusion / "metrics.jsonl") as f:
-                losses.append([json.loads(line)["loss"] for line in f if '"loss"' in line])
+        losses = [cuda_training_losses(tmp_path, fusion) for fusion in ("on", "all")]
     finally:
         triton_fusion.residual_rmsnorm_quantize_fused = producer
     assert len(calls) >= preset("tiny", 256, 256).n_layers, calls
