@@ -30,6 +30,7 @@ from fp4lab.numerics import BLOCK_SIZE, hadamard_signs, quantize
 from fp4lab.numerics.fusion import (
     encode_reference,
     residual_rmsnorm_quantize_reference,
+    rmsnorm_backward,
     rmsnorm_reference,
     swiglu_backward_reference,
     swiglu_quantize_reference,
@@ -309,6 +310,27 @@ def test_rmsnorm_reference_sums_by_halving():
 
     assert_same_bits(rstd, rstd_of(2.0**24 + 14), "rstd")
     assert not torch.equal(rstd, rstd_of(2.0**24))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_grad_s", [True, False])
+def test_rmsnorm_backward_is_autograd_of_the_reference(dtype, with_grad_s):
+    """The fused norm's backward formula (`rmsnorm_backward`) against autograd through
+    `rmsnorm_reference` and the residual stream's own gradient: ds and dweight within float32 sum-order
+    error; a dropped term (the mean(dt t) projection, grad_s, the gain in dt) is off by O(1)."""
+    torch.manual_seed(3)
+    s = (torch.randn(24, 96) * 3).to(dtype).requires_grad_()
+    weight = (1 + 0.3 * torch.randn(96)).to(dtype).requires_grad_()
+    grad_n, grad_s = torch.randn(24, 96).to(dtype), torch.randn(24, 96).to(dtype)
+    normed, rstd = rmsnorm_reference(s, weight, 1e-5)
+    loss = (normed.float() * grad_n.float()).sum() + ((s.float() * grad_s.float()).sum() if with_grad_s else 0)
+    expected_ds, expected_dw = torch.autograd.grad(loss, (s, weight))
+    ds, dw = rmsnorm_backward(s.detach(), rstd.detach(), weight.detach(), grad_n, grad_s if with_grad_s else None)
+    assert ds.dtype == torch.float32 and dw.dtype == dtype
+    # autograd rounds its intermediates to dtype; the formula keeps float32 until the end
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(ds, expected_ds.float(), rtol=tolerance, atol=tolerance)
+    assert torch.allclose(dw.float(), expected_dw.float(), rtol=tolerance, atol=tolerance * 24)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ from fp4lab.numerics import (
     quantize,
 )
 from fp4lab.numerics.fast import triton_available, triton_runs_on
-from fp4lab.numerics.fusion import RMSNORM_MAX_WIDTH
+from fp4lab.numerics.fusion import RMSNORM_MAX_WIDTH, rmsnorm_backward
 from fp4lab.numerics.mx_gemm import MX_BLOCK, OUT_DTYPES, along_k
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.survey import error_stats
@@ -479,17 +479,29 @@ class _ResidualRmsnormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor | None, grad_normed: torch.Tensor | None):
         s, rstd, weight = ctx.saved_tensors
-        width = s.shape[-1]
-        grad_s = torch.zeros(s.shape, dtype=torch.float32, device=s.device) if grad_h is None else grad_h.reshape(s.shape).float()
+        shape = grad_h.shape if grad_h is not None else grad_normed.shape
         grad_weight = None
-        if grad_normed is not None:
-            dn = grad_normed.reshape(s.shape)
-            t = s.float() * rstd[:, None]
-            grad_weight = (dn.float() * t.to(s.dtype).float()).sum(0).to(weight.dtype)
-            dt = (dn * weight).float()
-            grad_s = grad_s + rstd[:, None] * (dt - t * (dt * t).sum(-1, keepdim=True) / width)
-        grad_s = grad_s.reshape(grad_h.shape if grad_h is not None else grad_normed.shape)
+        if grad_normed is None:
+            grad_s = grad_h.reshape(s.shape).float()
+        else:
+            grad_s, grad_weight = _rmsnorm_backward(s.device)(s, rstd, weight, grad_normed.reshape(s.shape), None if grad_h is None else grad_h.reshape(s.shape))
+        grad_s = grad_s.reshape(shape)
         return grad_s.to(ctx.x_dtype), grad_s.to(ctx.branch_dtype), grad_weight, None, None
+
+
+_COMPILED_RMSNORM_BACKWARD = None
+
+
+def _rmsnorm_backward(device: torch.device):
+    """`numerics.fusion.rmsnorm_backward`, compiled by Inductor on CUDA (one or two kernels where the eager ops
+    make about ten float32 passes over s, which cost more than the fused forward saves); eager elsewhere
+    (the CPU tests run the fused kernels in Triton's interpreter, without a C++ compiler to assume)."""
+    global _COMPILED_RMSNORM_BACKWARD
+    if device.type != "cuda":
+        return rmsnorm_backward
+    if _COMPILED_RMSNORM_BACKWARD is None:
+        _COMPILED_RMSNORM_BACKWARD = torch.compile(rmsnorm_backward, dynamic=False)
+    return _COMPILED_RMSNORM_BACKWARD
 
 
 def _gemms_forward(ctx, x, x_operands, weight: torch.Tensor, layer: FP4Linear, signs, out_dtype: torch.dtype) -> torch.Tensor:

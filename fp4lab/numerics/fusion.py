@@ -145,6 +145,23 @@ def rmsnorm_reference(s: torch.Tensor, weight: torch.Tensor, eps: float) -> tupl
     return (s32 * rstd[:, None]).to(s.dtype) * weight, rstd
 
 
+def rmsnorm_backward(
+    s: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, grad_normed: torch.Tensor, grad_s: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ds, dweight) of n = rmsnorm(s) * weight (`rmsnorm_reference`) and of the residual stream s
+    itself, in float32: ds = grad_s + rstd (dt - t mean(dt t)) with t = s rstd, dt = dn weight, and
+    dweight = sum over rows of dn t (t rounded to s's dtype first, as the forward rounds it).
+
+    s: [rows, dim]; rstd: float32 [rows]; grad_normed: [rows, dim]; grad_s: [rows, dim] or None (no
+    gradient reached s but through n). ds is float32, dweight in weight's dtype. Pure tensor ops, so
+    `torch.compile` can make one or two kernels of it (the fused norm's backward on CUDA)."""
+    t = s.float() * rstd[:, None]
+    grad_weight = (grad_normed.float() * t.to(s.dtype).float()).sum(0).to(weight.dtype)
+    dt = (grad_normed * weight).float()
+    ds = rstd[:, None] * (dt - t * (dt * t).sum(-1, keepdim=True) / s.shape[-1])
+    return (ds if grad_s is None else grad_s.float() + ds), grad_weight
+
+
 def residual_rmsnorm_quantize_reference(
     x: torch.Tensor,
     residual: torch.Tensor,
