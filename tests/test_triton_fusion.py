@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -297,19 +298,33 @@ def test_rmsnorm_reference_is_nn_rmsnorm(dims, magnitude, device):
     assert_same_bits(ref.row.scales, q.scales, "scales")
 
 
-def test_rmsnorm_reference_sums_by_halving():
-    """The mean of squares is summed in the kernel's order, by halving: squares [2^24, 1 x 7, 0, 1 x 7]
-    sum to 2^24 + 14 that way (the ones meet each other first), to 2^24 left to right (each 1 is a tie
-    that rounds away)."""
-    s = torch.ones(1, 16)
-    s[0, 0], s[0, 8] = 2.0**12, 0.0
-    _, rstd = rmsnorm_reference(s, torch.ones(16), eps=0.0)
+def float32_rstd(squares: np.ndarray, width: int, eps: float) -> np.ndarray:
+    """1 / sqrt(sum / width + eps) of float32 row sums (numpy), each step rounded to float32."""
+    mean = squares.astype(np.float32) / np.float32(width)
+    return (np.float32(1) / np.sqrt((mean + np.float32(eps)).astype(np.float64)).astype(np.float32)).astype(np.float32)
 
-    def rstd_of(total: float) -> torch.Tensor:
-        return 1.0 / torch.sqrt(torch.tensor([total / 16], dtype=torch.float64)).float()  # total / 16: exact
 
-    assert_same_bits(rstd, rstd_of(2.0**24 + 14), "rstd")
-    assert not torch.equal(rstd, rstd_of(2.0**24))
+def test_rmsnorm_reference_sums_in_lanes_then_by_halving():
+    """The mean of squares is summed in the kernel's order, recomputed here in numpy float32: lane j of
+    32 adds columns j, j + 32, ... left to right, then the lanes are added by halving. On rows whose
+    squares span 2^-20..2^20 that order gives other bits than a left-to-right sum for some rows, so
+    the check can tell the orders apart."""
+    g = torch.Generator().manual_seed(11)
+    rows, width = 64, 200  # not a multiple of 32: the last chunk is zero-padded
+    s = torch.randn(rows, width, generator=g) * torch.exp2(torch.randint(-10, 11, (rows, width), generator=g).float())
+    _, rstd = rmsnorm_reference(s, torch.ones(width), eps=1e-5)
+    squares = np.pad(s.numpy() * s.numpy(), ((0, 0), (0, -width % 32)))
+    lanes = np.zeros((rows, 32), np.float32)
+    for c0 in range(0, squares.shape[1], 32):
+        lanes = lanes + squares[:, c0:c0 + 32]
+    while lanes.shape[1] > 1:
+        half = lanes.shape[1] // 2
+        lanes = lanes[:, :half] + lanes[:, half:]
+    assert_same_bits(rstd, torch.from_numpy(float32_rstd(lanes[:, 0], width, 1e-5)), "rstd")
+    in_order = np.zeros(rows, np.float32)
+    for c in range(width):
+        in_order = in_order + squares[:, c]
+    assert not torch.equal(rstd, torch.from_numpy(float32_rstd(in_order, width, 1e-5)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -24,9 +24,10 @@ unfused composition of fp4lab's ops (tests/test_triton_fusion.py checks both):
     rmsnorm: nn.RMSNorm's formula `(s32 * rsqrt(mean(s32^2) + eps)).type_as(s) * weight`, with the
         mean and the rsqrt pinned down. torch leaves both to the device (a CPU cascade sum or a CUDA
         tree, a division by D or a multiplication by 1/D, 1/sqrt or the approximate rsqrtf), so no
-        kernel can match nn.RMSNorm on every device. Here the squares are summed by halving (the row
-        zero-padded to a power of two P, then t[:, :w/2] + t[:, w/2:] until one is left), divided by
-        D, and rstd = 1 / sqrt(mean + eps), each a correctly rounded float32 operation. The result is
+        kernel can match nn.RMSNorm on every device. Here the squares are summed in lanes: lane j of
+        RMSNORM_SUM_LANES (32) adds columns j, j + 32, j + 64, ... left to right (what a kernel
+        streaming the row in 32-wide chunks does with elementwise adds), then the 32 lane sums are
+        added by halving (t[:, :16] + t[:, 16:], and so on); the total is divided by D, and rstd = 1 / sqrt(mean + eps), each a correctly rounded float32 operation. The result is
         within a few float32 ulps of nn.RMSNorm's (tested on the CPU, and on CUDA by the cuda tests); the wiring that uses
         these kernels must use this formula for its unfused path too.
 
@@ -49,6 +50,7 @@ from fp4lab.numerics.quantize import quantize
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 RMSNORM_MAX_WIDTH = 16384  # the fused kernel holds an RMSNorm row in registers, padded to a power of two
+RMSNORM_SUM_LANES = 32  # the sum of squares' lanes (the module docstring: the order it pins down)
 
 
 @dataclass(frozen=True)
@@ -126,14 +128,18 @@ def swiglu_quantize_reference(
 
 def rmsnorm_reference(s: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, rstd): nn.RMSNorm's formula over the last dim of a 2D s with the mean of squares summed in
-    a fixed order and every step correctly rounded (see the module docstring). rstd is float32 [rows]."""
+    a fixed order (in 32 lanes, then by halving) and every step correctly rounded (see the module
+    docstring). rstd is float32 [rows]."""
     if s.dim() != 2 or s.shape[1] == 0:
         raise ValueError(f"rmsnorm_reference: s must be 2D with a non-empty last dim, got shape {list(s.shape)}")
     s32 = s.float()
     width = s32.shape[1]
-    padded = 1 << (width - 1).bit_length()
-    t = F.pad(s32 * s32, (0, padded - width))
-    while t.shape[1] > 1:  # halving: element i adds element i + w/2, as the kernel's tree does
+    padded = width + -width % RMSNORM_SUM_LANES
+    chunks = F.pad(s32 * s32, (0, padded - width)).view(s32.shape[0], padded // RMSNORM_SUM_LANES, RMSNORM_SUM_LANES)
+    t = chunks[:, 0]
+    for chunk in range(1, chunks.shape[1]):  # lane j: columns j, j + 32, ... left to right
+        t = t + chunks[:, chunk]
+    while t.shape[1] > 1:  # then the lanes by halving: lane i adds lane i + w/2, as the kernel's tree does
         half = t.shape[1] // 2
         t = t[:, :half] + t[:, half:]
     # Tensor divisors: CUDA divides by a Python scalar as a multiplication by its reciprocal.

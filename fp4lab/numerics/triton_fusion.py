@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fp4lab.numerics.fusion import RMSNORM_MAX_WIDTH
+from fp4lab.numerics.fusion import RMSNORM_MAX_WIDTH, RMSNORM_SUM_LANES
 from fp4lab.numerics.triton_quantize import (
     _AMAX_TILES,
     _INTERPRETED,
@@ -258,44 +258,39 @@ def _halve(t, M: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _tree_sum(t, M: tl.constexpr, P: tl.constexpr):
-    """Row sums of [M, P] (P a power of two <= 16384) by halving, in rmsnorm_reference's order."""
-    if P >= 16384:
-        t = _halve(t, M, 16384)
-    if P >= 8192:
-        t = _halve(t, M, 8192)
-    if P >= 4096:
-        t = _halve(t, M, 4096)
-    if P >= 2048:
-        t = _halve(t, M, 2048)
-    if P >= 1024:
-        t = _halve(t, M, 1024)
-    if P >= 512:
-        t = _halve(t, M, 512)
-    if P >= 256:
-        t = _halve(t, M, 256)
-    if P >= 128:
-        t = _halve(t, M, 128)
-    if P >= 64:
-        t = _halve(t, M, 64)
-    if P >= 32:
-        t = _halve(t, M, 32)
-    if P >= 16:
-        t = _halve(t, M, 16)
-    if P >= 8:
-        t = _halve(t, M, 8)
-    if P >= 4:
-        t = _halve(t, M, 4)
-    if P >= 2:
-        t = _halve(t, M, 2)
+def _lane_sum(t, M: tl.constexpr, LANES: tl.constexpr):
+    """Row sums of [M, LANES] (LANES = RMSNORM_SUM_LANES = 32) by halving, in rmsnorm_reference's order."""
+    tl.static_assert(LANES == 32)
+    t = _halve(t, M, 32)
+    t = _halve(t, M, 16)
+    t = _halve(t, M, 8)
+    t = _halve(t, M, 4)
+    t = _halve(t, M, 2)
     return tl.reshape(t, [M])
+
+
+@triton.jit
+def _sum_of_squares(x_ptr, res_ptr, rows, R, D, M: tl.constexpr, PW: tl.constexpr, LANES: tl.constexpr, S_BF16: tl.constexpr):
+    """Row sums of s * s for s = x + residual (rounded to bf16 with S_BF16), in rmsnorm_reference's
+    order: the row streamed in LANES-wide chunks, lane j adding columns j, j + LANES, ... by elementwise
+    adds, then `_lane_sum`. The order before, a halving tree over the whole row, shuffles the layout of
+    the [M, 1024] tile once per level; the kernel with it took 0.68 ms per 16384 x 768 call on an H200,
+    27x the compiled nn.RMSNorm (docs/BENCHMARKS.md)."""
+    lanes = tl.arange(0, LANES)
+    acc = tl.zeros([M, LANES], tl.float32)
+    for c0 in range(0, PW, LANES):  # a constexpr bound (Triton's interpreter cannot loop to a runtime D); chunks past D load zeros
+        s = _load(x_ptr, rows, c0 + lanes, R, D, False) + _load(res_ptr, rows, c0 + lanes, R, D, False)
+        if S_BF16:
+            s = _round_bf16(s)
+        acc += s * s
+    return _lane_sum(acc, M, LANES)
 
 
 @triton.jit
 def _rmsnorm_rows_kernel(
     x_ptr, res_ptr, w_ptr, s_ptr, rstd_ptr, n_ptr, R, D, eps,
     val_ptr, codes_ptr, scales_ptr, signs_ptr, seed_ptr, u_ptr, amax_ptr, outer_ptr,
-    M: tl.constexpr, PW: tl.constexpr, S_BF16: tl.constexpr, N_BF16: tl.constexpr, STORE_N: tl.constexpr,
+    M: tl.constexpr, PW: tl.constexpr, LANES: tl.constexpr, S_BF16: tl.constexpr, N_BF16: tl.constexpr, STORE_N: tl.constexpr,
     QUANTIZE: tl.constexpr, AMAX: tl.constexpr, NV: tl.constexpr, MODE: tl.constexpr, H: tl.constexpr,
     SR: tl.constexpr, GIVEN_U: tl.constexpr, CODES: tl.constexpr, VALUES: tl.constexpr,
 ):  # fmt: skip
@@ -309,7 +304,7 @@ def _rmsnorm_rows_kernel(
     if S_BF16:
         s = _round_bf16(s)
     _store(s_ptr, rows, cols, R, D, s.to(s_ptr.dtype.element_ty), False)
-    mean = tl.math.div_rn(_tree_sum(s * s, M, PW), D.to(tl.float32))
+    mean = tl.math.div_rn(_sum_of_squares(x_ptr, res_ptr, rows, R, D, M, PW, LANES, S_BF16), D.to(tl.float32))
     rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean + eps))
     tl.store(rstd_ptr + rows, rstd, mask=rows < R)
     t = s * rstd[:, None]
@@ -481,7 +476,7 @@ def residual_rmsnorm_quantize_fused(
         _rmsnorm_rows_kernel[(triton.cdiv(rows, m),)](
             x, residual, weight, s, rstd, n, rows, dim, eps,
             row_out.values, row_out.codes, row_out.scales, row_spec.signs, row_spec.seed, row_spec.uniforms, amax, row_out.outer,
-            M=m, PW=width, S_BF16=s_dtype == torch.bfloat16, N_BF16=n_dtype == torch.bfloat16, STORE_N=emit_normed,
+            M=m, PW=width, LANES=RMSNORM_SUM_LANES, S_BF16=s_dtype == torch.bfloat16, N_BF16=n_dtype == torch.bfloat16, STORE_N=emit_normed,
             QUANTIZE=one_pass, AMAX=row_amax_done, **_orientation_constexprs(row_spec),
             num_warps=4 if width * m <= 4096 else 8, enable_fp_fusion=False,
         )  # fmt: skip
