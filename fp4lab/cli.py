@@ -776,7 +776,7 @@ def sweep(
     spec: Annotated[Path, typer.Argument(help="A sweep spec, e.g. sweeps/quickstart.toml (docs/SWEEPS.md).")],
     executor: Annotated[SweepExecutor, typer.Option(help="local (this machine), slurm (submitit job arrays) or sbatch (plain sbatch of the written scripts).")] = "local",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Write jobs/<sweep>/ and register the runs; start nothing.")] = False,
-    workers: Annotated[int, typer.Option(help="Local executor: runs at once.")] = 1,
+    workers: Annotated[int, typer.Option(help="Local executor: runs at once; with at least that many GPUs (times ranks per run), each run gets GPUs of its own.")] = 1,
     retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Also rerun failed, cancelled and timed-out runs (they resume from their checkpoints; interrupted and preempted runs resume anyway).")] = False,
     jobs_dir: Annotated[Path, typer.Option(help="Where SBATCH scripts and run configs go.")] = Path("jobs"),
     catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),

@@ -15,7 +15,8 @@
 # published, copy RESULTS_DIR/sweep_catalog.json and RESULTS_DIR/runs.tar.xz over docs/ledger/'s and
 # commit them: the next round, on a fresh machine, skips the completed runs and keeps their metrics.
 #
-# The sweeps run one at a time on one GPU, so the ledger's tokens/s are those of a GPU to itself.
+# Runs go one per GPU (`fp4lab sweep --workers` = the GPUs nvidia-smi lists: each run gets a GPU of its
+# own), so the ledger's tokens/s are those of a GPU to itself on a machine of one GPU or several.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ]; then
@@ -30,6 +31,8 @@ specs=("$@")
 catalog=docs/ledger/sweep_catalog.json
 runs_archive=docs/ledger/runs.tar.xz
 deadline=$((SECONDS + budget))
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+[ "$gpus" -ge 1 ] || gpus=1
 mkdir -p "$results" "$(dirname "$catalog")"
 [ ! -f "$runs_archive" ] || tar -xJf "$runs_archive"
 
@@ -46,7 +49,7 @@ for spec in "${specs[@]}"; do
     break
   fi
   # SIGINT: the sweep's own clean stop (checkpoint, record "interrupted"); exit 130 then is expected.
-  timeout -s INT -k 120 "$left" python3 -m fp4lab.cli sweep "$spec" --catalog "$catalog" || echo "ledger_round: $spec ended with $?" >&2
+  timeout -s INT -k 120 "$left" python3 -m fp4lab.cli sweep "$spec" --catalog "$catalog" --workers "$gpus" || echo "ledger_round: $spec ended with $?" >&2
 done
 
 for spec in "${specs[@]}"; do

@@ -49,8 +49,14 @@ def test_dry_run_writes_scripts_and_registers_runs(cli, tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing started
 
 
-def test_local_sweep_runs_scans_records_and_skips_completed_runs(cli, tmp_path):
-    (tmp_path / "mini.toml").write_text(SPEC)
+def test_local_sweep_runs_scans_records_and_skips_completed_runs(cli, tmp_path, monkeypatch):
+    from fp4lab.lab.runs import sweep
+
+    # two GPUs (as CUDA_VISIBLE_DEVICES names them) for two workers: each run gets one of its own
+    # (device "auto": on this CPU machine the runs train on the CPU all the same)
+    monkeypatch.setattr(sweep, "cuda_devices", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    (tmp_path / "mini.toml").write_text(SPEC.replace("[base]\n", '[base]\ndevice = "auto"\n'))
     out = cli("sweep", "mini.toml", "--workers", "2")
     assert out.returncode == 0, out.stderr
     records = Catalog(tmp_path / "sweep_catalog.json").records(sweep="mini")
@@ -62,6 +68,8 @@ def test_local_sweep_runs_scans_records_and_skips_completed_runs(cli, tmp_path):
         assert summary["final_val_loss"] > 0 and summary["tokens_per_s"] > 0
         assert set(summary["loss_at_steps"]) == {"0", "5"}
         assert Path(record["paths"]["run_dir"], "summary.json").exists()
+    gpus = [json.loads(Path(r["paths"]["run_dir"], "summary.json").read_text())["cuda_visible_devices"] for r in records]
+    assert sorted(gpus) == ["4", "6"]
     again = cli("sweep", "mini.toml")
     assert "0 to run, skipped: 2 done" in again.stdout
     status = cli("status", "mini")
@@ -110,10 +118,20 @@ def test_local_runs_need_a_cuda_device_per_rank(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     plan = sweep.plan_sweep("ranks.toml")
     for devices, problem in [(2, None), (1, "on 2 rank(s) but this machine has 1 CUDA device(s)"), (0, "has no CUDA device")]:
-        monkeypatch.setattr(sweep, "_cuda_devices", lambda devices=devices: devices)
+        monkeypatch.setattr(sweep, "cuda_devices", lambda devices=devices: devices)
         problems = sweep.preflight(plan, "local")
         assert (problem in problems[0]) if problem else not problems, (devices, problems)
         assert not sweep.preflight(plan, "sbatch")
+
+
+def test_gpu_slots_give_concurrent_local_runs_gpus_of_their_own():
+    from fp4lab.lab.runs.executors import gpu_slots
+
+    assert gpu_slots(2, 1, 2, None) == ["0", "1"]
+    assert gpu_slots(2, 2, 4, "3,5,6,7") == ["3,5", "6,7"]  # runs of 2 ranks; ids as CUDA_VISIBLE_DEVICES names them
+    assert gpu_slots(3, 1, 8, None) == ["0", "1", "2"]
+    assert gpu_slots(1, 1, 8, None) is None  # one run at a time: it sees every GPU, as before
+    assert gpu_slots(3, 1, 2, None) is None  # too few GPUs to give each run its own: they share
 
 
 @pytest.mark.skipif(gloo_unavailable() is not None, reason=str(gloo_unavailable()))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import resource
 import signal
 import sys
@@ -852,4 +853,6 @@ def _summary(status, diverged_step, config: TrainConfig, state: RunState, recipe
         "qk_clip_events": state.qk_clip_events,
         "peak_memory_mb": peak_mb,
         "device": str(device),
+        # which of the machine's GPUs the run had (a local sweep's workers each get their own)
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }

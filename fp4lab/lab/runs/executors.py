@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from fp4lab.lab.records.catalog import IN_FLIGHT_STATES, Catalog, this_owner, ut
 from fp4lab.lab.runs import slurm
 from fp4lab.lab.runs.job import SweepTask, finish_run, last_error_line, train_command
 from fp4lab.lab.runs.trials import TrialTask, orphaned_trials, trial_counts
+from fp4lab.lab.runs import sweep as sweep_plans
 from fp4lab.lab.runs.sweep import SweepPlan, scan_thresholds
 from fp4lab.lab.specs.sweep_spec import RunSpec, SpecError, SweepSpec
 
@@ -162,9 +164,19 @@ def _run_local(
     Ctrl-C (KeyboardInterrupt)
     starts nothing more, passes one SIGINT to each training process (they run in their own session,
     so a terminal's Ctrl-C reaches them only this way, once), waits while they checkpoint, and raises
-    SweepInterrupted."""
+    SweepInterrupted.
+
+    On a machine with at least `workers` x ranks GPUs, each run at a time gets GPUs of its own
+    (`gpu_slots`), so concurrent runs neither share a GPU nor slow each other's tokens/s."""
     thresholds = scan_thresholds(plan.spec)
     ranks = plan.spec.slurm.ranks  # all on this machine
+    slots = None
+    if workers > 1 and any(str(run.config.get("device", "auto")) != "cpu" for run in runs):
+        assignment = gpu_slots(workers, ranks, sweep_plans.cuda_devices(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if assignment is not None:
+            slots = queue.SimpleQueue()
+            for gpus in assignment:
+                slots.put(gpus)
     lock = threading.Lock()
     owner = this_owner()
     stopping = threading.Event()
@@ -184,13 +196,18 @@ def _run_local(
         if on_start is not None:
             with lock:
                 on_start(run)
-        with open(log, "ab") as out:
-            child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env(workers, ranks), start_new_session=True)
-            with lock:
-                children[run.id] = child
-            returncode = child.wait()
-            with lock:
-                children.pop(run.id, None)
+        gpus = slots.get() if slots is not None else None  # never waits: one slot per pool thread
+        try:
+            with open(log, "ab") as out:
+                child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env(workers, ranks, gpus), start_new_session=True)
+                with lock:
+                    children[run.id] = child
+                returncode = child.wait()
+                with lock:
+                    children.pop(run.id, None)
+        finally:
+            if gpus is not None:
+                slots.put(gpus)
         finished = catalog.get(run.id)
         if finished["state"] in IN_FLIGHT_STATES:
             finished = finish_run(run, catalog, thresholds, returncode=returncode or 1)
@@ -223,15 +240,29 @@ def _exit_text(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def worker_env(workers: int, ranks: int = 1) -> dict[str, str]:
+def worker_env(workers: int, ranks: int = 1, gpus: str | None = None) -> dict[str, str]:
     """The environment of a local training process: with several processes at once (`workers` runs of
     `ranks` processes each), each gets its share of the cores (unless OMP_NUM_THREADS is set), since
     oversubscribed OpenMP threads slow every run down several times over (torchrun would give each
-    rank one thread)."""
+    rank one thread); with `gpus` (a `gpu_slots` entry), CUDA_VISIBLE_DEVICES = gpus."""
     env = dict(os.environ)
     if workers * ranks > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (workers * ranks)))
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     return env
+
+
+def gpu_slots(workers: int, ranks: int, devices: int, visible: str | None) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES of each of `workers` concurrent local runs of `ranks` processes: slot k
+    gets the visible GPUs k * ranks .. (k + 1) * ranks - 1 (`visible`, CUDA_VISIBLE_DEVICES as set, maps
+    them to the machine's ids). None when there is nothing to split: one worker, or fewer than
+    workers x ranks GPUs (the runs then share what they see, as before)."""
+    if workers < 2 or devices < workers * ranks:
+        return None
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(devices)]
+    ids = ids[:devices]
+    return [",".join(ids[k * ranks:(k + 1) * ranks]) for k in range(workers)]
 
 
 def _run_trials_local(

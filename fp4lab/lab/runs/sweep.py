@@ -185,15 +185,16 @@ def preflight(plan: SweepPlan, executor: str) -> list[str]:
             if path and path not in ("shakespeare", "synthetic", "pycode") and not Path(path).is_file():
                 problems.setdefault(f"data.{key}:{path}", f"run {run.id} ({run.name}): data.{key} {path!r} is not a file; "
                                                           "fix the path in the spec or create the token file")
-        if executor == "local" and str(run.config.get("device", "")).startswith("cuda") and _cuda_devices() < ranks:
-            have = f"{_cuda_devices()} CUDA device(s)" if _cuda_devices() else "no CUDA device"
+        if executor == "local" and str(run.config.get("device", "")).startswith("cuda") and cuda_devices() < ranks:
+            have = f"{cuda_devices()} CUDA device(s)" if cuda_devices() else "no CUDA device"
             problems.setdefault("cuda", f"run {run.id} ({run.name}): device {run.config['device']!r} on {ranks} rank(s) but "
                                         f"this machine has {have}; set device = \"cpu\" in the spec, ask [slurm] for fewer "
                                         "ranks, or submit the sweep to Slurm")
     return list(problems.values())
 
 
-def _cuda_devices() -> int:
+def cuda_devices() -> int:
+    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applied); torch is imported only here."""
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
