@@ -96,7 +96,7 @@ from fp4lab.numerics.fast import triton_available, triton_runs_on
 from fp4lab.numerics.fusion import RMSNORM_MAX_WIDTH, rmsnorm_backward
 from fp4lab.numerics.mx_gemm import MX_BLOCK, OUT_DTYPES, along_k
 from fp4lab.numerics.qtensor import QTensor
-from fp4lab.numerics.survey import error_stats
+from fp4lab.numerics.survey import clip_flush_fractions
 
 
 def transform_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None) -> torch.Tensor:
@@ -651,7 +651,7 @@ class FP4Linear(nn.Module):
         # The tensor-core path keeps Wgrad's x^T operand packed between forward and backward.
         self.pack_saved = True
         self.probe = False
-        self.quant_stats: dict[str, tuple[float, float]] = {}
+        self.quant_stats: dict[str, torch.Tensor] = {}  # operand -> [saturated, flushed] on the device
         self.lora_rank = lora_rank
         if lora_rank:
             self.register_buffer("lora_u", torch.zeros(out_features, lora_rank, dtype=torch.bfloat16))
@@ -970,8 +970,7 @@ class FP4Linear(nn.Module):
         if not self.probe or not isinstance(encoded, (QTensor, Fp8Tensor)):
             return
         transformed = transform_operand(exact, self.recipe.operand(operand), signs)
-        stats = error_stats(transformed, encoded)
-        self.quant_stats[operand] = (stats.saturated, stats.flushed)
+        self.quant_stats[operand] = clip_flush_fractions(transformed, encoded)
 
     def philox_seed(self, device: torch.device) -> torch.Tensor:
         """A fresh int64 seed on the device for one stochastically rounded operand of the fused

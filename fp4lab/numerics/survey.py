@@ -78,19 +78,29 @@ def error_stats(
     norm = original.norm().item()
     rel = err.norm().item() / norm if norm > 0 else 0.0
     mean_abs = original.abs().mean().item()
+    saturated, flushed = clip_flush_fractions(x, q, decoded).tolist()
+    return ErrorStats(
+        rel_rms=rel,
+        snr_db=-20.0 * math.log10(rel) if rel > 0 else math.inf,
+        bias=(err * torch.sign(original)).mean().item() / mean_abs if mean_abs > 0 else 0.0,
+        saturated=saturated,
+        flushed=flushed,
+    )
+
+
+def clip_flush_fractions(x: torch.Tensor, q: QTensor | Fp8Tensor, decoded: torch.Tensor | None = None) -> torch.Tensor:
+    """[saturated, flushed] of `q`, a quantization of `x` (ErrorStats' two fractions), as a float32
+    tensor on x's device: no host sync, since a probe step of a training run records hundreds of
+    operands and reads them back at once. `decoded`: q.dequantize(), where the caller has it."""
+    x = x.to(torch.float32)
+    decoded = q.dequantize() if decoded is None else decoded
     if isinstance(q, Fp8Tensor):  # the largest FP8 magnitude, where the clamp before the cast lands
         top = q.data.to(torch.float32).abs() == q.max_value
     else:
         top = (q.codes() & 0x7) == 0x7
     clipped = top & (decoded.abs() < x.abs()) & (decoded != 0)
     flushed = (decoded == 0) & (x != 0)
-    return ErrorStats(
-        rel_rms=rel,
-        snr_db=-20.0 * math.log10(rel) if rel > 0 else math.inf,
-        bias=(err * torch.sign(original)).mean().item() / mean_abs if mean_abs > 0 else 0.0,
-        saturated=clipped.float().mean().item(),
-        flushed=flushed.float().mean().item(),
-    )
+    return torch.stack((clipped.float().mean(), flushed.float().mean()))
 
 
 def synthesize(dist: str, rows: int, cols: int, seed: int) -> torch.Tensor:

@@ -533,7 +533,11 @@ def _set_probes(model: Llama, probing: bool, record_max_logits: bool) -> None:
 def _probe_record(model: Llama, ranks: distributed.Ranks) -> dict[str, Any]:
     blocks = [int(index) for index, _ in model.layers.named_children()]
     attention = {i: (a.last_entropy.tolist(), a.last_max_logits.tolist()) for i, a in zip(blocks, model.attentions())}
-    quant = {name: {op: list(v) for op, v in linear.quant_stats.items()} for name, linear in fp4_linears(model).items() if linear.quant_stats}
+    recorded = [(name, op, v) for name, linear in fp4_linears(model).items() for op, v in linear.quant_stats.items()]
+    values = torch.stack([v for _, _, v in recorded]).tolist() if recorded else []  # one host sync for them all
+    quant: dict[str, dict[str, list[float]]] = {}
+    for (name, op, _), pair in zip(recorded, values):
+        quant.setdefault(name, {})[op] = pair
     if ranks.mode == "pp":  # every rank probed its own blocks; rank 0 writes them all, in block order
         parts: list[Any] = [None] * ranks.world
         torch.distributed.all_gather_object(parts, (attention, quant))
