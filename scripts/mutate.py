@@ -54,6 +54,8 @@ FUSION_WIRE = "tests/test_producer_fusion.py::test_producer_fusion_reaches_every
 NORM_EXACT = "tests/test_producer_fusion.py::test_fused_residual_rmsnorm_equals_the_pinned_unfused_block_under_the_interpreter"
 FUSION_EXACT = "tests/test_producer_fusion.py::test_fused_swiglu_equals_the_unfused_feed_forward_under_the_interpreter"
 LIN = "fp4lab/nn/fp4_linear.py"
+FUSION_REF = "fp4lab/numerics/fusion.py"
+NORM_BACKWARD = "tests/test_triton_fusion.py::test_rmsnorm_backward_is_autograd_of_the_reference"
 BUILD = "fp4lab/nn/build.py"
 RECIPE = "fp4lab/nn/recipe.py"
 OPT = "fp4lab/optim/build.py"
@@ -75,18 +77,18 @@ LINEAR_EXACT = "tests/test_fp4_linear.py::test_mxfp4_rowsr_h32_gemms_are_bit_exa
 LINEAR_1D = "tests/test_fp4_linear.py::test_nvfp4_with_one_d_weights_requantizes_w_transposed_for_dgrad"
 GEMMS_EXACT = "tests/test_recipe_gemms.py::test_each_gemm_is_the_bit_exact_emulation_of_its_recipe"
 
-QK_CALL = 'record["qk_clipped_heads"] = _apply_qk_clip(model, tau, bool(recipe.lora_svd_rank))'
-STEP_CALL = "grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed)"
+QK_CALL = "clipped = _apply_qk_clip(model, tau, bool(recipe.lora_svd_rank))"
+STEP_CALL = 'grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed, pipelined=ranks.mode == "pp")'
 
 MUTATIONS = [
     # --- optimizer hooks of the training loop ------------------------------------------------------
     m("qk-clip-call-removed", "the loop never calls Kimi QK-Clip",
-      (LOOP, QK_CALL, 'record["qk_clipped_heads"] = 0'),
+      (LOOP, QK_CALL, "clipped = 0"),
       [KIMI_LOOP, W + "test_kimi_qk_clip_in_the_loop_changes_the_weights_and_counts_heads"]),
     m("qk-clip-before-step", "QK-Clip moved before the optimizer step",
       [(LOOP, STEP_CALL, "clip_hits = _apply_qk_clip(model, tau, bool(recipe.lora_svd_rank)) if qk_clip == \"kimi\" else 0\n"
                          "            " + STEP_CALL),
-       (LOOP, QK_CALL, 'record["qk_clipped_heads"] = clip_hits')],
+       (LOOP, QK_CALL, "clipped = clip_hits")],
       [KIMI_LOOP]),
     m("qk-clip-stale-logits", "max logits recorded on probe steps only: QK-Clip reads a stale S_max",
       (LOOP, 'record_max_logits=probing or qk_clip == "kimi"', "record_max_logits=probing"),
@@ -122,10 +124,10 @@ MUTATIONS = [
     m("muon-ns-format-dropped", "build_optimizer builds Muon with bf16 Newton-Schulz whatever ns_format says",
       (OPT, "ns_format=cfg.ns_format,", 'ns_format="bf16",'), [OPT_STATES, FULLSTACK]),
     m("adamw-v-never-packed", "AdamW keeps v in fp32 although v_format is nvfp4",
-      ("fp4lab/optim/adamw.py", 'quantized = group["v_format"] == "nvfp4" and quantized_v(p)', "quantized = False"),
+      ("fp4lab/optim/adamw.py", 'quantized = group["v_format"] == "nvfp4" and quantized_v(param)', "quantized = False"),
       ["tests/test_optim_adamw.py::test_nvfp4_state_dict_round_trip_keeps_dtypes_and_resumes_bit_identically", OPT_STATES]),
     m("adamw-v-not-stored", "AdamW's updated v is never encoded back into the packed state",
-      ("fp4lab/optim/adamw.py", "state.update(encode_v(exp_avg_sq))", "pass"),
+      ("fp4lab/optim/adamw.py", "state.update(_encode_v_state(exp_avg_sq, param))", "pass"),
       ["tests/test_optim_adamw.py::test_stored_v_tracks_an_fp32_adamw_run"]),
     m("ns-gram-bf16", "Muon's nvfp4 Newton-Schulz: A = X X^T left a bf16 GEMM",
       (MUON, "gram = _nvfp4_matmul(x, x.T).bfloat16()", "gram = x @ x.T"), [NS_EXACT]),
@@ -188,7 +190,7 @@ MUTATIONS = [
       (LIN, "fp8_quantize(t, spec.element, spec.scaling, pow2", 'fp8_quantize(t, spec.element, "tensor", pow2'),
       [GEMMS_EXACT + "[fp8-rowwise:linear]", GEMMS_EXACT + "[full-rht-padded]"]),
     m("fp8-pow2-ignored", "an fp8 operand's pow2_scale = true keeps the exact scale",
-      (LIN, "pow2=spec.pow2_scale)", "pow2=False)"),
+      (LIN, "pow2=spec.pow2_scale, amax=amax)", "pow2=False, amax=amax)"),
       [GEMMS_EXACT + "[fp8-rowwise:linear]", GEMMS_EXACT + "[full-rht-padded]"]),
     m("fp8-dtypes-swapped", "fp8's e4m3 and e5m2 name each other's torch dtype",
       ("fp4lab/numerics/fp8.py", 'FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}',
@@ -326,8 +328,17 @@ MUTATIONS = [
     m("residual-rmsnorm-not-offered", "the fused norm's operands are not offered to W1 and W3, which quantize again",
       (LIN, "SIBLING_OPERANDS.put(normed, self.sibling_key(normed), operands)", "del operands"), [NORM_EXACT + "[mxfp4]"]),
     m("residual-rmsnorm-no-gain-grad", "the fused norm's backward drops the gain's gradient",
-      (LIN, "grad_weight = (dn.float() * t.to(s.dtype).float()).sum(0).to(weight.dtype)",
-       "grad_weight = torch.zeros_like(weight)"), [NORM_EXACT + "[mxfp4]"]),
+      (FUSION_REF, "grad_weight = (grad_normed.float() * t.to(s.dtype).float()).sum(0).to(weight.dtype)",
+       "grad_weight = torch.zeros_like(weight)"), [NORM_EXACT + "[mxfp4]", NORM_BACKWARD]),
+    m("rmsnorm-backward-no-projection", "the fused norm's backward drops the - t mean(dt t) projection",
+      (FUSION_REF, "ds = rstd[:, None] * (dt - t * (dt * t).sum(-1, keepdim=True) / s.shape[-1])", "ds = rstd[:, None] * dt"),
+      [NORM_BACKWARD]),
+    m("rmsnorm-sum-unpinned", "the reference sums the 32 lanes with torch's own sum, not by halving",
+      (FUSION_REF, "        half = t.shape[1] // 2\n        t = t[:, :half] + t[:, half:]\n", "        t = t.sum(1, keepdim=True)\n"),
+      ["tests/test_triton_fusion.py::test_rmsnorm_reference_sums_in_lanes_then_by_halving"]),
+    m("sweep-workers-share-gpus", "concurrent local runs are not given GPUs of their own",
+      ("fp4lab/lab/runs/executors.py", 'env["CUDA_VISIBLE_DEVICES"] = gpus', "pass"),
+      ["tests/test_sweep.py::test_local_sweep_runs_scans_records_and_skips_completed_runs"]),
     # --- the MXFP4 GEMM on FP8 tensor cores (run by Triton's interpreter on the CPU) -----------------
     m("mx-gemm-second-block-scales", "the second K block of a step is scaled by the first block's scale bytes",
       (MX_GEMM, "p1, a_scales, b_scales, rows_a, rows_b, M, N, kb + 1, SPLIT)", "p1, a_scales, b_scales, rows_a, rows_b, M, N, kb, SPLIT)"),
