@@ -66,6 +66,7 @@ are within a few ulps of nn.RMSNorm's (docs/BENCHMARKS.md: neither fusion gains 
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -489,19 +490,17 @@ class _ResidualRmsnormFunction(torch.autograd.Function):
         return grad_s.to(ctx.x_dtype), grad_s.to(ctx.branch_dtype), grad_weight, None, None
 
 
-_COMPILED_RMSNORM_BACKWARD = None
-
-
 def _rmsnorm_backward(device: torch.device):
-    """`numerics.fusion.rmsnorm_backward`, compiled by Inductor on CUDA (one or two kernels where the eager ops
-    make about ten float32 passes over s, which cost more than the fused forward saves); eager elsewhere
-    (the CPU tests run the fused kernels in Triton's interpreter, without a C++ compiler to assume)."""
-    global _COMPILED_RMSNORM_BACKWARD
-    if device.type != "cuda":
-        return rmsnorm_backward
-    if _COMPILED_RMSNORM_BACKWARD is None:
-        _COMPILED_RMSNORM_BACKWARD = torch.compile(rmsnorm_backward, dynamic=False)
-    return _COMPILED_RMSNORM_BACKWARD
+    """`numerics.fusion.rmsnorm_backward`, compiled by Inductor on CUDA (one or two kernels where the
+    eager ops make about ten float32 passes over s, which cost more than the fused forward saves); eager
+    elsewhere (the CPU tests run the fused kernels in Triton's interpreter, without a C++ compiler to
+    assume)."""
+    return _compiled_rmsnorm_backward() if device.type == "cuda" else rmsnorm_backward
+
+
+@functools.cache
+def _compiled_rmsnorm_backward():
+    return torch.compile(rmsnorm_backward, dynamic=False)
 
 
 def _gemms_forward(ctx, x, x_operands, weight: torch.Tensor, layer: FP4Linear, signs, out_dtype: torch.dtype) -> torch.Tensor:

@@ -27,9 +27,10 @@ unfused composition of fp4lab's ops (tests/test_triton_fusion.py checks both):
         kernel can match nn.RMSNorm on every device. Here the squares are summed in lanes: lane j of
         RMSNORM_SUM_LANES (32) adds columns j, j + 32, j + 64, ... left to right (what a kernel
         streaming the row in 32-wide chunks does with elementwise adds), then the 32 lane sums are
-        added by halving (t[:, :16] + t[:, 16:], and so on); the total is divided by D, and rstd = 1 / sqrt(mean + eps), each a correctly rounded float32 operation. The result is
-        within a few float32 ulps of nn.RMSNorm's (tested on the CPU, and on CUDA by the cuda tests); the wiring that uses
-        these kernels must use this formula for its unfused path too.
+        added by halving (t[:, :16] + t[:, 16:], and so on); the total is divided by D, and
+        rstd = 1 / sqrt(mean + eps), each a correctly rounded float32 operation. The result is within
+        a few float32 ulps of nn.RMSNorm's (tested on the CPU, and on CUDA by the cuda tests); the
+        wiring that uses these kernels must use this formula for its unfused path too.
 
 Encodings are `OperandEncoding`s: the bf16 block values a tensor-core GEMM reads (`fake_quantize_
 factored(...).values`, exact in bf16), NVFP4's outer scale, and `quantize(...)`'s packed codes and
