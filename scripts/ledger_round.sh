@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round of the recipe ledger (docs/LEDGER.md) on a GPU machine, bounded in time:
 #
-#   scripts/ledger_round.sh SECONDS RESULTS_DIR [SPEC ...]      (default SPEC: sweeps/ledger.toml)
+#   scripts/ledger_round.sh SECONDS RESULTS_DIR [SPEC[@K] ...]      (default SPEC: sweeps/ledger.toml)
 #
 # 1. the pycode corpus: unpacked from a bundle in .corpus/pycode when there is one (`fp4lab data pack
 #    pycode .corpus/pycode` where it is built; every file must match the manifest), else built from PyPI;
@@ -17,10 +17,12 @@
 #
 # Runs go one per GPU (`fp4lab sweep --workers` = the GPUs nvidia-smi lists: each run gets a GPU of its
 # own), so the ledger's tokens/s are those of a GPU to itself on a machine of one GPU or several.
+# SPEC@K runs K at once on each GPU instead: more runs per hour, tokens/s no longer those of a GPU to
+# itself (the stress ablation, where only the losses and the scanner's events matter).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ]; then
-  echo "usage: scripts/ledger_round.sh SECONDS RESULTS_DIR [SPEC ...]" >&2
+  echo "usage: scripts/ledger_round.sh SECONDS RESULTS_DIR [SPEC[@K] ...]" >&2
   exit 2
 fi
 budget=$1
@@ -30,6 +32,13 @@ specs=("$@")
 [ ${#specs[@]} -gt 0 ] || specs=(sweeps/ledger.toml)
 catalog=docs/ledger/sweep_catalog.json
 runs_archive=docs/ledger/runs.tar.xz
+for entry in "${specs[@]}"; do
+  spec=${entry%@*}
+  if [ ! -f "$spec" ] || { [ "$spec" != "$entry" ] && ! [[ "${entry##*@}" =~ ^[1-9][0-9]*$ ]]; }; then
+    echo "ledger_round: $entry: SPEC must be a sweep spec file and K in SPEC@K a whole number of runs per GPU, e.g. sweeps/ledger_stress.toml@3" >&2
+    exit 2
+  fi
+done
 deadline=$((SECONDS + budget))
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 [ "$gpus" -ge 1 ] || gpus=1
@@ -42,17 +51,21 @@ else
   python3 -m fp4lab.cli data build pycode
 fi
 
-for spec in "${specs[@]}"; do
+for entry in "${specs[@]}"; do
+  spec=${entry%@*}
+  share=1
+  [ "$spec" = "$entry" ] || share=${entry##*@}
   left=$((deadline - SECONDS))
   if [ "$left" -le 60 ]; then
     echo "ledger_round: no time left for $spec" >&2
     break
   fi
   # SIGINT: the sweep's own clean stop (checkpoint, record "interrupted"); exit 130 then is expected.
-  timeout -s INT -k 120 "$left" python3 -m fp4lab.cli sweep "$spec" --catalog "$catalog" --workers "$gpus" || echo "ledger_round: $spec ended with $?" >&2
+  timeout -s INT -k 120 "$left" python3 -m fp4lab.cli sweep "$spec" --catalog "$catalog" --workers $((gpus * share)) || echo "ledger_round: $spec ended with $?" >&2
 done
 
-for spec in "${specs[@]}"; do
+for entry in "${specs[@]}"; do
+  spec=${entry%@*}
   name=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["name"])' "$spec")
   python3 -m fp4lab.cli report "$name" --catalog "$catalog" --out "reports/$name" || true
 done

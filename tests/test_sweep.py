@@ -131,7 +131,9 @@ def test_gpu_slots_give_concurrent_local_runs_gpus_of_their_own():
     assert gpu_slots(2, 2, 4, "3,5,6,7") == ["3,5", "6,7"]  # runs of 2 ranks; ids as CUDA_VISIBLE_DEVICES names them
     assert gpu_slots(3, 1, 8, None) == ["0", "1", "2"]
     assert gpu_slots(1, 1, 8, None) is None  # one run at a time: it sees every GPU, as before
-    assert gpu_slots(3, 1, 2, None) is None  # too few GPUs to give each run its own: they share
+    assert gpu_slots(5, 1, 2, "4,6") == ["4", "6", "4", "6", "4"]  # more runs than GPUs: shared evenly
+    assert gpu_slots(3, 1, 1, None) is None  # one GPU: every run is on it anyway
+    assert gpu_slots(3, 2, 4, None) is None  # runs of 2 ranks that do not each fit: they share what they see
 
 
 @pytest.mark.skipif(gloo_unavailable() is not None, reason=str(gloo_unavailable()))

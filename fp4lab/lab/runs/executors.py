@@ -167,7 +167,8 @@ def _run_local(
     SweepInterrupted.
 
     On a machine with at least `workers` x ranks GPUs, each run at a time gets GPUs of its own
-    (`gpu_slots`), so concurrent runs neither share a GPU nor slow each other's tokens/s."""
+    (`gpu_slots`), so concurrent runs neither share a GPU nor slow each other's tokens/s; more
+    single-GPU runs than GPUs share them evenly."""
     thresholds = scan_thresholds(plan.spec)
     ranks = plan.spec.slurm.ranks  # all on this machine
     slots = None
@@ -256,13 +257,19 @@ def worker_env(workers: int, ranks: int = 1, gpus: str | None = None) -> dict[st
 def gpu_slots(workers: int, ranks: int, devices: int, visible: str | None) -> list[str] | None:
     """CUDA_VISIBLE_DEVICES of each of `workers` concurrent local runs of `ranks` processes: slot k
     gets the visible GPUs k * ranks .. (k + 1) * ranks - 1 (`visible`, CUDA_VISIBLE_DEVICES as set, maps
-    them to the machine's ids). None when there is nothing to split: one worker, or fewer than
-    workers x ranks GPUs (the runs then share what they see, as before)."""
-    if workers < 2 or devices < workers * ranks:
+    them to the machine's ids). With more single-process runs than GPUs, slot k gets GPU k mod the
+    count, so the runs share the GPUs evenly instead of all landing on the first. None when there is
+    nothing to split: one worker, no GPU, or multi-process runs that do not each fit (they then share
+    what they see)."""
+    if workers < 2 or devices < 1:
         return None
     ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(devices)]
     ids = ids[:devices]
-    return [",".join(ids[k * ranks:(k + 1) * ranks]) for k in range(workers)]
+    if devices >= workers * ranks:
+        return [",".join(ids[k * ranks:(k + 1) * ranks]) for k in range(workers)]
+    if ranks == 1 and len(ids) > 1:
+        return [ids[k % len(ids)] for k in range(workers)]
+    return None
 
 
 def _run_trials_local(
