@@ -198,6 +198,19 @@ def test_entropy_relative_drop(tmp_path):
     assert scan(tmp_path / "r", off, now=OLD).verdict == "converged"
 
 
+def test_entropy_collapse_before_the_second_probe(tmp_path):
+    # the ledger's stress runs at Muon lr 1.0: a layer's entropy falls from its initial 5.9 nats to
+    # 0.46 by the first probe after step 0 and stays there, above the 0.05 floor, so the collapsed value
+    # becomes its own baseline unless the relative rule tests against the first probe alone
+    def entropy(step):
+        return [5.9, 5.9 if step < 10 else 0.46 - step / 1000]
+
+    run = write_run(tmp_path / "r", curve(60), probe_every=10, entropy=entropy)
+    result = scan(run, now=OLD)
+    assert result.verdict == "entropy_collapse@10" and "layer 1" in result.events[0].detail
+    assert scan(run, ScanThresholds(entropy_min_probes=3), now=OLD).verdict == "converged"
+
+
 def test_max_logit_event(tmp_path):
     def max_logit(step):
         return [[10.0, 12.0], [30.0, 150.0 if step >= 40 else 50.0]]

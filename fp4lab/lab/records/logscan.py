@@ -49,8 +49,10 @@ into one event whose detail gives the number of steps and the peak). Defaults ar
     (OLMo-core's StabilityMonitor rule; skipped while std < 1e-10).
 - `grad_spike`: the mean + k x std rule on grad_norm (OLMo-core checks both); informational.
 - `entropy_collapse`: on a probe step, one layer's mean attention entropy (nats; mean over heads)
-  below `entropy_floor` (0.05 nats), or, once that layer has `entropy_min_probes` (3) earlier probes,
-  below `entropy_drop_factor` (0.2) x the median of its earlier probes.
+  below `entropy_floor` (0.05 nats), or, once that layer has `entropy_min_probes` (1) earlier probes,
+  below `entropy_drop_factor` (0.2) x the median of its earlier probes. One earlier probe suffices:
+  in the ledger's stress runs (docs/LEDGER.md) a layer fell from 5.9 nats at step 0 to 0.46 by step 10
+  and stayed above the floor, which a baseline of three probes would have made its own median.
 - `max_logit`: any head's max attention logit above `max_logit_tau` (100, Kimi K2's QK-Clip tau).
 - `stalled`: time-based: the run has not finished and its log was last written more than
   `stall_seconds` (600) before `now` (value = age in seconds). Emitted when `running=True` was passed
@@ -153,7 +155,7 @@ class ScanThresholds:
     grad_spike_sigma: float | None = 6.0  # same mean + sigma * std rule on grad_norm; None: off
     entropy_floor: float = 0.05  # nats; a layer's mean attention entropy below this collapses
     entropy_drop_factor: float | None = 0.2  # ... or below factor * median of its earlier probes
-    entropy_min_probes: int = 3  # earlier probes of that layer needed for the relative rule
+    entropy_min_probes: int = 1  # earlier probes of that layer needed for the relative rule
     max_logit_tau: float = 100.0  # any head's max attention logit above tau
     stall_seconds: float = 600.0  # a log older than this (by mtime) is not running
     stall_steps: int | None = None  # no best-loss improvement over this many steps; None: off
