@@ -1000,6 +1000,7 @@ def status(
     catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
     watch: Annotated[float, typer.Option(help="Refresh every N seconds until every run has ended (0: once).")] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the runs as a JSON list instead of a table.")] = False,
+    rescan: Annotated[bool, typer.Option(help="First judge every ended run again from its metrics with the current scanner and record the new verdicts and events (a run otherwise keeps the verdict it ended with).")] = False,
 ) -> None:
     """A table of the runs in the catalog: state, step, loss, verdict (refreshed from their run folders)."""
     from fp4lab.lab.records.catalog import Catalog, CatalogError
@@ -1010,6 +1011,12 @@ def status(
         fail(f"status: no catalog at {str(catalog)!r}; run fp4lab sweep SPEC first (or pass --catalog)")
     try:
         runs_catalog = Catalog(catalog)
+        if rescan:
+            from fp4lab.lab.records.logscan import ScanThresholds
+            from fp4lab.lab.runs.sweep import rescan as rescan_runs
+
+            changed = rescan_runs(runs_catalog, ScanThresholds(), sweep_name)
+            print(f"rescanned: {changed} verdict(s) or event list(s) changed", file=sys.stderr)
         if as_json:
             _print_json(_status_rows(runs_catalog, sweep_name))
         else:

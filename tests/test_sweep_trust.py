@@ -285,3 +285,22 @@ def test_the_live_sweep_view_shows_counts_step_loss_and_time_left(tmp_path):
     text = console.file.getvalue()
     assert "1 done, 1 running, 1 pending" in text and "recipe=nvfp4" in text and "9/20" in text and "3.2500" in text
     assert " s" in text.split("3.2500")[1]  # a time left in seconds
+
+
+def test_status_rescan_judges_ended_runs_again_with_the_current_scanner(cli, tmp_path):
+    from .test_logscan import curve, write_run
+
+    # a run recorded under an older scanner (three probes of baseline) that missed a collapse at step 10
+    write_run(tmp_path / "runs" / "r1", curve(60), probe_every=10, entropy=lambda step: [5.9, 5.9 if step < 10 else 0.46])
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    catalog.upsert({"id": "r1", "sweep": "s", "recipe": "bf16", "state": "completed", "verdict": "converged", "events": [],
+                    "config": {"recipe": "bf16"}, "paths": {"run_dir": "runs/r1"}, "summary": {"final_train_loss": 3.0}})
+    (row,) = json.loads(cli("status", "--json").stdout)
+    assert row["verdict"] == "converged"  # kept as recorded
+    out = cli("status", "s", "--rescan", "--json")
+    assert out.returncode == 0 and "1 verdict(s)" in out.stderr
+    (row,) = json.loads(out.stdout)
+    (record,) = Catalog(tmp_path / "sweep_catalog.json").records()
+    assert row["verdict"] == record["verdict"] == "entropy_collapse@10"
+    assert record["events"][0]["kind"] == "entropy_collapse" and record["events"][0]["step"] == 10
+    assert "0 verdict(s)" in cli("status", "--rescan").stderr  # judged once: nothing left to change

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.records.catalog import FAILED_STATES, IN_FLIGHT_STATES, Catalog, live_owner, sweeps_of, utc_now
+from fp4lab.lab.records.catalog import FAILED_STATES, IN_FLIGHT_STATES, TERMINAL_STATES, Catalog, live_owner, sweeps_of, utc_now
 from fp4lab.lab.records.logscan import ScanThresholds, scan
 from fp4lab.lab.repo import git_state
 from fp4lab.lab.runs import slurm
@@ -151,6 +151,25 @@ def refresh(catalog: Catalog, thresholds: ScanThresholds, sweep: str | None = No
         elif (run_dir / "metrics.jsonl").exists() and record["state"] == "submitted":
             catalog.update(record["id"], state="running")
     return catalog.records(sweep=sweep)
+
+
+def rescan(catalog: Catalog, thresholds: ScanThresholds, sweep: str | None = None) -> int:
+    """Judge every ended run (ratchet iterations aside) again from its metrics with `thresholds`, and
+    record the verdict and events: runs keep the verdict of the scanner they ended under until this is
+    asked for (after a scanner rule changed). Returns how many records changed."""
+    changed = 0
+    for record in catalog.records(sweep=sweep):
+        if record["state"] not in TERMINAL_STATES or (record["sweep"] or "").startswith("ratchet/"):
+            continue
+        run_dir = catalog.resolve(record["paths"].get("run_dir"))
+        if run_dir is None or not (run_dir / "metrics.jsonl").exists():
+            continue
+        result = scan(run_dir, thresholds, running=False)
+        events = result.to_dict()["events"]
+        if (result.verdict, events) != (record["verdict"], record["events"]):
+            catalog.update(record["id"], verdict=result.verdict, events=events)
+            changed += 1
+    return changed
 
 
 def progress_of(record: dict[str, Any], catalog: Catalog) -> tuple[int | None, float | None]:
