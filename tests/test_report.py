@@ -196,10 +196,10 @@ def test_sweep_without_bf16_has_empty_excess_and_says_so(tmp_path):
     _add_run(catalog, tmp_path, "n0", "nvfp4", 0, [5.0, 4.1])
     report = build_report(tmp_path / "sweep_catalog.json", "hand")
     assert report.ledger["excess_pct_mean"].isna().all() and report.ledger["excess_pct_last"].isna().all()
-    assert any("no bf16 run" in note for note in report.notes)
+    assert any("no completed bf16 run" in note for note in report.notes)
     written = write_report(report, tmp_path / "out")
-    assert "loss_excess" not in written and "no bf16 run" in written["md"].read_text()
-    assert "no bf16 run" in written["html"].read_text()
+    assert "loss_excess" not in written and "no completed bf16 run" in written["md"].read_text()
+    assert "no completed bf16 run" in written["html"].read_text()
     assert all(row["excess_pct_mean"] == "" for row in _rows(written["csv"]).values())
 
 
@@ -637,3 +637,20 @@ def test_a_malformed_claims_file_is_refused_before_anything_is_written(seed_nois
     assert len(done.stderr.strip().splitlines()) == 1 and not out.exists()
     missing = run_cli("report", "hand", "--catalog", str(seed_noise_catalog), "--claims", str(tmp_path / "none.toml"))
     assert missing.returncode == 2 and "claims file" in missing.stderr and "does not exist" in missing.stderr
+
+
+def test_losses_and_throughput_come_from_completed_runs_only(tmp_path):
+    catalog = Catalog(tmp_path / "c.json")
+    for seed in (0, 1):
+        _add_run(catalog, tmp_path, f"b{seed}", "bf16", seed, [4.0, 3.0 + 0.01 * seed])
+        _add_run(catalog, tmp_path, f"n{seed}", "nvfp4", seed, [4.0, 3.1 + 0.01 * seed])
+    # cut short by a time limit at a high loss: its last validation is not a final loss
+    _add_run(catalog, tmp_path, "n2", "nvfp4", 2, [4.0, 3.9], state="interrupted", verdict="timeout")
+    _add_run(catalog, tmp_path, "b2", "bf16", 2, [4.0, 2.0], state="interrupted", verdict="timeout")
+    ledger = build_report(tmp_path / "c.json").ledger.set_index("recipe")
+    row = ledger.loc["nvfp4"]
+    assert row["n_seeds"] == 3 and "timeout x1" in row["verdicts"] and "n2" in row["runs"]
+    assert row["final_val_loss_mean"] == pytest.approx(3.205)  # (3.2 + 3.21) / 2: the interrupted 4.0 left out
+    assert row["baseline_runs"] == "b0 b1"
+    assert row["val_excess_pct_mean"] == pytest.approx(100 * (3.205 - 3.105) / 3.105)
+    assert row["tokens_per_s_mean"] == pytest.approx(100.5)

@@ -63,7 +63,8 @@ COLUMN_DOCS = {
     "sweep": "the sweep the runs belong to",
     "recipe": "the FP4 recipe (bf16 is the reference)",
     "config": "the sweep parameters besides recipe and seed (or a hash of the config when there are none)",
-    "n_seeds": "how many runs (seeds) the row groups",
+    "n_seeds": "how many runs (seeds) the row groups, finished or not (see verdicts); every loss, excess and "
+    "throughput column is over the completed ones only (an interrupted run's last losses are not final)",
     "seeds": "their seeds",
     "final_val_loss_mean": "validation loss at the last evaluation, mean over the seeds",
     "final_val_loss_std": "its sample standard deviation over the seeds (empty for one seed)",
@@ -82,7 +83,7 @@ COLUMN_DOCS = {
     "seeds and of the bf16 runs (Welch's t-test), in % of the bf16 mean",
     "vs_bf16": "above or below bf16 when that interval excludes 0, within noise when it contains 0, n/a when "
     "either side has fewer than two finite final validation losses (empty on bf16 rows)",
-    "baseline_runs": "the bf16 runs whose mean train and validation losses are the reference of the excess",
+    "baseline_runs": "the completed bf16 runs whose mean train and validation losses are the reference of the excess",
     "tokens_per_s_mean": "training throughput in tokens/s, the run's tokens over its training seconds (compilation, "
     "probe and evaluation steps included), mean over the seeds",
     "steady_tokens_per_s_mean": "the median of the per-step throughput over the second half of each run's steps "
@@ -329,11 +330,13 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
 
     # bf16 references: per (sweep, config without seed/recipe), with a per-sweep fallback
     drop = ("recipe", *RUN_SPECIFIC)
-    baselines = [r for r in records if r.get("recipe") == BASELINE]
+    # Final losses and throughput come from completed runs only: the last validation of a run that was
+    # interrupted, timed out or is still going is not a final loss.
+    baselines = [r for r in records if r.get("recipe") == BASELINE and r.get("state") == "completed"]
     has_baseline = bool(baselines)
     if not has_baseline:
         notes.append(
-            f"no {BASELINE} run in {'sweep ' + repr(sweep) if sweep else 'the catalog'}: loss excess not computed"
+            f"no completed {BASELINE} run in {'sweep ' + repr(sweep) if sweep else 'the catalog'}: loss excess not computed"
         )
 
     def baseline_records(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -354,21 +357,22 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
 
     rows = []
     for (_sweep, recipe, _key), members in grouped.items():
-        summaries = [r.get("summary") or {} for r in members]
-        vals = [v for v in map(final_val, members) if v is not None]
+        ended = [r for r in members if r.get("state") == "completed"]
+        summaries = [r.get("summary") or {} for r in ended]
+        vals = [v for v in map(final_val, ended) if v is not None]
         trains = [v for v in (_num(s.get("final_train_loss")) for s in summaries) if v is not None]
         tps = [v for v in (_num(s.get("tokens_per_s")) for s in summaries) if v is not None]
-        steady = [v for v in (steady_tokens_per_s(metrics.get(r["id"])) for r in members) if v is not None]
+        steady = [v for v in (steady_tokens_per_s(metrics.get(r["id"])) for r in ended) if v is not None]
         ex_mean, ex_last, last_steps = [], [], []
         if has_baseline:
-            for r in members:
+            for r in ended:
                 m, last, step = excess_pct(_losses(r), _reference([_losses(b) for b in baseline_records(r)]))
                 if m is not None:
                     ex_mean.append(m)
                     ex_last.append(last)
                     last_steps.append(step)
         val_excess = []
-        for r in members:
+        for r in ended:
             val, ref_val = final_val(r), _mean(baseline_vals(r))
             if val is not None and math.isfinite(ref_val) and ref_val != 0:
                 val_excess.append(100.0 * (val - ref_val) / ref_val)
