@@ -77,6 +77,10 @@ def test_the_stress_ablation_pushes_lr_and_drops_qk_clip_and_the_hadamard_transf
     assert max(r.config["lr"] for r in runs) >= 10 * ledger["lr"]
     assert {"bf16", "nvfp4", "nvfp4-no-rht"} <= {r.config["recipe"] for r in runs}
     assert all(r.config["probe_every"] <= 10 and r.config["data"]["source"] == "pycode" for r in runs)
+    adamw = expand(load_spec(ROOT / "sweeps" / "ledger_stress_adamw.toml"))
+    assert min(r.config["adam_lr"] for r in adamw) >= 10 * ledger["adam_lr"] and {r.config["qk_clip"] for r in adamw} == {"none"}
+    assert {r.config["recipe"] for r in adamw} == {"bf16", "nvfp4", "nvfp4-no-rht"}
+    assert {(r.config["model"], r.config["steps"], r.config["probe_every"]) for r in adamw} == {(runs[0].config["model"], 300, 10)}
 
 
 def test_shipped_optuna_spec_loads_and_makes_valid_trial_runs():
