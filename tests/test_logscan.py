@@ -114,11 +114,11 @@ def test_ratio_rule_needs_only_a_handful_of_points(tmp_path):
     losses[4] = 4.5
     result = scan(write_run(tmp_path / "b", losses), now=OLD)
     assert result.first_step["loss_spike"] == 4 and result.events[0].threshold == pytest.approx(4.0)
-    # with 3 earlier points it is not tested (spike_ratio_min_count = 4)
-    losses = [2.0] * 100
-    losses[3] = 50.0
-    assert "loss_spike" not in scan(write_run(tmp_path / "c", losses), now=OLD).first_step
-    assert scan(tmp_path / "c", ScanThresholds(spike_ratio_min_count=3), now=OLD).first_step["loss_spike"] == 3
+    # a blow-up at the second step (an AdamW rate of 1.0: 8.3 -> 46) is tested against the first loss
+    losses = [8.3, 46.0, 58.0, 70.0, 51.0] + [45.0] * 95
+    result = scan(write_run(tmp_path / "c", losses), now=OLD)
+    assert result.first_step["loss_spike"] == 1 and result.events[0].threshold == pytest.approx(16.6)
+    assert "loss_spike" not in scan(tmp_path / "c", ScanThresholds(spike_ratio_min_count=4), now=OLD).first_step
     with pytest.raises(ValueError, match="spike_ratio_min_count"):
         ScanThresholds(spike_ratio_min_count=6, spike_ratio_baseline=5)
 

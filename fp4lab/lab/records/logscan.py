@@ -39,11 +39,13 @@ into one event whose detail gives the number of steps and the peak). Defaults ar
   loss after earlier lines had one, not explained by skipped or nan iterations (an interval of fp16
   loss-scale overflows has no loss to average). A live log's half-written last line does not count.
 - `loss_spike`, two rules, either fires:
-  - ratio, for sparse logs: once `spike_ratio_min_count` (4) finite losses are logged, loss_t >
-    `spike_ratio` (2.0) x the median of the previous `spike_ratio_baseline` (5) finite losses. LLM
-    Foundry's KillLossSpike uses 2x its window mean; a median of the most recent points ignores an
-    earlier spike and follows a falling curve, so Megatron's one line per 100 iterations is checked
-    from iteration 500 on (a 2.5x jump at iteration 2,500 is caught; the sigma rule needs 3,200).
+  - ratio, for sparse logs and the first steps: once `spike_ratio_min_count` (1) finite loss is
+    logged, loss_t > `spike_ratio` (2.0) x the median of the previous `spike_ratio_baseline` (5)
+    finite losses. LLM Foundry's KillLossSpike uses 2x its window mean; a median of the most recent
+    points ignores an earlier spike and follows a falling curve, so Megatron's one line per 100
+    iterations is checked from iteration 100 on (a 2.5x jump at iteration 2,500 is caught; the sigma
+    rule needs 3,200). One earlier loss suffices: a healthy loss falls from its first value, and an
+    AdamW rate of 1.0 (sweeps/ledger_stress_adamw.toml) took it from 8.3 to 46 at step 1.
   - sigma, for dense logs: once the trailing window of the previous `spike_window` (128) finite
     losses holds `spike_min_count` (32) values, loss_t > mean + `spike_sigma` (6) x std of the window
     (OLMo-core's StabilityMonitor rule; skipped while std < 1e-10).
@@ -151,7 +153,7 @@ class ScanThresholds:
     spike_min_count: int = 32  # no spike test until the window holds this many values
     spike_ratio: float | None = 2.0  # loss > ratio * median of the recent losses; None turns the rule off
     spike_ratio_baseline: int = 5  # the ratio rule's baseline: median of this many previous finite losses
-    spike_ratio_min_count: int = 4  # ... tested once this many are logged (sparse logs: Megatron logs every 100)
+    spike_ratio_min_count: int = 1  # ... tested once this many are logged (sparse logs: Megatron logs every 100)
     grad_spike_sigma: float | None = 6.0  # same mean + sigma * std rule on grad_norm; None: off
     entropy_floor: float = 0.05  # nats; a layer's mean attention entropy below this collapses
     entropy_drop_factor: float | None = 0.2  # ... or below factor * median of its earlier probes
