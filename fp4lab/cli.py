@@ -872,7 +872,7 @@ def sweep(
         with _sweep_progress(console, runs_catalog, plan, [] if optuna else todo):
             launched = runner.launch(plan, todo, runs_catalog)
     except SweepInterrupted as stopped:
-        console.print(f"interrupted: {len(stopped.records)} run(s) checkpointed; `fp4lab sweep {spec}` resumes them")
+        console.print(f"interrupted: {len(stopped.records)} run(s) stopped; `fp4lab sweep {spec}` resumes them from their last checkpoints")
         raise typer.Exit(130) from None
     if optuna and launched.started == 0:
         console.print("the study already holds every trial; raise [optuna].n_trials to run more", markup=False)

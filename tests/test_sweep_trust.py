@@ -190,7 +190,7 @@ def test_ctrl_c_stops_a_sweep_with_checkpoints_and_the_next_sweep_resumes_it(tmp
     sweep.send_signal(signal.SIGINT)  # a terminal's Ctrl-C reaches the sweep; it passes one SIGINT on
     out, err = sweep.communicate(timeout=120)
     assert sweep.returncode == 130, err
-    assert "interrupted: 1 run(s) checkpointed" in out
+    assert "interrupted: 1 run(s) stopped" in out
     catalog = Catalog(tmp_path / "sweep_catalog.json")
     states = {r["recipe"]: r["state"] for r in catalog.records()}
     assert states == {"bf16": "interrupted", "nvfp4": "pending"}  # the second run was never started
@@ -206,6 +206,31 @@ def test_ctrl_c_stops_a_sweep_with_checkpoints_and_the_next_sweep_resumes_it(tmp
     assert record["state"] == "completed" and record["attempts"] == 2
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(400))  # continued from the checkpoint, no step twice
+
+
+def test_ctrl_c_during_start_up_leaves_the_run_interrupted_so_the_next_sweep_runs_it(cli, tmp_path, monkeypatch):
+    """A Ctrl-C before the loop's handler is in place (here while the data loads) must not record the run
+    as failed: a sweep skips failed runs, and a ledger round cut at a run's start-up would lose it."""
+    import fp4lab.train.loop as loop
+    from fp4lab.lab.runs.job import train_recorded
+
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16"]))
+    assert cli("sweep", "s.toml", "--dry-run").returncode == 0
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    (record,) = catalog.records()
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(loop, "load_dataset", ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            train_recorded(tmp_path / "jobs" / "s" / f"{record['id']}.toml", catalog)
+    stopped = catalog.get(record["id"])
+    assert (stopped["state"], stopped["verdict"], stopped["owner"]) == ("interrupted", None, None)
+    again = cli("sweep", "s.toml")
+    assert again.returncode == 0 and "1 runs, 1 to run" in again.stdout, again.stdout
+    assert catalog.get(record["id"])["state"] == "completed"
 
 
 def test_ctrl_c_stops_train_with_a_checkpoint_and_exit_130(tmp_path):

@@ -78,7 +78,7 @@ def make_executor(name: str, **options: Any) -> Executor:
 
 
 class SweepInterrupted(Exception):
-    """Ctrl-C stopped a local sweep: the runs in progress checkpointed and were recorded "interrupted"."""
+    """Ctrl-C stopped a local sweep: the runs in progress stopped (with a checkpoint once past start-up) and were recorded "interrupted"."""
 
     def __init__(self, records: list[dict[str, Any]]):
         super().__init__(f"{len(records)} run(s) interrupted")

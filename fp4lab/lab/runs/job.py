@@ -120,6 +120,12 @@ def train_recorded(config_path: Path, catalog: Catalog, *, progress: bool | None
     spec = RunSpec(run_id, record["extra"].get("name", run_id), config.to_dict())
     try:
         summary = run(config, progress=progress)
+    except KeyboardInterrupt:
+        # Ctrl-C before the loop's own handler is in place (start-up: data, model, compilation) or a
+        # second Ctrl-C: nothing is broken, so the run is interrupted, and the next sweep resumes it
+        # from its last checkpoint (or from step 0) instead of skipping it as failed.
+        finish_run(spec, catalog, thresholds, returncode=130, state="interrupted")
+        raise
     except BaseException as exc:
         finish_run(spec, catalog, thresholds, returncode=1, error=error_line(exc))
         raise
@@ -153,13 +159,16 @@ def last_error_line(log: Path) -> str | None:
     return None
 
 
-def finish_run(run: RunSpec, catalog: Catalog, thresholds: ScanThresholds, *, returncode: int, error: str | None = None) -> dict[str, Any]:
+def finish_run(run: RunSpec, catalog: Catalog, thresholds: ScanThresholds, *, returncode: int, error: str | None = None,
+               state: str | None = None) -> dict[str, Any]:
     """Scan a finished run's folder and write state, verdict, events, summary metrics, the error of a
-    failed run, and let go of the run (no owner)."""
+    failed run, and let go of the run (no owner). `state` overrides the one read from the run's summary
+    (a run stopped before it wrote one)."""
     run_dir = Path(run.config["out_dir"])
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-    state = STATE_OF_STATUS.get(summary["status"], "failed") if summary and returncode == 0 else "failed"
+    if state is None:
+        state = STATE_OF_STATUS.get(summary["status"], "failed") if summary and returncode == 0 else "failed"
     fields: dict[str, Any] = {"state": state, "finished_at": utc_now(), "owner": None}
     if state == "failed":
         fields["error"] = error
@@ -168,7 +177,7 @@ def finish_run(run: RunSpec, catalog: Catalog, thresholds: ScanThresholds, *, re
         fields["verdict"] = result.verdict
         fields["events"] = result.to_dict()["events"]
     else:
-        fields["verdict"] = "crashed"
+        fields["verdict"] = None if state == "interrupted" else "crashed"
     if summary:
         fields["summary"] = {
             "final_train_loss": summary_value(summary, "final_train_loss"),
