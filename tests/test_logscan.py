@@ -163,6 +163,33 @@ def test_infinite_grad_norm_without_summary_is_diverged(tmp_path):
     assert result.verdict == "diverged@20" and "grad_norm" in result.events[0].detail
 
 
+def test_a_finite_loss_that_runs_away_for_good_is_diverged(tmp_path):
+    # The ledger's AdamW lr 1.0 stress run, in shape: 10.5, a dip, then a climb to hundreds that never
+    # comes back. No NaN; each step rises less than 2x the median before it, so no spike rule fires after
+    # the first steps. The diverged step is where the median of the last 5 losses passes 1.5 x 10.5.
+    losses = [10.5, 8.3, 10.0, 12.0, 15.0, 17.0, 19.0, 23.0, 28.0, 34.0] + [40.0 + 2 * i for i in range(90)]
+    run = write_run(tmp_path / "away", losses)
+    result = scan(run, now=OLD)
+    assert result.verdict == "diverged@7" and result.first_step["loss_above_start"] == 7
+    (event,) = [e for e in result.events if e.kind == "loss_above_start"]
+    assert event.steps == 93 and event.value == 17.0 and event.threshold == pytest.approx(15.75) and event.peak == 214.0
+    assert "since step 7" in event.detail and "first loss 10.5" in event.detail
+    assert scan(run, ScanThresholds(diverge_ratio=None), now=OLD).verdict.split("@")[0] != "diverged"
+    assert scan(run, ScanThresholds(diverge_ratio=15), now=OLD).first_step["loss_above_start"] == 71
+
+
+def test_a_loss_that_runs_away_and_recovers_is_not_diverged(tmp_path):
+    # AdamW lr 0.1 in the ledger's stress runs: 10.5 -> 31 by step 8, back below the start by step 40.
+    climb = [10.5, 8.3, 10.7, 13.4, 18.0, 18.8, 16.0, 16.3, 31.3, 20.4, 27.8, 26.4, 23.3, 23.8, 26.7, 24.3]
+    run = write_run(tmp_path / "back", climb + [max(3.6, 22.0 - 0.6 * i) for i in range(184)])
+    result = scan(run, now=OLD)
+    assert "loss_above_start" not in result.first_step and result.verdict == "converged"
+    live = write_run(tmp_path / "live", climb, status=None)  # scanned while still up there: the alarm is on
+    assert scan(live, running=True).verdict.startswith("diverged@")
+    with pytest.raises(ValueError, match="diverge_ratio"):
+        ScanThresholds(diverge_ratio=0.9)
+
+
 def test_corrupt_and_truncated_lines_are_counted_not_fatal(tmp_path):
     bad = ["{not json", "[1, 2, 3]", '"a string"', '{"loss": 3.0}', '{"step": "7", "loss": 3.0}', '{"step": 300, "loss": 2.9, "lr"']
     run = write_run(tmp_path / "r", curve(300), extra_lines=bad)

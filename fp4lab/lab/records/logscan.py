@@ -49,6 +49,13 @@ into one event whose detail gives the number of steps and the peak). Defaults ar
   - sigma, for dense logs: once the trailing window of the previous `spike_window` (128) finite
     losses holds `spike_min_count` (32) values, loss_t > mean + `spike_sigma` (6) x std of the window
     (OLMo-core's StabilityMonitor rule; skipped while std < 1e-10).
+- `loss_above_start`: the loss has run away and not come back: from some step to the end of the log,
+  the median of the last `spike_ratio_baseline` (5) finite losses stays above `diverge_ratio` (1.5) x
+  the first finite loss logged (the event's step is the first of that final streak, its value the
+  median there). A model's first loss is about the highest a healthy run sits (ln(vocab) at
+  initialisation); a run that ends far above it has diverged, NaN or not: in the ledger's AdamW
+  stress runs the loss climbed to 180-3,600 and stayed finite. A loss that runs away and recovers
+  (AdamW lr 0.1 there: 10.5 -> 31 by step 8, 3.6 at the end) is not flagged.
 - `grad_spike`: the mean + k x std rule on grad_norm (OLMo-core checks both); informational.
 - `entropy_collapse`: on a probe step, one layer's mean attention entropy (nats; mean over heads)
   below `entropy_floor` (0.05 nats), or, once that layer has `entropy_min_probes` (1) earlier probes,
@@ -68,8 +75,8 @@ a live job with a NaN, a spike or a vanished loss is exactly when the alarm matt
 result says whether the job still runs). Only `converged` and `running` are healthy
 (`HEALTHY_VERDICTS`); `fp4lab scan` exits 1 on any other.
 
-1. `diverged@STEP`: a `nan` event, or summary status `diverged`. STEP = summary `diverged_step`,
-   else the first `nan` event's step.
+1. `diverged@STEP`: a `nan` event, a `loss_above_start` event, or summary status `diverged`. STEP
+   = summary `diverged_step`, else the first `nan` event's step, else the `loss_above_start` step.
 2. `entropy_collapse@STEP`: an `entropy_collapse` event; STEP = its first step.
 3. `loss_vanished@STEP`: a `loss_missing` event; STEP = its first step.
 4. `crashed`: a text log with a crash marker (`Traceback (most recent call last)`, `CUDA error`,
@@ -125,7 +132,7 @@ VERDICTS = (
     "stalled", "running",
 )
 HEALTHY_VERDICTS = ("converged", "running")  # every other verdict is an alarm (`fp4lab scan` exits 1)
-EVENT_KINDS = ("nan", "loss_missing", "loss_spike", "grad_spike", "entropy_collapse", "max_logit", "stalled")
+EVENT_KINDS = ("nan", "loss_missing", "loss_spike", "loss_above_start", "grad_spike", "entropy_collapse", "max_logit", "stalled")
 
 # A number as training code prints it, NaN and Inf included (Python "nan", "inf"; C/C++ "-nan", "NaN").
 NUM = r"[-+]?(?:nan|inf(?:inity)?|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
@@ -154,6 +161,7 @@ class ScanThresholds:
     spike_ratio: float | None = 2.0  # loss > ratio * median of the recent losses; None turns the rule off
     spike_ratio_baseline: int = 5  # the ratio rule's baseline: median of this many previous finite losses
     spike_ratio_min_count: int = 1  # ... tested once this many are logged (sparse logs: Megatron logs every 100)
+    diverge_ratio: float | None = 1.5  # the loss ends (median of the last few) above ratio x its first value; None: off
     grad_spike_sigma: float | None = 6.0  # same mean + sigma * std rule on grad_norm; None: off
     entropy_floor: float = 0.05  # nats; a layer's mean attention entropy below this collapses
     entropy_drop_factor: float | None = 0.2  # ... or below factor * median of its earlier probes
@@ -171,6 +179,8 @@ class ScanThresholds:
                 raise ValueError(f"{f.name}: {value!r} must be a finite number >= 0")
         if self.spike_window < 1 or self.spike_min_count < 2 or self.spike_min_count > self.spike_window:
             raise ValueError("need spike_window >= 1 and 2 <= spike_min_count <= spike_window")
+        if self.diverge_ratio is not None and self.diverge_ratio < 1:
+            raise ValueError(f"diverge_ratio: {self.diverge_ratio!r} must be >= 1 (a healthy loss falls below its first value)")
         if not 1 <= self.spike_ratio_min_count <= self.spike_ratio_baseline:
             raise ValueError("need 1 <= spike_ratio_min_count <= spike_ratio_baseline")
         unknown = set(self.unstable_kinds) - set(EVENT_KINDS)
@@ -446,12 +456,17 @@ def scan(
 
     # --- the verdict, by precedence: alarms first, so a live job with a problem is never "running" ---
     verdict_step = None
-    if "nan" in first_step or status == "diverged":
+    if "nan" in first_step or "loss_above_start" in first_step or status == "diverged":
         verdict = "diverged"
         verdict_step = summary.get("diverged_step") if status == "diverged" and isinstance(summary.get("diverged_step"), int) else None
         if verdict_step is None:
-            verdict_step = first_step.get("nan", detector.last_step)
-        reasons.append(("summary status diverged" if status == "diverged" else f"non-finite value at step {first_step['nan']}") + still)
+            verdict_step = first_step.get("nan", first_step.get("loss_above_start", detector.last_step))
+        if status == "diverged":
+            reasons.append("summary status diverged" + still)
+        elif "nan" in first_step:
+            reasons.append(f"non-finite value at step {first_step['nan']}" + still)
+        else:
+            reasons.append(f"the loss has stayed above {th.diverge_ratio:g} x its first value since step {first_step['loss_above_start']}" + still)
     elif "entropy_collapse" in first_step:
         verdict, verdict_step = "entropy_collapse", first_step["entropy_collapse"]
         reasons.append(f"attention entropy collapsed at step {verdict_step}{still}")
@@ -746,6 +761,9 @@ class _Detector:
         self.best_history: deque[tuple[int, float]] = deque()
         self.stall_reported = False
         self.previous_training_step: int | None = None
+        self.first_loss: float | None = None
+        self.above_start: ScanEvent | None = None  # the streak of losses above the start, while unbroken
+        self.last_median: float | None = None
 
     def _restart_baselines(self) -> None:
         """A training step at or below the last one starts another run (or a restart from an earlier
@@ -814,6 +832,7 @@ class _Detector:
             self._spike("loss_spike", self.losses, step, loss, th.spike_sigma, th.spike_ratio)
             self.losses.append(loss)
             self.recent_losses.append(loss)
+            self._runaway(step)
             self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
             self._plateau(step)
         if grad is not None and math.isfinite(grad) and th.grad_spike_sigma is not None:
@@ -841,6 +860,24 @@ class _Detector:
             self._flag(kind, kind, step, x, threshold, detail, lambda a, b: a > b)
         else:
             self._clear(kind)
+
+    def _runaway(self, step: int) -> None:
+        """Keep the current streak of steps whose recent median loss is above diverge_ratio x the first
+        loss; `finish` reports it if the log ends inside it."""
+        if self.first_loss is None:
+            self.first_loss = self.recent_losses[-1]
+        ratio = self.th.diverge_ratio
+        median = statistics.median(self.recent_losses)
+        if ratio is None or self.first_loss <= 0 or median <= ratio * self.first_loss:
+            self.above_start = None
+            return
+        if self.above_start is None:
+            limit = ratio * self.first_loss
+            self.above_start = ScanEvent("loss_above_start", step, median, limit,
+                                         f"median of the last losses above {ratio:g} x the first loss {self.first_loss:.4g}", 0, median)
+        self.above_start.steps += 1
+        self.above_start.peak = max(self.above_start.peak, median)
+        self.last_median = median
 
     def _plateau(self, step: int) -> None:
         m = self.th.stall_steps
@@ -905,6 +942,11 @@ class _Detector:
 
     def finish(self) -> None:
         self.open.clear()
+        streak = self.above_start
+        if streak is not None:
+            streak.detail = f"median loss {self.last_median:.4g} at the end, above {self.th.diverge_ratio:g} x the first loss {self.first_loss:.4g} since step {streak.step} ({streak.steps} steps)"
+            self.events.append(streak)
+            self.flagged["loss_above_start"] = streak.steps
 
 
 def _mean(values: list) -> float | None:
