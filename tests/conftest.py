@@ -7,6 +7,7 @@ Both are decided once per session and applied to each marked test, so `pytest -r
 skipped test on its own line and the summary counts them all (a module-level skip would count a whole
 module as one)."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,11 @@ SLURM_COMMANDS = ("sinfo", "sbatch", "squeue", "scontrol", "scancel")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slurm: needs the local Slurm cluster (scripts/local-slurm.sh); skipped without it")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # `pytest -n N`: each worker gets its share of the cores; N workers of all-core OpenMP pools
+        # oversubscribe the machine and slow every test down.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def slurm_node_state() -> str | None:
