@@ -151,7 +151,8 @@ def test_seeds_are_grouped_with_mean_and_std(tmp_path):
     _add_run(catalog, tmp_path, "b0", "bf16", 0, base)
     finals = {0: 3.9, 1: 4.1, 2: 4.6}
     for seed, final in finals.items():
-        kwargs = {"verdict": "diverged@2", "events": [{"kind": "loss_spike", "step": 2}]} if seed == 2 else {}
+        events = [{"kind": "loss_above_start", "step": 2}, {"kind": "loss_spike", "step": 2}]  # one step: the spike comes first
+        kwargs = {"verdict": "diverged@2", "events": events} if seed == 2 else {}
         _add_run(catalog, tmp_path, f"n{seed}", "nvfp4", seed, [5.1, 4.6, 4.2, final], **kwargs)
     report = build_report(tmp_path / "sweep_catalog.json", sweep="hand")
     assert report.notes == []

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp4lab.lab.records.logscan import EVENT_KINDS
 from fp4lab.train.atomic import write_atomic
 from fp4lab.train.config import RESULT_NEUTRAL
 from fp4lab.train.jsonl import read_metrics_file
@@ -386,7 +387,7 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
             for e in r.get("events") or []:
                 if isinstance(e, dict) and isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool):
                     bad.append((e["step"], str(e.get("kind", "?"))))
-        first_bad = min(bad) if bad else None
+        first_bad = min(bad, key=_event_order) if bad else None
         seeds = [(r.get("config") or {}).get("seed") for r in members]
         rows.append(
             {
@@ -603,6 +604,12 @@ def _linestyle(index: int) -> Any:
 def _style(index: int) -> tuple[str, Any]:
     """(colour, line style) of series `index`: the ten colours, then again with the next line style."""
     return PALETTE[index % len(PALETTE)], _linestyle(index // len(PALETTE))
+
+
+def _event_order(event: tuple[int, str]) -> tuple[int, int]:
+    """Earliest step first; at one step, in the scanner's order of kinds (a spike before the runaway it starts)."""
+    step, kind = event
+    return step, EVENT_KINDS.index(kind) if kind in EVENT_KINDS else len(EVENT_KINDS)
 
 
 def divergence_step(record: dict[str, Any], last_step: int | None = None) -> int | None:
