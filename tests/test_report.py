@@ -655,3 +655,18 @@ def test_losses_and_throughput_come_from_completed_runs_only(tmp_path):
     assert row["baseline_runs"] == "b0 b1"
     assert row["val_excess_pct_mean"] == pytest.approx(100 * (3.205 - 3.105) / 3.105)
     assert row["tokens_per_s_mean"] == pytest.approx(100.5)
+
+
+def test_loss_curves_go_on_a_log_axis_when_a_run_blew_up_by_decades(tmp_path):
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    _add_run(catalog, tmp_path, "b0", "bf16", 0, [5.0, 4.0, 3.5, 3.2])
+    _add_run(catalog, tmp_path, "n0", "nvfp4", 0, [5.1, 4.1, 3.6, 3.3])
+    tame = build_report(tmp_path / "sweep_catalog.json", "hand")
+    _add_run(catalog, tmp_path, "n1", "nvfp4", 1, [5.2, 60.0, 900.0, 3000.0], verdict="diverged@1")
+    wild = build_report(tmp_path / "sweep_catalog.json", "hand")
+    for report, scale in ((tame, "linear"), (wild, "log")):
+        fig = plot_figure(report, "loss_curves")
+        try:
+            assert fig.axes[0].get_yscale() == scale
+        finally:
+            pyplot.close(fig)

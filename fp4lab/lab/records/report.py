@@ -715,6 +715,12 @@ def excess_curves(report: Report) -> list[ExcessCurve]:
     return curves
 
 
+def _spans_decades(curves, decades: float = 2.0) -> bool:
+    """Whether the positive finite values of these curves span more than `decades` powers of ten."""
+    values = [v for curve in curves for v in curve if math.isfinite(v) and v > 0]
+    return bool(values) and math.log10(max(values) / min(values)) > decades
+
+
 def _legend(ax, handles=None) -> None:
     entries = handles if handles is not None else ax.get_legend_handles_labels()[0]
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
@@ -743,6 +749,8 @@ def plot_figure(report: Report, which: str):
                 _mark_divergence(ax, records[run_id], m.steps, m.loss, colour, _label(report, run_id))
                 drawn = True
         ax.set(xlabel="step", ylabel="train loss (o: val loss)", title="loss curves")
+        if _spans_decades(report.metrics[i].loss for ids in report.groups for i in ids if i in report.metrics):
+            ax.set_yscale("log")  # a run that blew up to thousands would flatten every other curve
     elif which == "loss_excess":
         for index, curve in enumerate(excess_curves(report)):
             colour, linestyle = _style(index)
