@@ -541,12 +541,12 @@ def test_seed_noise_columns_in_every_export_and_the_markdown_is_reproducible(see
     assert markdown == ledger_markdown(build_report(seed_noise_catalog, "hand"))  # built again: the same bytes
     lines = markdown.splitlines()
     assert lines[2] == (
-        "| recipe | config | seeds | seed list | val loss | ± std | train loss | ± std | excess % (mean) | ± std "
+        "| recipe | config | seeds | completed | seed list | val loss | ± std | train loss | ± std | excess % (mean) | ± std "
         "| excess % (last) | ± std | @step | val excess % | ± std | val excess 95 % CI | vs bf16 | bf16 runs | tok/s "
         "| steady tok/s | verdicts | first event | runs |"
     )
     nvfp4 = lines[5]
-    assert nvfp4.startswith("| nvfp4 | default | 3 | 0,1,2 | 3.3000 | 0.0200 | 3.2000 | 0.0200 |")
+    assert nvfp4.startswith("| nvfp4 | default | 3 | 3 | 0,1,2 | 3.3000 | 0.0200 | 3.2000 | 0.0200 |")
     assert nvfp4.endswith("| 6.45 | 0.65 | +4.99..+7.91 | above | bf16-0 bf16-1 bf16-2 | 101.0 | 100.0 | converged x3 |  "
                           "| nvfp4-0 nvfp4-1 nvfp4-2 |")  # fmt: skip
     assert f"- **vs bf16**: {COLUMN_DOCS['vs_bf16']}" in markdown and "Welch's t-test" in markdown
@@ -648,9 +648,15 @@ def test_losses_and_throughput_come_from_completed_runs_only(tmp_path):
     # cut short by a time limit at a high loss: its last validation is not a final loss
     _add_run(catalog, tmp_path, "n2", "nvfp4", 2, [4.0, 3.9], state="interrupted", verdict="timeout")
     _add_run(catalog, tmp_path, "b2", "bf16", 2, [4.0, 2.0], state="interrupted", verdict="timeout")
-    ledger = build_report(tmp_path / "c.json").ledger.set_index("recipe")
+    report = build_report(tmp_path / "c.json")
+    ledger = report.ledger.set_index("recipe")
     row = ledger.loc["nvfp4"]
-    assert row["n_seeds"] == 3 and "timeout x1" in row["verdicts"] and "n2" in row["runs"]
+    assert row["n_seeds"] == 3 and row["n_completed"] == 2 and "timeout x1" in row["verdicts"] and "n2" in row["runs"]
+    console = Console(file=io.StringIO(), width=140)
+    console.print(render_ledger(report))
+    assert "2 of 3" in console.file.getvalue()
+    (curve,) = excess_curves(report)  # the seed-noise band over the completed runs, as the table
+    assert curve.run_ids == ["n0", "n1"] and curve.label == "nvfp4 (hand), 2 seeds" and "2 nvfp4 seeds" in curve.band_label
     assert row["final_val_loss_mean"] == pytest.approx(3.205)  # (3.2 + 3.21) / 2: the interrupted 4.0 left out
     assert row["baseline_runs"] == "b0 b1"
     assert row["val_excess_pct_mean"] == pytest.approx(100 * (3.205 - 3.105) / 3.105)

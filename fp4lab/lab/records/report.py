@@ -6,8 +6,8 @@
     fig = plot_figure(report, "loss_excess")                    # one of PLOTS as a matplotlib Figure
 
 Ledger columns (one row per (recipe, config without seed) group; COLUMN_DOCS explains each):
-  sweep, recipe, config (the non-seed sweep parameters, or a hash of the config), n_seeds, seeds,
-  final_val_loss_mean/_std, final_train_loss_mean/_std (std: sample std over seeds, empty for one seed),
+  sweep, recipe, config (the non-seed sweep parameters, or a hash of the config), n_seeds, n_completed
+  (the completed runs, which every loss, excess and throughput column is over), seeds, final_val_loss_mean/_std, final_train_loss_mean/_std (std: sample std over seeds, empty for one seed),
   excess_pct_mean (train-loss excess vs bf16 in %, mean over the steps present in both `loss_at_steps`,
   averaged over the group's runs) and excess_pct_std (the sample std over the runs of each run's mean
   excess), excess_pct_last, excess_pct_last_std and excess_last_step (same at the last common step),
@@ -53,7 +53,7 @@ RUN_SPECIFIC = ("seed", *RESULT_NEUTRAL)
 
 COLUMNS = (
     "sweep",
-    "recipe", "config", "n_seeds", "seeds",
+    "recipe", "config", "n_seeds", "n_completed", "seeds",
     "final_val_loss_mean", "final_val_loss_std", "final_train_loss_mean", "final_train_loss_std",
     "excess_pct_mean", "excess_pct_std", "excess_pct_last", "excess_pct_last_std", "excess_last_step",
     "val_excess_pct_mean", "val_excess_pct_std", "val_excess_ci95", "vs_bf16", "baseline_runs", "tokens_per_s_mean",
@@ -66,6 +66,8 @@ COLUMN_DOCS = {
     "config": "the sweep parameters besides recipe and seed (or a hash of the config when there are none)",
     "n_seeds": "how many runs (seeds) the row groups, finished or not (see verdicts); every loss, excess and "
     "throughput column is over the completed ones only (an interrupted run's last losses are not final)",
+    "n_completed": "how many of them completed: the runs behind every loss, excess, throughput column and "
+    "the loss-excess plot",
     "seeds": "their seeds",
     "final_val_loss_mean": "validation loss at the last evaluation, mean over the seeds",
     "final_val_loss_std": "its sample standard deviation over the seeds (empty for one seed)",
@@ -395,6 +397,7 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
                 "recipe": recipe or "?",
                 "config": _config_label(members[0]),
                 "n_seeds": len(members),
+                "n_completed": len(ended),
                 "seeds": ",".join("?" if s is None else str(s) for s in seeds),
                 "final_val_loss_mean": _mean(vals),
                 "final_val_loss_std": _std(vals),
@@ -449,7 +452,7 @@ def _signed(value: Any, digits: int = 2) -> str:
 
 _HEADERS = {  # column -> (header, digits) of the full table (Markdown, HTML)
     "sweep": ("sweep", 0), "recipe": ("recipe", 0), "config": ("config", 0), "n_seeds": ("seeds", 0),
-    "seeds": ("seed list", 0), "final_val_loss_mean": ("val loss", 4), "final_val_loss_std": ("± std", 4),
+    "n_completed": ("completed", 0), "seeds": ("seed list", 0), "final_val_loss_mean": ("val loss", 4), "final_val_loss_std": ("± std", 4),
     "final_train_loss_mean": ("train loss", 4), "final_train_loss_std": ("± std", 4),
     "excess_pct_mean": ("excess % (mean)", 2), "excess_pct_std": ("± std", 2),
     "excess_pct_last": ("excess % (last)", 2), "excess_pct_last_std": ("± std", 2), "excess_last_step": ("@step", 0),
@@ -487,12 +490,18 @@ def _console_rows(report: Report) -> list[list[str]]:
         verdicts = row["verdicts"].removesuffix(" x1") if row["n_seeds"] == 1 else row["verdicts"]
         versus = "\n".join(_fmt(row[c]) for c in ("vs_bf16", "val_excess_ci95") if _fmt(row[c]))
         rows.append([
-            row["sweep"], row["recipe"], row["config"], str(row["n_seeds"]),
+            row["sweep"], row["recipe"], row["config"], _seed_count(row),
             _fmt(row["final_val_loss_mean"], 4) + (f"\n±{val_std}" if val_std else ""),
             _signed(row["excess_pct_mean"]) + (f"\n±{excess_std}" if excess_std else ""), versus,
             _fmt(row["steady_tokens_per_s_mean"], 0), verdicts + (f"\nfirst: {first_bad}" if first_bad else ""),
         ])  # fmt: skip
     return rows
+
+
+def _seed_count(row) -> str:
+    """"3", or "1 of 3" while some of the row's runs have not completed."""
+    done, total = int(row["n_completed"]), int(row["n_seeds"])
+    return str(total) if done == total else f"{done} of {total}"
 
 
 def render_ledger(report: Report):
@@ -577,7 +586,8 @@ def _label(report: Report, run_id: str) -> str:
     return run_id
 
 
-def _group_label(report: Report, index: int) -> str:
+def _group_label(report: Report, index: int, seeds: int | None = None) -> str:
+    """The row's recipe (config, sweep) and its number of seeds: `seeds` where a plot draws fewer runs."""
     row = report.ledger.iloc[index]
     parts = [row["recipe"]]
     if row["config"] != "default":
@@ -585,7 +595,8 @@ def _group_label(report: Report, index: int) -> str:
     if report.sweep is None:
         parts.append(row["sweep"])
     label = parts[0] + (f" ({', '.join(parts[1:])})" if parts[1:] else "")
-    return label + (f", {row['n_seeds']} seeds" if row["n_seeds"] > 1 else "")
+    seeds = row["n_seeds"] if seeds is None else seeds
+    return label + (f", {seeds} seeds" if seeds > 1 else "")
 
 
 PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
@@ -657,14 +668,15 @@ class ExcessCurve:
 
 
 def excess_curves(report: Report) -> list[ExcessCurve]:
-    """The loss excess of every non-bf16 ledger row vs its bf16 reference (the mean of `report.baseline_of`'s
-    runs), per logged step, smoothed by a centered rolling mean over `_smoothing_window` steps (fewer at the
+    """The loss excess of every non-bf16 ledger row's completed runs vs its bf16 reference (the mean of
+    `report.baseline_of`'s runs), per logged step, smoothed by a centered rolling mean over `_smoothing_window` steps (fewer at the
     ends). The band is seed noise: ±1 standard error of the difference of the two means, from the spread of
     the smoothed excess across the row's seeds and across the bf16 seeds (each side only when it has several);
     with one seed on both sides, ±1 std of the unsmoothed excess around the smoothed one (step-to-step noise)."""
     import pandas as pd
 
     window = _smoothing_window(report)
+    completed = {r["id"] for r in report.records if r.get("state") == "completed"}  # as the table's columns
 
     def excess(run_id: str, ref: dict[int, float]) -> Any:
         m = report.metrics[run_id]
@@ -680,7 +692,7 @@ def excess_curves(report: Report) -> list[ExcessCurve]:
     for index, run_ids in enumerate(report.groups):
         if report.ledger.iloc[index]["recipe"] == BASELINE:
             continue
-        members = [i for i in run_ids if i in report.metrics]
+        members = [i for i in run_ids if i in report.metrics and i in completed]
         bases = [b for b in report.baseline_of.get(run_ids[0], []) if b in report.metrics]
         if not members or not bases:
             continue
@@ -708,7 +720,7 @@ def excess_curves(report: Report) -> list[ExcessCurve]:
             band = (raw - curve).rolling(window, center=True, min_periods=2).std()
             band_label = "step-to-step noise of the raw excess, ±1 std (one seed each)"
         curves.append(ExcessCurve(
-            label=_group_label(report, index), run_ids=members, steps=[int(s) for s in curve.index],
+            label=_group_label(report, index, len(members)), run_ids=members, steps=[int(s) for s in curve.index],
             smoothed=curve.tolist(), band=band.reindex(curve.index).tolist(), band_label=band_label,
             per_run={i: ([int(s) for s in runs[i].dropna().index], runs[i].dropna().tolist()) for i in members},
         ))  # fmt: skip
