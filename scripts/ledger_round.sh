@@ -64,12 +64,14 @@ for entry in "${specs[@]}"; do
   timeout -s INT -k 120 "$left" python3 -m fp4lab.cli sweep "$spec" --catalog "$catalog" --workers $((gpus * share)) || echo "ledger_round: $spec ended with $?" >&2
 done
 
+# The catalog and the runs first: should the machine's time run out during the reports, they are back.
+cp "$catalog" "$results/sweep_catalog.json"
+find runs -maxdepth 3 \( -name summary.json -o -name metrics.jsonl \) -print0 2>/dev/null | sort -z \
+  | tar -cJf "$results/runs.tar.xz.part" --null -T -
+mv "$results/runs.tar.xz.part" "$results/runs.tar.xz"
 for entry in "${specs[@]}"; do
   spec=${entry%@*}
   name=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["name"])' "$spec")
   python3 -m fp4lab.cli report "$name" --catalog "$catalog" --out "reports/$name" || true
 done
-find runs -maxdepth 3 \( -name summary.json -o -name metrics.jsonl \) -print0 2>/dev/null | sort -z \
-  | tar -cJf "$results/runs.tar.xz" --null -T -
-cp "$catalog" "$results/sweep_catalog.json"
 tar -cJf "$results/reports.tar.xz" reports

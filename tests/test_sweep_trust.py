@@ -233,6 +233,32 @@ def test_ctrl_c_during_start_up_leaves_the_run_interrupted_so_the_next_sweep_run
     assert catalog.get(record["id"])["state"] == "completed"
 
 
+def test_ctrl_c_while_a_training_process_starts_up_leaves_its_run_interrupted(tmp_path):
+    """The sweep's SIGINT can reach a training process before it has imported fp4lab (and so before it
+    could record anything): the run must be interrupted, not failed, or the next sweep skips it (a
+    ledger round lost nvfp4-cta seed 2 so). A sitecustomize holds the training process in start-up."""
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16"]))
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import pathlib, sys, time\n"
+        "if 'train' in sys.argv:\n"
+        "    pathlib.Path('starting').touch()\n"
+        "    time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+    sweep = subprocess.Popen([sys.executable, "-m", "fp4lab.cli", "sweep", "s.toml"], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    _wait_for(lambda: (tmp_path / "starting").exists())
+    sweep.send_signal(signal.SIGINT)
+    out, err = sweep.communicate(timeout=120)
+    assert sweep.returncode == 130, err
+    (record,) = Catalog(tmp_path / "sweep_catalog.json").records()
+    assert (record["state"], record["verdict"], record["owner"]) == ("interrupted", None, None), record
+    assert "interrupted: 1 run(s) stopped" in out
+
+
 def test_ctrl_c_stops_train_with_a_checkpoint_and_exit_130(tmp_path):
     command = [sys.executable, "-m", "fp4lab.cli", "train", "--model", "tiny", "--data", "synthetic", "--steps", "2000",
                "--batch-size", "2", "--seq-len", "32", "--checkpoint-every", "1000", "--out", "run"]

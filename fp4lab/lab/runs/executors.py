@@ -159,7 +159,8 @@ def _run_local(
     This process owns each run while it trains (`Catalog.claim`): a run another live process owns is
     left to it (recorded by that process, returned here as is). Each training process records its own
     start and end (`train --catalog`); one that dies without doing so (killed, out of memory) is
-    recorded here as failed, with the last line of its log as the error. A run of several ranks is
+    recorded here as failed, with the last line of its log as the error, unless this sweep was stopping
+    (Ctrl-C reached it in start-up): then interrupted. A run of several ranks is
     one torchrun --standalone (its agent passes signals on to the ranks; rank 0 records the run).
     Ctrl-C (KeyboardInterrupt)
     starts nothing more, passes one SIGINT to each training process (they run in their own session,
@@ -210,7 +211,11 @@ def _run_local(
             if gpus is not None:
                 slots.put(gpus)
         finished = catalog.get(run.id)
-        if finished["state"] in IN_FLIGHT_STATES:
+        if finished["state"] in IN_FLIGHT_STATES and stopping.is_set():
+            # Our SIGINT reached it before it could record anything (interpreter start-up, imports):
+            # nothing broke, so the next sweep runs it again instead of skipping it as failed.
+            finished = finish_run(run, catalog, thresholds, returncode=130, state="interrupted")
+        elif finished["state"] in IN_FLIGHT_STATES:
             finished = finish_run(run, catalog, thresholds, returncode=returncode or 1)
             if finished["state"] == "failed" and not finished.get("error"):
                 finished = catalog.update(run.id, error=last_error_line(log) or f"the training process exited with {_exit_text(returncode)}")
