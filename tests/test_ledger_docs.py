@@ -4,6 +4,7 @@ its data or from the report code."""
 
 from __future__ import annotations
 
+import csv
 import shutil
 import tarfile
 from pathlib import Path
@@ -49,29 +50,24 @@ def test_the_committed_report_is_what_fp4lab_report_writes_from_the_committed_ca
 def _condensed_row(row: dict[str, str]) -> list[str]:
     """The cells of one row of docs/LEDGER.md's main table, as it rounds the report's CSV row."""
 
-    def with_spread(mean: str, std: str, fmt: str) -> str:
-        return f"{float(mean):{fmt}}" + (f" ± {float(std):.{fmt[-2:]}}" if std else "")
-
-    baseline = not row["vs_bf16"]
-    seeds = row["n_seeds"] if row["n_completed"] == row["n_seeds"] else f"{row['n_completed']} of {row['n_seeds']}"
+    def with_spread(mean: str, std: str, decimals: int, sign: str = "") -> str:
+        return f"{float(mean):{sign}.{decimals}f}" + (f" ± {float(std):.{decimals}f}" if std else "")
 
     def excess(mean: str, std: str) -> str:
-        return f"0 ± {float(std):.2f}" if baseline else with_spread(mean, std, "+.2f")
+        return f"0 ± {float(std):.2f}" if not row["vs_bf16"] else with_spread(mean, std, 2, "+")  # bf16 is the baseline
 
-    cells = [
+    seeds = row["n_seeds"] if row["n_completed"] == row["n_seeds"] else f"{row['n_completed']} of {row['n_seeds']}"
+    return [
         row["recipe"], seeds,
-        with_spread(row["final_val_loss_mean"], row["final_val_loss_std"], ".4f"),
+        with_spread(row["final_val_loss_mean"], row["final_val_loss_std"], 4),
         excess(row["val_excess_pct_mean"], row["val_excess_pct_std"]),
         row["val_excess_ci95"], row["vs_bf16"],
         excess(row["excess_pct_mean"], row["excess_pct_std"]),
         f"{round(float(row['steady_tokens_per_s_mean'])):,}", row["verdicts"],
     ]
-    return cells
 
 
 def test_the_ledger_table_in_LEDGER_md_rounds_the_committed_report():
-    import csv
-
     rows = [r for r in csv.DictReader((LEDGER / "ledger" / "ledger.csv").open()) if int(r["n_completed"]) > 0]
     text = (REPO / "docs" / "LEDGER.md").read_text().splitlines()
     header = text.index(

@@ -211,14 +211,15 @@ def _run_local(
             if gpus is not None:
                 slots.put(gpus)
         finished = catalog.get(run.id)
-        if finished["state"] in IN_FLIGHT_STATES and stopping.is_set():
-            # Our SIGINT reached it before it could record anything (interpreter start-up, imports):
-            # nothing broke, so the next sweep runs it again instead of skipping it as failed.
-            finished = finish_run(run, catalog, thresholds, returncode=130, state="interrupted")
-        elif finished["state"] in IN_FLIGHT_STATES:
-            finished = finish_run(run, catalog, thresholds, returncode=returncode or 1)
-            if finished["state"] == "failed" and not finished.get("error"):
-                finished = catalog.update(run.id, error=last_error_line(log) or f"the training process exited with {_exit_text(returncode)}")
+        if finished["state"] in IN_FLIGHT_STATES:
+            if stopping.is_set():
+                # Our SIGINT reached it before it could record anything (interpreter start-up, imports):
+                # nothing broke, so the next sweep runs it again instead of skipping it as failed.
+                finished = finish_run(run, catalog, thresholds, returncode=130, state="interrupted")
+            else:
+                finished = finish_run(run, catalog, thresholds, returncode=returncode or 1)
+                if finished["state"] == "failed" and not finished.get("error"):
+                    finished = catalog.update(run.id, error=last_error_line(log) or f"the training process exited with {_exit_text(returncode)}")
         if on_finish is not None:
             with lock:
                 on_finish(finished)
