@@ -1096,7 +1096,7 @@ def report(
     out: Annotated[Optional[Path], typer.Option(help="Output folder (default: reports/<SWEEP or all>/, reports/ratchet-<TAG>/).")] = None,
     catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
     ratchet: Annotated[Optional[str], typer.Option(help="Report a ratchet run instead: its TAG (metric vs iteration).")] = None,
-    claims: Annotated[Optional[Path], typer.Option(help="A TOML file of papers' claims (recipe, excess_pct, source) to set against the ledger: claims.csv and a section of ledger.md.")] = None,
+    claims: Annotated[Optional[Path], typer.Option(help="A TOML file of papers' claims (recipe, excess_pct or direction, versus, metric, source) to set against the ledger: claims.csv and a section of ledger.md.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the ledger rows and the files written as JSON instead of the table.")] = False,
 ) -> None:
     """The recipe ledger of a sweep (seeds grouped, loss excess vs bf16) as CSV, Markdown and HTML with plots."""

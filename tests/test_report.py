@@ -23,10 +23,13 @@ from rich.console import Console
 from scipy import stats as scipy_stats
 
 from fp4lab.lab.records.catalog import Catalog
+from fp4lab.lab.records.claims import claims_markdown
 from fp4lab.lab.records.report import (
     COLUMN_DOCS,
+    RunMetrics,
     build_report,
     divergence_step,
+    endpoint_train_loss,
     excess_curves,
     excess_pct,
     ledger_markdown,
@@ -608,7 +611,7 @@ def test_claims_are_set_against_the_welch_interval_of_their_recipe(seed_noise_ca
     assert (nvfp4["measured_ci95_low"], nvfp4["measured_ci95_high"]) == (pytest.approx(low), pytest.approx(high))
     ref = statistics.mean(_vals("bf16"))
     assert nvfp4["measured_excess_pct"] == pytest.approx(statistics.mean(100 * (v - ref) / ref for v in _vals("nvfp4")))
-    assert nvfp4["n_seeds"] == 3 and nvfp4["n_bf16"] == 3
+    assert nvfp4["n_seeds"] == 3 and nvfp4["n_versus"] == 3 and nvfp4["versus"] == "bf16" and nvfp4["metric"] == "val"
     assert table.iloc[1]["measured_ci95_high"] < 0 < 2.11  # mxfp4-rowsr-h32 is below bf16 here: smaller than claimed
     assert table.iloc[2]["measured_ci95_low"] > 1.0
 
@@ -618,11 +621,82 @@ def test_claims_are_set_against_the_welch_interval_of_their_recipe(seed_noise_ca
     document = json.loads(done.stdout)
     assert [row["verdict"] for row in document["claims"]] == table["verdict"].tolist()
     assert (out / "claims.csv").exists() and "## Claims" in (out / "ledger.md").read_text()
-    assert "| nvfp4 | default | inside the interval | +6.00 |" in (out / "ledger.md").read_text()
+    assert "| nvfp4 | bf16 | val | default | inside the interval | +6.00 |" in (out / "ledger.md").read_text()
+
+
+VERSUS_CLAIMS = """
+[[claim]]
+recipe = "nvfp4"
+versus = "mxfp4-rowsr-h32"
+direction = "above"
+source = "agrees: nvfp4 sits well above mxfp4-rowsr-h32"
+
+[[claim]]
+recipe = "mxfp4-rowsr-h32"
+versus = "nvfp4"
+direction = "above"
+source = "opposite here"
+
+[[claim]]
+recipe = "mxfp4"
+metric = "train"
+direction = "below"
+source = "within noise: mxfp4 overlaps bf16"
+
+[[claim]]
+recipe = "nvfp4"
+versus = "mxfp4-rowsr-h32"
+metric = "train"
+excess_pct = 13.0
+source = "a number against another recipe, on the endpoint train loss"
+
+[[claim]]
+recipe = "nvfp4"
+versus = "nvfp4-all"
+excess_pct = 1.0
+source = "its reference is not in the ledger"
+"""
+
+
+def test_claims_against_another_recipe_by_direction_and_on_the_endpoint_train_loss(seed_noise_catalog, tmp_path):
+    """versus: the reference is another recipe's row; direction: agrees only when the whole interval lies
+    on the claimed side of 0; metric train: the endpoint train loss (here each run's last logged loss)."""
+    from fp4lab.lab.records.claims import check_claims, load_claims
+
+    claims_file = tmp_path / "claims.toml"
+    claims_file.write_text(VERSUS_CLAIMS)
+    table = check_claims(build_report(seed_noise_catalog, "hand"), load_claims(claims_file))
+    assert table["verdict"].tolist() == ["agrees", "opposite here", "within noise", "agrees", "not run"]
+    above = table.iloc[0]
+    low, high = _welch_ci_pct(_vals("nvfp4"), _vals("mxfp4-rowsr-h32"))
+    assert (above["measured_ci95_low"], above["measured_ci95_high"]) == (pytest.approx(low), pytest.approx(high))
+    assert above["n_versus"] == 3 and above["claimed_direction"] == "above" and math.isnan(above["claimed_excess_pct"])
+    finals = {recipe: [final for _, final in runs] for recipe, runs in SEED_NOISE_RUNS.items()}
+    train = table.iloc[3]  # the endpoint train losses are the finals, not the val losses (0.1 above them)
+    low, high = _welch_ci_pct(finals["nvfp4"], finals["mxfp4-rowsr-h32"])
+    assert (train["measured_ci95_low"], train["measured_ci95_high"]) == (pytest.approx(low), pytest.approx(high))
+    ref = statistics.mean(finals["mxfp4-rowsr-h32"])
+    assert train["measured_excess_pct"] == pytest.approx(statistics.mean(100 * (v - ref) / ref for v in finals["nvfp4"]))
+    assert low < 13.0 < high and train["metric"] == "train"
+    markdown = claims_markdown(table)
+    assert "| nvfp4 | mxfp4-rowsr-h32 | val | default | agrees: nvfp4 sits well above mxfp4-rowsr-h32 | above |" in markdown
+    assert f"| {low:+.2f}..{high:+.2f} | 3 | 3 | agrees |" in markdown
+
+
+def test_the_endpoint_train_loss_is_the_mean_over_the_last_tenth_of_the_logged_steps():
+    assert endpoint_train_loss(RunMetrics(steps=list(range(20)), loss=[5.0] * 18 + [3.0, 2.0])) == 2.5
+    assert endpoint_train_loss(RunMetrics(steps=list(range(21)), loss=[5.0] * 18 + [4.0, 3.0, 2.0])) == 3.0
+    assert endpoint_train_loss(RunMetrics(steps=[0, 1, 2], loss=[5.0, 4.0, 3.0])) == 3.0
+    assert endpoint_train_loss(RunMetrics()) is None and endpoint_train_loss(None) is None
 
 
 @pytest.mark.parametrize("text, message", [
-    ("[[claim]]\nrecipe = 'nvfp4'\nsource = 's'\n", "claim 1: excess_pct must be a finite number"),
+    ("[[claim]]\nrecipe = 'nvfp4'\nsource = 's'\n", "claim 1: give exactly one of excess_pct"),
+    ("[[claim]]\nrecipe = 'nvfp4'\nexcess_pct = 1.0\ndirection = 'above'\nsource = 's'\n", "claim 1: give exactly one of excess_pct"),
+    ("[[claim]]\nrecipe = 'nvfp4'\nexcess_pct = 'x'\nsource = 's'\n", "claim 1: excess_pct must be a finite number"),
+    ("[[claim]]\nrecipe = 'nvfp4'\ndirection = 'up'\nsource = 's'\n", "claim 1: direction='up'; allowed: 'above', 'below'"),
+    ("[[claim]]\nrecipe = 'nvfp4'\nexcess_pct = 1.0\nmetric = 'loss'\nsource = 's'\n", "claim 1: metric='loss'; allowed: 'val'"),
+    ("[[claim]]\nrecipe = 'nvfp4'\nexcess_pct = 1.0\nversus = 'nvfp4'\nsource = 's'\n", "claim 1: versus must name the reference recipe"),
     ("[[claim]]\nrecipe = 'nvfp4'\nexcess_pct = 1.0\nsource = 's'\npaper = 'x'\n", "claim 1.paper: unknown key"),
     ("[[claim]]\nrecipe = ''\nexcess_pct = 1.0\nsource = 's'\n", "claim 1: recipe must be a non-empty string"),
     ("title = 'x'\n", "title: unknown key"),

@@ -254,6 +254,14 @@ def steady_tokens_per_s(metrics: RunMetrics | None) -> float | None:
     return statistics.median(v for step, v in metrics.throughput if 2 * step >= last)
 
 
+def endpoint_train_loss(metrics: RunMetrics | None) -> float | None:
+    """The mean train loss over the last tenth of a run's logged steps (at least one step; None without
+    any): its loss at the end of training, with the noise of a single batch averaged out."""
+    if metrics is None or not metrics.loss:
+        return None
+    return statistics.fmean(metrics.loss[-math.ceil(len(metrics.loss) / 10) :])
+
+
 def read_metrics(path: Path) -> RunMetrics:
     """Parse a metrics.jsonl (torn or corrupt lines skipped and counted in `skipped_lines`, as every
     reader does); raises ValueError when it is missing, unreadable or has no loss."""
