@@ -665,6 +665,8 @@ def test_claims_against_another_recipe_by_direction_and_on_the_endpoint_train_lo
 
     claims_file = tmp_path / "claims.toml"
     claims_file.write_text(VERSUS_CLAIMS)
+    # an interrupted seed, its last losses far above: no endpoint train loss of a finished run, left out
+    _add_run(Catalog(seed_noise_catalog), tmp_path, "nvfp4-3", "nvfp4", 3, [5.0, 4.9, 4.8], state="interrupted")
     table = check_claims(build_report(seed_noise_catalog, "hand"), load_claims(claims_file))
     assert table["verdict"].tolist() == ["agrees", "opposite here", "within noise", "agrees", "not run"]
     above = table.iloc[0]
