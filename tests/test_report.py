@@ -436,6 +436,15 @@ def test_html_page_stands_on_its_own(recipes_catalog, tmp_path):
 T_975_DF4 = 2.7764451051977987  # Student's t, 97.5 % quantile, 4 degrees of freedom (any t table: 2.776)
 
 
+def _paired_ci_pct(values: list[float], reference: list[float]) -> tuple[float, float]:
+    """The t-interval of the mean per-seed difference (values[i] and reference[i] share a seed) in % of
+    mean(reference), written out."""
+    diffs = [v - r for v, r in zip(values, reference)]
+    half = scipy_stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    ref = statistics.mean(reference)
+    return 100 * (statistics.mean(diffs) - half) / ref, 100 * (statistics.mean(diffs) + half) / ref
+
+
 def _welch_ci_pct(values: list[float], reference: list[float]) -> tuple[float, float]:
     """Welch's 95 % interval of mean(values) - mean(reference) in % of mean(reference), written out."""
     se2_a, se2_b = statistics.variance(values) / len(values), statistics.variance(reference) / len(reference)
@@ -458,10 +467,13 @@ SEED_NOISE_RUNS = {
 
 @pytest.fixture
 def seed_noise_catalog(tmp_path) -> Path:
+    """The bf16 runs have seeds 10-12, the recipes 0-2: no seed is shared, so every interval is Welch's
+    (`test_matched_seeds_are_compared_pair_by_pair` has the paired one)."""
     catalog = Catalog(tmp_path / "sweep_catalog.json")
     for recipe, runs in SEED_NOISE_RUNS.items():
-        for seed, (first, final) in enumerate(runs):
-            _add_run(catalog, tmp_path, f"{recipe}-{seed}", recipe, seed, [first, 4.0, final])
+        for index, (first, final) in enumerate(runs):
+            seed = index + 10 if recipe == "bf16" else index
+            _add_run(catalog, tmp_path, f"{recipe}-{index}", recipe, seed, [first, 4.0, final])
     return tmp_path / "sweep_catalog.json"
 
 
@@ -531,6 +543,30 @@ def test_vs_bf16_is_n_a_with_one_bf16_seed_or_no_bf16(tmp_path):
     assert no_bf16["vs_bf16"] == "n/a" and math.isnan(no_bf16["val_excess_pct_mean"])
 
 
+def test_matched_seeds_are_compared_pair_by_pair(tmp_path):
+    """A seed fixes the initial weights and the batches in every recipe: where a row and its bf16 runs
+    ran the same seeds the interval is the paired one, which a shared seed effect does not widen; a row
+    missing one of the seeds falls back to Welch's."""
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    bf16, nvfp4 = [3.00, 3.10, 3.20], [3.05, 3.16, 3.24]  # seed effects of 0.1 shared; nvfp4 0.04-0.06 above
+    for seed, (a, b) in enumerate(zip(bf16, nvfp4)):
+        _add_run(catalog, tmp_path, f"b{seed}", "bf16", seed, [5.0, a])
+        _add_run(catalog, tmp_path, f"n{seed}", "nvfp4", seed, [5.0, b])
+        if seed < 2:
+            _add_run(catalog, tmp_path, f"m{seed}", "mxfp4", seed, [5.0, b])
+    ledger = build_report(tmp_path / "sweep_catalog.json", "hand").ledger.set_index("recipe")
+    vals = {name: [v + 0.1 for v in losses] for name, losses in (("bf16", bf16), ("nvfp4", nvfp4))}
+    low, high = _paired_ci_pct(vals["nvfp4"], vals["bf16"])
+    assert (low, high) == pytest.approx((0.786, 2.339), abs=1e-3)  # by hand: 0.05 ± 4.303 x 0.01 / sqrt(3), of 3.2
+    assert ledger.loc["nvfp4", "val_excess_ci95"] == f"{low:+.2f}..{high:+.2f}" and ledger.loc["nvfp4", "ci_test"] == "paired"
+    assert ledger.loc["nvfp4", "vs_bf16"] == "above"
+    welch_low, welch_high = _welch_ci_pct(vals["nvfp4"], vals["bf16"])
+    assert welch_low < 0 < welch_high  # unpaired, the shared seed effect hides the difference
+    low, high = _welch_ci_pct(vals["nvfp4"][:2], vals["bf16"])
+    assert ledger.loc["mxfp4", "ci_test"] == "welch" and ledger.loc["mxfp4", "val_excess_ci95"] == f"{low:+.2f}..{high:+.2f}"
+    assert pd.isna(ledger.loc["bf16", "ci_test"])
+
+
 def test_seed_noise_columns_in_every_export_and_the_markdown_is_reproducible(seed_noise_catalog, tmp_path):
     report = build_report(seed_noise_catalog, "hand")
     written = write_report(report, tmp_path / "out")
@@ -545,16 +581,16 @@ def test_seed_noise_columns_in_every_export_and_the_markdown_is_reproducible(see
     lines = markdown.splitlines()
     assert lines[2] == (
         "| recipe | config | seeds | completed | seed list | val loss | ± std | train loss | ± std | excess % (mean) | ± std "
-        "| excess % (last) | ± std | @step | val excess % | ± std | val excess 95 % CI | vs bf16 | bf16 runs | tok/s "
+        "| excess % (last) | ± std | @step | val excess % | ± std | val excess 95 % CI | ci test | vs bf16 | bf16 runs | tok/s "
         "| steady tok/s | verdicts | first event | runs |"
     )
     nvfp4 = lines[5]
     assert nvfp4.startswith("| nvfp4 | default | 3 | 3 | 0,1,2 | 3.3000 | 0.0200 | 3.2000 | 0.0200 |")
-    assert nvfp4.endswith("| 6.45 | 0.65 | +4.99..+7.91 | above | bf16-0 bf16-1 bf16-2 | 101.0 | 100.0 | converged x3 |  "
+    assert nvfp4.endswith("| 6.45 | 0.65 | +4.99..+7.91 | welch | above | bf16-0 bf16-1 bf16-2 | 101.0 | 100.0 | converged x3 |  "
                           "| nvfp4-0 nvfp4-1 nvfp4-2 |")  # fmt: skip
     assert f"- **vs bf16**: {COLUMN_DOCS['vs_bf16']}" in markdown and "Welch's t-test" in markdown
     text = html.unescape(written["html"].read_text())
-    assert "<td>+4.99..+7.91</td><td>above</td>" in text and COLUMN_DOCS["val_excess_ci95"] in text
+    assert "<td>+4.99..+7.91</td><td>welch</td><td>above</td>" in text and COLUMN_DOCS["val_excess_ci95"] in text
 
     lines = _rendered(render_ledger(build_report(seed_noise_catalog)), 100)  # every sweep: the widest table
     assert max(len(line) for line in lines) <= 100 and not any("…" in line for line in lines)
@@ -563,7 +599,7 @@ def test_seed_noise_columns_in_every_export_and_the_markdown_is_reproducible(see
     row = report.ledger.set_index("recipe").loc["nvfp4"]
     assert f"{row['excess_pct_mean']:+.2f}" in first and f"±{row['excess_pct_std']:.2f}" in second
     assert "above" in first and "+4.99..+7.91" in second
-    assert any(line.strip("│ ").startswith("val loss vs bf16: Welch's 95 % CI") for line in lines)
+    assert any(line.strip("│ ").startswith("val loss vs bf16: 95 % CI of the difference of means") for line in lines)
 
 
 CLAIMS = """
@@ -669,20 +705,21 @@ def test_claims_against_another_recipe_by_direction_and_on_the_endpoint_train_lo
     _add_run(Catalog(seed_noise_catalog), tmp_path, "nvfp4-3", "nvfp4", 3, [5.0, 4.9, 4.8], state="interrupted")
     table = check_claims(build_report(seed_noise_catalog, "hand"), load_claims(claims_file))
     assert table["verdict"].tolist() == ["agrees", "opposite here", "within noise", "agrees", "not run"]
-    above = table.iloc[0]
-    low, high = _welch_ci_pct(_vals("nvfp4"), _vals("mxfp4-rowsr-h32"))
+    above = table.iloc[0]  # nvfp4 and mxfp4-rowsr-h32 ran seeds 0-2 both: compared pair by pair
+    low, high = _paired_ci_pct(_vals("nvfp4"), _vals("mxfp4-rowsr-h32"))
     assert (above["measured_ci95_low"], above["measured_ci95_high"]) == (pytest.approx(low), pytest.approx(high))
     assert above["n_versus"] == 3 and above["claimed_direction"] == "above" and math.isnan(above["claimed_excess_pct"])
     finals = {recipe: [final for _, final in runs] for recipe, runs in SEED_NOISE_RUNS.items()}
     train = table.iloc[3]  # the endpoint train losses are the finals, not the val losses (0.1 above them)
-    low, high = _welch_ci_pct(finals["nvfp4"], finals["mxfp4-rowsr-h32"])
+    low, high = _paired_ci_pct(finals["nvfp4"], finals["mxfp4-rowsr-h32"])
     assert (train["measured_ci95_low"], train["measured_ci95_high"]) == (pytest.approx(low), pytest.approx(high))
+    assert train["ci_test"] == "paired" and table.iloc[2]["ci_test"] == "welch"  # mxfp4 vs bf16: no shared seed
     ref = statistics.mean(finals["mxfp4-rowsr-h32"])
     assert train["measured_excess_pct"] == pytest.approx(statistics.mean(100 * (v - ref) / ref for v in finals["nvfp4"]))
     assert low < 13.0 < high and train["metric"] == "train"
     markdown = claims_markdown(table)
     assert "| nvfp4 | mxfp4-rowsr-h32 | val | default | agrees: nvfp4 sits well above mxfp4-rowsr-h32 | above |" in markdown
-    assert f"| {low:+.2f}..{high:+.2f} | 3 | 3 | agrees |" in markdown
+    assert f"| {low:+.2f}..{high:+.2f} | paired | 3 | 3 | agrees |" in markdown
 
 
 def test_the_endpoint_train_loss_is_the_mean_over_the_last_tenth_of_the_logged_steps():

@@ -19,9 +19,10 @@ for bf16, else the reference recipe's row of the same config), over the complete
 interrupted run's last losses are not final). The loss is a run's final validation loss, or its
 endpoint train loss: the mean train loss over the last tenth of its logged steps (`report.
 endpoint_train_loss`), which averages out the noise of one batch. The measured excess is each seed's
-loss over the reference runs' mean, the mean over seeds; its 95 % interval is Welch's interval of the
-difference of the two means, in % of the reference mean (for a val claim against bf16, the row's
-`val_excess_ci95`). The verdict says what the seeds allow. For a number: "agrees" when the claimed value
+loss over the reference runs' mean, the mean over seeds; its 95 % interval is that of the difference
+of the two means, in % of the reference mean, paired by seed where both sides ran the same seeds and
+Welch's otherwise (`report.difference_ci95`; for a val claim against bf16, the row's `val_excess_ci95`).
+The verdict says what the seeds allow. For a number: "agrees" when the claimed value
 lies inside the interval, "smaller here" or "larger here" when the whole interval lies below or above it.
 For a direction: "agrees" when the whole interval lies on the claimed side of 0, "opposite here" when
 it lies on the other, "within noise" when it holds 0. "n/a" with fewer than two finite losses on either
@@ -31,7 +32,6 @@ means "seed noise here cannot tell the two apart", at this ledger's scale, no mo
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,13 +45,13 @@ DIRECTIONS = ("above", "below")
 CLAIM_KEYS = ("recipe", "versus", "metric", "excess_pct", "direction", "source", "config")
 CLAIM_COLUMNS = (
     "recipe", "versus", "metric", "config", "source", "claimed_excess_pct", "claimed_direction",
-    "measured_excess_pct", "measured_excess_std", "measured_ci95_low", "measured_ci95_high", "n_seeds",
+    "measured_excess_pct", "measured_excess_std", "measured_ci95_low", "measured_ci95_high", "ci_test", "n_seeds",
     "n_versus", "verdict",
 )  # fmt: skip
 CLAIM_HEADERS = {
     "recipe": "recipe", "versus": "versus", "metric": "loss", "config": "config", "source": "source",
     "claimed": "claimed", "measured_excess_pct": "measured %", "measured_excess_std": "± std",
-    "measured_ci95": "95 % CI", "n_seeds": "seeds", "n_versus": "versus runs", "verdict": "verdict",
+    "measured_ci95": "95 % CI", "ci_test": "test", "n_seeds": "seeds", "n_versus": "versus runs", "verdict": "verdict",
 }  # fmt: skip
 
 
@@ -110,7 +110,7 @@ def check_claims(report: Any, claims: list[Claim]) -> Any:
     """A DataFrame with CLAIM_COLUMNS, one row per claim, from a built report (fp4lab.lab.records.report)."""
     import pandas as pd
 
-    from fp4lab.lab.records.report import welch_ci95
+    from fp4lab.lab.records.report import difference_ci95
 
     rows = []
     for claim in claims:
@@ -127,16 +127,16 @@ def check_claims(report: Any, claims: list[Claim]) -> Any:
         values = _losses(report, match["runs"].split(), claim.metric)
         reference = _losses(report, reference_runs.split(), claim.metric)
         row |= {"config": match["config"], "n_seeds": len(values), "n_versus": len(reference)}
-        interval = welch_ci95(values, reference)
-        ref_mean = statistics.mean(reference) if reference else 0.0
+        interval, test = difference_ci95(values, reference)
+        ref_mean = statistics.mean(v for _, v in reference) if reference else 0.0
         if interval is None or ref_mean == 0:
             rows.append(row | {"verdict": "n/a"})
             continue
-        excess = [100.0 * (v - ref_mean) / ref_mean for v in values]
+        excess = [100.0 * (v - ref_mean) / ref_mean for _, v in values]
         low, high = (100.0 * bound / ref_mean for bound in interval)
         rows.append(row | {
             "measured_excess_pct": statistics.mean(excess), "measured_excess_std": statistics.stdev(excess),
-            "measured_ci95_low": low, "measured_ci95_high": high, "verdict": _verdict(claim, low, high),
+            "measured_ci95_low": low, "measured_ci95_high": high, "ci_test": test, "verdict": _verdict(claim, low, high),
         })  # fmt: skip
     table = pd.DataFrame(rows, columns=list(CLAIM_COLUMNS))
     table["n_seeds"] = table["n_seeds"].astype("Int64")
@@ -156,15 +156,16 @@ def _ledger_row(report: Any, recipe: str, config: str | None) -> Any:
     return None if matches.empty else matches.iloc[0]
 
 
-def _losses(report: Any, run_ids: list[str], metric: str) -> list[float]:
-    """The finite losses (final validation, or endpoint train) of these runs' completed ones, in order."""
-    from fp4lab.lab.records.report import endpoint_train_loss, final_val_losses
+def _losses(report: Any, run_ids: list[str], metric: str) -> list[tuple[Any, float]]:
+    """(seed, loss) of these runs' completed ones with a finite loss (final validation, or endpoint
+    train), in order."""
+    from fp4lab.lab.records.report import endpoint_train_loss, final_val_losses, seeded
 
     if metric == "val":
         return final_val_losses(report, run_ids, completed_only=True)
-    completed = {r["id"] for r in report.records if r.get("state") == "completed"}
-    losses = [endpoint_train_loss(report.metrics.get(i)) for i in run_ids if i in completed]
-    return [v for v in losses if v is not None and math.isfinite(v)]
+    by_id = {r["id"]: r for r in report.records}
+    completed = [by_id[i] for i in run_ids if i in by_id and by_id[i].get("state") == "completed"]
+    return seeded(completed, lambda r: endpoint_train_loss(report.metrics.get(r["id"])))
 
 
 def _verdict(claim: Claim, low: float, high: float) -> str:
@@ -196,7 +197,7 @@ def _cells(table: Any) -> list[dict[str, str]]:
             "recipe": row["recipe"], "versus": row["versus"], "metric": row["metric"], "config": _fmt(row["config"]),
             "source": row["source"], "claimed": row["claimed_direction"] or pct(row["claimed_excess_pct"]),
             "measured_excess_pct": pct(row["measured_excess_pct"]), "measured_excess_std": pct(row["measured_excess_std"]).lstrip("+"),
-            "measured_ci95": f"{low}..{high}" if low else "", "n_seeds": _fmt(row["n_seeds"]),
+            "measured_ci95": f"{low}..{high}" if low else "", "ci_test": _fmt(row["ci_test"]), "n_seeds": _fmt(row["n_seeds"]),
             "n_versus": _fmt(row["n_versus"]), "verdict": row["verdict"],
         })  # fmt: skip
     return cells
@@ -205,7 +206,8 @@ def _cells(table: Any) -> list[dict[str, str]]:
 VERDICTS = (
     "loss: val = final validation loss, train = endpoint train loss (the mean over the last tenth of the logged "
     "steps). measured %: the recipe's loss over the mean of the versus runs', in %, mean over the seeds; 95 % CI: "
-    "Welch's interval of the difference of the means, in % of the versus mean. A claimed number agrees when it lies "
+    "the interval of the difference of the means, in % of the versus mean, by the test named (paired: the per-seed "
+    "differences, where both sides ran the same seeds; welch: Welch's t-test). A claimed number agrees when it lies "
     "in that interval (seed noise here cannot tell them apart); smaller here / larger here: the whole interval "
     "lies below / above it. A claimed direction (above / below) agrees when the whole interval lies on that side "
     "of 0; opposite here: on the other side; within noise: the interval holds 0. n/a: fewer than two finite "

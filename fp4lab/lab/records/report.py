@@ -12,10 +12,10 @@ Ledger columns (one row per (recipe, config without seed) group; COLUMN_DOCS exp
   averaged over the group's runs) and excess_pct_std (the sample std over the runs of each run's mean
   excess), excess_pct_last, excess_pct_last_std and excess_last_step (same at the last common step),
   val_excess_pct_mean/_std (each run's final val loss vs the mean final val loss of its bf16 runs, in %),
-  val_excess_ci95 and vs_bf16 (Welch's t-test of the group's final val losses against its bf16 runs':
-  the 95 % interval of the difference of means in % of the bf16 mean, and "above", "below" or "within
-  noise" as it excludes or contains 0; "n/a" with fewer than two finite val losses on a side; empty on
-  bf16 rows), baseline_runs (the bf16 run ids of the reference), tokens_per_s_mean, verdicts
+  val_excess_ci95, ci_test and vs_bf16 (the 95 % interval of the difference of the group's and its bf16
+  runs' mean final val losses in % of the bf16 mean: paired by seed where both sides ran the same seeds,
+  Welch's otherwise, `difference_ci95`; and "above", "below" or "within noise" as it excludes or contains
+  0; "n/a" with fewer than two finite val losses on a side; empty on bf16 rows), baseline_runs (the bf16 run ids of the reference), tokens_per_s_mean, verdicts
   ("converged x2, diverged@40 x1"), first_bad_event ("loss_spike@12", earliest over the group), runs
   (the run ids).
 
@@ -56,7 +56,7 @@ COLUMNS = (
     "recipe", "config", "n_seeds", "n_completed", "seeds",
     "final_val_loss_mean", "final_val_loss_std", "final_train_loss_mean", "final_train_loss_std",
     "excess_pct_mean", "excess_pct_std", "excess_pct_last", "excess_pct_last_std", "excess_last_step",
-    "val_excess_pct_mean", "val_excess_pct_std", "val_excess_ci95", "vs_bf16", "baseline_runs", "tokens_per_s_mean",
+    "val_excess_pct_mean", "val_excess_pct_std", "val_excess_ci95", "ci_test", "vs_bf16", "baseline_runs", "tokens_per_s_mean",
     "steady_tokens_per_s_mean", "verdicts", "first_bad_event", "runs",
 )  # fmt: skip
 
@@ -83,7 +83,10 @@ COLUMN_DOCS = {
     "mean over the seeds; negative: below bf16",
     "val_excess_pct_std": "its sample standard deviation over the seeds (empty for one seed)",
     "val_excess_ci95": "95 % confidence interval of the difference between the mean final validation loss of the "
-    "seeds and of the bf16 runs (Welch's t-test), in % of the bf16 mean",
+    "seeds and of the bf16 runs (the test in ci test), in % of the bf16 mean",
+    "ci_test": "paired: both sides ran the same seeds, and a seed fixes the initial weights and every batch in "
+    "every recipe, so the interval is the t-interval of the per-seed differences; welch: Welch's t-test of the "
+    "two sides (seeds differ, or a side lacks one)",
     "vs_bf16": "above or below bf16 when that interval excludes 0, within noise when it contains 0, n/a when "
     "either side has fewer than two finite final validation losses (empty on bf16 rows)",
     "baseline_runs": "the completed bf16 runs whose mean train and validation losses are the reference of the excess",
@@ -196,6 +199,24 @@ def excess_pct(run: dict[int, float], ref: dict[int, float]) -> tuple[float | No
     return _mean(per_step), per_step[-1], common[-1]
 
 
+def difference_ci95(values: list[tuple[Any, float]], reference: list[tuple[Any, float]]) -> tuple[tuple[float, float] | None, str]:
+    """The 95 % confidence interval of mean(values) - mean(reference), given as (seed, value) pairs, and
+    the test behind it. "paired" where both sides hold the same seeds, each once (two or more): a seed
+    fixes a run's initial weights and every batch (the sampler is a function of seed and step) whatever
+    the recipe, so the t-interval of the per-seed differences leaves out what the seeds share; else
+    "welch" (`welch_ci95`). (None, "") with fewer than two values on a side."""
+    seeds, reference_seeds = [seed for seed, _ in values], [seed for seed, _ in reference]
+    if len(seeds) >= 2 and None not in seeds and len(set(seeds)) == len(seeds) and sorted(seeds) == sorted(reference_seeds):
+        by_seed = dict(reference)
+        diffs = [value - by_seed[seed] for seed, value in values]
+        from scipy import stats
+
+        mean, half = statistics.fmean(diffs), stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+        return (mean - half, mean + half), "paired"
+    interval = welch_ci95([v for _, v in values], [v for _, v in reference])
+    return interval, "welch" if interval is not None else ""
+
+
 def welch_ci95(values: list[float], reference: list[float]) -> tuple[float, float] | None:
     """The 95 % confidence interval of mean(values) - mean(reference) from Welch's two-sample t-test
     (seeds of two recipes need not share a variance); None with fewer than two values on either side."""
@@ -207,15 +228,15 @@ def welch_ci95(values: list[float], reference: list[float]) -> tuple[float, floa
     return float(interval.low), float(interval.high)
 
 
-def _vs_bf16(values: list[float], reference: list[float]) -> tuple[str | None, str]:
-    """(val_excess_ci95, vs_bf16) of a group's final val losses against its bf16 runs' ones."""
-    interval = welch_ci95(values, reference)
-    ref_mean = _mean(reference)
+def _vs_bf16(values: list[tuple[Any, float]], reference: list[tuple[Any, float]]) -> tuple[str | None, str | None, str]:
+    """(val_excess_ci95, ci_test, vs_bf16) of a group's (seed, final val loss) pairs against its bf16 runs' ones."""
+    interval, test = difference_ci95(values, reference)
+    ref_mean = _mean([v for _, v in reference])
     if interval is None or ref_mean == 0:
-        return None, "n/a"
+        return None, None, "n/a"
     low, high = interval
     verdict = "above" if low > 0 else "below" if high < 0 else "within noise"
-    return f"{_signed(100.0 * low / ref_mean)}..{_signed(100.0 * high / ref_mean)}", verdict
+    return f"{_signed(100.0 * low / ref_mean)}..{_signed(100.0 * high / ref_mean)}", test, verdict
 
 
 def _per_layer(value: Any, reduce) -> list[float] | None:
@@ -237,12 +258,23 @@ def final_val(record: dict[str, Any]) -> float | None:
     return _num((record.get("summary") or {}).get("final_val_loss"))
 
 
-def final_val_losses(report: Report, run_ids: list[str], completed_only: bool = False) -> list[float]:
-    """The finite final validation losses of these runs of a built report, in order (of the completed
-    ones only, with completed_only)."""
+def run_seed(record: dict[str, Any]) -> Any:
+    """The seed a run was configured with (None where its config has none)."""
+    return (record.get("config") or {}).get("seed")
+
+
+def seeded(records: list[dict[str, Any]], value) -> list[tuple[Any, float]]:
+    """(seed, value(record)) of the records whose value is a finite number, in order."""
+    pairs = [(run_seed(r), value(r)) for r in records]
+    return [(seed, v) for seed, v in pairs if v is not None and math.isfinite(v)]
+
+
+def final_val_losses(report: Report, run_ids: list[str], completed_only: bool = False) -> list[tuple[Any, float]]:
+    """(seed, final validation loss) of these runs of a built report that have a finite one, in order (of
+    the completed ones only, with completed_only)."""
     by_id = {r["id"]: r for r in report.records}
     runs = [by_id[i] for i in run_ids if i in by_id and (not completed_only or by_id[i].get("state") == "completed")]
-    return [v for v in map(final_val, runs) if v is not None]
+    return seeded(runs, final_val)
 
 
 def steady_tokens_per_s(metrics: RunMetrics | None) -> float | None:
@@ -364,7 +396,7 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
         grouped.setdefault(key, []).append(record)
 
     def baseline_vals(record: dict[str, Any]) -> list[float]:
-        return [v for v in map(final_val, baseline_records(record)) if v is not None]
+        return [v for _, v in seeded(baseline_records(record), final_val)]
 
     rows = []
     for (_sweep, recipe, _key), members in grouped.items():
@@ -387,7 +419,9 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
             val, ref_val = final_val(r), _mean(baseline_vals(r))
             if val is not None and math.isfinite(ref_val) and ref_val != 0:
                 val_excess.append(100.0 * (val - ref_val) / ref_val)
-        ci95, versus = (None, None) if recipe == BASELINE else _vs_bf16(vals, baseline_vals(members[0]))
+        ci95, test, versus = (None, None, None) if recipe == BASELINE else _vs_bf16(
+            seeded(ended, final_val), seeded(baseline_records(members[0]), final_val)
+        )
         verdict_counts: dict[str, int] = {}
         for r in members:
             v = r.get("verdict") or r.get("state") or "?"
@@ -398,7 +432,7 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
                 if isinstance(e, dict) and isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool):
                     bad.append((e["step"], str(e.get("kind", "?"))))
         first_bad = min(bad, key=_event_order) if bad else None
-        seeds = [(r.get("config") or {}).get("seed") for r in members]
+        seeds = [run_seed(r) for r in members]
         rows.append(
             {
                 "sweep": _sweep or "",
@@ -419,6 +453,7 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
                 "val_excess_pct_mean": _mean(val_excess),
                 "val_excess_pct_std": _std(val_excess),
                 "val_excess_ci95": ci95,
+                "ci_test": test,
                 "vs_bf16": versus,
                 "baseline_runs": " ".join(baseline_of[members[0]["id"]]) if has_baseline else "",
                 "tokens_per_s_mean": _mean(tps),
@@ -465,7 +500,7 @@ _HEADERS = {  # column -> (header, digits) of the full table (Markdown, HTML)
     "excess_pct_mean": ("excess % (mean)", 2), "excess_pct_std": ("± std", 2),
     "excess_pct_last": ("excess % (last)", 2), "excess_pct_last_std": ("± std", 2), "excess_last_step": ("@step", 0),
     "val_excess_pct_mean": ("val excess %", 2), "val_excess_pct_std": ("± std", 2),
-    "val_excess_ci95": ("val excess 95 % CI", 0), "vs_bf16": ("vs bf16", 0), "baseline_runs": ("bf16 runs", 0),
+    "val_excess_ci95": ("val excess 95 % CI", 0), "ci_test": ("ci test", 0), "vs_bf16": ("vs bf16", 0), "baseline_runs": ("bf16 runs", 0),
     "tokens_per_s_mean": ("tok/s", 1), "steady_tokens_per_s_mean": ("steady tok/s", 1),
     "verdicts": ("verdicts", 0), "first_bad_event": ("first event", 0), "runs": ("runs", 0),
 }  # fmt: skip
@@ -524,7 +559,7 @@ def render_ledger(report: Report):
     caption = [
         *report.notes,
         "excess %: train-loss excess over bf16, mean over steps, ± std over seeds",
-        "val loss vs bf16: Welch's 95 % CI of the difference of means, in % of bf16",
+        "val loss vs bf16: 95 % CI of the difference of means, in % of bf16 (paired by seed, else Welch's)",
         "train loss, last-step excess, bf16 runs, run ids: ledger.csv, ledger.md, report.html",
     ]
     table = Table(title=title, caption="\n".join(caption))
@@ -549,9 +584,11 @@ def _excess_method(report: Report) -> str:
         "none matches. The ledger uses the losses the catalog records (every 10 steps and the last step); the "
         f"plot uses every logged step, smoothed by a centered rolling mean over {window} logged steps. "
         "Validation excess = 100 × (final val loss of the run − mean final val loss of the same bf16 runs) / that "
-        "mean. Whether a row differs from bf16 beyond seed noise is Welch's t-test (unequal variances) of its final "
-        "val losses against those bf16 runs': the 95 % confidence interval of the difference of the means, in % "
-        "of the bf16 mean."
+        "mean. Whether a row differs from bf16 beyond seed noise is the 95 % confidence interval of the difference "
+        "of the means of its final val losses and those bf16 runs', in % of the bf16 mean: paired by seed where both "
+        "sides ran the same seeds (a seed fixes the initial weights and every batch whatever the recipe, so the "
+        "t-interval of the per-seed differences leaves out what the seeds share), else Welch's t-test (unequal "
+        "variances); the ci test column names which."
     )
 
 
