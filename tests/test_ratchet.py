@@ -200,7 +200,9 @@ def test_a_killed_ratchet_continues_where_it_stopped(repo, tmp_path, workers):
     assert all(r["extra"]["phase"] == "done" for r in records)
     kept = [r["extra"]["kept_commit"] for r in records if r["extra"]["decision"] == "keep"]
     base = git(repo, "rev-parse", "main")
-    assert git(repo, "log", "--format=%H", f"{base}..ratchet/k").splitlines()[::-1] == kept
+    landed = git(repo, "log", "--format=%H", f"{base}..ratchet/k").splitlines()[::-1]
+    # two workers may land their kept changes out of iteration order (each commits when it is decided)
+    assert landed == kept if workers == 1 else sorted(landed) == sorted(kept)
     assert git(repo / ".fp4lab" / "ratchet" / "k" / "worktree", "status", "--porcelain") == ""
     trials = json.loads(json.dumps([r["extra"]["proposal"]["trial"] for r in records[1:]]))
     assert trials == [0, 1, 2]  # the interrupted trial was finished, not asked again
