@@ -159,13 +159,12 @@ def _ledger_row(report: Any, recipe: str, config: str | None) -> Any:
 def _losses(report: Any, run_ids: list[str], metric: str) -> list[tuple[Any, float]]:
     """(seed, loss) of these runs' completed ones with a finite loss (final validation, or endpoint
     train), in order."""
-    from fp4lab.lab.records.report import endpoint_train_loss, final_val_losses, seeded
+    from fp4lab.lab.records.report import endpoint_train_loss, final_val, run_records, seeded
 
-    if metric == "val":
-        return final_val_losses(report, run_ids, completed_only=True)
-    by_id = {r["id"]: r for r in report.records}
-    completed = [by_id[i] for i in run_ids if i in by_id and by_id[i].get("state") == "completed"]
-    return seeded(completed, lambda r: endpoint_train_loss(report.metrics.get(r["id"])))
+    def loss(record: dict[str, Any]) -> float | None:
+        return final_val(record) if metric == "val" else endpoint_train_loss(report.metrics.get(record["id"]))
+
+    return seeded(run_records(report, run_ids, completed_only=True), loss)
 
 
 def _verdict(claim: Claim, low: float, high: float) -> str:

@@ -269,12 +269,16 @@ def seeded(records: list[dict[str, Any]], value) -> list[tuple[Any, float]]:
     return [(seed, v) for seed, v in pairs if v is not None and math.isfinite(v)]
 
 
+def run_records(report: Report, run_ids: list[str], completed_only: bool = False) -> list[dict[str, Any]]:
+    """The records of these runs of a built report, in order (the completed ones only, with completed_only)."""
+    by_id = {r["id"]: r for r in report.records}
+    return [by_id[i] for i in run_ids if i in by_id and (not completed_only or by_id[i].get("state") == "completed")]
+
+
 def final_val_losses(report: Report, run_ids: list[str], completed_only: bool = False) -> list[tuple[Any, float]]:
     """(seed, final validation loss) of these runs of a built report that have a finite one, in order (of
     the completed ones only, with completed_only)."""
-    by_id = {r["id"]: r for r in report.records}
-    runs = [by_id[i] for i in run_ids if i in by_id and (not completed_only or by_id[i].get("state") == "completed")]
-    return seeded(runs, final_val)
+    return seeded(run_records(report, run_ids, completed_only), final_val)
 
 
 def steady_tokens_per_s(metrics: RunMetrics | None) -> float | None:
