@@ -216,6 +216,22 @@ def test_a_killed_ratchet_continues_where_it_stopped(repo, tmp_path, workers):
     assert [row["iteration"] for row in ratchet_tsv(repo, "k")] == ["0", "1", "2", "3"]
 
 
+def test_a_ratchet_killed_between_its_commit_and_recording_it_adopts_that_commit(repo):
+    catalog = repo / "sweep_catalog.json"
+    program = load_program(repo / "program.md")
+    Ratchet(program, tag="c", catalog=catalog).run(iterations=1)
+    record = Catalog(catalog).get("ratchet-c-0001")
+    assert record["extra"]["decision"] == "keep"  # x = 0 is the baseline's (x - 3)^2 = 9, the most any x in [0, 6] scores
+    commit = record["extra"]["kept_commit"]
+    assert git(repo, "rev-parse", "ratchet/c") == commit
+    # The state on disk when SIGKILL lands right after `git commit`: the catalog still says "decided".
+    Catalog(catalog).update("ratchet-c-0001", extra={"phase": "decided", "kept_commit": None})
+    Ratchet(program, tag="c", catalog=catalog).run(iterations=1)
+    record = Catalog(catalog).get("ratchet-c-0001")
+    assert record["extra"]["phase"] == "done" and record["extra"]["kept_commit"] == commit
+    assert git(repo, "rev-parse", "ratchet/c") == commit  # adopted, not applied and committed a second time
+
+
 def _study(journal: Path):
     """The one Optuna study in a ratchet's journal file."""
     import optuna

@@ -325,8 +325,11 @@ class Ratchet:
         record = self._record(number)
         extra = record["extra"]
         if extra["decision"] == "keep" and not extra.get("kept_commit"):
-            if not repo.git(self.worktree, "status", "--porcelain") and extra.get("patch") and Path(extra["patch"]).read_text():
-                repo.git(self.worktree, "apply", "--index", extra["patch"])  # e.g. decided by a worker, then killed
+            clean = not repo.git(self.worktree, "status", "--porcelain")
+            # Clean with the measured tree at HEAD: committed, then killed before kept_commit was recorded.
+            committed = clean and repo.git(self.worktree, "rev-parse", "HEAD^{tree}") == extra.get("tree")
+            if clean and not committed and extra.get("patch") and Path(extra["patch"]).read_text():
+                repo.git(self.worktree, "apply", "--index", extra["patch"])
             if repo.git(self.worktree, "status", "--porcelain"):
                 metric = extra["metric"]
                 title = (f"ratchet {self.tag} iteration {number}: {self.program.metric} {metric:.6g}"
