@@ -54,6 +54,9 @@ FUSION_WIRE = "tests/test_producer_fusion.py::test_producer_fusion_reaches_every
 NORM_EXACT = "tests/test_producer_fusion.py::test_fused_residual_rmsnorm_equals_the_pinned_unfused_block_under_the_interpreter"
 FUSION_EXACT = "tests/test_producer_fusion.py::test_fused_swiglu_equals_the_unfused_feed_forward_under_the_interpreter"
 LIN = "fp4lab/nn/fp4_linear.py"
+TQ = "fp4lab/numerics/triton_quantize.py"
+TQ_INTERPRETED = "tests/test_triton_quantize.py::test_kernels_under_triton_interpreter"
+CTA_FUSED = "tests/test_tensor_cores.py::test_cta_local_operands_from_the_fused_quantizers_under_the_interpreter"
 FUSION_REF = "fp4lab/numerics/fusion.py"
 NORM_BACKWARD = "tests/test_triton_fusion.py::test_rmsnorm_backward_is_autograd_of_the_reference"
 BUILD = "fp4lab/nn/build.py"
@@ -349,6 +352,18 @@ MUTATIONS = [
       ("fp4lab/lab/ratchet/loop.py", 'committed = clean and repo.git(self.worktree, "rev-parse", "HEAD^{tree}") == extra.get("tree")',
        "committed = False"),
       ["tests/test_ratchet.py::test_a_ratchet_killed_between_its_commit_and_recording_it_adopts_that_commit"]),
+    m("fused-cta-not-covered", "CTA-local NVFP4 operands go to the torch quantizer, not the fused kernels",
+      (LIN, 'if spec.format not in ("mxfp4", "nvfp4", "nvfp4_cta") or', 'if spec.format not in ("mxfp4", "nvfp4") or'),
+      [CTA_FUSED]),
+    m("fused-cta-tile-dropped", "the fused kernels get the default CTA tile, not the recipe's cta_tile",
+      (LIN, 'options["cta_tile"] = spec.cta_tile', 'options["cta_tile"] = None'), [CTA_FUSED]),
+    m("fused-cta-amax-one-slot", "the fused amax pass folds every row into one CTA tile's slot (a tensor amax)",
+      (TQ, "tl.atomic_max(r_amax + rows // R_CTA, row_amax, mask=rows < R)", "tl.atomic_max(r_amax + rows * 0, row_amax, mask=rows < R)"),
+      [TQ_INTERPRETED, CTA_FUSED]),
+    m("fused-cta-outer-first-row-only", "the fused kernels store the CTA-local outer scale of the first row of programs only",
+      (TQ, "            if first_col:\n                tl.store(outer_ptr + rows, outer, mask=inside)",
+       "            if first_col & first_row:\n                tl.store(outer_ptr + rows, outer, mask=inside)"),
+      [CTA_FUSED]),
     m("fusion-marks-bf16-layers", "build_model marks bf16 W1s for the fused norm (a graph break that only falls back)",
       (BUILD, " and w1.x_operands_fusable(shared=True)", ""), [FUSION_WIRE]),
     m("residual-rmsnorm-not-offered", "the fused norm's operands are not offered to W1 and W3, which quantize again",

@@ -16,6 +16,7 @@ import torch
 from fp4lab.nn.fp4_linear import FP4Linear, gemm_operand, tensor_core_mm
 from fp4lab.nn.recipe import LinearRecipe, OperandSpec, load_recipe
 from fp4lab.numerics import fake_quantize, fp8_quantize
+from tests import interpreted
 
 FP4_RECIPES = (
     "nvfp4-all", "nvfp4", "mxfp4", "mxfp4-rowsr-h32", "nvfp4-cta", "hybrid-operand", "optitrain", "nvfp4-global", "fp8", "fp8-rowwise",
@@ -89,6 +90,10 @@ def test_mxfp4_subnormal_scale_blocks_survive_the_tensor_cores(device):
 
 
 RTN_H16 = LinearRecipe(*(OperandSpec("nvfp4"),) * 4, OperandSpec("nvfp4", transform="h16"), OperandSpec("nvfp4", transform="h16"))
+# CTA-local NVFP4 with 1D blocks on every operand (tiles of 32 rows: several per operand), H16 on Wgrad.
+CTA_1D = LinearRecipe(
+    *(OperandSpec("nvfp4_cta", cta_tile=32),) * 4, *(OperandSpec("nvfp4_cta", cta_tile=32, transform="h16"),) * 2
+)
 RTN_MX_H32 = LinearRecipe(
     *(OperandSpec("mxfp4", scale_mode="rceil"),) * 4, *(OperandSpec("mxfp4", scale_mode="floor", transform="h32"),) * 2
 )
@@ -97,9 +102,9 @@ RTN_MX_H32 = LinearRecipe(
 @pytest.mark.parametrize(
     "recipe, fused",
     [(load_recipe(name).linear, False) for name in ("nvfp4-all", "mxfp4-rowsr-h32", "nvfp4-cta", "optitrain", "fp8", "fp8-rowwise")]
-    + [(RTN_H16, True), (RTN_MX_H32, True), (load_recipe("mxfp4").linear, True)],
+    + [(RTN_H16, True), (RTN_MX_H32, True), (load_recipe("mxfp4").linear, True), (CTA_1D, True)],
     ids=["nvfp4-all", "mxfp4-rowsr-h32", "nvfp4-cta", "optitrain", "fp8", "fp8-rowwise", "fused-nvfp4-h16", "fused-mxfp4-h32",
-         "fused-mxfp4"],
+         "fused-mxfp4", "fused-nvfp4-cta-1d"],
 )
 def test_fp4_linear_tensor_cores_match_reference(recipe, fused, device):
     """Forward and both gradients of one layer: the tensor-core Function against the reference one,
@@ -122,6 +127,39 @@ def test_fp4_linear_tensor_cores_match_reference(recipe, fused, device):
         assert fast.dtype == ref.dtype
         scale = ref.abs().max()
         assert ((fast - ref).abs().max() / scale).item() < 64 * U * 512
+
+
+def check_cta_local_operands_from_the_fused_quantizers() -> None:
+    """Under Triton's interpreter (CPU tensors, which `_kernel_options` then takes as CUDA ones): one
+    layer's forward and both gradients with CTA-local operands from the fused quantizers equal, bit for
+    bit, those from the torch quantizers (round to nearest: the same operands, per-row outer scales
+    and all), and every operand came from the kernels."""
+    from fp4lab.nn import fp4_linear
+    from fp4lab.numerics import triton_quantize
+
+    fp4_linear._kernel_options = lambda spec, signs, t, seed: (
+        fp4_linear.fused_options(spec, signs, t, seed) if fp4_linear.kernel_covers(spec) else None)
+    fused_formats = []
+    single, both = triton_quantize.quantize_fused, triton_quantize.quantize_fused_both
+    triton_quantize.quantize_fused = lambda x, **o: fused_formats.append(o["fmt"]) or single(x, **o)
+    triton_quantize.quantize_fused_both = lambda x, row, col: fused_formats.extend((row["fmt"], col["fmt"])) or both(x, row, col)
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)  # the same initial weight
+        layer = FP4Linear(96, 64, CTA_1D, seed=3)
+        layer.tensor_cores, layer.fused_quantizers = True, fused
+        g = torch.Generator().manual_seed(1)
+        x = (torch.randn(2, 48, 96, generator=g) * torch.rand(2, 48, 1, generator=g)).requires_grad_(True)
+        y = layer(x)
+        y.backward(torch.randn(y.shape, generator=g))
+        results.append((y.detach(), x.grad, layer.weight.grad))
+    assert fused_formats == ["nvfp4_cta"] * 6, fused_formats  # x and x^T, W and W^T, dY and dY^T
+    for name, ref, fast in zip(("y", "dx", "dw"), *results):
+        assert torch.equal(fast, ref), f"{name}: {(fast - ref).abs().max().item()}"
+
+
+def test_cta_local_operands_from_the_fused_quantizers_under_the_interpreter():
+    interpreted.run_interpreted("test_tensor_cores", "check_cta_local_operands_from_the_fused_quantizers()")
 
 
 def test_plain_bf16_recipe_is_an_ordinary_bf16_linear(device):
@@ -302,7 +340,8 @@ def test_kernel_coverage_follows_what_the_fused_quantizer_supports():
     assert kernel_covers(OperandSpec("mxfp4", scale_mode="rceil", tile=(32, 32), adaptive=True))
     assert not kernel_covers(OperandSpec("nvfp4", tile=(48, 48)))  # the kernel's tiles are powers of two
     assert not kernel_covers(OperandSpec("nvfp4", tile=(16, 16), rounding="sr"))
-    assert not kernel_covers(OperandSpec("nvfp4_cta"))
+    assert kernel_covers(OperandSpec("nvfp4_cta", rounding="sr", transform="h16", cta_tile=64))  # 1D CTA-local blocks
+    assert not kernel_covers(OperandSpec("nvfp4_cta", tile=(16, 16)))  # 2D CTA tiles fold their outer scales into fp32
     assert not kernel_covers(OperandSpec("mxfp4", transform="h64"))
     assert not kernel_covers(OperandSpec("bf16"))
     assert not kernel_covers(OperandSpec("fp8", element="e4m3", scaling="tensor"))

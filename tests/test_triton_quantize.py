@@ -25,7 +25,7 @@ from fp4lab.numerics import BLOCK_SIZE, e2m1, fake_quantize_factored, hadamard, 
 from fp4lab.numerics.qtensor import QTensor
 
 MX_MODES = ("floor", "ceil", "even", "rceil")
-FORMAT_MODES = [("mxfp4", m) for m in MX_MODES] + [("nvfp4", None)]
+FORMAT_MODES = [("mxfp4", m) for m in MX_MODES] + [("nvfp4", None), ("nvfp4_cta", None)]
 BLOCK = BLOCK_SIZE
 SIGNS = {  # name -> (size, kind)
     "none": None,
@@ -130,8 +130,8 @@ def assert_matches(out, factored, q, label: str) -> None:
     assert torch.equal(out.codes, q.data), f"{label}: codes differ"
     if factored.outer is None:
         assert out.outer is None
-    else:
-        assert out.outer.shape == () and torch.equal(out.outer.view(torch.int32), factored.outer.reshape(()).view(torch.int32)), f"{label}: outer"
+    else:  # 0-dim (nvfp4), or one per row (nvfp4_cta: [rows, 1])
+        assert out.outer.shape == factored.outer.shape and torch.equal(out.outer.view(torch.int32), factored.outer.view(torch.int32)), f"{label}: outer"
 
 
 def assert_same_bits(got, want, label: str) -> None:
@@ -143,9 +143,10 @@ def assert_same_bits(got, want, label: str) -> None:
     assert not bad.any(), f"{label}: {int(bad.sum())} values differ, e.g. {got[bad][:3].tolist()} vs {want[bad][:3].tolist()}"
 
 
-def assert_codes_only(decode_fused, lean, full, fmt: str, tile, label: str) -> None:
+def assert_codes_only(decode_fused, lean, full, fmt: str, tile, label: str, cta_tile: int = 128) -> None:
     """`lean` (emit_values=False) holds the codes, scales and outer of `full` (the same call with values)
-    and no values; decode_fused of its codes gives full's values (bf16) and QTensor.factored's (fp32)."""
+    and no values; decode_fused of its codes gives full's values (bf16) and QTensor.factored's (fp32)
+    (nvfp4_cta: the QTensor of the per-CTA-tile outer scales, every cta_tile-th row's)."""
     assert lean.values is None, label
     assert torch.equal(lean.codes, full.codes) and torch.equal(lean.scales, full.scales), f"{label}: codes or scales differ"
     assert (lean.outer is None) == (full.outer is None), label
@@ -153,7 +154,8 @@ def assert_codes_only(decode_fused, lean, full, fmt: str, tile, label: str) -> N
         assert torch.equal(lean.outer.view(torch.int32), full.outer.view(torch.int32)), f"{label}: outer"
     shape = tuple(full.values.shape)
     assert_same_bits(decode_fused(lean.codes, lean.scales, fmt=fmt, shape=shape, tile=tile), full.values, f"{label} decode")
-    factored = QTensor(lean.codes, lean.scales, lean.outer, fmt, torch.Size(shape), BLOCK[fmt], tile=tile).factored()
+    outer, cta = (lean.outer[::cta_tile, 0], cta_tile) if fmt == "nvfp4_cta" else (lean.outer, None)
+    factored = QTensor(lean.codes, lean.scales, outer, fmt, torch.Size(shape), BLOCK[fmt], tile=tile, cta_tile=cta).factored()
     fp32 = decode_fused(lean.codes, lean.scales, fmt=fmt, shape=shape, tile=tile, out_dtype=torch.float32)
     assert_same_bits(fp32, factored.values, f"{label} decode fp32")
 
@@ -244,6 +246,8 @@ BOTH_CASES = {
     "nv-h32/nv": (dict(fmt="nvfp4", signs="fixed32"), dict(fmt="nvfp4", rounding="sr")),
     "rceil-sr-h32/even": (dict(fmt="mxfp4", scale_mode="rceil", rounding="sr", signs="random32"), dict(fmt="mxfp4", scale_mode="even")),
     "ceil-sr-h16/nv-h16": (dict(fmt="mxfp4", scale_mode="ceil", rounding="sr", signs="fixed16"), dict(fmt="nvfp4", signs="random16")),
+    "cta/cta-sr-h16": (dict(fmt="nvfp4_cta"), dict(fmt="nvfp4_cta", rounding="sr", signs="random16")),  # CTA-local amaxes of both
+    "cta-h16/nv": (dict(fmt="nvfp4_cta", signs="fixed16"), dict(fmt="nvfp4")),  # a CTA-local and a tensor amax
 }
 
 
@@ -318,10 +322,35 @@ def test_exact_adaptive_1d(tq, transpose):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cta_tile", [16, 48, 256])
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transposed"])
+def test_exact_cta_local_tiles(tq, cta_tile, transpose):
+    """nvfp4_cta with CTA tiles smaller than a kernel's tile of rows (16: several per program; 48: not
+    a power of two, straddling programs) and larger (256): each row's amax lands in its own tile's slot,
+    the last tile partial on odd shapes; RTN and SR, with and without H16, both orientations at once."""
+    signs = _signs("random16")
+    for shape in (EVEN_SHAPE, ODD_SHAPE[transpose]):
+        for kind, x in inputs(shape, seed=29).items():
+            x = x.to("cuda", torch.bfloat16)
+            y = x.float().T.contiguous() if transpose else x.float()
+            for rounding, s in (("rtn", None), ("sr", signs)):
+                yt = hadamard(y, 16, s) if s is not None else y
+                g = (lambda: _cuda_gen(31)) if rounding == "sr" else (lambda: None)
+                grouped = (yt.shape[0], yt.shape[1] // 16, 16)  # e2m1.round_stochastic's draws, in its shape
+                uniforms = torch.rand(grouped, generator=_cuda_gen(31), device="cuda").reshape(yt.shape) if rounding == "sr" else None
+                opts = dict(rounding=rounding, cta_tile=cta_tile)
+                factored = fake_quantize_factored(yt, "nvfp4_cta", generator=g(), **opts)
+                q = quantize(yt, "nvfp4_cta", generator=g(), **opts)
+                out = tq.quantize_fused(x, fmt="nvfp4_cta", signs=s, uniforms=uniforms, transpose=transpose, emit_codes=True, **opts)
+                assert out.outer.shape == (yt.shape[0], 1)
+                assert_matches(out, factored, q, f"{kind} {shape} {rounding}")
+
+
+@pytest.mark.cuda
 def test_values_without_codes_and_outer(tq):
     """emit_codes=False (the training path) gives the same values; codes and scales are None."""
     x = inputs(EVEN_SHAPE)["student_t"].to("cuda", torch.bfloat16)
-    for fmt in ("mxfp4", "nvfp4"):
+    for fmt in ("mxfp4", "nvfp4", "nvfp4_cta"):
         full = tq.quantize_fused(x, fmt=fmt, emit_codes=True)
         lean = tq.quantize_fused(x, fmt=fmt)
         assert lean.codes is None and lean.scales is None
@@ -365,7 +394,7 @@ BOTH_CODES_ONLY = {  # (row emit_values, col emit_values)
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("emit", list(BOTH_CODES_ONLY))
-@pytest.mark.parametrize("case", ["mx-rtn/nv-sr-h16", "nv/nv", "rceil-sr-h32/even"])
+@pytest.mark.parametrize("case", ["mx-rtn/nv-sr-h16", "nv/nv", "rceil-sr-h32/even", "cta/cta-sr-h16"])
 def test_codes_only_both_orientations(tq, case, emit):
     """quantize_fused_both with either orientation or both codes only: the same codes, scales and
     outer as with values, the same values where they are kept, and decoded codes equal to them."""
@@ -537,7 +566,9 @@ def test_sr_philox_seed_reproducible_and_independent(tq):
 @pytest.mark.parametrize(
     "kwargs,name",
     [
-        (dict(fmt="nvfp4_cta"), "fmt"),
+        (dict(fmt="nvfp4_cta", tile=(16, 16)), "tile"),
+        (dict(fmt="nvfp4_cta", cta_tile=24), "cta_tile"),
+        (dict(fmt="nvfp4_cta", scale_mode="floor"), "scale_mode"),
         (dict(fmt="mxfp4", tile=(16, 16)), "tile"),
         (dict(fmt="nvfp4", tile=(16, 16), rounding="sr", seed="seed"), "tile"),
         (dict(fmt="nvfp4", tile=(16, 16), signs="signs16"), "tile"),
@@ -669,6 +700,21 @@ assert_codes_only(decode_fused, lean[0], full[0], "nvfp4", None, "nvfp4 both/row
 assert torch.equal(lean[1].values, full[1].values) and torch.equal(lean[1].codes, full[1].codes)
 lean = quantize_fused(x, fmt="mxfp4", tile=(32, 32), emit_codes=True, emit_values=False)
 assert_codes_only(decode_fused, lean, quantize_fused(x, fmt="mxfp4", tile=(32, 32), emit_codes=True), "mxfp4", (32, 32), "mxfp4 tiles")
+# nvfp4_cta with CTA tiles of 16 rows: two or four per program of rows, each row's amax in its slot;
+# both orientations from one read (x^T stochastically rounded after H16), and x^T codes only.
+signs = hadamard_signs(16, "random", torch.Generator().manual_seed(16))
+y = hadamard(x.float().T.contiguous(), 16, signs)
+u = torch.rand(y.shape, generator=torch.Generator().manual_seed(4))
+g = lambda: torch.Generator().manual_seed(4)
+cta = dict(fmt="nvfp4_cta", cta_tile=16, emit_codes=True)
+col = dict(cta, rounding="sr", signs=signs, uniforms=u)
+both = quantize_fused_both(x, cta, col)
+assert_matches(both[0], fake_quantize_factored(x.float(), "nvfp4_cta", cta_tile=16), quantize(x.float(), "nvfp4_cta", cta_tile=16), "cta rows")
+col_ref = [f(y, "nvfp4_cta", cta_tile=16, rounding="sr", generator=g()) for f in (fake_quantize_factored, quantize)]
+assert_matches(both[1], *col_ref, "cta x^T sr h16")
+lean = quantize_fused(x, transpose=True, emit_values=False, **col)
+assert_codes_only(decode_fused, lean, both[1], "nvfp4_cta", None, "cta x^T codes only", cta_tile=16)
+
 for fmt in ("mxfp4", "nvfp4"):
     for tile in (None, (BLOCK[fmt], BLOCK[fmt])):
         codes, scales, shape = every_scale_byte(fmt, tile)

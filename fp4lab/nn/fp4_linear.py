@@ -97,6 +97,7 @@ from fp4lab.numerics.fast import triton_available, triton_runs_on
 from fp4lab.numerics.fusion import RMSNORM_MAX_WIDTH, rmsnorm_backward
 from fp4lab.numerics.mx_gemm import MX_BLOCK, OUT_DTYPES, along_k
 from fp4lab.numerics.qtensor import QTensor
+from fp4lab.numerics.quantize import DEFAULT_CTA_TILE
 from fp4lab.numerics.survey import clip_flush_fractions
 
 
@@ -147,13 +148,15 @@ def _quantize_options(spec: OperandSpec, generator) -> dict:
 
 
 def kernel_covers(spec: OperandSpec) -> bool:
-    """Whether the fused quantizer covers `spec` (not CTA-local scales, non-FP4 formats, transforms
-    other than 16 and 32, or 2D tiles with SR, a transform or a side that is not a power of two)."""
-    if spec.format not in ("mxfp4", "nvfp4") or spec.transform_size not in (0, 16, 32):
+    """Whether the fused quantizer covers `spec` (not non-FP4 formats, transforms other than 16 and
+    32, CTA-local scales on 2D tiles, or 2D tiles with SR, a transform or a side that is not a power
+    of two)."""
+    if spec.format not in ("mxfp4", "nvfp4", "nvfp4_cta") or spec.transform_size not in (0, 16, 32):
         return False
     if spec.tile is None:
         return True
-    return spec.rounding == "rtn" and spec.transform == "none" and all(side & (side - 1) == 0 for side in spec.tile)
+    return (spec.format != "nvfp4_cta" and spec.rounding == "rtn" and spec.transform == "none"
+            and all(side & (side - 1) == 0 for side in spec.tile))
 
 
 def _kernel_options(spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor, seed) -> dict | None:
@@ -171,6 +174,8 @@ def fused_options(spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor
     options["seed"] = seed(t.device) if spec.rounding == "sr" else None
     if spec.adaptive:
         options["adaptive"] = True
+    if spec.format == "nvfp4_cta":
+        options["cta_tile"] = spec.cta_tile
     if spec.tile is not None:
         options["tile"] = spec.tile
     return options
@@ -252,6 +257,17 @@ class PackedOperand:
             return None
         encoded = QTensor(self.codes, self.scales, None, self.fmt, torch.Size(self.shape), MX_BLOCK, tile=self.tile)
         return along_k(encoded, self.transposed)
+
+
+def _fused_encoding(q, options: dict, shape: tuple) -> QTensor:
+    """The QTensor of a fused kernel's output written with its codes (for probes): nvfp4_cta's tensor
+    scales are one per CTA tile, the first row's of each of the per-row outer scales."""
+    fmt, outer, cta_tile = options["fmt"], q.outer, None
+    if fmt == "nvfp4_cta":
+        cta_tile = options.get("cta_tile") or DEFAULT_CTA_TILE
+        outer = q.outer[::cta_tile, 0]
+    return QTensor(q.codes, q.scales, outer, fmt, torch.Size(shape), BLOCK_SIZE[fmt], tile=options.get("tile"),
+                   scale_mode=options["scale_mode"], cta_tile=cta_tile)
 
 
 def _operand_of(q, fmt: str, shape: tuple, tile: tuple[int, int] | None = None) -> GemmOperand | PackedOperand:
@@ -850,11 +866,7 @@ class FP4Linear(nn.Module):
         for (name, options, transposed), q in zip(requests, outputs):
             shape = tuple(t.T.shape if transposed else t.shape)
             if self.probe:
-                encoded = QTensor(
-                    q.codes, q.scales, q.outer, options["fmt"], torch.Size(shape), BLOCK_SIZE[options["fmt"]],
-                    tile=options.get("tile"), scale_mode=options["scale_mode"],
-                )
-                self.record(name, t.T if transposed else t, encoded, options["signs"])
+                self.record(name, t.T if transposed else t, _fused_encoding(q, options, shape), options["signs"])
             operands.append(_operand_of(q, options["fmt"], shape, options.get("tile")))
         return operands
 
@@ -893,7 +905,8 @@ class FP4Linear(nn.Module):
         build_model marks only such layers, so a bf16 layer never routes its block through the fused
         call (a graph break under torch.compile) to fall back."""
         specs = (self.recipe.fprop_x, self.recipe.wgrad_x)
-        if self.lora_rank or not all(kernel_covers(spec) and spec.tile is None for spec in specs):
+        # The producers take one tensor amax per orientation: no CTA-local scales.
+        if self.lora_rank or not all(kernel_covers(spec) and spec.tile is None and spec.format != "nvfp4_cta" for spec in specs):
             return False
         return not shared or all(_deterministic(spec) for spec in specs)
 

@@ -27,8 +27,11 @@ keep the kernels exact where Triton's defaults would not be:
 - kernels are compiled with `enable_fp_fusion=False`, so no multiply-add is contracted into an FMA
   with a different rounding.
 
-Not supported (ValueError naming the argument; callers fall back to the reference): nvfp4_cta, a
-given tensor_amax, transforms other than 16 and 32, 2D tiles with SR, a transform or transpose=True,
+nvfp4_cta (CTA-local outer scales, one per 128 rows by default) is covered with 1D blocks: its amax
+pass folds each row's amax into its CTA tile's slot.
+
+Not supported (ValueError naming the argument; callers fall back to the reference): nvfp4_cta with 2D
+tiles, a given tensor_amax, transforms other than 16 and 32, 2D tiles with SR, a transform or transpose=True,
 a blocked dim that is not a multiple of the block and transform, tile dims that are not powers of
 two, dtypes other than bf16/fp32, non-CUDA or non-contiguous tensors. This module imports Triton: import it lazily, after
 `fp4lab.numerics.fast.triton_available()`.
@@ -45,13 +48,13 @@ import triton
 import triton.language as tl
 
 from fp4lab.numerics.fast import triton_available
-from fp4lab.numerics.quantize import BLOCK_SIZE
+from fp4lab.numerics.quantize import BLOCK_SIZE, DEFAULT_CTA_TILE
 
-FORMATS = ("mxfp4", "nvfp4")
+FORMATS = ("mxfp4", "nvfp4", "nvfp4_cta")
 _MX_MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}
 _MX_ADAPTIVE = 4  # rceil with the adaptive finer scale (scales.mx_exponent)
 _TRANSFORM_SIZES = (16, 32)
-_OPTION_NAMES = ("fmt", "scale_mode", "adaptive", "rounding", "signs", "seed", "uniforms", "emit_codes", "emit_values")
+_OPTION_NAMES = ("fmt", "scale_mode", "adaptive", "cta_tile", "rounding", "signs", "seed", "uniforms", "emit_codes", "emit_values")
 
 # Tile shapes (rows, cols of x, warps), chosen by a sweep on an H200 (8192 x 8192 bf16; fraction of
 # copy bandwidth): row-wise mxfp4 0.935 with (32, 128, 4), no better with 16-64 rows, 128-256 cols,
@@ -88,7 +91,8 @@ class FusedQuant:
 
     values: bf16 E2M1 values times their block scale (the reference's `values`, exact in bf16);
             None with emit_values=False (codes only: `decode_fused` recovers them bit for bit).
-    outer:  nvfp4: the decode scale 1 / S_enc as a 0-dim fp32 tensor; mxfp4: None.
+    outer:  nvfp4: the decode scale 1 / S_enc as a 0-dim fp32 tensor; nvfp4_cta: one per output row
+            ([rows, 1], that of the row's CTA tile, as the reference's factored outer); mxfp4: None.
     codes:  with emit_codes: packed E2M1 codes (uint8, element 2i in the low nibble), else None.
     scales: with emit_codes: the E8M0 / E4M3 scale bytes, one per block, else None.
     """
@@ -215,9 +219,8 @@ def _e2m1_decode(code):
 
 
 @triton.jit
-def _nvfp4_tensor_scales(amax_ptr):
-    """scales.nvfp4_encode_scale of the tensor amax (int32 bits of a float >= 0): (S_enc, 1 / S_enc)."""
-    amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
+def _nvfp4_scales(amax):
+    """scales.nvfp4_encode_scale of an amax (float >= 0; a scalar or one per row): (S_enc, 1 / S_enc)."""
     s_enc = tl.minimum(tl.math.div_rn(2688.0, amax), FLT_MAX)
     s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
     return s_enc, tl.math.div_rn(1.0, s_enc)
@@ -241,15 +244,24 @@ def _uniforms(seed_ptr, rows, col0, n_cols, M: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _block_scale(bmax, amax_ptr, outer_ptr, first, NV: tl.constexpr, MODE: tl.constexpr):
+def _block_scale(bmax, amax_ptr, outer_ptr, rows, n_rows, first_row, first_col, NV: tl.constexpr, MODE: tl.constexpr):
     """From a block's (or 2D tile's) amax: (scale byte, decode scale, encode multiplier); a poisoned
-    block gets the NaN byte and a NaN decode scale. NVFP4 reads the tensor amax for its outer scale,
-    which the `first` program stores."""
+    block gets the NaN byte and a NaN decode scale. NVFP4 (NV = 1) reads the tensor amax (int32 bits)
+    for its outer scale, which the first program stores; CTA-local NVFP4 (NV = the CTA tile, > 1) reads
+    one amax per NV rows, and the first column of programs stores the outer scale of each of its rows
+    (bmax is then [rows, blocks])."""
     finite = bmax <= FLT_MAX
     if NV:
-        s_enc, outer = _nvfp4_tensor_scales(amax_ptr)
-        if first:
-            tl.store(outer_ptr, outer)
+        if NV == 1:
+            s_enc, outer = _nvfp4_scales(tl.load(amax_ptr).to(tl.float32, bitcast=True))
+            if first_row & first_col:
+                tl.store(outer_ptr, outer)
+        else:
+            inside = rows < n_rows
+            s_enc, outer = _nvfp4_scales(tl.load(amax_ptr + rows // NV, mask=inside, other=0).to(tl.float32, bitcast=True))
+            if first_col:
+                tl.store(outer_ptr + rows, outer, mask=inside)
+            s_enc, outer = s_enc[:, None], outer[:, None]
         # One float32 rounding of amax * (S_enc * (1/6)), as TE and quantize._encode compute it.
         byte = _e4m3_encode(tl.minimum(bmax * (s_enc * (1.0 / 6.0)), 448.0))
         byte = tl.where(finite, byte, 0x7F)
@@ -305,7 +317,7 @@ def _quantize_store(
     if H > 0:
         t = _hadamard(t, signs_ptr, M, N, H)
     bmax = _block_amax(t, M, N, BLOCK)
-    byte, decode, multiplier = _block_scale(bmax, amax_ptr, outer_ptr, (row0 == 0) & (col0 == 0), NV, MODE)
+    byte, decode, multiplier = _block_scale(bmax, amax_ptr, outer_ptr, rows, n_rows, row0 == 0, col0 == 0, NV, MODE)
 
     v = tl.reshape(t, [M, NB, BLOCK]) * multiplier[:, :, None]
     a = tl.abs(v)
@@ -408,7 +420,7 @@ def _tile_kernel(
     cols = c0 + tl.arange(0, BC)
     t = tl.reshape(_load(x_ptr, rows, cols, R, C, EVEN), [BR // TH, TH, BC // TW, TW])
     tmax = tl.reduce(tl.reduce(tl.abs(t), 3, _max_nan), 1, _max_nan)  # NaN or Inf: poisoned tile
-    byte, decode, multiplier = _block_scale(tmax, amax_ptr, outer_ptr, (r0 == 0) & (c0 == 0), NV, MODE)
+    byte, decode, multiplier = _block_scale(tmax, amax_ptr, outer_ptr, rows, R, r0 == 0, c0 == 0, NV, MODE)
     v = t * multiplier[:, None, :, None]
     a = tl.abs(v)
     if NV:
@@ -429,16 +441,24 @@ def _tile_kernel(
 
 
 @triton.jit
-def _finite_amax(t, signs_ptr, M: tl.constexpr, N: tl.constexpr, H: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
-    """Max of |t| over the finite NVFP4 blocks (1x16 along N) or 2D tiles (TH x TW) of the
-    transformed tile."""
+def _finite_row_amax(t, signs_ptr, M: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
+    """Per row of the transformed tile, the max of |t| over its finite NVFP4 blocks (1x16 along N): [M]."""
     if H > 0:
         t = _hadamard(t, signs_ptr, M, N, H)
+    bmax = _block_amax(t, M, N, 16)
+    return tl.max(tl.where(bmax <= FLT_MAX, bmax, 0.0), axis=1)
+
+
+@triton.jit
+def _finite_amax(t, signs_ptr, M: tl.constexpr, N: tl.constexpr, H: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
+    """Max of |t| over the finite NVFP4 blocks (1x16 along N) of the transformed tile, or over its
+    finite 2D tiles (TH x TW; no transform)."""
     if TH == 1:
-        bmax = _block_amax(t, M, N, TW)
+        amax = tl.max(_finite_row_amax(t, signs_ptr, M, N, H), axis=0)
     else:
-        bmax = tl.reduce(tl.reduce(tl.abs(tl.reshape(t, [M // TH, TH, N // TW, TW])), 3, _max_nan), 1, _max_nan)
-    return tl.max(tl.max(tl.where(bmax <= FLT_MAX, bmax, 0.0), axis=1), axis=0)
+        tmax = tl.reduce(tl.reduce(tl.abs(tl.reshape(t, [M // TH, TH, N // TW, TW])), 3, _max_nan), 1, _max_nan)
+        amax = tl.max(tl.max(tl.where(tmax <= FLT_MAX, tmax, 0.0), axis=1), axis=0)
+    return amax
 
 
 @triton.jit
@@ -446,11 +466,14 @@ def _amax_kernel(
     x_ptr, R, C, r_amax, r_signs, c_amax, c_signs,
     BR: tl.constexpr, BC: tl.constexpr, TILES: tl.constexpr, EVEN: tl.constexpr,
     ROW: tl.constexpr, R_H: tl.constexpr, COL: tl.constexpr, C_H: tl.constexpr,
-    TH: tl.constexpr, TW: tl.constexpr,
+    TH: tl.constexpr, TW: tl.constexpr, R_CTA: tl.constexpr, C_CTA: tl.constexpr,
 ):  # fmt: skip
     """NVFP4 tensor amaxes (row-wise and/or of x^T; or over TH x TW tiles) from one read of x: each
     program reduces TILES tiles stacked along the rows, then folds its maximum into the int32 bits
-    at *_amax with one atomic (non-negative floats order as their bits do)."""
+    at *_amax with one atomic (non-negative floats order as their bits do). CTA-local amaxes (R_CTA,
+    C_CTA > 0: one per that many rows of the output) are folded per row, tile by tile, into the slot
+    of the row's CTA tile: x's row r into r_amax[r // R_CTA], x's column c (a row of x^T) into
+    c_amax[c // C_CTA]."""
     row_max = tl.zeros([], tl.float32)
     col_max = tl.zeros([], tl.float32)
     c0 = tl.program_id(1) * BC
@@ -458,13 +481,25 @@ def _amax_kernel(
         r0 = (tl.program_id(0) * TILES + i) * BR
         x = _load_tile(x_ptr, R, C, r0, c0, BR, BC, EVEN)  # rows past R load as 0: no effect
         if ROW:
-            row_max = tl.maximum(row_max, _finite_amax(x, r_signs, BR, BC, R_H, TH, TW))
+            if R_CTA:
+                rows = r0 + tl.arange(0, BR)
+                row_amax = _finite_row_amax(x, r_signs, BR, BC, R_H).to(tl.int32, bitcast=True)
+                tl.atomic_max(r_amax + rows // R_CTA, row_amax, mask=rows < R)
+            else:
+                row_max = tl.maximum(row_max, _finite_amax(x, r_signs, BR, BC, R_H, TH, TW))
         if COL:
-            col_max = tl.maximum(col_max, _finite_amax(tl.trans(x), c_signs, BC, BR, C_H, 1, 16))
+            if C_CTA:
+                cols = c0 + tl.arange(0, BC)
+                col_amax = _finite_row_amax(tl.trans(x), c_signs, BC, BR, C_H).to(tl.int32, bitcast=True)
+                tl.atomic_max(c_amax + cols // C_CTA, col_amax, mask=cols < C)
+            else:
+                col_max = tl.maximum(col_max, _finite_amax(tl.trans(x), c_signs, BC, BR, C_H, 1, 16))
     if ROW:
-        tl.atomic_max(r_amax, row_max.to(tl.int32, bitcast=True))
+        if not R_CTA:
+            tl.atomic_max(r_amax, row_max.to(tl.int32, bitcast=True))
     if COL:
-        tl.atomic_max(c_amax, col_max.to(tl.int32, bitcast=True))
+        if not C_CTA:
+            tl.atomic_max(c_amax, col_max.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -505,6 +540,7 @@ class _Orientation:
     """Validated options of one output orientation."""
 
     nv: bool
+    cta: int  # nvfp4_cta: rows per outer-scale tile; 0 for one tensor scale (nvfp4) or none (mxfp4)
     mode: int
     transform: int
     signs: torch.Tensor | None
@@ -529,6 +565,7 @@ def quantize_fused(
     emit_values: bool = True,
     tile: tuple[int, int] | None = None,
     adaptive: bool = False,
+    cta_tile: int | None = None,
     **unsupported,
 ) -> FusedQuant:
     """Quantize a 2D CUDA tensor along its last dim (or x^T's, with transpose=True) in one kernel.
@@ -544,17 +581,22 @@ def quantize_fused(
     emit_codes=True) writes only those (and `outer`): the operand a backward GEMM reads later, kept at
     0.5 + 1 / block bytes per element instead of 2, and decoded by `decode_fused` when needed.
 
+    fmt "nvfp4_cta": NVFP4 with CTA-local outer scales, one per `cta_tile` rows of the output
+    (default quantize.DEFAULT_CTA_TILE), from the amaxes of those rows (taken in the extra read, one
+    atomic per row into its tile's slot); `outer` then holds each row's. 1D blocks only.
+
     tile=(th, tw): 2D weight tiles, one scale per th x tw tile (multiples of the block; x's shape a
     multiple of the tile), round to nearest, no transform, transpose=False (the tiled encoding of x^T
     is the transpose of x's: transpose the values); `scales` then has shape [R // th, C // tw]. For
-    nvfp4 the tensor amax is taken over the finite tiles. Any other reference option (cta_tile,
-    tensor_amax) raises ValueError.
+    nvfp4 the tensor amax is taken over the finite tiles. Not for nvfp4_cta, whose 2D outer scales
+    vary along both dims and fold into fp32 values. Another reference option (tensor_amax) raises
+    ValueError.
     """
     _check_x(x)
     _reject_unsupported(unsupported)
     if not isinstance(transpose, bool):
         raise ValueError(f"quantize_fused: transpose must be a bool, got {transpose!r}")
-    options = {"fmt": fmt, "scale_mode": scale_mode, "adaptive": adaptive, "rounding": rounding, "signs": signs, "seed": seed, "uniforms": uniforms, "emit_codes": emit_codes, "emit_values": emit_values}
+    options = {"fmt": fmt, "scale_mode": scale_mode, "adaptive": adaptive, "cta_tile": cta_tile, "rounding": rounding, "signs": signs, "seed": seed, "uniforms": uniforms, "emit_codes": emit_codes, "emit_values": emit_values}
     spec = _orientation(x, options, transpose)
     if tile is not None:
         return _launch_tiles(x, spec, _check_tile(x, tile, spec, transpose))
@@ -566,8 +608,8 @@ def quantize_fused(
 def quantize_fused_both(x: torch.Tensor, row: dict, col: dict) -> tuple[FusedQuant, FusedQuant]:
     """Both orientations from one read of x: (quantized along the last dim, quantized x^T).
 
-    `row` and `col` hold quantize_fused's options for each (fmt, scale_mode, adaptive, rounding, signs,
-    seed, uniforms, emit_codes, emit_values), e.g. values for the forward GEMM and codes only for the
+    `row` and `col` hold quantize_fused's options for each (fmt, scale_mode, adaptive, cta_tile, rounding,
+    signs, seed, uniforms, emit_codes, emit_values), e.g. values for the forward GEMM and codes only for the
     backward's x^T. NVFP4 orientations first take their tensor amaxes in one more read.
     """
     _check_x(x)
@@ -609,7 +651,7 @@ def decode_fused(
     warps = min(8, _TILE_DECODE[2] * max(1, br * bc // (_TILE_DECODE[0] * _TILE_DECODE[1])))
     _decode_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](
         codes, scales, out, rows, cols,
-        BR=br, BC=bc, TH=th, TW=tw, NV=fmt == "nvfp4", EVEN=rows % br == 0 and cols % bc == 0,
+        BR=br, BC=bc, TH=th, TW=tw, NV=fmt != "mxfp4", EVEN=rows % br == 0 and cols % bc == 0,
         num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     return out
@@ -627,7 +669,7 @@ def _launch(x, row: _Orientation | None, col: _Orientation | None, tile) -> tupl
             continue
         out = _allocate(x.device, shape, spec)
         outs.append(out)
-        args += [out.values, out.codes, out.scales, spec.signs, spec.seed, spec.uniforms, amax[slot:] if spec.nv else None, out.outer]
+        args += [out.values, out.codes, out.scales, spec.signs, spec.seed, spec.uniforms, amax[slot], out.outer]
     grid = (triton.cdiv(rows, br), triton.cdiv(cols, bc))
     _quantize_kernel[grid](
         x, rows, cols, *args,
@@ -638,21 +680,27 @@ def _launch(x, row: _Orientation | None, col: _Orientation | None, tile) -> tupl
     return outs[0], outs[1]
 
 
-def _tensor_amaxes(x, row: _Orientation | None, col: _Orientation | None) -> torch.Tensor | None:
-    """int32 bits of the NVFP4 tensor amax of each orientation ([row, col]), computed on the device."""
+def _tensor_amaxes(x, row: _Orientation | None, col: _Orientation | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(row, col): int32 bits of each NVFP4 orientation's amax (None for the others), computed on the
+    device: one for the tensor, or one per CTA tile (nvfp4_cta: per `cta` rows of that orientation's
+    output, so per `cta` columns of x for x^T)."""
     need_row, need_col = row is not None and row.nv, col is not None and col.nv
     if not (need_row or need_col):
-        return None
-    amax = torch.zeros(2, dtype=torch.int32, device=x.device)
+        return None, None
     rows, cols = x.shape
+    row_slots = (triton.cdiv(rows, row.cta) if row.cta else 1) if need_row else 0
+    col_slots = (triton.cdiv(cols, col.cta) if col.cta else 1) if need_col else 0
+    amax = torch.zeros(row_slots + col_slots, dtype=torch.int32, device=x.device)
+    row_amax, col_amax = (amax[:row_slots] if need_row else None), (amax[row_slots:] if need_col else None)
     br, bc, warps = _TILE_AMAX if not need_col else _TILE_COL
     _amax_kernel[(triton.cdiv(rows, br * _AMAX_TILES), triton.cdiv(cols, bc))](
-        x, rows, cols, amax[0:], row.signs if need_row else None, amax[1:], col.signs if need_col else None,
+        x, rows, cols, row_amax, row.signs if need_row else None, col_amax, col.signs if need_col else None,
         BR=br, BC=bc, TILES=_AMAX_TILES, EVEN=rows % (br * _AMAX_TILES) == 0 and cols % bc == 0,
         ROW=need_row, R_H=row.transform if need_row else 0, COL=need_col, C_H=col.transform if need_col else 0,
-        TH=1, TW=16, num_warps=warps, enable_fp_fusion=False,
+        TH=1, TW=16, R_CTA=row.cta if need_row else 0, C_CTA=col.cta if need_col else 0,
+        num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
-    return amax
+    return row_amax, col_amax
 
 
 def _launch_tiles(x, spec: _Orientation, tile: tuple[int, int]) -> FusedQuant:
@@ -666,7 +714,7 @@ def _launch_tiles(x, spec: _Orientation, tile: tuple[int, int]) -> FusedQuant:
         _amax_kernel[(triton.cdiv(rows, br * _AMAX_TILES), triton.cdiv(cols, bc))](
             x, rows, cols, amax, None, None, None,
             BR=br, BC=bc, TILES=_AMAX_TILES, EVEN=rows % (br * _AMAX_TILES) == 0 and cols % bc == 0,
-            ROW=True, R_H=0, COL=False, C_H=0, TH=th, TW=tw, num_warps=warps, enable_fp_fusion=False,
+            ROW=True, R_H=0, COL=False, C_H=0, TH=th, TW=tw, R_CTA=0, C_CTA=0, num_warps=warps, enable_fp_fusion=False,
         )  # fmt: skip
     br, bc = max(_REGION_2D[0], th), max(_REGION_2D[1], tw)
     warps = _REGION_2D[2] * max(1, br * bc // (_REGION_2D[0] * _REGION_2D[1]))
@@ -682,7 +730,7 @@ def _constexprs(prefix: str, spec: _Orientation | None) -> dict:
     if spec is None:
         return {f"{prefix}{k}": 0 for k in ("NV", "MODE", "H", "SR", "GIVEN_U", "CODES", "VALUES")}
     return {
-        f"{prefix}NV": spec.nv,
+        f"{prefix}NV": spec.cta or int(spec.nv),  # the kernels' NV: 0 MXFP4, 1 NVFP4, > 1 CTA-local NVFP4's tile
         f"{prefix}MODE": spec.mode,
         f"{prefix}H": spec.transform,
         f"{prefix}SR": spec.sr,
@@ -698,7 +746,7 @@ def _allocate(device, shape, spec: _Orientation, tile: tuple[int, int] | None = 
     scales_shape = (rows // tile[0], cols // tile[1]) if tile else (rows, cols // block)
     return FusedQuant(
         values=torch.empty(shape, dtype=torch.bfloat16, device=device) if spec.values else None,
-        outer=torch.empty((), dtype=torch.float32, device=device) if spec.nv else None,
+        outer=torch.empty((rows, 1) if spec.cta else (), dtype=torch.float32, device=device) if spec.nv else None,
         codes=torch.empty((rows, cols // 2), dtype=torch.uint8, device=device) if spec.codes else None,
         scales=torch.empty(scales_shape, dtype=torch.uint8, device=device) if spec.codes else None,
     )
@@ -723,7 +771,7 @@ def _check_x(x) -> None:
         raise ValueError("quantize_fused: x must be contiguous (call .contiguous() first)")
 
 
-_REFERENCE_DEFAULTS = {"cta_tile": None, "tensor_amax": None, "generator": None}
+_REFERENCE_DEFAULTS = {"tensor_amax": None, "generator": None}
 
 
 def _reject_unsupported(options: dict) -> None:
@@ -737,12 +785,17 @@ def _reject_unsupported(options: dict) -> None:
 def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientation:
     fmt = options.get("fmt")
     if fmt not in FORMATS:
-        raise ValueError(f"quantize_fused: fmt={fmt!r} is not supported; allowed: 'mxfp4', 'nvfp4'")
+        raise ValueError(f"quantize_fused: fmt={fmt!r} is not supported; allowed: {', '.join(map(repr, FORMATS))}")
     scale_mode = options.get("scale_mode")
     if fmt == "mxfp4" and scale_mode is not None and scale_mode not in _MX_MODES:
         raise ValueError(f"quantize_fused: scale_mode={scale_mode!r} is not supported; allowed: {', '.join(map(repr, _MX_MODES))}")
-    if fmt == "nvfp4" and scale_mode is not None:
-        raise ValueError("quantize_fused: scale_mode applies to fmt='mxfp4' only; pass scale_mode=None for nvfp4")
+    if fmt != "mxfp4" and scale_mode is not None:
+        raise ValueError(f"quantize_fused: scale_mode applies to fmt='mxfp4' only; pass scale_mode=None for {fmt}")
+    cta_tile = options.get("cta_tile")
+    if cta_tile is not None and fmt != "nvfp4_cta":
+        raise ValueError(f"quantize_fused: cta_tile applies to fmt='nvfp4_cta' only; pass cta_tile=None for {fmt}")
+    if cta_tile is not None and not (isinstance(cta_tile, int) and not isinstance(cta_tile, bool) and cta_tile > 0 and cta_tile % 16 == 0):
+        raise ValueError(f"quantize_fused: cta_tile={cta_tile!r} must be a positive multiple of 16")
     adaptive = options.get("adaptive", False)
     if adaptive not in (False, True):
         raise ValueError(f"quantize_fused: adaptive must be a bool, got {adaptive!r}")
@@ -781,7 +834,8 @@ def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientatio
         what = "rows" if transpose else "last dim"
         raise ValueError(f"quantize_fused: the {what} of x (shape {list(x.shape)}) must be a multiple of {multiple} ({fmt} block, transform)")
     return _Orientation(
-        nv=fmt == "nvfp4",
+        nv=fmt != "mxfp4",
+        cta=(cta_tile or DEFAULT_CTA_TILE) if fmt == "nvfp4_cta" else 0,
         mode=(_MX_ADAPTIVE if adaptive else _MX_MODES[scale_mode or "floor"]) if fmt == "mxfp4" else 0,
         transform=transform,
         signs=signs.contiguous() if signs is not None else None,
@@ -795,6 +849,8 @@ def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientatio
 
 def _check_tile(x: torch.Tensor, tile, spec: _Orientation, transpose: bool) -> tuple[int, int]:
     block = 16 if spec.nv else 32
+    if spec.cta:
+        raise ValueError("quantize_fused: tile with fmt='nvfp4_cta' is not supported (its per-CTA-tile outer scales fold into fp32 values); use the torch reference")
     if not (isinstance(tile, (tuple, list)) and len(tile) == 2 and all(_is_tile_dim(t, block) for t in tile)):
         raise ValueError(f"quantize_fused: tile={tile!r} must be (th, tw) with powers of two that are multiples of {block}")
     if spec.sr or spec.transform or transpose:
@@ -806,7 +862,7 @@ def _check_tile(x: torch.Tensor, tile, spec: _Orientation, transpose: bool) -> t
 
 def _check_decode(codes, scales, fmt, shape, tile, out_dtype) -> tuple[int, int, tuple[int, int] | None]:
     if fmt not in FORMATS:
-        raise ValueError(f"decode_fused: fmt={fmt!r} is not supported; allowed: 'mxfp4', 'nvfp4'")
+        raise ValueError(f"decode_fused: fmt={fmt!r} is not supported; allowed: {', '.join(map(repr, FORMATS))}")
     block = BLOCK_SIZE[fmt]
     if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 2 and all(isinstance(n, int) and n > 0 for n in shape)):
         raise ValueError(f"decode_fused: shape={shape!r} must be (rows, cols) of positive ints")
