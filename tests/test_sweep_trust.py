@@ -180,7 +180,7 @@ def _wait_for(predicate, timeout: float = 120.0) -> None:
 
 
 def test_ctrl_c_stops_a_sweep_with_checkpoints_and_the_next_sweep_resumes_it(tmp_path):
-    (tmp_path / "s.toml").write_text(spec("s", ["bf16", "nvfp4"], steps=400))
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16", "nvfp4"], steps=150))
     command = [sys.executable, "-m", "fp4lab.cli", "sweep", "s.toml"]
     # A shell that starts a job in the background (as CI may start pytest) ignores SIGINT for it, and the
     # ignoring is inherited; Ctrl-C from a terminal reaches a sweep whose SIGINT has its default action.
@@ -197,15 +197,15 @@ def test_ctrl_c_stops_a_sweep_with_checkpoints_and_the_next_sweep_resumes_it(tmp
     (interrupted,) = [r for r in catalog.records() if r["state"] == "interrupted"]
     run_dir = tmp_path / interrupted["paths"]["run_dir"]
     stopped_at = json.loads((run_dir / "summary.json").read_text())["steps_completed"]
-    assert 0 < stopped_at < 400 and (run_dir / "checkpoint.pt").exists()
-    (tmp_path / "s.toml").write_text(spec("s", ["bf16"], steps=400))
+    assert 0 < stopped_at < 150 and (run_dir / "checkpoint.pt").exists()
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16"], steps=150))
     again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
     assert "1 runs, 1 to run" in again.stdout  # interrupted runs resume by default
     record = catalog.get(interrupted["id"])
     assert record["state"] == "completed" and record["attempts"] == 2
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(400))  # continued from the checkpoint, no step twice
+    assert steps == list(range(150))  # continued from the checkpoint, no step twice
 
 
 def test_ctrl_c_during_start_up_leaves_the_run_interrupted_so_the_next_sweep_runs_it(cli, tmp_path, monkeypatch):
