@@ -364,6 +364,8 @@ MUTATIONS = [
       (TQ, "            if first_col:\n                tl.store(outer_ptr + rows, outer, mask=inside)",
        "            if first_col & first_row:\n                tl.store(outer_ptr + rows, outer, mask=inside)"),
       [CTA_FUSED]),
+    m("fused-cta-probe-tensor-scales", "a probe decodes the fused CTA-local codes with the first CTA tile's outer scale everywhere",
+      (LIN, "outer = q.outer[::cta_tile, 0]", "outer = q.outer[:1, 0].expand(len(q.outer[::cta_tile, 0]))"), [CTA_FUSED]),
     m("fusion-marks-bf16-layers", "build_model marks bf16 W1s for the fused norm (a graph break that only falls back)",
       (BUILD, " and w1.x_operands_fusable(shared=True)", ""), [FUSION_WIRE]),
     m("residual-rmsnorm-not-offered", "the fused norm's operands are not offered to W1 and W3, which quantize again",

@@ -133,7 +133,8 @@ def check_cta_local_operands_from_the_fused_quantizers() -> None:
     """Under Triton's interpreter (CPU tensors, which `_kernel_options` then takes as CUDA ones): one
     layer's forward and both gradients with CTA-local operands from the fused quantizers equal, bit for
     bit, those from the torch quantizers (round to nearest: the same operands, per-row outer scales
-    and all), and every operand came from the kernels."""
+    and all), every operand came from the kernels, and a probing step measures the same clip and flush
+    fractions from the kernels' codes as from the reference's encodings."""
     from fp4lab.nn import fp4_linear
     from fp4lab.numerics import triton_quantize
 
@@ -143,7 +144,7 @@ def check_cta_local_operands_from_the_fused_quantizers() -> None:
     single, both = triton_quantize.quantize_fused, triton_quantize.quantize_fused_both
     triton_quantize.quantize_fused = lambda x, **o: fused_formats.append(o["fmt"]) or single(x, **o)
     triton_quantize.quantize_fused_both = lambda x, row, col: fused_formats.extend((row["fmt"], col["fmt"])) or both(x, row, col)
-    results = []
+    results, probes = [], []
     for fused in (False, True):
         torch.manual_seed(0)  # the same initial weight
         layer = FP4Linear(96, 64, CTA_1D, seed=3)
@@ -153,9 +154,17 @@ def check_cta_local_operands_from_the_fused_quantizers() -> None:
         y = layer(x)
         y.backward(torch.randn(y.shape, generator=g))
         results.append((y.detach(), x.grad, layer.weight.grad))
-    assert fused_formats == ["nvfp4_cta"] * 6, fused_formats  # x and x^T, W and W^T, dY and dY^T
+        if fused:
+            assert fused_formats == ["nvfp4_cta"] * 6, fused_formats  # x and x^T, W and W^T, dY and dY^T
+        layer.probe = True
+        layer(x).sum().backward()
+        probes.append(layer.quant_stats)
     for name, ref, fast in zip(("y", "dx", "dw"), *results):
         assert torch.equal(fast, ref), f"{name}: {(fast - ref).abs().max().item()}"
+    assert sorted(probes[1]) == sorted(probes[0]) == sorted(["fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x"])
+    for name, stats in probes[0].items():
+        assert torch.equal(probes[1][name], stats), f"{name} probe: {probes[1][name].tolist()} vs {stats.tolist()}"
+    assert any(stats.sum() > 0 for stats in probes[0].values())  # something to compare: clipped or flushed values
 
 
 def test_cta_local_operands_from_the_fused_quantizers_under_the_interpreter():
