@@ -98,6 +98,8 @@ from fp4lab.numerics.fusion import RMSNORM_MAX_WIDTH, rmsnorm_backward
 from fp4lab.numerics.mx_gemm import MX_BLOCK, OUT_DTYPES, along_k
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.quantize import DEFAULT_CTA_TILE
+from fp4lab.numerics.tile_gemm import OUT_DTYPES as TILE_GEMM_OUT_DTYPES
+from fp4lab.numerics.tile_gemm import tile_scaled_matmul_reference
 from fp4lab.numerics.survey import clip_flush_fractions
 
 
@@ -206,17 +208,22 @@ def transform_length(recipe: LinearRecipe, gemm: str, length: int) -> int:
 @dataclass(frozen=True)
 class GemmOperand:
     """One operand of a tensor-core GEMM: `values` [rows, K] (bf16 where exact, else fp32) and the
-    outer scale that multiplies the result: None, 0-dim, or one per row ([rows, 1])."""
+    outer scale that multiplies the result: None, 0-dim, or one per row ([rows, 1]); or, for a weight in
+    2D CTA-local NVFP4 tiles, one per `outer_cell` x `outer_cell` square, which scales each chunk of the
+    sum along K (`numerics.tile_gemm`)."""
 
     values: torch.Tensor
     outer: torch.Tensor | None = None
     packed: PackedOperand | None = None  # the same operand as codes and scales, where the kernel wrote them
+    outer_cell: int | None = None
 
     @property
     def T(self) -> GemmOperand:  # noqa: N802 (reads like tensor.T)
         """The transposed operand, for an encoding valid in both orientations (2D weight tiles)."""
-        _check_transposable(self.outer, "GemmOperand")
-        return GemmOperand(self.values.T, self.outer, self.packed.T if self.packed is not None else None)
+        if self.outer_cell is None:
+            _check_transposable(self.outer, "GemmOperand")
+        outer = self.outer.T if self.outer_cell is not None else self.outer
+        return GemmOperand(self.values.T, outer, self.packed.T if self.packed is not None else None, self.outer_cell)
 
 
 def _check_transposable(outer: torch.Tensor | None, what: str) -> None:
@@ -371,11 +378,10 @@ def gemm_operand(
     if spec.format == "fp8" or keep_codes:  # FP8: E4M3 / E5M2 values are exact in bf16; the scale goes to the epilogue
         encoded = encoded if encoded is not None else encode_operand(t, spec, None, generator)
     parts = encoded.factored() if encoded is not None else fake_quantize_factored(t, spec.format, **_quantize_options(spec, generator))
-    values = parts.values.to(torch.bfloat16) if parts.bf16_exact else parts.values
     packed = None
     if keep_codes:
         packed = PackedOperand(encoded.data, encoded.scales, parts.outer, encoded.fmt, tuple(encoded.shape), tile=encoded.tile)
-    return GemmOperand(values, parts.outer, packed)
+    return GemmOperand(parts.values.to(torch.bfloat16), parts.outer, packed, parts.outer_cell)
 
 
 def tensor_core_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype) -> torch.Tensor:
@@ -386,7 +392,10 @@ def tensor_core_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype) -> to
     (`torch.mm(..., out_dtype=torch.float32)`) and the result is multiplied by alpha = the product of
     the outer scales before its one rounding, as Blackwell's FP4 GEMMs apply alpha (on CUDA one fused
     pass, `numerics.triton_epilogue`). Anything else, and every CPU GEMM, runs in fp32 on the upcast
-    values, which computes the same exact products."""
+    values, which computes the same exact products. A b whose outer scale is per square (a weight in
+    2D CTA-local tiles) takes the chunk-scaled GEMM (`tile_scaled_mm`)."""
+    if b.outer_cell is not None:
+        return tile_scaled_mm(a, b, out_dtype)
     if a.values.dtype == b.values.dtype == torch.bfloat16 and a.values.is_cuda:
         if a.outer is None and b.outer is None and out_dtype == torch.bfloat16:
             return torch.mm(a.values, b.values.T)
@@ -399,6 +408,23 @@ def tensor_core_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype) -> to
         out = a.values.to(torch.float32) @ b.values.to(torch.float32).T
     alpha = _alpha(a.outer, b.outer)
     return (out if alpha is None else out * alpha).to(out_dtype)
+
+
+def tile_scaled_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b^T for b with one outer scale per square: each chunk of K between square boundaries summed
+    on its own and scaled, then a's outer scale (`numerics.tile_gemm`); on bf16 tensor cores where
+    Triton runs (`numerics.triton_tile_gemm`), else the torch reference of the same sums."""
+    if a.outer_cell is not None:
+        raise ValueError("tile_scaled_mm: only b (the weight) may carry per-square outer scales; a is the activation or gradient")
+    if a.outer is not None and a.outer.numel() not in (1, a.values.shape[0]):
+        raise ValueError(f"tile_scaled_mm: a's outer scale must be one scale or one per row, got {list(a.outer.shape)}")
+    kernel_dtype = out_dtype if out_dtype in TILE_GEMM_OUT_DTYPES else torch.float32
+    args = (a.values, b.values, b.outer, b.outer_cell, a.outer, kernel_dtype)
+    if a.values.dtype == b.values.dtype == torch.bfloat16 and triton_runs_on(a.values.device):
+        from fp4lab.numerics.triton_tile_gemm import tile_scaled_matmul
+
+        return tile_scaled_matmul(*args).to(out_dtype)
+    return tile_scaled_matmul_reference(*args).to(out_dtype)
 
 
 def _alpha(a_outer: torch.Tensor | None, b_outer: torch.Tensor | None) -> torch.Tensor | None:

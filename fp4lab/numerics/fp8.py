@@ -57,7 +57,7 @@ class Fp8Tensor:
         which varies only along the rows and so multiplies a GEMM's result in its epilogue, as a
         float8 scaled_mm applies its scales. values * outer may differ from `dequantize()` by one
         rounding (a product by the reciprocal, not a quotient)."""
-        return FactoredValues(self.data.to(torch.float32), 1.0 / self.scale, True)
+        return FactoredValues(self.data.to(torch.float32), 1.0 / self.scale)
 
 
 def fp8_amax(x: torch.Tensor, scaling: str = "tensor") -> torch.Tensor:

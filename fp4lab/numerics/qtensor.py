@@ -12,21 +12,38 @@ from fp4lab.numerics.scales import e4m3_decode, e8m0_decode
 
 @dataclass(frozen=True)
 class FactoredValues:
-    """What an FP4 GEMM on bf16 tensor cores consumes: `fake_quantize(x) == values * outer` bit for bit.
+    """What an FP4 GEMM on bf16 tensor cores consumes: `fake_quantize(x) == folded()` bit for bit.
 
-    values: float32 E2M1 values times their block scale. For mxfp4 and nvfp4 each is exact in bf16
-            (E2M1 x 2^k: 2 significant bits; E2M1 x E4M3: at most 6), so a bf16 GEMM multiplies them
-            exactly and accumulates in fp32.
-    outer:  the nvfp4 decode scale 1 / S_enc (0-dim), or for 1D nvfp4_cta one scale per row
-            ([..., 1]); None for mxfp4. It varies only along the rows, never along the blocked
-            (contraction) dim, so it factors out of a GEMM into its epilogue (Blackwell's alpha).
-            2D nvfp4_cta tiles vary along both dims: their outer scale is folded into `values`
-            (which are then not exact in bf16: `bf16_exact` is False) and `outer` is None.
+    values:     float32 E2M1 values times their block scale, each exact in bf16 (E2M1 x 2^k: 2
+                significant bits; E2M1 x E4M3: at most 6), so a bf16 GEMM multiplies them exactly
+                and accumulates in fp32.
+    outer:      the nvfp4 decode scale 1 / S_enc (0-dim), or for 1D nvfp4_cta one scale per row
+                ([..., 1]); None for mxfp4. These vary only along the rows, never along the blocked
+                (contraction) dim, so they factor out of a GEMM into its epilogue (Blackwell's alpha).
+                For 2D nvfp4_cta tiles, one scale per `outer_cell` x `outer_cell` square
+                ([ceil(R / T), ceil(C / T)]): it varies along the contraction dim too, so a GEMM
+                scales each T-wide chunk of its sum (`numerics.tile_gemm`).
+    outer_cell: the side T of those squares (the CTA tile); None where `outer` is not per square.
     """
 
     values: torch.Tensor
     outer: torch.Tensor | None
-    bf16_exact: bool
+    outer_cell: int | None = None
+
+    def folded(self) -> torch.Tensor:
+        """values times the outer scale that applies to each element, in float32: one rounding."""
+        if self.outer is None:
+            return self.values
+        if self.outer_cell is None:
+            return self.values * self.outer
+        return self.values * expand_cells(self.outer, self.outer_cell, self.values.shape)
+
+
+def expand_cells(cells: torch.Tensor, cell: int, shape) -> torch.Tensor:
+    """One value per `cell` x `cell` square of a 2D tensor of `shape` (the last row and column of squares
+    may be cut short), broadcast to one per element."""
+    rows, cols = shape
+    return cells.repeat_interleave(cell, dim=0)[:rows].repeat_interleave(cell, dim=1)[:, :cols]
 
 
 @dataclass(frozen=True)
@@ -65,13 +82,13 @@ class QTensor:
     def factored(self) -> FactoredValues:
         """The GEMM operand form of this encoding: `fake_quantize_factored` of the same input and bits."""
         if self.fmt == "mxfp4":
-            return FactoredValues(self._block_values(e8m0_decode(self.scales)), None, True)
+            return FactoredValues(self._block_values(e8m0_decode(self.scales)), None)
         values = self._block_values(e4m3_decode(self.scales))
         if self.fmt == "nvfp4":
-            return FactoredValues(values, self.tensor_scale, True)
+            return FactoredValues(values, self.tensor_scale)
         if self.tile is not None:
-            return FactoredValues(values * self._outer_scale(), None, False)
-        return FactoredValues(values, self._outer_scale(), True)
+            return FactoredValues(values, self.tensor_scale, self.cta_tile)
+        return FactoredValues(values, self._outer_scale())
 
     def _outer_scale(self) -> torch.Tensor:
         """The nvfp4 outer decode scale, broadcastable to the input's shape."""
@@ -82,9 +99,7 @@ class QTensor:
             rows = self.shape.numel() // self.shape[-1] if len(self.shape) else 1
             per_row = self.tensor_scale.repeat_interleave(t)[:rows]
             return per_row.reshape(*self.shape[:-1], 1)
-        th, tw = self.tile
-        per_tile = self.tensor_scale.repeat_interleave(t // th, dim=0).repeat_interleave(t // tw, dim=1)
-        return self._expand_blocks(per_tile[: self.scales.shape[0], : self.scales.shape[1]])
+        return expand_cells(self.tensor_scale, t, self.shape)
 
     def _block_values(self, per_block: torch.Tensor) -> torch.Tensor:
         """E2M1 values times their block's (or tile's) scale, broadcast over a grouped view rather
@@ -95,10 +110,3 @@ class QTensor:
             return (grouped * per_block[..., None]).reshape(self.shape)
         (th, tw), (rows, cols) = self.tile, self.shape
         return (values.reshape(rows // th, th, cols // tw, tw) * per_block[:, None, :, None]).reshape(self.shape)
-
-    def _expand_blocks(self, per_block: torch.Tensor) -> torch.Tensor:
-        """Broadcast one value per block (or tile) to one value per element."""
-        if self.tile is None:
-            return per_block.repeat_interleave(self.block_size, dim=-1).reshape(self.shape)
-        th, tw = self.tile
-        return per_block.repeat_interleave(th, dim=0).repeat_interleave(tw, dim=1)

@@ -92,14 +92,14 @@ def fake_quantize_factored(x: torch.Tensor, fmt: str, **options) -> FactoredValu
     products run on bf16 tensor cores and whose outer scales are applied to the fp32 result."""
     enc = _encode(x, fmt, **({"rounding": "rtn"} | options))
     if fmt == "mxfp4":
-        return FactoredValues((enc.elements * e8m0_decode(enc.scale_bits)).reshape(x.shape), None, True)
-    values = enc.elements * e4m3_decode(enc.scale_bits)
+        return FactoredValues((enc.elements * e8m0_decode(enc.scale_bits)).reshape(x.shape), None)
+    values = (enc.elements * e4m3_decode(enc.scale_bits)).reshape(x.shape)
     if fmt == "nvfp4_cta" and options.get("tile") is not None:
-        return FactoredValues((values * enc.outer_decode).reshape(x.shape), None, False)
+        return FactoredValues(values, enc.tensor_scale, enc.cta_tile)
     outer = enc.outer_decode
     if fmt == "nvfp4_cta":  # [..., 1, 1] per block row of the grouped view: one scale per row of x
         outer = outer.reshape(*x.shape[:-1], 1)
-    return FactoredValues(values.reshape(x.shape), outer, True)
+    return FactoredValues(values, outer)
 
 
 def finite_amax(x: torch.Tensor, fmt: str, tile: tuple[int, int] | None = None) -> torch.Tensor:
