@@ -576,14 +576,16 @@ def bench(
         kernels = bench_kernels(rows, cols, target, on_result=lambda r: console.print(f"  {r.case}: {r.gb_per_s:,.3g} GB/s"))
         report["kernels"] = [k.as_dict() for k in kernels]
     if what in ("all", "gemm"):
-        from fp4lab.bench.kernels import bench_mx_gemm, training_gemm_shapes
+        from fp4lab.bench.kernels import bench_mx_gemm, bench_tile_gemm, training_gemm_shapes
 
         shapes = [shape for name in ("125m", "350m") for shape in training_gemm_shapes(name, batch_size, seq_len)]
-        console.print(f"MXFP4 GEMMs on FP8 tensor cores vs bf16 cuBLAS ({report['device']})")
+        console.print(f"FP4 GEMM kernels vs bf16 cuBLAS ({report['device']}): MXFP4 on FP8 tensor cores, CTA-local 2D weights")
         gemms = [bench_mx_gemm(m, n, k, target, label=label) for label, m, n, k in shapes]
         report["gemm"] = [g.as_dict() for g in gemms if g is not None]
+        tiles = [bench_tile_gemm(m, n, k, target, label=label) for label, m, n, k in shapes if "Wgrad" not in label]
+        report["tile_gemm"] = [g.as_dict() for g in tiles if g is not None]
         if not report["gemm"]:
-            console.print("  skipped: the FP8 GEMM needs CUDA and Triton")
+            console.print("  skipped: the GEMM kernels need CUDA and Triton")
     if what in ("all", "attention"):
         from fp4lab.bench.attention import ATTENTION_SHAPES, bench_attention
 
@@ -652,11 +654,13 @@ def _print_bench(report: dict) -> None:
             table.add_row(k["case"], k["implementation"], f"{k['rows']}x{k['cols']}", f"{k['ms']:.3f}", f"{k['gb_per_s']:,.3g}",
                           f"{k['copy_gb_per_s']:,.3g}", f"{k['fraction_of_copy']:.2f}")
         console.print(table)
-    if report.get("gemm"):
-        table = Table(title=f"MXFP4 GEMM on FP8 tensor cores vs bf16 cuBLAS ({report['device']})")
+    for key, title in (("gemm", "MXFP4 GEMM on FP8 tensor cores"), ("tile_gemm", "Chunk-scaled GEMM of CTA-local 2D weights")):
+        if not report.get(key):
+            continue
+        table = Table(title=f"{title} vs bf16 cuBLAS ({report['device']})")
         for column in ("GEMM", "m x n x k", "ms", "TFLOP/s", "bf16 ms", "bf16 TFLOP/s", "throughput vs bf16"):
             table.add_column(column, justify="left" if column == "GEMM" else "right")
-        for g in report["gemm"]:
+        for g in report[key]:
             table.add_row(g["case"], f"{g['m']}x{g['n']}x{g['k']}", f"{g['ms']:.3f}", f"{g['tflops']:,.0f}", f"{g['bf16_ms']:.3f}",
                           f"{g['bf16_tflops']:,.0f}", f"{g['throughput_vs_bf16']:.2f}")
         console.print(table)

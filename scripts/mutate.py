@@ -58,6 +58,12 @@ TQ = "fp4lab/numerics/triton_quantize.py"
 TQ_INTERPRETED = "tests/test_triton_quantize.py::test_kernels_under_triton_interpreter"
 CTA_FUSED = "tests/test_tensor_cores.py::test_cta_local_operands_from_the_fused_quantizers_under_the_interpreter"
 FUSION_REF = "fp4lab/numerics/fusion.py"
+TILE_GEMM = "fp4lab/numerics/tile_gemm.py"
+TILE_KERNEL = "fp4lab/numerics/triton_tile_gemm.py"
+TILE_TESTS = "tests/test_tile_gemm.py"
+TILE_INTERPRETED = "tests/test_tile_gemm.py::test_kernel_equals_the_reference_under_the_interpreter"
+TILE_WIRE = "tests/test_tile_gemm.py::test_fp4_linear_sends_cta_local_weights_to_the_kernel_under_the_interpreter"
+CTA_MATCH = "tests/test_tensor_cores.py::test_fp4_linear_tensor_cores_match_reference[cpu-nvfp4-cta]"
 NORM_BACKWARD = "tests/test_triton_fusion.py::test_rmsnorm_backward_is_autograd_of_the_reference"
 BUILD = "fp4lab/nn/build.py"
 RECIPE = "fp4lab/nn/recipe.py"
@@ -366,6 +372,31 @@ MUTATIONS = [
       [CTA_FUSED]),
     m("fused-cta-probe-tensor-scales", "a probe decodes the fused CTA-local codes with the first CTA tile's outer scale everywhere",
       (LIN, "outer = q.outer[::cta_tile, 0]", "outer = q.outer[:1, 0].expand(len(q.outer[::cta_tile, 0]))"), [CTA_FUSED]),
+    m("tile-gemm-squares-not-transposed", "Dgrad's W^T keeps W's grid of square scales untransposed",
+      (LIN, "outer = self.outer.T if self.outer_cell is not None else self.outer", "outer = self.outer"),
+      [TILE_TESTS + "::test_tensor_core_operands_of_cta_local_weights_stay_bf16_and_match_the_reference[dgrad-cpu]", CTA_MATCH]),
+    m("tile-gemm-first-chunk-scale", "the reference scales every chunk of K by its first square's scale",
+      (TILE_GEMM, "acc = acc + (a32[:, cols] @ b32[:, cols].T) * per_row[:, chunk]", "acc = acc + (a32[:, cols] @ b32[:, cols].T) * per_row[:, 0]"),
+      [TILE_TESTS + "::test_each_square_scales_only_its_own_chunk", CTA_MATCH]),
+    m("tile-kernel-first-chunk-scale", "the kernel scales every chunk of K by its first square's scale",
+      (TILE_KERNEL, "scale = tl.load(square_rows + chunk * stride_ck, mask=in_b, other=0.0)", "scale = tl.load(square_rows, mask=in_b, other=0.0)"),
+      [TILE_INTERPRETED]),
+    m("tile-kernel-one-square-row", "the kernel reads every row of b's scales from the first row of squares",
+      (TILE_KERNEL, "square_rows = cells_ptr + (rows_b // CELL) * stride_cn", "square_rows = cells_ptr + (rows_b * 0) * stride_cn"),
+      [TILE_INTERPRETED]),
+    m("tile-kernel-row-outer-as-scalar", "the kernel multiplies every row by a's first outer scale",
+      (TILE_KERNEL, "acc = acc * tl.load(outer_ptr + rows_a, mask=in_a, other=0.0)[:, None]", "acc = acc * tl.load(outer_ptr)"),
+      [TILE_INTERPRETED]),
+    m("tile-gemm-not-routed", "tensor_core_mm ignores per-square outer scales (treats them as a per-row alpha)",
+      (LIN, "    if b.outer_cell is not None:\n        return tile_scaled_mm(a, b, out_dtype)\n", ""),
+      [CTA_MATCH, TILE_TESTS + "::test_tensor_core_operands_of_cta_local_weights_stay_bf16_and_match_the_reference[fprop-cpu]"]),
+    m("tile-gemm-kernel-never-taken", "CTA-local weights' GEMMs stay on the torch reference where Triton runs",
+      (LIN, "if a.values.dtype == b.values.dtype == torch.bfloat16 and triton_runs_on(a.values.device):", "if False:"),
+      [TILE_WIRE]),
+    m("tile-gemm-squares-dropped", "gemm_operand drops the square side of a 2D CTA-local weight's outer scale",
+      (LIN, "return GemmOperand(parts.values.to(torch.bfloat16), parts.outer, packed, parts.outer_cell)",
+       "return GemmOperand(parts.values.to(torch.bfloat16), parts.outer, packed)"),
+      [CTA_MATCH]),
     m("fusion-marks-bf16-layers", "build_model marks bf16 W1s for the fused norm (a graph break that only falls back)",
       (BUILD, " and w1.x_operands_fusable(shared=True)", ""), [FUSION_WIRE]),
     m("residual-rmsnorm-not-offered", "the fused norm's operands are not offered to W1 and W3, which quantize again",

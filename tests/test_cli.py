@@ -225,9 +225,9 @@ def test_bench_on_the_cpu_times_kernels_and_steps_beside_the_anchor(run_cli, tmp
     ratios = report["ratios"]
     assert ratios["bf16_tokens_per_s_vs_anchor"] == steps["bf16"]["tokens_per_s"] / steps["anchor"]["tokens_per_s"]
     assert ratios["nvfp4_step_time_vs_bf16"] == steps["nvfp4"]["step_ms"] / steps["bf16"]["step_ms"]
-    assert report["gemm"] == [] and report["attention"] == [] and report["fusion"] == []  # CUDA-only kernels
+    assert report["gemm"] == report["tile_gemm"] == report["attention"] == report["fusion"] == []  # CUDA-only kernels
     text = run_cli("bench", "gemm", "--device", "cpu")
-    assert text.returncode == 0 and "skipped: the FP8 GEMM needs CUDA and Triton" in text.stderr, text.stderr
+    assert text.returncode == 0 and "skipped: the GEMM kernels need CUDA and Triton" in text.stderr, text.stderr
     text = run_cli("bench", "fusion", "--device", "cpu")
     assert text.returncode == 0 and "skipped: the fused producers need CUDA and Triton" in text.stderr, text.stderr
 
@@ -239,6 +239,8 @@ def test_bench_gemm_attention_and_fusion_on_a_gpu(run_cli):
     gemm = json.loads(out.stdout)["gemm"]
     assert [g["case"] for g in gemm][:3] == ["125m w1 Fprop", "125m w1 Dgrad", "125m w1 Wgrad"] and len(gemm) == 8
     assert all(g["throughput_vs_bf16"] == pytest.approx(g["bf16_ms"] / g["ms"]) for g in gemm)
+    tiles = json.loads(out.stdout)["tile_gemm"]
+    assert [g["case"] for g in tiles][:3] == ["125m w1 Fprop", "125m w1 Dgrad", "125m wq Fprop"] and len(tiles) == 6
     out = run_cli("bench", "attention", "--json")
     assert out.returncode == 0, out.stderr
     attention = json.loads(out.stdout)["attention"]

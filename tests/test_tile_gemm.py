@@ -182,3 +182,18 @@ def test_kernel_equals_the_reference_on_cuda():
     """The default launch shape and a small one, on shapes of the 125m model's Fprop and Dgrad."""
     check_kernel_against_reference("cuda", shapes=SHAPES + [(512, 768, 2048, 128), (512, 2048, 768, 128)], tile=(128, 128), k_step=64)
     check_kernel_against_reference("cuda")
+
+
+def test_bench_tile_gemm_is_cuda_only():
+    from fp4lab.bench.kernels import bench_tile_gemm
+
+    assert bench_tile_gemm(64, 64, 128, torch.device("cpu")) is None
+
+
+@pytest.mark.cuda
+def test_cuda_bench_tile_gemm_reports_the_ratio_to_bf16():
+    from fp4lab.bench.kernels import bench_tile_gemm
+
+    result = bench_tile_gemm(1024, 2048, 768, torch.device("cuda"), repeats=3)
+    row = result.as_dict()
+    assert row["ms"] > 0 and row["bf16_ms"] > 0 and row["throughput_vs_bf16"] == pytest.approx(row["bf16_ms"] / row["ms"])

@@ -16,8 +16,9 @@ the ratio of the two rates is the figure of merit (1.0: as fast as a copy).
 On CUDA every time is the median over `repeats` replays of a CUDA graph of several calls, so Python's
 launch cost, which is of the order of a kernel's time at 8192 x 8192, is not counted.
 
-`bench_mx_gemm` times the MXFP4 GEMM on FP8 tensor cores against a bf16 cuBLAS GEMM of the same shape
-(CUDA only) and reports the throughput ratio.
+`bench_mx_gemm` times the MXFP4 GEMM on FP8 tensor cores, `bench_tile_gemm` the chunk-scaled GEMM of 2D
+CTA-local weights, each against a bf16 cuBLAS GEMM of the same shape (CUDA only), and reports the
+throughput ratio.
 """
 
 from __future__ import annotations
@@ -203,8 +204,9 @@ def _reference(case: Case, x: torch.Tensor) -> Callable:
 
 @dataclass(frozen=True)
 class GemmBench:
-    """The MXFP4 GEMM on FP8 tensor cores (`numerics.triton_mx_gemm`, bf16 out) against a bf16 cuBLAS GEMM
-    of the same [m, k] x [n, k]^T shape (bf16 out), each timed as the quantizers are. The MXFP4
+    """An FP4 GEMM kernel (the MXFP4 GEMM on FP8 tensor cores, `numerics.triton_mx_gemm`, or the
+    chunk-scaled GEMM of CTA-local weights, `numerics.triton_tile_gemm`; bf16 out) against a bf16 cuBLAS
+    GEMM of the same [m, k] x [n, k]^T shape (bf16 out), each timed as the quantizers are. The
     operands are quantized once, outside the timing."""
 
     case: str
@@ -246,6 +248,27 @@ def bench_mx_gemm(m: int, n: int, k: int, device: torch.device, repeats: int = 2
     a, b = quantize(a32, "mxfp4"), quantize(b32, "mxfp4")
     a16, b16 = a32.to(torch.bfloat16), b32.to(torch.bfloat16)
     ms = _median_ms(lambda: mxfp4_matmul(a, b, torch.bfloat16), device, repeats)
+    bf16_ms = _median_ms(lambda: torch.mm(a16, b16.T), device, repeats)
+    return GemmBench(label or f"{m}x{n}x{k}", m, n, k, str(device), ms, bf16_ms)
+
+
+def bench_tile_gemm(m: int, n: int, k: int, device: torch.device, repeats: int = 20, label: str = "") -> GemmBench | None:
+    """Time the chunk-scaled GEMM of a 2D CTA-local NVFP4 weight (`numerics.triton_tile_gemm`, 128 x 128
+    squares, a per-row a outer scale, bf16 out) against `torch.mm` in bf16 on one shape; None off CUDA
+    or without Triton. The operands are quantized once, outside the timing."""
+    from fp4lab.numerics.fast import triton_available
+
+    if device.type != "cuda" or not triton_available():
+        return None
+    from fp4lab.numerics import fake_quantize_factored
+    from fp4lab.numerics.triton_tile_gemm import tile_scaled_matmul
+
+    g = torch.Generator().manual_seed(0)
+    a32, b32 = (torch.randn(rows, k, generator=g).to(device) for rows in (m, n))
+    a = fake_quantize_factored(a32, "nvfp4_cta")
+    b = fake_quantize_factored(b32, "nvfp4_cta", tile=(16, 16))
+    a16, b16 = a.values.to(torch.bfloat16), b.values.to(torch.bfloat16)
+    ms = _median_ms(lambda: tile_scaled_matmul(a16, b16, b.outer, b.outer_cell, a.outer, torch.bfloat16), device, repeats)
     bf16_ms = _median_ms(lambda: torch.mm(a16, b16.T), device, repeats)
     return GemmBench(label or f"{m}x{n}x{k}", m, n, k, str(device), ms, bf16_ms)
 

@@ -27,7 +27,9 @@ Three ways to run the same GEMMs (`FP4Linear.tensor_cores`, then `FP4Linear.mx_g
   block scale: exact in bf16), the GEMM runs on bf16 tensor cores with fp32 accumulation and an fp32
   result, and NVFP4's outer scales, which vary only along the rows of an operand, multiply that result
   (the epilogue, like the alpha of Blackwell's FP4 GEMMs); FP8 values (exact in bf16) and their per-tensor
-  or per-row decode scales are split the same way. The products are the same exact numbers, so
+  or per-row decode scales are split the same way. A weight in 2D CTA-local tiles has one outer scale
+  per 128 x 128 square, which changes along the contraction dim: its Fprop and Dgrad sum each chunk
+  of K between square boundaries on its own and scale it (`tensor_core_mm`, `numerics.tile_gemm`). The products are the same exact numbers, so
   the two ways agree up to fp32 summation order (and one rounding of each decoded NVFP4 value that
   the reference makes when it folds the outer scale in). The output takes the autocast dtype (bf16
   activations) and the weight gradient stays fp32. An all-bf16 recipe is a plain `F.linear` on bf16
