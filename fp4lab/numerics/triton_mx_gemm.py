@@ -214,13 +214,26 @@ def _accumulate(
 
 
 @triton.jit
-def _bf16_round(x):
+def bf16_round(x):
     """float32 to bfloat16, round to nearest even, from bits: the same on the GPU and in the interpreter,
     whose bf16 cast truncates and flushes subnormals. Adding 0x7FFF plus the kept lowest bit carries
     into the exponent exactly when RNE rounds up (to Inf past the largest bf16); NaN stays a quiet NaN."""
     bits = x.to(tl.int32, bitcast=True)
     rounded = tl.where(x != x, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
     return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def grouped_tile_rows(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
+    """The rows of A and of B of this program's [BM, BN] output tile, programs ordered so that GROUP
+    tiles of A's rows run next to each other (B's columns stay in L2)."""
+    pid = tl.program_id(0)
+    tiles_a, tiles_b = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    first_a = pid // (GROUP * tiles_b) * GROUP
+    group_size = min(tiles_a - first_a, GROUP)
+    tile_a = first_a + (pid % (GROUP * tiles_b)) % group_size
+    tile_b = (pid % (GROUP * tiles_b)) // group_size
+    return tile_a * BM + tl.arange(0, BM), tile_b * BN + tl.arange(0, BN)
 
 
 @triton.jit
@@ -232,21 +245,14 @@ def _mxfp4_matmul_kernel(
     """One [BM, BN] tile of C = A @ B^T: the K blocks in order, each an FP8 dot of E4M3 values scaled by
     2^(ea + eb) and added into an fp32 accumulator. KB (K / 32) is a constexpr: one compiled kernel per
     K, of which a model has few, and Triton's interpreter cannot loop to a runtime bound."""
-    pid = tl.program_id(0)
-    tiles_a, tiles_b = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    first_a = pid // (GROUP * tiles_b) * GROUP
-    group_size = min(tiles_a - first_a, GROUP)
-    tile_a = first_a + (pid % (GROUP * tiles_b)) % group_size
-    tile_b = (pid % (GROUP * tiles_b)) // group_size
-    rows_a = tile_a * BM + tl.arange(0, BM)
-    rows_b = tile_b * BN + tl.arange(0, BN)
+    rows_a, rows_b = grouped_tile_rows(M, N, BM, BN, GROUP)
     if _max_finite_byte(a_scales, rows_a, M, KB, BM) <= ROW_FIRST_MAX_BYTE:
         acc, nan_a, nan_b = _accumulate(a_values, a_scales, b_values, b_scales, rows_a, rows_b, M, N, KB, BM, BN, STEP, False)
     else:
         acc, nan_a, nan_b = _accumulate(a_values, a_scales, b_values, b_scales, rows_a, rows_b, M, N, KB, BM, BN, STEP, True)
     acc = tl.where(nan_a[:, None] | nan_b[None, :], float("nan"), acc)
     ptrs = out_ptr + rows_a.to(tl.int64)[:, None] * N + rows_b[None, :]
-    tl.store(ptrs, _bf16_round(acc) if OUT_BF16 else acc, mask=(rows_a < M)[:, None] & (rows_b < N)[None, :])
+    tl.store(ptrs, bf16_round(acc) if OUT_BF16 else acc, mask=(rows_a < M)[:, None] & (rows_b < N)[None, :])
 
 
 # ----------------------------------------------------------------------------------------------

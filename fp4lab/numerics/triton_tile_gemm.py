@@ -24,7 +24,7 @@ import triton.language as tl
 
 from fp4lab.numerics.tile_gemm import check_tile_operands
 from fp4lab.numerics.tile_gemm import tile_scaled_matmul_reference as tile_scaled_matmul_reference  # re-exported beside the kernel
-from fp4lab.numerics.triton_mx_gemm import GROUP_ROWS, LAUNCH_OPTIONS, _bf16_round
+from fp4lab.numerics.triton_mx_gemm import GROUP_ROWS, LAUNCH_OPTIONS, bf16_round, grouped_tile_rows
 
 # Triton's CPU interpreter (the tests) multiplies bf16 operands of tl.dot as integers (their bits), so
 # there the kernel upcasts them to fp32 first: the same exact products.
@@ -54,14 +54,7 @@ def _tile_scaled_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, OUT_BF16: tl.constexpr,
     UPCAST: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    tiles_a, tiles_b = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    first_a = pid // (GROUP * tiles_b) * GROUP
-    group_size = min(tiles_a - first_a, GROUP)
-    tile_a = first_a + (pid % (GROUP * tiles_b)) % group_size
-    tile_b = (pid % (GROUP * tiles_b)) // group_size
-    rows_a = tile_a * BM + tl.arange(0, BM)
-    rows_b = tile_b * BN + tl.arange(0, BN)
+    rows_a, rows_b = grouped_tile_rows(M, N, BM, BN, GROUP)
     in_a, in_b = rows_a < M, rows_b < N
     a_rows = a_ptr + rows_a.to(tl.int64)[:, None] * stride_am
     b_rows = b_ptr + rows_b.to(tl.int64)[:, None] * stride_bn
@@ -85,7 +78,7 @@ def _tile_scaled_kernel(
     elif A_OUTER == 2:
         acc = acc * tl.load(outer_ptr + rows_a, mask=in_a, other=0.0)[:, None]
     ptrs = out_ptr + rows_a.to(tl.int64)[:, None] * N + rows_b[None, :]
-    tl.store(ptrs, _bf16_round(acc) if OUT_BF16 else acc, mask=in_a[:, None] & in_b[None, :])
+    tl.store(ptrs, bf16_round(acc) if OUT_BF16 else acc, mask=in_a[:, None] & in_b[None, :])
 
 
 def tile_scaled_matmul(
