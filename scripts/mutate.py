@@ -59,6 +59,9 @@ TQ_INTERPRETED = "tests/test_triton_quantize.py::test_kernels_under_triton_inter
 CTA_FUSED = "tests/test_tensor_cores.py::test_cta_local_operands_from_the_fused_quantizers_under_the_interpreter"
 FUSION_REF = "fp4lab/numerics/fusion.py"
 TILE_GEMM = "fp4lab/numerics/tile_gemm.py"
+FP8_KERNEL = "fp4lab/numerics/triton_fp8.py"
+FP8_INTERPRETED = "tests/test_triton_fp8.py::test_fused_fp8_matches_the_reference_under_the_interpreter"
+FP8_WIRE = "tests/test_triton_fp8.py::test_fp8_layers_take_the_fused_quantizer_under_the_interpreter"
 TILE_KERNEL = "fp4lab/numerics/triton_tile_gemm.py"
 TILE_TESTS = "tests/test_tile_gemm.py"
 TILE_INTERPRETED = "tests/test_tile_gemm.py::test_kernel_equals_the_reference_under_the_interpreter"
@@ -397,6 +400,21 @@ MUTATIONS = [
       (LIN, "return GemmOperand(parts.values.to(torch.bfloat16), parts.outer, packed, parts.outer_cell)",
        "return GemmOperand(parts.values.to(torch.bfloat16), parts.outer, packed)"),
       [CTA_MATCH]),
+    m("fp8-fused-e5m2-grid", "the fused FP8 quantizer rounds E5M2 onto a grid of 3 mantissa bits",
+      (FP8_KERNEL, '_GRIDS = {"e4m3": (3, -6), "e5m2": (2, -14)}', '_GRIDS = {"e4m3": (3, -6), "e5m2": (3, -14)}'), [FP8_INTERPRETED]),
+    m("fp8-fused-no-subnormals", "the fused FP8 quantizer rounds below the smallest normal as if the binades went on",
+      (FP8_KERNEL, "tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, MIN_NORMAL_BITS)", "(a.to(tl.int32, bitcast=True) & 0x7F800000)"),
+      [FP8_INTERPRETED]),
+    m("fp8-fused-transposed-row-scale", "the fused FP8 quantizer scales x^T's rows by x's row scales",
+      (FP8_KERNEL, "amax, mode = torch.linalg.vector_norm(x, inf, dim=0).reshape(cols, 1), _PER_COL",
+       "amax, mode = torch.linalg.vector_norm(x, inf, dim=0).reshape(cols, 1), _PER_ROW"), [FP8_INTERPRETED]),
+    m("fp8-fused-not-taken", "FP8 operands stay on the torch quantizer where the fused one runs",
+      (LIN, "        if self.takes_fused_fp8(spec, signs, t):\n            return self._fused_fp8(t, spec)\n", ""), [FP8_WIRE]),
+    m("fp8-fused-pair-not-taken", "an FP8 operand pair quantizes t^T from a transposed view instead of in the kernel",
+      (LIN, "and self.takes_fused_fp8(row_spec, signs[0], t) and self.takes_fused_fp8(col_spec, signs[1], t)",
+       "and False"), [FP8_WIRE]),
+    m("fp8-fused-while-probing", "a probing step takes the fused FP8 quantizer, whose operands the probes never see",
+      (LIN, "and not self.probe\n                and fp8_kernel_runs(t))", "\n                and fp8_kernel_runs(t))"), [FP8_WIRE]),
     m("fusion-marks-bf16-layers", "build_model marks bf16 W1s for the fused norm (a graph break that only falls back)",
       (BUILD, " and w1.x_operands_fusable(shared=True)", ""), [FUSION_WIRE]),
     m("residual-rmsnorm-not-offered", "the fused norm's operands are not offered to W1 and W3, which quantize again",

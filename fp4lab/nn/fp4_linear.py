@@ -17,7 +17,8 @@ vector, so the unquantized product is unchanged. The token dim M is zero-padded 
 block and transform sizes for Wgrad (zeros add nothing to the product). A full-dimension transform
 (rhtfull) pads each operand's contraction dim itself, to the power of two its sign vector spans
 (`transform_length`), so its GEMMs take any in_features, out_features and token count. FP8 operands
-are encoded with one current scale per tensor or per row (`numerics.fp8`).
+are encoded with one current scale per tensor or per row (`numerics.fp8`; on CUDA by the fused
+`numerics.triton_fp8`, the same bits).
 
 Three ways to run the same GEMMs (`FP4Linear.tensor_cores`, then `FP4Linear.mx_gemm`):
 
@@ -169,6 +170,12 @@ def _kernel_options(spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tens
     if not (t.is_cuda and kernel_covers(spec) and triton_available()):
         return None
     return fused_options(spec, signs, t, seed)
+
+
+def fp8_kernel_runs(t: torch.Tensor) -> bool:
+    """Whether the fused FP8 quantizer runs on t: a CUDA tensor, with Triton (tests under Triton's
+    interpreter replace this for CPU tensors)."""
+    return t.is_cuda and triton_available()
 
 
 def fused_options(spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor, seed) -> dict:
@@ -834,6 +841,8 @@ class FP4Linear(nn.Module):
         tensor cores (`wants_codes`) is made with its codes and scales; the fused kernel writes only
         those (`PackedOperand`), as the GEMM reads nothing else."""
         spec = self.recipe.operand(name)
+        if self.takes_fused_fp8(spec, signs, t):
+            return self._fused_fp8(t, spec)
         codes = self.wants_codes(name, t.device)
         options = _kernel_options(spec, signs, t, self.philox_seed) if self.fused_quantizers else None
         if options is not None:
@@ -864,6 +873,8 @@ class FP4Linear(nn.Module):
         row_name, col_name = names
         multiple = self._contraction_multiples[next(g for g, pair in GEMMS.items() if col_name in pair)]
         row_spec, col_spec = self.recipe.operand(row_name), self.recipe.operand(col_name)
+        if t.shape[0] % multiple == 0 and self.takes_fused_fp8(row_spec, signs[0], t) and self.takes_fused_fp8(col_spec, signs[1], t):
+            return self._fused_fp8(t, row_spec), self._fused_fp8(t, col_spec, transpose=True)
         # Both covered, or neither from here: no Philox seed is drawn for a request that is not made.
         covered = self.fused_quantizers and t.shape[0] % multiple == 0 and all(
             spec.tile is None and kernel_covers(spec) for spec in (row_spec, col_spec)
@@ -877,6 +888,18 @@ class FP4Linear(nn.Module):
                 col = col | {"emit_codes": True, "emit_values": False}
             return tuple(self._fused(t, [(row_name, row, False), (col_name, col, True)]))
         return self.operand(row_name, t, signs[0], generator), self.operand(col_name, _pad_last(t.T, multiple), signs[1], generator)
+
+    def takes_fused_fp8(self, spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor) -> bool:
+        """Whether an FP8 operand comes from the fused FP8 quantizer (`numerics.triton_fp8`): no
+        transform, not a probing step (probes record the torch encoding), and the kernel runs on t."""
+        return (spec.format == "fp8" and signs is None and self.fused_quantizers and not self.probe
+                and fp8_kernel_runs(t))
+
+    def _fused_fp8(self, t: torch.Tensor, spec: OperandSpec, transpose: bool = False) -> GemmOperand:
+        from fp4lab.numerics.triton_fp8 import fp8_quantize_fused
+
+        q = fp8_quantize_fused(t, spec.element, spec.scaling, pow2=spec.pow2_scale, transpose=transpose)
+        return GemmOperand(q.values, q.outer)
 
     def _fused(self, t: torch.Tensor, requests: list[tuple[str, dict, bool]]) -> list[GemmOperand | PackedOperand]:
         """Run the fused quantizer for (name, options, transposed) requests on one read of t; probes
