@@ -70,8 +70,8 @@ def _fp8_kernel(
     else:
         scale = tl.load(scale_ptr + cols, mask=cols < C, other=0.0)[None, :]
     values = _fp8_grid(x * scale, MANT, MIN_NORMAL_BITS).to(tl.bfloat16)  # exact
-    if TRANSPOSE:
-        tl.store(out_ptr + cols.to(tl.int64)[None, :] * R + rows[:, None], values, mask=inside)
+    if TRANSPOSE:  # the tile transposed in registers, so that x^T's rows are stored contiguously
+        tl.store(out_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], tl.trans(values), mask=tl.trans(inside))
     else:
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], values, mask=inside)
 
