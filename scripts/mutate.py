@@ -57,6 +57,7 @@ LIN = "fp4lab/nn/fp4_linear.py"
 TQ = "fp4lab/numerics/triton_quantize.py"
 TQ_INTERPRETED = "tests/test_triton_quantize.py::test_kernels_under_triton_interpreter"
 CTA_FUSED = "tests/test_tensor_cores.py::test_cta_local_operands_from_the_fused_quantizers_under_the_interpreter"
+CTA_2D_FUSED = "tests/test_tensor_cores.py::test_cta_local_2d_weights_from_the_fused_quantizer_under_the_interpreter"
 FUSION_REF = "fp4lab/numerics/fusion.py"
 TILE_GEMM = "fp4lab/numerics/tile_gemm.py"
 FP8_KERNEL = "fp4lab/numerics/triton_fp8.py"
@@ -374,7 +375,7 @@ MUTATIONS = [
        "            if first_col & first_row:\n                tl.store(outer_ptr + rows, outer, mask=inside)"),
       [CTA_FUSED]),
     m("fused-cta-probe-tensor-scales", "a probe decodes the fused CTA-local codes with the first CTA tile's outer scale everywhere",
-      (LIN, "outer = q.outer[::cta_tile, 0]", "outer = q.outer[:1, 0].expand(len(q.outer[::cta_tile, 0]))"), [CTA_FUSED]),
+      (LIN, "else q.outer[::cta_tile, 0]", "else q.outer[:1, 0].expand(len(q.outer[::cta_tile, 0]))"), [CTA_FUSED]),
     m("tile-gemm-squares-not-transposed", "Dgrad's W^T keeps W's grid of square scales untransposed",
       (LIN, "outer = self.outer.T if self.outer_cell is not None else self.outer", "outer = self.outer"),
       [TILE_TESTS + "::test_tensor_core_operands_of_cta_local_weights_stay_bf16_and_match_the_reference[dgrad-cpu]", CTA_MATCH]),
@@ -415,6 +416,18 @@ MUTATIONS = [
        "and False"), [FP8_WIRE]),
     m("fp8-fused-while-probing", "a probing step takes the fused FP8 quantizer, whose operands the probes never see",
       (LIN, "and not self.probe\n                and fp8_kernel_runs(t))", "\n                and fp8_kernel_runs(t))"), [FP8_WIRE]),
+    m("fused-cta-square-one-row", "the fused 2D CTA-local quantizer puts every row of tiles in the first row of squares",
+      (TQ, "slots = (tile_rows // SQUARE)[:, None] * tl.cdiv(C, SQUARE) + (tile_cols // SQUARE)[None, :]",
+       "slots = (tile_rows * 0)[:, None] * tl.cdiv(C, SQUARE) + (tile_cols // SQUARE)[None, :]"), [TQ_INTERPRETED, CTA_2D_FUSED]),
+    m("fused-cta-square-amax-one-slot", "the fused 2D CTA-local amax pass folds every tile into the first square's slot",
+      (TQ, "tl.atomic_max(r_amax + slots, tile_amax, mask=inside)", "tl.atomic_max(r_amax + slots * 0, tile_amax, mask=inside)"),
+      [TQ_INTERPRETED, CTA_2D_FUSED]),
+    m("fused-cta-2d-not-covered", "2D CTA-local weights stay on the torch quantizer",
+      (LIN, "    return spec.rounding == \"rtn\" and spec.transform == \"none\" and all(",
+       "    return spec.format != \"nvfp4_cta\" and spec.rounding == \"rtn\" and spec.transform == \"none\" and all("),
+      [CTA_2D_FUSED]),
+    m("fused-cta-2d-squares-dropped", "the fused 2D CTA-local weight's operand forgets that its outer scale is per square",
+      (LIN, "outer_cell = (options.get(\"cta_tile\") or DEFAULT_CTA_TILE) if", "outer_cell = None if"), [CTA_2D_FUSED]),
     m("fusion-marks-bf16-layers", "build_model marks bf16 W1s for the fused norm (a graph break that only falls back)",
       (BUILD, " and w1.x_operands_fusable(shared=True)", ""), [FUSION_WIRE]),
     m("residual-rmsnorm-not-offered", "the fused norm's operands are not offered to W1 and W3, which quantize again",

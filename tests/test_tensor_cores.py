@@ -94,6 +94,11 @@ RTN_H16 = LinearRecipe(*(OperandSpec("nvfp4"),) * 4, OperandSpec("nvfp4", transf
 CTA_1D = LinearRecipe(
     *(OperandSpec("nvfp4_cta", cta_tile=32),) * 4, *(OperandSpec("nvfp4_cta", cta_tile=32, transform="h16"),) * 2
 )
+# The same with 2D 16 x 16 weight tiles, one outer scale per 32 x 32 square: Fprop and Dgrad on the tile GEMM.
+CTA_2D = LinearRecipe(
+    *(OperandSpec("nvfp4_cta", cta_tile=32), OperandSpec("nvfp4_cta", tile=(16, 16), cta_tile=32)) * 2,
+    *(OperandSpec("nvfp4_cta", cta_tile=32, transform="h16"),) * 2,
+)
 RTN_MX_H32 = LinearRecipe(
     *(OperandSpec("mxfp4", scale_mode="rceil"),) * 4, *(OperandSpec("mxfp4", scale_mode="floor", transform="h32"),) * 2
 )
@@ -129,12 +134,13 @@ def test_fp4_linear_tensor_cores_match_reference(recipe, fused, device):
         assert ((fast - ref).abs().max() / scale).item() < 64 * U * 512
 
 
-def check_cta_local_operands_from_the_fused_quantizers() -> None:
+def check_cta_local_operands_from_the_fused_quantizers(two_d: bool = False) -> None:
     """Under Triton's interpreter (CPU tensors, which `_kernel_options` then takes as CUDA ones): one
     layer's forward and both gradients with CTA-local operands from the fused quantizers equal, bit for
     bit, those from the torch quantizers (round to nearest: the same operands, per-row outer scales
     and all), every operand came from the kernels, and a probing step measures the same clip and flush
-    fractions from the kernels' codes as from the reference's encodings."""
+    fractions from the kernels' codes as from the reference's encodings. two_d: the weight in 2D
+    tiles with one outer scale per square, quantized once for Fprop and Dgrad (W^T is its transpose)."""
     from fp4lab.nn import fp4_linear
     from fp4lab.numerics import triton_quantize
 
@@ -147,7 +153,7 @@ def check_cta_local_operands_from_the_fused_quantizers() -> None:
     results, probes = [], []
     for fused in (False, True):
         torch.manual_seed(0)  # the same initial weight
-        layer = FP4Linear(96, 64, CTA_1D, seed=3)
+        layer = FP4Linear(96, 64, CTA_2D if two_d else CTA_1D, seed=3)
         layer.tensor_cores, layer.fused_quantizers = True, fused
         g = torch.Generator().manual_seed(1)
         x = (torch.randn(2, 48, 96, generator=g) * torch.rand(2, 48, 1, generator=g)).requires_grad_(True)
@@ -155,13 +161,14 @@ def check_cta_local_operands_from_the_fused_quantizers() -> None:
         y.backward(torch.randn(y.shape, generator=g))
         results.append((y.detach(), x.grad, layer.weight.grad))
         if fused:
-            assert fused_formats == ["nvfp4_cta"] * 6, fused_formats  # x and x^T, W and W^T, dY and dY^T
+            assert fused_formats == ["nvfp4_cta"] * (5 if two_d else 6), fused_formats  # x and x^T, W (and W^T), dY and dY^T
         layer.probe = True
         layer(x).sum().backward()
         probes.append(layer.quant_stats)
     for name, ref, fast in zip(("y", "dx", "dw"), *results):
         assert torch.equal(fast, ref), f"{name}: {(fast - ref).abs().max().item()}"
-    assert sorted(probes[1]) == sorted(probes[0]) == sorted(["fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x"])
+    probed = ["fprop_x", "fprop_w", "dgrad_dy", "wgrad_dy", "wgrad_x"] + ([] if two_d else ["dgrad_w"])  # 2D: Dgrad reads W's encoding
+    assert sorted(probes[1]) == sorted(probes[0]) == sorted(probed)
     for name, stats in probes[0].items():
         assert torch.equal(probes[1][name], stats), f"{name} probe: {probes[1][name].tolist()} vs {stats.tolist()}"
     assert any(stats.sum() > 0 for stats in probes[0].values())  # something to compare: clipped or flushed values
@@ -169,6 +176,10 @@ def check_cta_local_operands_from_the_fused_quantizers() -> None:
 
 def test_cta_local_operands_from_the_fused_quantizers_under_the_interpreter():
     interpreted.run_interpreted("test_tensor_cores", "check_cta_local_operands_from_the_fused_quantizers()")
+
+
+def test_cta_local_2d_weights_from_the_fused_quantizer_under_the_interpreter():
+    interpreted.run_interpreted("test_tensor_cores", "check_cta_local_operands_from_the_fused_quantizers(two_d=True)")
 
 
 def test_plain_bf16_recipe_is_an_ordinary_bf16_linear(device):
@@ -350,7 +361,8 @@ def test_kernel_coverage_follows_what_the_fused_quantizer_supports():
     assert not kernel_covers(OperandSpec("nvfp4", tile=(48, 48)))  # the kernel's tiles are powers of two
     assert not kernel_covers(OperandSpec("nvfp4", tile=(16, 16), rounding="sr"))
     assert kernel_covers(OperandSpec("nvfp4_cta", rounding="sr", transform="h16", cta_tile=64))  # 1D CTA-local blocks
-    assert not kernel_covers(OperandSpec("nvfp4_cta", tile=(16, 16)))  # 2D CTA tiles fold their outer scales into fp32
+    assert kernel_covers(OperandSpec("nvfp4_cta", tile=(16, 16)))  # 2D CTA tiles: one outer scale per square
+    assert not kernel_covers(OperandSpec("nvfp4_cta", tile=(16, 16), rounding="sr"))
     assert not kernel_covers(OperandSpec("mxfp4", transform="h64"))
     assert not kernel_covers(OperandSpec("bf16"))
     assert not kernel_covers(OperandSpec("fp8", element="e4m3", scaling="tensor"))

@@ -146,7 +146,8 @@ def assert_same_bits(got, want, label: str) -> None:
 def assert_codes_only(decode_fused, lean, full, fmt: str, tile, label: str, cta_tile: int = 128) -> None:
     """`lean` (emit_values=False) holds the codes, scales and outer of `full` (the same call with values)
     and no values; decode_fused of its codes gives full's values (bf16) and QTensor.factored's (fp32)
-    (nvfp4_cta: the QTensor of the per-CTA-tile outer scales, every cta_tile-th row's)."""
+    (nvfp4_cta: the QTensor of the per-CTA-tile outer scales, every cta_tile-th row's; with 2D tiles
+    the kernel's one per square)."""
     assert lean.values is None, label
     assert torch.equal(lean.codes, full.codes) and torch.equal(lean.scales, full.scales), f"{label}: codes or scales differ"
     assert (lean.outer is None) == (full.outer is None), label
@@ -154,7 +155,7 @@ def assert_codes_only(decode_fused, lean, full, fmt: str, tile, label: str, cta_
         assert torch.equal(lean.outer.view(torch.int32), full.outer.view(torch.int32)), f"{label}: outer"
     shape = tuple(full.values.shape)
     assert_same_bits(decode_fused(lean.codes, lean.scales, fmt=fmt, shape=shape, tile=tile), full.values, f"{label} decode")
-    outer, cta = (lean.outer[::cta_tile, 0], cta_tile) if fmt == "nvfp4_cta" else (lean.outer, None)
+    outer, cta = (lean.outer if tile else lean.outer[::cta_tile, 0], cta_tile) if fmt == "nvfp4_cta" else (lean.outer, None)
     factored = QTensor(lean.codes, lean.scales, outer, fmt, torch.Size(shape), BLOCK[fmt], tile=tile, cta_tile=cta).factored()
     fp32 = decode_fused(lean.codes, lean.scales, fmt=fmt, shape=shape, tile=tile, out_dtype=torch.float32)
     assert_same_bits(fp32, factored.values, f"{label} decode fp32")
@@ -303,6 +304,27 @@ def test_exact_2d_tiles(tq, fmt, mode, adaptive, tile, dtype):
             assert_matches(out, factored, q, f"{kind} {shape}")
             lean = tq.quantize_fused(x, fmt=fmt, **options)
             assert torch.equal(lean.values.view(torch.int16), out.values.view(torch.int16))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tile,cta_tile", [((16, 16), 128), ((16, 16), 48), ((32, 32), 64), ((16, 32), 32)])
+def test_exact_cta_local_2d_tiles(tq, tile, cta_tile):
+    """2D CTA-local tiles: each tile's amax folded into its square's slot and one outer scale per square
+    (squares larger and smaller than a kernel's region, not a power of two, cut short at odd shapes):
+    values, codes, scale bytes and outer from fp32 and bf16, and codes only, decoded."""
+    options = dict(tile=tile, cta_tile=cta_tile)
+    th, tw = tile
+    for shape in ((256, 512), (3 * th, 5 * tw), (160, 96)):
+        for kind, x in inputs(shape, seed=31).items():
+            for dtype in (torch.float32, torch.bfloat16):
+                xd = x.to("cuda", dtype)
+                label = f"{kind} {shape} {dtype}"
+                out = tq.quantize_fused(xd, fmt="nvfp4_cta", emit_codes=True, **options)
+                assert out.outer.shape == (-(-shape[0] // cta_tile), -(-shape[1] // cta_tile)), label
+                factored = fake_quantize_factored(xd.float(), "nvfp4_cta", **options)
+                assert_matches(out, factored, quantize(xd.float(), "nvfp4_cta", **options), label)
+                lean = tq.quantize_fused(xd, fmt="nvfp4_cta", emit_codes=True, emit_values=False, **options)
+                assert_codes_only(tq.decode_fused, lean, out, "nvfp4_cta", tile, label + " codes only", cta_tile=cta_tile)
 
 
 @pytest.mark.cuda
@@ -566,7 +588,7 @@ def test_sr_philox_seed_reproducible_and_independent(tq):
 @pytest.mark.parametrize(
     "kwargs,name",
     [
-        (dict(fmt="nvfp4_cta", tile=(16, 16)), "tile"),
+        (dict(fmt="nvfp4_cta", tile=(32, 32), cta_tile=48), "cta_tile"),
         (dict(fmt="nvfp4_cta", cta_tile=24), "cta_tile"),
         (dict(fmt="nvfp4_cta", scale_mode="floor"), "scale_mode"),
         (dict(fmt="mxfp4", tile=(16, 16)), "tile"),
@@ -675,7 +697,8 @@ for i, (fmt, mode, rounding, size) in enumerate(cases):
         assert_matches(both[0], row, row_q, label + " both/row")
         assert_matches(both[1], col, col_q, label + " both/col")
 
-for fmt, opts in (("nvfp4", dict(tile=(16, 16))), ("mxfp4", dict(tile=(32, 32), scale_mode="rceil", adaptive=True))):
+for fmt, opts in (("nvfp4", dict(tile=(16, 16))), ("mxfp4", dict(tile=(32, 32), scale_mode="rceil", adaptive=True)),
+                  ("nvfp4_cta", dict(tile=(16, 16), cta_tile=16))):
     for name, x in kinds[:2]:
         out = quantize_fused(x, fmt=fmt, emit_codes=True, **opts)
         assert_matches(out, fake_quantize_factored(x.float(), fmt, **opts), quantize(x.float(), fmt, **opts), f"{{name}} {{fmt}} tiles")
@@ -714,6 +737,8 @@ col_ref = [f(y, "nvfp4_cta", cta_tile=16, rounding="sr", generator=g()) for f in
 assert_matches(both[1], *col_ref, "cta x^T sr h16")
 lean = quantize_fused(x, transpose=True, emit_values=False, **col)
 assert_codes_only(decode_fused, lean, both[1], "nvfp4_cta", None, "cta x^T codes only", cta_tile=16)
+lean = quantize_fused(x, fmt="nvfp4_cta", tile=(16, 16), cta_tile=48, emit_codes=True, emit_values=False)
+assert_codes_only(decode_fused, lean, quantize_fused(x, fmt="nvfp4_cta", tile=(16, 16), cta_tile=48, emit_codes=True), "nvfp4_cta", (16, 16), "cta 2D squares", cta_tile=48)
 
 for fmt in ("mxfp4", "nvfp4"):
     for tile in (None, (BLOCK[fmt], BLOCK[fmt])):

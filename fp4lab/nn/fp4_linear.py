@@ -154,14 +154,12 @@ def _quantize_options(spec: OperandSpec, generator) -> dict:
 
 def kernel_covers(spec: OperandSpec) -> bool:
     """Whether the fused quantizer covers `spec` (not non-FP4 formats, transforms other than 16 and
-    32, CTA-local scales on 2D tiles, or 2D tiles with SR, a transform or a side that is not a power
-    of two)."""
+    32, or 2D tiles with SR, a transform or a side that is not a power of two)."""
     if spec.format not in ("mxfp4", "nvfp4", "nvfp4_cta") or spec.transform_size not in (0, 16, 32):
         return False
     if spec.tile is None:
         return True
-    return (spec.format != "nvfp4_cta" and spec.rounding == "rtn" and spec.transform == "none"
-            and all(side & (side - 1) == 0 for side in spec.tile))
+    return spec.rounding == "rtn" and spec.transform == "none" and all(side & (side - 1) == 0 for side in spec.tile)
 
 
 def _kernel_options(spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor, seed) -> dict | None:
@@ -253,18 +251,21 @@ class PackedOperand:
     shape: tuple[int, int]
     tile: tuple[int, int] | None = None
     transposed: bool = False
+    outer_cell: int | None = None  # as GemmOperand's: `outer` holds one scale per square of this side
 
     @property
     def T(self) -> PackedOperand:  # noqa: N802 (reads like tensor.T)
         """The transposed operand, for an encoding valid in both orientations (2D weight tiles)."""
-        _check_transposable(self.outer, "PackedOperand")
+        if self.outer_cell is None:
+            _check_transposable(self.outer, "PackedOperand")
         return replace(self, transposed=not self.transposed)
 
     def unpack(self) -> GemmOperand:
         from fp4lab.numerics.triton_quantize import decode_fused
 
         values = decode_fused(self.codes, self.scales, fmt=self.fmt, shape=self.shape, tile=self.tile)
-        return GemmOperand(values.T if self.transposed else values, self.outer)
+        operand = GemmOperand(values, self.outer, outer_cell=self.outer_cell)
+        return operand.T if self.transposed else operand
 
     def along_k(self) -> QTensor | None:
         """This operand as the FP8 GEMM's MXFP4 operand, 1D blocks of 32 along its last dim
@@ -277,20 +278,22 @@ class PackedOperand:
 
 def _fused_encoding(q, options: dict, shape: tuple) -> QTensor:
     """The QTensor of a fused kernel's output written with its codes (for probes): nvfp4_cta's tensor
-    scales are one per CTA tile, the first row's of each of the per-row outer scales."""
+    scales are one per CTA tile, the first row's of each of the per-row outer scales (1D blocks) or
+    the kernel's one per square (2D tiles)."""
     fmt, outer, cta_tile = options["fmt"], q.outer, None
     if fmt == "nvfp4_cta":
         cta_tile = options.get("cta_tile") or DEFAULT_CTA_TILE
-        outer = q.outer[::cta_tile, 0]
+        outer = q.outer if options.get("tile") else q.outer[::cta_tile, 0]
     return QTensor(q.codes, q.scales, outer, fmt, torch.Size(shape), BLOCK_SIZE[fmt], tile=options.get("tile"),
                    scale_mode=options["scale_mode"], cta_tile=cta_tile)
 
 
-def _operand_of(q, fmt: str, shape: tuple, tile: tuple[int, int] | None = None) -> GemmOperand | PackedOperand:
+def _operand_of(q, fmt: str, shape: tuple, tile: tuple[int, int] | None = None, outer_cell: int | None = None) -> GemmOperand | PackedOperand:
     """The operand a fused kernel's output (`triton_quantize.FusedQuant`) gives a GEMM: its values
-    (with the packed codes where written), or the packed codes and scales alone."""
-    packed = PackedOperand(q.codes, q.scales, q.outer, fmt, shape, tile=tile) if q.codes is not None else None
-    return packed if q.values is None else GemmOperand(q.values, q.outer, packed)
+    (with the packed codes where written), or the packed codes and scales alone. `outer_cell`: the
+    side of the squares of a 2D CTA-local outer scale."""
+    packed = PackedOperand(q.codes, q.scales, q.outer, fmt, shape, tile=tile, outer_cell=outer_cell) if q.codes is not None else None
+    return packed if q.values is None else GemmOperand(q.values, q.outer, packed, outer_cell)
 
 
 def unpacked(operand: GemmOperand | PackedOperand) -> GemmOperand:
@@ -918,7 +921,8 @@ class FP4Linear(nn.Module):
             shape = tuple(t.T.shape if transposed else t.shape)
             if self.probe:
                 self.record(name, t.T if transposed else t, _fused_encoding(q, options, shape), options["signs"])
-            operands.append(_operand_of(q, options["fmt"], shape, options.get("tile")))
+            outer_cell = (options.get("cta_tile") or DEFAULT_CTA_TILE) if options["fmt"] == "nvfp4_cta" and options.get("tile") else None
+            operands.append(_operand_of(q, options["fmt"], shape, options.get("tile"), outer_cell))
         return operands
 
     def x_operands(self, x: torch.Tensor, make):

@@ -27,11 +27,11 @@ keep the kernels exact where Triton's defaults would not be:
 - kernels are compiled with `enable_fp_fusion=False`, so no multiply-add is contracted into an FMA
   with a different rounding.
 
-nvfp4_cta (CTA-local outer scales, one per 128 rows by default) is covered with 1D blocks: its amax
-pass folds each row's amax into its CTA tile's slot.
+nvfp4_cta (CTA-local outer scales, one per 128 rows by default) is covered with 1D blocks, whose amax
+pass folds each row's amax into its CTA tile's slot, and with 2D tiles, whose amax pass folds each
+tile's amax into the slot of its 128 x 128 square (`outer` then holds one scale per square).
 
-Not supported (ValueError naming the argument; callers fall back to the reference): nvfp4_cta with 2D
-tiles, a given tensor_amax, transforms other than 16 and 32, 2D tiles with SR, a transform or transpose=True,
+Not supported (ValueError naming the argument; callers fall back to the reference): a given tensor_amax, transforms other than 16 and 32, 2D tiles with SR, a transform or transpose=True,
 a blocked dim that is not a multiple of the block and transform, tile dims that are not powers of
 two, dtypes other than bf16/fp32, non-CUDA or non-contiguous tensors. This module imports Triton: import it lazily, after
 `fp4lab.numerics.fast.triton_available()`.
@@ -92,7 +92,9 @@ class FusedQuant:
     values: bf16 E2M1 values times their block scale (the reference's `values`, exact in bf16);
             None with emit_values=False (codes only: `decode_fused` recovers them bit for bit).
     outer:  nvfp4: the decode scale 1 / S_enc as a 0-dim fp32 tensor; nvfp4_cta: one per output row
-            ([rows, 1], that of the row's CTA tile, as the reference's factored outer); mxfp4: None.
+            ([rows, 1], that of the row's CTA tile, as the reference's factored outer), or with 2D
+            tiles one per CTA square ([ceil(R / T), ceil(C / T)], the reference's tensor_scale);
+            mxfp4: None.
     codes:  with emit_codes: packed E2M1 codes (uint8, element 2i in the low nibble), else None.
     scales: with emit_codes: the E8M0 / E4M3 scale bytes, one per block, else None.
     """
@@ -244,6 +246,28 @@ def _uniforms(seed_ptr, rows, col0, n_cols, M: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _nvfp4_block_scale(bmax, s_enc, outer):
+    """NVFP4's (scale byte, decode scale, encode multiplier) of a block (or tile) amax under outer
+    scales S_enc and 1 / S_enc; a poisoned block gets the NaN byte and a NaN decode scale."""
+    finite = bmax <= FLT_MAX
+    # One float32 rounding of amax * (S_enc * (1/6)), as TE and quantize._encode compute it.
+    byte = _e4m3_encode(tl.minimum(bmax * (s_enc * (1.0 / 6.0)), 448.0))
+    byte = tl.where(finite, byte, 0x7F)
+    decode = tl.where(finite, _e4m3_decode(byte), float("nan"))
+    return byte, decode, tl.minimum(tl.math.div_rn(1.0, decode * outer), FLT_MAX)
+
+
+@triton.jit
+def _square_slots(r0, c0, R, C, BR: tl.constexpr, BC: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, SQUARE: tl.constexpr):
+    """For the TH x TW tiles of the region at (r0, c0): the offset of each tile's SQUARE x SQUARE slot
+    in a row-major [ceil(R / SQUARE), ceil(C / SQUARE)] grid, and whether the tile lies inside x."""
+    tile_rows = (r0 // TH + tl.arange(0, BR // TH)) * TH
+    tile_cols = (c0 // TW + tl.arange(0, BC // TW)) * TW
+    slots = (tile_rows // SQUARE)[:, None] * tl.cdiv(C, SQUARE) + (tile_cols // SQUARE)[None, :]
+    return slots, (tile_rows < R)[:, None] & (tile_cols < C)[None, :]
+
+
+@triton.jit
 def _block_scale(bmax, amax_ptr, outer_ptr, rows, n_rows, first_row, first_col, NV: tl.constexpr, MODE: tl.constexpr):
     """From a block's (or 2D tile's) amax: (scale byte, decode scale, encode multiplier); a poisoned
     block gets the NaN byte and a NaN decode scale. NVFP4 (NV = 1) reads the tensor amax (int32 bits)
@@ -262,11 +286,7 @@ def _block_scale(bmax, amax_ptr, outer_ptr, rows, n_rows, first_row, first_col, 
             if first_col:
                 tl.store(outer_ptr + rows, outer, mask=inside)
             s_enc, outer = s_enc[:, None], outer[:, None]
-        # One float32 rounding of amax * (S_enc * (1/6)), as TE and quantize._encode compute it.
-        byte = _e4m3_encode(tl.minimum(bmax * (s_enc * (1.0 / 6.0)), 448.0))
-        byte = tl.where(finite, byte, 0x7F)
-        decode = tl.where(finite, _e4m3_decode(byte), float("nan"))
-        multiplier = tl.minimum(tl.math.div_rn(1.0, decode * outer), FLT_MAX)
+        byte, decode, multiplier = _nvfp4_block_scale(bmax, s_enc, outer)
     else:
         byte, multiplier = _mx_scale(bmax, MODE)
         byte = tl.where(finite, byte, 0xFF)
@@ -410,17 +430,25 @@ def _quantize_kernel(
 def _tile_kernel(
     x_ptr, R, C, val_ptr, codes_ptr, scales_ptr, amax_ptr, outer_ptr,
     BR: tl.constexpr, BC: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, EVEN: tl.constexpr,
-    NV: tl.constexpr, MODE: tl.constexpr, CODES: tl.constexpr, VALUES: tl.constexpr,
+    NV: tl.constexpr, MODE: tl.constexpr, CODES: tl.constexpr, VALUES: tl.constexpr, SQUARE: tl.constexpr,
 ):  # fmt: skip
     """2D weight tiles, round to nearest: one [BR, BC] region of x holding whole TH x TW tiles, each
-    with one scale from its amax (quantize._group's [R/th, th, C/tw, tw] view)."""
+    with one scale from its amax (quantize._group's [R/th, th, C/tw, tw] view). SQUARE > 0 (CTA-local
+    NVFP4): each tile's outer scale is that of its SQUARE x SQUARE square, from the square's amax
+    slot, and stored there."""
     r0 = tl.program_id(0) * BR
     c0 = tl.program_id(1) * BC
     rows = r0 + tl.arange(0, BR)
     cols = c0 + tl.arange(0, BC)
     t = tl.reshape(_load(x_ptr, rows, cols, R, C, EVEN), [BR // TH, TH, BC // TW, TW])
     tmax = tl.reduce(tl.reduce(tl.abs(t), 3, _max_nan), 1, _max_nan)  # NaN or Inf: poisoned tile
-    byte, decode, multiplier = _block_scale(tmax, amax_ptr, outer_ptr, rows, R, r0 == 0, c0 == 0, NV, MODE)
+    if SQUARE:
+        slots, inside = _square_slots(r0, c0, R, C, BR, BC, TH, TW, SQUARE)
+        s_enc, outer = _nvfp4_scales(tl.load(amax_ptr + slots, mask=inside, other=0).to(tl.float32, bitcast=True))
+        tl.store(outer_ptr + slots, outer, mask=inside)  # every tile of a square stores the same scale
+        byte, decode, multiplier = _nvfp4_block_scale(tmax, s_enc, outer)
+    else:
+        byte, decode, multiplier = _block_scale(tmax, amax_ptr, outer_ptr, rows, R, r0 == 0, c0 == 0, NV, MODE)
     v = t * multiplier[:, None, :, None]
     a = tl.abs(v)
     if NV:
@@ -450,14 +478,20 @@ def _finite_row_amax(t, signs_ptr, M: tl.constexpr, N: tl.constexpr, H: tl.const
 
 
 @triton.jit
+def _finite_tile_amax(t, M: tl.constexpr, N: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
+    """Per TH x TW tile of t, max |t|, or 0 where the tile holds a NaN or Inf: [M // TH, N // TW]."""
+    tmax = tl.reduce(tl.reduce(tl.abs(tl.reshape(t, [M // TH, TH, N // TW, TW])), 3, _max_nan), 1, _max_nan)
+    return tl.where(tmax <= FLT_MAX, tmax, 0.0)
+
+
+@triton.jit
 def _finite_amax(t, signs_ptr, M: tl.constexpr, N: tl.constexpr, H: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
     """Max of |t| over the finite NVFP4 blocks (1x16 along N) of the transformed tile, or over its
     finite 2D tiles (TH x TW; no transform)."""
     if TH == 1:
         amax = tl.max(_finite_row_amax(t, signs_ptr, M, N, H), axis=0)
     else:
-        tmax = tl.reduce(tl.reduce(tl.abs(tl.reshape(t, [M // TH, TH, N // TW, TW])), 3, _max_nan), 1, _max_nan)
-        amax = tl.max(tl.max(tl.where(tmax <= FLT_MAX, tmax, 0.0), axis=1), axis=0)
+        amax = tl.max(tl.max(_finite_tile_amax(t, M, N, TH, TW), axis=1), axis=0)
     return amax
 
 
@@ -466,14 +500,15 @@ def _amax_kernel(
     x_ptr, R, C, r_amax, r_signs, c_amax, c_signs,
     BR: tl.constexpr, BC: tl.constexpr, TILES: tl.constexpr, EVEN: tl.constexpr,
     ROW: tl.constexpr, R_H: tl.constexpr, COL: tl.constexpr, C_H: tl.constexpr,
-    TH: tl.constexpr, TW: tl.constexpr, R_CTA: tl.constexpr, C_CTA: tl.constexpr,
+    TH: tl.constexpr, TW: tl.constexpr, R_CTA: tl.constexpr, C_CTA: tl.constexpr, SQUARE: tl.constexpr,
 ):  # fmt: skip
     """NVFP4 tensor amaxes (row-wise and/or of x^T; or over TH x TW tiles) from one read of x: each
     program reduces TILES tiles stacked along the rows, then folds its maximum into the int32 bits
     at *_amax with one atomic (non-negative floats order as their bits do). CTA-local amaxes (R_CTA,
     C_CTA > 0: one per that many rows of the output) are folded per row, tile by tile, into the slot
     of the row's CTA tile: x's row r into r_amax[r // R_CTA], x's column c (a row of x^T) into
-    c_amax[c // C_CTA]."""
+    c_amax[c // C_CTA]. SQUARE > 0 (2D tiles of CTA-local NVFP4): each finite tile's amax into the slot of
+    its SQUARE x SQUARE square, r_amax a row-major [ceil(R / SQUARE), ceil(C / SQUARE)] grid."""
     row_max = tl.zeros([], tl.float32)
     col_max = tl.zeros([], tl.float32)
     c0 = tl.program_id(1) * BC
@@ -485,6 +520,10 @@ def _amax_kernel(
                 rows = r0 + tl.arange(0, BR)
                 row_amax = _finite_row_amax(x, r_signs, BR, BC, R_H).to(tl.int32, bitcast=True)
                 tl.atomic_max(r_amax + rows // R_CTA, row_amax, mask=rows < R)
+            elif SQUARE:
+                slots, inside = _square_slots(r0, c0, R, C, BR, BC, TH, TW, SQUARE)
+                tile_amax = _finite_tile_amax(x, BR, BC, TH, TW).to(tl.int32, bitcast=True)
+                tl.atomic_max(r_amax + slots, tile_amax, mask=inside)
             else:
                 row_max = tl.maximum(row_max, _finite_amax(x, r_signs, BR, BC, R_H, TH, TW))
         if COL:
@@ -495,7 +534,7 @@ def _amax_kernel(
             else:
                 col_max = tl.maximum(col_max, _finite_amax(tl.trans(x), c_signs, BC, BR, C_H, 1, 16))
     if ROW:
-        if not R_CTA:
+        if not (R_CTA or SQUARE):
             tl.atomic_max(r_amax, row_max.to(tl.int32, bitcast=True))
     if COL:
         if not C_CTA:
@@ -588,9 +627,10 @@ def quantize_fused(
     tile=(th, tw): 2D weight tiles, one scale per th x tw tile (multiples of the block; x's shape a
     multiple of the tile), round to nearest, no transform, transpose=False (the tiled encoding of x^T
     is the transpose of x's: transpose the values); `scales` then has shape [R // th, C // tw]. For
-    nvfp4 the tensor amax is taken over the finite tiles. Not for nvfp4_cta, whose 2D outer scales
-    vary along both dims and fold into fp32 values. Another reference option (tensor_amax) raises
-    ValueError.
+    nvfp4 the tensor amax is taken over the finite tiles; for nvfp4_cta over the finite tiles of each
+    cta_tile x cta_tile square (a multiple of the tile), and `outer` holds one scale per square,
+    [ceil(R / cta_tile), ceil(C / cta_tile)]: the GEMM scales each chunk of its sum by it
+    (`numerics.tile_gemm`). Another reference option (tensor_amax) raises ValueError.
     """
     _check_x(x)
     _reject_unsupported(unsupported)
@@ -697,7 +737,7 @@ def _tensor_amaxes(x, row: _Orientation | None, col: _Orientation | None) -> tup
         x, rows, cols, row_amax, row.signs if need_row else None, col_amax, col.signs if need_col else None,
         BR=br, BC=bc, TILES=_AMAX_TILES, EVEN=rows % (br * _AMAX_TILES) == 0 and cols % bc == 0,
         ROW=need_row, R_H=row.transform if need_row else 0, COL=need_col, C_H=col.transform if need_col else 0,
-        TH=1, TW=16, R_CTA=row.cta if need_row else 0, C_CTA=col.cta if need_col else 0,
+        TH=1, TW=16, R_CTA=row.cta if need_row else 0, C_CTA=col.cta if need_col else 0, SQUARE=0,
         num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     return row_amax, col_amax
@@ -708,20 +748,23 @@ def _launch_tiles(x, spec: _Orientation, tile: tuple[int, int]) -> FusedQuant:
     th, tw = tile
     out = _allocate(x.device, x.shape, spec, tile)
     amax = None
-    if spec.nv:
-        amax = torch.zeros(1, dtype=torch.int32, device=x.device)
+    if spec.nv:  # one tensor amax, or one per CTA square (nvfp4_cta)
+        slots = triton.cdiv(rows, spec.cta) * triton.cdiv(cols, spec.cta) if spec.cta else 1
+        amax = torch.zeros(slots, dtype=torch.int32, device=x.device)
         br, bc, warps = max(_TILE_AMAX[0], th), max(_TILE_AMAX[1], tw), _TILE_AMAX[2]
         _amax_kernel[(triton.cdiv(rows, br * _AMAX_TILES), triton.cdiv(cols, bc))](
             x, rows, cols, amax, None, None, None,
             BR=br, BC=bc, TILES=_AMAX_TILES, EVEN=rows % (br * _AMAX_TILES) == 0 and cols % bc == 0,
-            ROW=True, R_H=0, COL=False, C_H=0, TH=th, TW=tw, R_CTA=0, C_CTA=0, num_warps=warps, enable_fp_fusion=False,
+            ROW=True, R_H=0, COL=False, C_H=0, TH=th, TW=tw, R_CTA=0, C_CTA=0, SQUARE=spec.cta,
+            num_warps=warps, enable_fp_fusion=False,
         )  # fmt: skip
     br, bc = max(_REGION_2D[0], th), max(_REGION_2D[1], tw)
     warps = _REGION_2D[2] * max(1, br * bc // (_REGION_2D[0] * _REGION_2D[1]))
     _tile_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](
         x, rows, cols, out.values, out.codes, out.scales, amax, out.outer,
         BR=br, BC=bc, TH=th, TW=tw, EVEN=rows % br == 0 and cols % bc == 0,
-        NV=spec.nv, MODE=spec.mode, CODES=spec.codes, VALUES=spec.values, num_warps=min(warps, 8), enable_fp_fusion=False,
+        NV=spec.nv, MODE=spec.mode, CODES=spec.codes, VALUES=spec.values, SQUARE=spec.cta,
+        num_warps=min(warps, 8), enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
@@ -740,13 +783,21 @@ def _constexprs(prefix: str, spec: _Orientation | None) -> dict:
     }
 
 
+def _outer_shape(shape, spec: _Orientation, tile) -> tuple:
+    """nvfp4: 0-dim; nvfp4_cta: one per row ([rows, 1]), or with 2D tiles one per CTA square."""
+    if not spec.cta:
+        return ()
+    rows, cols = shape
+    return (triton.cdiv(rows, spec.cta), triton.cdiv(cols, spec.cta)) if tile else (rows, 1)
+
+
 def _allocate(device, shape, spec: _Orientation, tile: tuple[int, int] | None = None) -> FusedQuant:
     rows, cols = shape
     block = 16 if spec.nv else 32
     scales_shape = (rows // tile[0], cols // tile[1]) if tile else (rows, cols // block)
     return FusedQuant(
         values=torch.empty(shape, dtype=torch.bfloat16, device=device) if spec.values else None,
-        outer=torch.empty((rows, 1) if spec.cta else (), dtype=torch.float32, device=device) if spec.nv else None,
+        outer=torch.empty(_outer_shape(shape, spec, tile), dtype=torch.float32, device=device) if spec.nv else None,
         codes=torch.empty((rows, cols // 2), dtype=torch.uint8, device=device) if spec.codes else None,
         scales=torch.empty(scales_shape, dtype=torch.uint8, device=device) if spec.codes else None,
     )
@@ -849,10 +900,10 @@ def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientatio
 
 def _check_tile(x: torch.Tensor, tile, spec: _Orientation, transpose: bool) -> tuple[int, int]:
     block = 16 if spec.nv else 32
-    if spec.cta:
-        raise ValueError("quantize_fused: tile with fmt='nvfp4_cta' is not supported (its per-CTA-tile outer scales fold into fp32 values); use the torch reference")
     if not (isinstance(tile, (tuple, list)) and len(tile) == 2 and all(_is_tile_dim(t, block) for t in tile)):
         raise ValueError(f"quantize_fused: tile={tile!r} must be (th, tw) with powers of two that are multiples of {block}")
+    if spec.cta and (spec.cta % tile[0] or spec.cta % tile[1]):
+        raise ValueError(f"quantize_fused: cta_tile={spec.cta} must be a multiple of both tile dims {tuple(tile)}")
     if spec.sr or spec.transform or transpose:
         raise ValueError("quantize_fused: tile supports rounding='rtn' without signs and transpose=False only (transpose the values for x^T)")
     if x.shape[0] % tile[0] or x.shape[1] % tile[1]:
