@@ -182,9 +182,11 @@ def _wait_for(predicate, timeout: float = 120.0) -> None:
 def test_ctrl_c_stops_a_sweep_with_checkpoints_and_the_next_sweep_resumes_it(tmp_path):
     (tmp_path / "s.toml").write_text(spec("s", ["bf16", "nvfp4"], steps=150))
     command = [sys.executable, "-m", "fp4lab.cli", "sweep", "s.toml"]
+    # One torch thread: beside another pytest worker, two spinning threads made this test 8x slower in CI.
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
     # A shell that starts a job in the background (as CI may start pytest) ignores SIGINT for it, and the
     # ignoring is inherited; Ctrl-C from a terminal reaches a sweep whose SIGINT has its default action.
-    sweep = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    sweep = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _wait_for(lambda: any(p.stat().st_size > 0 for p in tmp_path.glob("runs/s/*/metrics.jsonl")))
     sweep.send_signal(signal.SIGINT)  # a terminal's Ctrl-C reaches the sweep; it passes one SIGINT on
@@ -199,7 +201,7 @@ def test_ctrl_c_stops_a_sweep_with_checkpoints_and_the_next_sweep_resumes_it(tmp
     stopped_at = json.loads((run_dir / "summary.json").read_text())["steps_completed"]
     assert 0 < stopped_at < 150 and (run_dir / "checkpoint.pt").exists()
     (tmp_path / "s.toml").write_text(spec("s", ["bf16"], steps=150))
-    again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
     assert "1 runs, 1 to run" in again.stdout  # interrupted runs resume by default
     record = catalog.get(interrupted["id"])
