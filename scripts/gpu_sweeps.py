@@ -3,6 +3,7 @@
     python scripts/gpu_sweeps.py gemm-anatomy   OUT_DIR   # where the FP8 GEMM's time goes
     python scripts/gpu_sweeps.py gemm-configs   OUT_DIR   # triton_mx_gemm.GemmConfig candidates
     python scripts/gpu_sweeps.py attention-tiles OUT_DIR  # triton_attention._GPU_TILES candidates
+    python scripts/gpu_sweeps.py tile-configs   OUT_DIR   # triton_tile_gemm.TileGemmConfig candidates
 
 Each prints one line per measurement and writes OUT_DIR/<sweep>.json; times are fp4lab.bench's
 (medians over replays of CUDA graphs). docs/BENCHMARKS.md quotes the results.
@@ -180,7 +181,50 @@ def attention_tiles() -> list[dict]:
     return rows
 
 
-SWEEPS = {"gemm-anatomy": gemm_anatomy, "gemm-configs": gemm_configs, "attention-tiles": attention_tiles}
+TILE_SHAPES = (("125m fprop w1", 16384, 2048, 768), ("125m dgrad w1", 16384, 768, 2048), ("350m fprop w1", 16384, 2816, 1024))
+TILE_CONFIGS = [  # (tile, k_step, warps, stages); the first is the default
+    ((128, 128), 64, 8, 3), ((128, 128), 128, 8, 3), ((128, 128), 128, 8, 2), ((128, 128), 64, 8, 4),
+    ((128, 128), 64, 4, 4), ((128, 128), 32, 4, 4), ((128, 256), 64, 8, 3), ((256, 128), 64, 8, 3),
+    ((128, 256), 128, 8, 2), ((256, 128), 128, 8, 2), ((128, 64), 64, 4, 4), ((64, 128), 64, 4, 4),
+    ((128, 64), 128, 4, 3), ((128, 256), 64, 8, 4),
+]
+
+
+def tile_configs() -> list[dict]:
+    """TileGemmConfig candidates for the chunk-scaled GEMM of 2D CTA-local NVFP4 weights, on the shapes
+    `fp4lab bench gemm` times; "exact": the same bits as the default config (a larger k_step changes
+    only how the tensor cores group each chunk's fp32 sum)."""
+    from fp4lab.numerics import fake_quantize_factored
+    from fp4lab.numerics.triton_tile_gemm import TileGemmConfig, tile_scaled_matmul
+
+    rows = []
+    for label, m, n, k in TILE_SHAPES:
+        g = torch.Generator().manual_seed(0)
+        a32, b32 = (torch.randn(r, k, generator=g).to(DEVICE) for r in (m, n))
+        a = fake_quantize_factored(a32, "nvfp4_cta")
+        b = fake_quantize_factored(b32, "nvfp4_cta", tile=(16, 16))
+        a16, b16 = a.values.to(torch.bfloat16), b.values.to(torch.bfloat16)
+        bf16_ms = _median_ms(lambda: torch.mm(a16, b16.T), DEVICE, 20)
+        run = lambda config: tile_scaled_matmul(a16, b16, b.outer, b.outer_cell, a.outer, torch.bfloat16, config=config)  # noqa: E731
+        want = run(TileGemmConfig(*TILE_CONFIGS[0])).view(torch.int16)
+        row = {"label": label, "shape": [m, n, k], "bf16_ms": bf16_ms, "configs": []}
+        for candidate in TILE_CONFIGS:
+            config = TileGemmConfig(*candidate)
+            try:
+                exact = torch.equal(run(config).view(torch.int16), want)
+                ms = _median_ms(lambda: run(config), DEVICE, 20)
+            except Exception as error:  # a launch shape over the shared-memory or register budget
+                result = {"config": list(candidate), "error": f"{type(error).__name__}: {str(error)[:120]}"}
+            else:
+                result = {"config": list(candidate), "ms": ms, "tflops": 2 * m * n * k / ms / 1e9, "vs_bf16": bf16_ms / ms, "exact": exact}
+            print(label, result, flush=True)
+            row["configs"].append(result)
+        rows.append(row)
+    return rows
+
+
+SWEEPS = {"gemm-anatomy": gemm_anatomy, "gemm-configs": gemm_configs, "attention-tiles": attention_tiles,
+          "tile-configs": tile_configs}
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in SWEEPS:

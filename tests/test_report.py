@@ -632,7 +632,7 @@ source = "not in the ledger"
 
 def test_claims_are_set_against_the_welch_interval_of_their_recipe(seed_noise_catalog, run_cli, tmp_path):
     """Each claim gets its recipe's measured val excess and Welch interval (the ledger row's, as numbers)
-    and a verdict: agrees inside it, smaller/larger here when the interval lies below/above the claim, n/a with one seed, not run without a row;
+    and a verdict: agrees inside it, smaller/larger here when the interval lies below/above the claim, n/a with one seed (its excess shown, with no interval), not run without a row;
     `fp4lab report --claims` writes claims.csv, a section of ledger.md and the JSON rows."""
     from fp4lab.lab.records.claims import check_claims, load_claims
 
@@ -650,6 +650,11 @@ def test_claims_are_set_against_the_welch_interval_of_their_recipe(seed_noise_ca
     assert nvfp4["n_seeds"] == 3 and nvfp4["n_versus"] == 3 and nvfp4["versus"] == "bf16" and nvfp4["metric"] == "val"
     assert table.iloc[1]["measured_ci95_high"] < 0 < 2.11  # mxfp4-rowsr-h32 is below bf16 here: smaller than claimed
     assert table.iloc[2]["measured_ci95_low"] > 1.0
+    one_seed = table.iloc[3]  # how far one seed lies from the reference, with no interval to say how sure
+    (last4,) = _vals("nvfp4-last4-bf16")
+    assert one_seed["measured_excess_pct"] == pytest.approx(100 * (last4 - ref) / ref)
+    assert pd.isna(one_seed["measured_ci95_low"]) and pd.isna(one_seed["measured_excess_std"]) and one_seed["n_seeds"] == 1
+    assert pd.isna(table.iloc[4]["measured_excess_pct"])
 
     out = tmp_path / "out"
     done = run_cli("report", "hand", "--catalog", str(seed_noise_catalog), "--out", str(out), "--claims", str(claims_file), "--json")

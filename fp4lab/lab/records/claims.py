@@ -26,7 +26,8 @@ The verdict says what the seeds allow. For a number: "agrees" when the claimed v
 lies inside the interval, "smaller here" or "larger here" when the whole interval lies below or above it.
 For a direction: "agrees" when the whole interval lies on the claimed side of 0, "opposite here" when
 it lies on the other, "within noise" when it holds 0. "n/a" with fewer than two finite losses on either
-side, "not run" where the ledger has no row for the recipe or its reference. "agrees" with a number
+side (where each side has one, the measured excess is still shown, with no interval), "not run" where
+the ledger has no row for the recipe or its reference. "agrees" with a number
 means "seed noise here cannot tell the two apart", at this ledger's scale, no more.
 """
 
@@ -129,10 +130,13 @@ def check_claims(report: Any, claims: list[Claim]) -> Any:
         row |= {"config": match["config"], "n_seeds": len(values), "n_versus": len(reference)}
         interval, test = difference_ci95(values, reference)
         ref_mean = statistics.mean(v for _, v in reference) if reference else 0.0
-        if interval is None or ref_mean == 0:
+        if not values or ref_mean == 0:
             rows.append(row | {"verdict": "n/a"})
             continue
         excess = [100.0 * (v - ref_mean) / ref_mean for _, v in values]
+        if interval is None:  # one seed on a side: the excess says how far, nothing says how sure
+            rows.append(row | {"measured_excess_pct": statistics.mean(excess), "verdict": "n/a"})
+            continue
         low, high = (100.0 * bound / ref_mean for bound in interval)
         rows.append(row | {
             "measured_excess_pct": statistics.mean(excess), "measured_excess_std": statistics.stdev(excess),
@@ -210,7 +214,8 @@ VERDICTS = (
     "in that interval (seed noise here cannot tell them apart); smaller here / larger here: the whole interval "
     "lies below / above it. A claimed direction (above / below) agrees when the whole interval lies on that side "
     "of 0; opposite here: on the other side; within noise: the interval holds 0. n/a: fewer than two finite "
-    "losses on a side; not run: no ledger row for the recipe or its versus."
+    "losses on a side (with one on each, measured % without an interval); not run: no ledger row for the recipe "
+    "or its versus."
 )
 
 
