@@ -17,6 +17,7 @@ REPORTS = {  # committed report folder -> (sweep, extra report options)
     "ledger": ("ledger", ["--claims", str(REPO / "sweeps" / "ledger_claims.toml")]),
     "stress": ("ledger_stress", []),
     "stress_adamw": ("ledger_stress_adamw", []),
+    "optitrain_ns": ("optitrain_ns", []),
 }
 
 

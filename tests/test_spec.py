@@ -83,6 +83,15 @@ def test_the_stress_ablation_pushes_lr_and_drops_qk_clip_and_the_hadamard_transf
     assert {(r.config["model"], r.config["steps"], r.config["probe_every"]) for r in adamw} == {(runs[0].config["model"], 300, 10)}
 
 
+def test_the_optitrain_ablation_crosses_recipe_and_newton_schulz_polynomial_on_cpu():
+    runs = expand(load_spec(ROOT / "sweeps" / "optitrain_ns.toml"))
+    cells = {(r.config["recipe"], r.config["ns_polynomial"], r.config["seed"]) for r in runs}
+    assert cells == {(recipe, ns, seed) for recipe in ("bf16", "optitrain") for ns in ("quintic", "cubic") for seed in (0, 1)}
+    shared = [{k: v for k, v in r.config.items() if k not in ("recipe", "ns_polynomial", "seed", "out_dir")} for r in runs]
+    assert all(config == shared[0] for config in shared)
+    assert shared[0]["device"] == "cpu" and shared[0]["model"] == "tiny" and shared[0]["optimizer"] == "muon"
+
+
 def test_shipped_optuna_spec_loads_and_makes_valid_trial_runs():
     spec = load_spec(ROOT / "sweeps" / "muon_tpe.toml")
     assert spec.method == "optuna" and spec.size() == spec.optuna.n_trials == 8
