@@ -175,6 +175,39 @@ def test_nvfp4_newton_schulz_is_three_nvfp4_gemms_blocked_along_their_contractio
     assert not torch.equal(out, newton_schulz(g, steps=2, fmt="bf16"))
 
 
+def check_fused_newton_schulz_equals_the_emulation(device: str, shapes) -> None:
+    """newton_schulz(fmt="nvfp4") where Triton runs takes every operand from the fused quantizer (six
+    per step) and gives the emulation's bits (the emulation quantizes with the torch reference)."""
+    from fp4lab.numerics import triton_quantize
+
+    calls = []
+    fused = triton_quantize.quantize_fused
+    triton_quantize.quantize_fused = lambda x, **options: calls.append(tuple(x.shape)) or fused(x, **options)
+    try:
+        for shape in shapes:
+            g = _gradient_like(*shape, torch.Generator().manual_seed(2)).to(device)
+            calls.clear()
+            out = newton_schulz(g, steps=2, fmt="nvfp4")
+            assert len(calls) == 12, (shape, calls)
+            assert torch.equal(out, emulated_nvfp4_newton_schulz(g, steps=2)), shape
+    finally:
+        triton_quantize.quantize_fused = fused
+
+
+def test_fused_nvfp4_newton_schulz_equals_the_reference_under_the_interpreter():
+    from tests import interpreted
+
+    interpreted.run_interpreted("test_optim", "check_fused_newton_schulz_equals_the_emulation('cpu', [(64, 32), (32, 96)])")
+
+
+@pytest.mark.cuda
+def test_fused_nvfp4_newton_schulz_equals_the_reference_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (an NVIDIA GPU)")
+    pytest.importorskip("triton")
+    check_fused_newton_schulz_equals_the_emulation("cuda", [(64, 32), (768, 2048), (2048, 768)])
+
+
 def _gradient_like(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
     """dW = delta^T x over a batch, with a few large input channels, as in LLM activations."""
     x = torch.randn(512, cols, generator=gen)
