@@ -86,6 +86,7 @@ OPT_STATES = W + "test_nvfp4_optimizer_states_are_stored_packed_and_used"
 ATTN_EXACT = "tests/test_attention.py::test_fp4_attention_is_bit_exact_to_an_emulation_with_every_operand_on_its_contraction_axis"
 OPTIONS = W + "test_fp4_linear_operand_options_reach_the_quantizer"
 NS_EXACT = "tests/test_optim.py::test_nvfp4_newton_schulz_is_three_nvfp4_gemms_blocked_along_their_contraction_axes"
+NS_FUSED = "tests/test_optim.py::test_fused_nvfp4_newton_schulz_equals_the_reference_under_the_interpreter"
 LINEAR_EXACT = "tests/test_fp4_linear.py::test_mxfp4_rowsr_h32_gemms_are_bit_exact_emulations"
 LINEAR_1D = "tests/test_fp4_linear.py::test_nvfp4_with_one_d_weights_requantizes_w_transposed_for_dgrad"
 GEMMS_EXACT = "tests/test_recipe_gemms.py::test_each_gemm_is_the_bit_exact_emulation_of_its_recipe"
@@ -142,6 +143,10 @@ MUTATIONS = [
     m("adamw-v-not-stored", "AdamW's updated v is never encoded back into the packed state",
       ("fp4lab/optim/adamw.py", "state.update(_encode_v_state(exp_avg_sq, param))", "pass"),
       ["tests/test_optim_adamw.py::test_stored_v_tracks_an_fp32_adamw_run"]),
+    m("ns-fused-outer-dropped", "Muon's nvfp4 Newton-Schulz on the fused quantizer: the tensor decode scale left out",
+      (MUON, "return q.values.float() * q.outer", "return q.values.float()"), [NS_FUSED]),
+    m("ns-fused-bypassed", "Muon's nvfp4 Newton-Schulz quantizes with the torch reference where Triton runs",
+      (MUON, "    if triton_runs_on(x.device):\n", "    if False:\n"), [NS_FUSED]),
     m("ns-gram-bf16", "Muon's nvfp4 Newton-Schulz: A = X X^T left a bf16 GEMM",
       (MUON, "gram = _nvfp4_matmul(x, x.T).bfloat16()", "gram = x @ x.T"), [NS_EXACT]),
     m("ns-gram-short-axis", "Muon's nvfp4 Newton-Schulz: X blocked along the short side for X X^T",
