@@ -194,18 +194,14 @@ def tile_configs() -> list[dict]:
     """TileGemmConfig candidates for the chunk-scaled GEMM of 2D CTA-local NVFP4 weights, on the shapes
     `fp4lab bench gemm` times; "exact": the same bits as the default config (a larger k_step changes
     only how the tensor cores group each chunk's fp32 sum)."""
-    from fp4lab.numerics import fake_quantize_factored
+    from fp4lab.bench.kernels import tile_gemm_operands
     from fp4lab.numerics.triton_tile_gemm import TileGemmConfig, tile_scaled_matmul
 
     rows = []
     for label, m, n, k in TILE_SHAPES:
-        g = torch.Generator().manual_seed(0)
-        a32, b32 = (torch.randn(r, k, generator=g).to(DEVICE) for r in (m, n))
-        a = fake_quantize_factored(a32, "nvfp4_cta")
-        b = fake_quantize_factored(b32, "nvfp4_cta", tile=(16, 16))
-        a16, b16 = a.values.to(torch.bfloat16), b.values.to(torch.bfloat16)
+        a16, b16, cells, cell, a_outer = tile_gemm_operands(m, n, k, DEVICE)
         bf16_ms = _median_ms(lambda: torch.mm(a16, b16.T), DEVICE, 20)
-        run = lambda config: tile_scaled_matmul(a16, b16, b.outer, b.outer_cell, a.outer, torch.bfloat16, config=config)  # noqa: E731
+        run = lambda config: tile_scaled_matmul(a16, b16, cells, cell, a_outer, torch.bfloat16, config=config)  # noqa: E731
         want = run(TileGemmConfig(*TILE_CONFIGS[0])).view(torch.int16)
         row = {"label": label, "shape": [m, n, k], "bf16_ms": bf16_ms, "configs": []}
         for candidate in TILE_CONFIGS:

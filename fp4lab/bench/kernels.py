@@ -260,17 +260,25 @@ def bench_tile_gemm(m: int, n: int, k: int, device: torch.device, repeats: int =
 
     if device.type != "cuda" or not triton_available():
         return None
-    from fp4lab.numerics import fake_quantize_factored
     from fp4lab.numerics.triton_tile_gemm import tile_scaled_matmul
+
+    a16, b16, cells, cell, a_outer = tile_gemm_operands(m, n, k, device)
+    ms = _median_ms(lambda: tile_scaled_matmul(a16, b16, cells, cell, a_outer, torch.bfloat16), device, repeats)
+    bf16_ms = _median_ms(lambda: torch.mm(a16, b16.T), device, repeats)
+    return GemmBench(label or f"{m}x{n}x{k}", m, n, k, str(device), ms, bf16_ms)
+
+
+def tile_gemm_operands(m: int, n: int, k: int, device: torch.device) -> tuple:
+    """`tile_scaled_matmul`'s operands for one shape, from seeded Gaussians: a [m, k] NVFP4 with CTA-local
+    row scales, b [n, k] a 2D CTA-local weight (16 x 16 tiles, 128 x 128 squares); (a values, b values,
+    b's square scales, the square side, a's outer scales)."""
+    from fp4lab.numerics import fake_quantize_factored
 
     g = torch.Generator().manual_seed(0)
     a32, b32 = (torch.randn(rows, k, generator=g).to(device) for rows in (m, n))
     a = fake_quantize_factored(a32, "nvfp4_cta")
     b = fake_quantize_factored(b32, "nvfp4_cta", tile=(16, 16))
-    a16, b16 = a.values.to(torch.bfloat16), b.values.to(torch.bfloat16)
-    ms = _median_ms(lambda: tile_scaled_matmul(a16, b16, b.outer, b.outer_cell, a.outer, torch.bfloat16), device, repeats)
-    bf16_ms = _median_ms(lambda: torch.mm(a16, b16.T), device, repeats)
-    return GemmBench(label or f"{m}x{n}x{k}", m, n, k, str(device), ms, bf16_ms)
+    return a.values.to(torch.bfloat16), b.values.to(torch.bfloat16), b.outer, b.outer_cell, a.outer
 
 
 _CALLS_PER_GRAPH = 10

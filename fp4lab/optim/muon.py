@@ -132,9 +132,9 @@ def _nvfp4_decoded(x: torch.Tensor) -> torch.Tensor:
     """x quantized to NVFP4 (round to nearest) in 1x16 blocks along its last dim, decoded to fp32.
 
     Where Triton runs, by the fused quantizer (one amax read, one pass; its block values and decode
-    scale are the reference's bit for bit, and values x scale is the reference's one rounding): the
-    reference's ~90 small ops a call, 30 calls per matrix per step, made most of Full-Stack FP4's step
-    time on a GPU."""
+    scale are the reference's bit for bit, and values x scale is the reference's one rounding) instead
+    of the reference's ~90 small ops a call, 30 calls per matrix per step: by that count, most of
+    Full-Stack FP4's step on a GPU (docs/BENCHMARKS.md)."""
     x = x.contiguous()
     if triton_runs_on(x.device):
         from fp4lab.numerics.triton_quantize import quantize_fused
