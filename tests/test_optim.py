@@ -138,30 +138,35 @@ NS_EMULATION_BREAKS = (
 
 
 def emulated_nvfp4_newton_schulz(g: torch.Tensor, steps: int, broken: str | None = None) -> torch.Tensor:
-    """newton_schulz(g, fmt="nvfp4") written from its docstring; `broken` names a deliberate error."""
+    """newton_schulz(g, fmt="nvfp4") written from its docstring, for a matrix or a stack [n, rows, cols]
+    (each matrix normalized and quantized alone; the GEMMs batched); `broken` names a deliberate error."""
     a, b, c = KELLER_COEFFICIENTS
 
-    def fp4(t: torch.Tensor) -> torch.Tensor:  # 1x16 blocks along the last dim, decoded to fp32
-        return quantize(t.contiguous(), "nvfp4").dequantize()
+    def each(f, t: torch.Tensor) -> torch.Tensor:
+        return torch.stack([f(m) for m in t]) if t.ndim == 3 else f(t)
 
-    x = g.bfloat16().T if g.shape[0] > g.shape[1] else g.bfloat16()
-    x = x / x.norm().clamp(min=1e-7)
+    def fp4(t: torch.Tensor) -> torch.Tensor:  # 1x16 blocks along the last dim, decoded to fp32
+        return each(lambda m: quantize(m.contiguous(), "nvfp4").dequantize(), t)
+
+    tall = g.shape[-2] > g.shape[-1]
+    x = g.bfloat16().mT if tall else g.bfloat16()
+    x = x / each(torch.Tensor.norm, x).clamp(min=1e-7)[..., None, None]
     for _ in range(steps):
         if broken == "gram-bf16":
-            gram = x @ x.T
+            gram = x @ x.mT
         elif broken == "gram-short-axis":
-            gram = (fp4(x.T).T @ fp4(x.T)).bfloat16()
+            gram = (fp4(x.mT).mT @ fp4(x.mT)).bfloat16()
         else:
-            gram = (fp4(x) @ fp4(x).T).bfloat16()
-        left = fp4(gram.T).T if broken == "square-left-along-columns" else fp4(gram)
-        right = fp4(gram) if broken == "square-right-along-rows" else fp4(gram.T).T
+            gram = (fp4(x) @ fp4(x).mT).bfloat16()
+        left = fp4(gram.mT).mT if broken == "square-left-along-columns" else fp4(gram)
+        right = fp4(gram) if broken == "square-right-along-rows" else fp4(gram.mT).mT
         square = (gram @ gram).float() if broken == "square-bf16" else left @ right
         poly = (b * gram.float() + c * square).bfloat16()
-        b_side = fp4(poly.T).T if broken == "bx-b-along-rows" else fp4(poly)
-        x_side = fp4(x) if broken == "bx-x-long-axis" else fp4(x.T).T
+        b_side = fp4(poly.mT).mT if broken == "bx-b-along-rows" else fp4(poly)
+        x_side = fp4(x) if broken == "bx-x-long-axis" else fp4(x.mT).mT
         product = (poly @ x).float() if broken == "bx-bf16" else b_side @ x_side
         x = (a * x.float() + product).bfloat16()
-    return x.T if g.shape[0] > g.shape[1] else x
+    return x.mT if tall else x
 
 
 @pytest.mark.parametrize("shape", [(64, 32), (32, 96)])
@@ -173,6 +178,24 @@ def test_nvfp4_newton_schulz_is_three_nvfp4_gemms_blocked_along_their_contractio
     for broken in NS_EMULATION_BREAKS:
         assert not torch.equal(out, emulated_nvfp4_newton_schulz(g, steps=2, broken=broken)), broken
     assert not torch.equal(out, newton_schulz(g, steps=2, fmt="bf16"))
+
+
+def _gradient_stack(n: int, rows: int, cols: int) -> torch.Tensor:
+    """n gradient-like matrices of very different scales: a norm or a tensor scale shared by the stack would show."""
+    gen = torch.Generator().manual_seed(2)
+    return torch.stack([_gradient_like(rows, cols, gen) * (1.0, 1e-3, 50.0)[i % 3] for i in range(n)])
+
+
+@pytest.mark.parametrize("shape", [(96, 48), (48, 96)])
+def test_batched_nvfp4_newton_schulz_is_each_matrix_s_bit_for_bit(shape):
+    stack = _gradient_stack(3, *shape)
+    out = newton_schulz(stack, steps=2, fmt="nvfp4")
+    assert out.dtype == torch.bfloat16 and out.shape == stack.shape
+    for i in range(3):  # the CPU's fp32 bmm sums each product as its mm does
+        assert torch.equal(out[i], newton_schulz(stack[i], steps=2, fmt="nvfp4")), i
+    assert torch.equal(out, emulated_nvfp4_newton_schulz(stack, steps=2))
+    with pytest.raises(ValueError, match=re.escape("shape [3, 40, 48] is not (use fmt='bf16')")):
+        newton_schulz(torch.zeros(3, 40, 48), fmt="nvfp4")
 
 
 def check_fused_newton_schulz_equals_the_emulation(device: str, shapes) -> None:
@@ -206,6 +229,38 @@ def test_fused_nvfp4_newton_schulz_equals_the_reference_on_cuda():
         pytest.skip("needs CUDA (an NVIDIA GPU)")
     pytest.importorskip("triton")
     check_fused_newton_schulz_equals_the_emulation("cuda", [(64, 32), (768, 2048), (2048, 768)])
+    check_fused_batched_newton_schulz_equals_the_emulation("cuda", [(768, 768), (2048, 768), (768, 2048)], n=4, steps=2)
+
+
+def check_fused_batched_newton_schulz_equals_the_emulation(device: str, shapes, n: int, steps: int) -> None:
+    """A stack of n matrices takes six fused quantizations per step, not 6 n: each operand of the stack
+    in one nvfp4_cta call with one CTA tile (one outer scale) per matrix; and gives the bits of the
+    emulation, which quantizes each matrix alone with the torch reference."""
+    from fp4lab.numerics import triton_quantize
+
+    calls = []
+    fused = triton_quantize.quantize_fused
+    triton_quantize.quantize_fused = lambda x, **options: calls.append((x.shape[0], options)) or fused(x, **options)
+    try:
+        for rows, cols in shapes:
+            stack = _gradient_stack(n, rows, cols).to(device)
+            calls.clear()
+            out = newton_schulz(stack, steps=steps, fmt="nvfp4")
+            assert len(calls) == 6 * steps, ((rows, cols), len(calls))
+            for stacked_rows, options in calls:
+                assert options["fmt"] == "nvfp4_cta", options
+                assert stacked_rows == n * options["cta_tile"], (stacked_rows, options)
+            assert torch.equal(out, emulated_nvfp4_newton_schulz(stack, steps=steps)), (rows, cols)
+    finally:
+        triton_quantize.quantize_fused = fused
+
+
+def test_fused_batched_nvfp4_newton_schulz_equals_the_reference_under_the_interpreter():
+    from tests import interpreted
+
+    # One step: the interpreter spends about 1.5 s a quantize call, whatever the stack's size.
+    check = "check_fused_batched_newton_schulz_equals_the_emulation('cpu', [(64, 32), (32, 96)], n=3, steps=1)"
+    interpreted.run_interpreted("test_optim", check)
 
 
 def _gradient_like(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
@@ -475,21 +530,40 @@ def test_batched_newton_schulz_equals_one_matrix_at_a_time():
             torch.testing.assert_close(batched[i].float(), newton_schulz(stack[i]).float(), rtol=0, atol=2e-3)
 
 
-def test_batched_muon_steps_like_unbatched_muon():
+MIXED_SHAPES = [(32, 64), (32, 64), (64, 32), (48, 48), (32, 64)]
+
+
+def _muon_steps(**options) -> list[torch.Tensor]:
+    """MIXED_SHAPES parameters after three Muon steps on seeded gradients, each matrix's at its own scale."""
     gen = torch.Generator().manual_seed(5)
-    shapes = [(32, 64), (32, 64), (64, 32), (48, 48), (32, 64)]
-    runs = []
-    for batched in (False, True):
-        params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i))) for i, s in enumerate(shapes)]
-        opt = Muon(params, lr=0.02, weight_decay=0.01, batched=batched)
-        for step in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen)
-            opt.step()
-        runs.append([p.detach().clone() for p in params])
-        gen.manual_seed(5)
-    for unbatched, batched in zip(*runs):
+    params = [
+        torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i))) for i, s in enumerate(MIXED_SHAPES)
+    ]
+    opt = Muon(params, lr=0.02, weight_decay=0.01, **options)
+    for _ in range(3):
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=gen) * 10.0 ** (i - 2)
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def test_batched_muon_steps_like_unbatched_muon():
+    for unbatched, batched in zip(_muon_steps(), _muon_steps(batched=True)):
         torch.testing.assert_close(batched, unbatched, rtol=0, atol=1e-3)
+
+
+def test_batched_nvfp4_muon_steps_bit_for_bit_like_unbatched(monkeypatch):
+    from fp4lab.optim import muon
+
+    options = {"ns_format": "nvfp4", "ns_coefficients": NS_POLYNOMIALS["cubic"]}  # the quintic diverges in NVFP4
+    unbatched = _muon_steps(**options)
+    stacks = []
+    one_call = muon.newton_schulz
+    monkeypatch.setattr(muon, "newton_schulz", lambda g, *ns: stacks.append(tuple(g.shape)) or one_call(g, *ns))
+    batched = _muon_steps(batched=True, **options)
+    assert stacks == [(3, 32, 64), (1, 64, 32), (1, 48, 48)] * 3
+    for a, b in zip(unbatched, batched):
+        assert torch.equal(a, b)
 
 
 def test_fused_config_batches_muon_and_fuses_adamw():

@@ -600,6 +600,7 @@ def test_sr_philox_seed_reproducible_and_independent(tq):
         (dict(fmt="nvfp4", adaptive=True), "adaptive"),
         (dict(fmt="nvfp4", cta_tile=128), "cta_tile"),
         (dict(fmt="nvfp4", tensor_amax=1.0), "tensor_amax"),
+        (dict(fmt="mxfp4", tensor_amax=1.0), "tensor_amax"),
         (dict(fmt="nvfp4", scale_mode="floor"), "scale_mode"),
         (dict(fmt="mxfp4", rounding="sr"), "seed"),
         (dict(fmt="mxfp4", seed="seed"), "seed"),

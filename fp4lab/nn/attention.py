@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4lab.numerics import BLOCK_SIZE, quantize
+from fp4lab.numerics.fast import triton_runs_on
 from fp4lab.numerics.quantize import finite_amax
 
 ATTENTION_FORMATS = ("nvfp4", "mxfp4")
@@ -38,8 +39,10 @@ FP4_BLOCK_MULTIPLE = max(BLOCK_SIZE[fmt] for fmt in ATTENTION_FORMATS)
 # A probe materialises at most this many fp32 logits at once (64 MiB), whatever the model size.
 PROBE_CHUNK_ELEMENTS = 1 << 24
 # FP4 attention materialises its fp32 scores, P, dP and dS (and dS's quantizations) for chunks of query
-# rows of at most this many elements each (64 MiB), not [B, H, T, T]; a chunk holds 32 rows at least.
-FP4_ATTENTION_CHUNK_ELEMENTS = 1 << 24
+# rows of at most this many elements each (256 MiB), not [B, H, T, T]; a chunk holds 32 rows at least.
+# A chunk costs about 50 kernel launches a pass whatever its size: 64 MiB chunks made the 125m model
+# at 16 x 1024 tokens (ledger shape) 32 chunks per layer, 4 at this size.
+FP4_ATTENTION_CHUNK_ELEMENTS = 1 << 26
 
 LinearFactory = Callable[[str, int, int], nn.Module]
 
@@ -295,7 +298,7 @@ def _query_chunks(q: torch.Tensor, chunk_elements: int) -> list[slice]:
 class _FP4Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, quant: AttentionQuant, chunk_elements: int):
-        q_q, k_q = _fake_quant(q, quant.format, "rtn", None), _fake_quant(k, quant.format, "rtn", None)
+        q_q, k_q = _fake_quant(q, quant.format), _fake_quant(k, quant.format)
         group = q.shape[1] // k.shape[1]
         k_heads, v_heads = k_q.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = q_q.new_empty(q_q.shape)
@@ -321,7 +324,9 @@ class _FP4Attention(torch.autograd.Function):
                 probs = _causal_softmax(q_q[:, :, rows], k_heads, rows)
                 v_keys = v_heads[:, :, : rows.stop]
                 grad_probs = _bf16_matmul(grad_out[:, :, rows], v_keys.transpose(-1, -2), quant)
-                yield rows, probs, probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
+                grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
+                del grad_probs  # not held while the generator waits at its yield (dS's quantizations)
+                yield rows, probs, grad_scores
 
         amax_keys, amax_queries = _ds_tensor_amaxes(grad_scores_by_chunk(), quant, len(chunks))
         k_keys = _fake_quant_seq(k_q, quant.format).repeat_interleave(group, dim=1)
@@ -332,9 +337,8 @@ class _FP4Attention(torch.autograd.Function):
         for rows, probs, grad_scores in grad_scores_by_chunk():
             keys = slice(0, rows.stop)
             grad_v[:, :, keys] += _bf16_matmul(probs.transpose(-1, -2), grad_out[:, :, rows], quant)
-            ds_keys = _quant_ds(grad_scores, quant, amax_keys)
+            ds_keys, ds_queries = _quant_ds(grad_scores, quant, amax_keys, amax_queries)
             grad_q[:, :, rows] = ds_keys @ k_keys[:, :, keys] * scale
-            ds_queries = _quant_ds(grad_scores.transpose(-1, -2), quant, amax_queries)
             grad_k[:, :, keys] += ds_queries @ q_queries[:, :, rows]
         grad_k *= scale
         return grad_q, _sum_over_group(grad_k, group), _sum_over_group(grad_v, group), None, None
@@ -358,30 +362,60 @@ def _ds_tensor_amaxes(
     return torch.stack(along_keys).amax(), torch.stack(along_queries).amax()
 
 
-def _fake_quant(
-    x: torch.Tensor,
-    fmt: str | None,
-    rounding: str,
-    generator: torch.Generator | None,
-    tensor_amax: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """x quantized along its last dim and dequantized to fp32; fmt None returns x in fp32."""
+def _fake_quant(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
+    """x [..., N] quantized (round to nearest) along its last dim and dequantized to fp32; fmt None
+    returns x in fp32. Where Triton runs, by the fused quantizer: the reference's bits."""
     if fmt is None:
         return x.float()
-    return quantize(x, fmt, rounding=rounding, generator=generator, tensor_amax=tensor_amax).dequantize()
+    if triton_runs_on(x.device):
+        from fp4lab.numerics.triton_quantize import quantize_fused
+
+        return quantize_fused(x.reshape(-1, x.shape[-1]), fmt=fmt).dequantize().view(x.shape)
+    return quantize(x, fmt).dequantize()
 
 
 def _fake_quant_seq(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
-    """x [B, H, T, D] quantized (round to nearest) in blocks along the sequence dim T; fp32, same layout."""
-    return _fake_quant(x.transpose(-1, -2), fmt, "rtn", None).transpose(-1, -2)
+    """x [B, H, T, D] quantized (round to nearest) in blocks along the sequence dim T; fp32, same layout.
+    The fused kernel quantizes the [B H T, D] view's transpose: its blocks of 16 or 32 rows stay
+    within one (batch, head) as T is a multiple of 32."""
+    if fmt is not None and triton_runs_on(x.device):
+        from fp4lab.numerics.triton_quantize import quantize_fused
+
+        batch, n_heads, seq, head_dim = x.shape
+        decoded = quantize_fused(x.reshape(-1, head_dim), fmt=fmt, transpose=True).dequantize()
+        return decoded.view(head_dim, batch, n_heads, seq).permute(1, 2, 3, 0)
+    return _fake_quant(x.transpose(-1, -2), fmt).transpose(-1, -2)
 
 
-def _quant_ds(grad_scores: torch.Tensor, quant: AttentionQuant, tensor_amax: torch.Tensor | None) -> torch.Tensor:
-    """dS (or dS^T), or a chunk of it, quantized along its last dim with quant.ds_rounding (NVFP4's tensor
-    scale from `tensor_amax`, the whole dS's, where given); None leaves it in fp32."""
-    if quant.ds_rounding is None:
-        return grad_scores
-    return _fake_quant(grad_scores, quant.format, quant.ds_rounding, quant.generator, tensor_amax)
+def _quant_ds(
+    grad_scores: torch.Tensor, quant: AttentionQuant, amax_keys: torch.Tensor | None, amax_queries: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dS along keys, dS^T along queries) of dS [B, H, rows, keys] (or a chunk of it), each quantized
+    with quant.ds_rounding, dS's draw first, and decoded to fp32; NVFP4's tensor scales from the
+    whole dS's amaxes where given. ds_rounding or format None leaves both in fp32.
+
+    Where Triton runs, one read of dS by the fused quantizer gives both (its blocks along queries stay
+    within one (batch, head): rows is a multiple of 32), their SR bits drawn with Philox from two
+    seeds that quant.generator draws; the torch reference draws its bits from quant.generator itself.
+    RTN codes are the same bits either way, SR draws from the same distribution."""
+    if quant.ds_rounding is None or quant.format is None:
+        return grad_scores, grad_scores.transpose(-1, -2)
+    fmt, rounding, generator = quant.format, quant.ds_rounding, quant.generator
+    if triton_runs_on(grad_scores.device):
+        from fp4lab.numerics.triton_quantize import quantize_fused_both
+
+        def options(amax: torch.Tensor | None) -> dict:
+            seed = torch.randint(2**62, (1,), generator=generator, device=grad_scores.device) if rounding == "sr" else None
+            return {"fmt": fmt, "rounding": rounding, "seed": seed, "tensor_amax": amax}
+
+        batch, n_heads, rows, keys = grad_scores.shape
+        along_keys, along_queries = quantize_fused_both(grad_scores.reshape(-1, keys), options(amax_keys), options(amax_queries))
+        return (
+            along_keys.dequantize().view(grad_scores.shape),
+            along_queries.dequantize().view(keys, batch, n_heads, rows).permute(1, 2, 0, 3),
+        )
+    encode = lambda x, amax: quantize(x, fmt, rounding=rounding, generator=generator, tensor_amax=amax).dequantize()
+    return encode(grad_scores, amax_keys), encode(grad_scores.transpose(-1, -2), amax_queries)
 
 
 def _causal_softmax(q_rows: torch.Tensor, k: torch.Tensor, rows: slice) -> torch.Tensor:

@@ -78,5 +78,5 @@ def cuda_graph_blocker(model: Llama, tokens: int) -> str | None:
         if reason is not None:
             return f"{name}: {reason}"
     if any(a.quant is not None for a in model.attentions()):
-        return "FP4 attention rounds dS stochastically with a torch.Generator"
+        return "FP4 attention draws dS's stochastic rounding (on CUDA, its Philox seeds) from a torch.Generator"
     return None

@@ -31,7 +31,7 @@ nvfp4_cta (CTA-local outer scales, one per 128 rows by default) is covered with 
 pass folds each row's amax into its CTA tile's slot, and with 2D tiles, whose amax pass folds each
 tile's amax into the slot of its 128 x 128 square (`outer` then holds one scale per square).
 
-Not supported (ValueError naming the argument; callers fall back to the reference): a given tensor_amax, transforms other than 16 and 32, 2D tiles with SR, a transform or transpose=True,
+Not supported (ValueError naming the argument; callers fall back to the reference): tensor_amax with a format other than nvfp4, transforms other than 16 and 32, 2D tiles with SR, a transform or transpose=True,
 a blocked dim that is not a multiple of the block and transform, tile dims that are not powers of
 two, dtypes other than bf16/fp32, non-CUDA or non-contiguous tensors. This module imports Triton: import it lazily, after
 `fp4lab.numerics.fast.triton_available()`.
@@ -54,7 +54,7 @@ FORMATS = ("mxfp4", "nvfp4", "nvfp4_cta")
 _MX_MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}
 _MX_ADAPTIVE = 4  # rceil with the adaptive finer scale (scales.mx_exponent)
 _TRANSFORM_SIZES = (16, 32)
-_OPTION_NAMES = ("fmt", "scale_mode", "adaptive", "cta_tile", "rounding", "signs", "seed", "uniforms", "emit_codes", "emit_values")
+_OPTION_NAMES = ("fmt", "scale_mode", "adaptive", "cta_tile", "rounding", "signs", "seed", "uniforms", "tensor_amax", "emit_codes", "emit_values")
 
 # Tile shapes (rows, cols of x, warps), chosen by a sweep on an H200 (8192 x 8192 bf16; fraction of
 # copy bandwidth): row-wise mxfp4 0.935 with (32, 128, 4), no better with 16-64 rows, 128-256 cols,
@@ -103,6 +103,15 @@ class FusedQuant:
     outer: torch.Tensor | None
     codes: torch.Tensor | None = None
     scales: torch.Tensor | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        """The decoded operand in fp32, values x outer: bit for bit the reference's
+        `quantize(...).dequantize()` (values are exact in bf16, and the product is the reference's one
+        rounding of value x outer scale). 1D blocks only: a 2D-tile nvfp4_cta `outer` is per square."""
+        if self.values is None:
+            raise ValueError("FusedQuant.dequantize: no values (quantized with emit_values=False; decode_fused the codes)")
+        values = self.values.float()
+        return values if self.outer is None else values.mul_(self.outer)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -586,6 +595,7 @@ class _Orientation:
     sr: bool
     seed: torch.Tensor | None
     uniforms: torch.Tensor | None
+    amax: torch.Tensor | None  # a given tensor amax as int32 bits [1] (nvfp4), else None: the kernel takes it
     codes: bool
     values: bool
 
@@ -599,6 +609,7 @@ def quantize_fused(
     signs: torch.Tensor | None = None,
     seed: torch.Tensor | None = None,
     uniforms: torch.Tensor | None = None,
+    tensor_amax: torch.Tensor | None = None,
     transpose: bool = False,
     emit_codes: bool = False,
     emit_values: bool = True,
@@ -616,6 +627,11 @@ def quantize_fused(
     16 or 32 for a Hadamard transform along the blocked dim before quantizing. adaptive=True (mxfp4
     with scale_mode "rceil"): the adaptive finer scale of scales.mx_exponent.
 
+    tensor_amax (nvfp4, 1D blocks): the amax behind the tensor scale, a float32 tensor of one element
+    on x's device, instead of the kernel's own amax pass, as the reference's `tensor_amax` (e.g.
+    `quantize.finite_amax` of the whole tensor, to quantize a part of it exactly as the whole). It
+    must be finite and >= 0; unlike the reference this is not checked (that would sync the host).
+
     emit_codes=True also writes the packed codes and scale bytes; emit_values=False (with
     emit_codes=True) writes only those (and `outer`): the operand a backward GEMM reads later, kept at
     0.5 + 1 / block bytes per element instead of 2, and decoded by `decode_fused` when needed.
@@ -630,15 +646,17 @@ def quantize_fused(
     nvfp4 the tensor amax is taken over the finite tiles; for nvfp4_cta over the finite tiles of each
     cta_tile x cta_tile square (a multiple of the tile), and `outer` holds one scale per square,
     [ceil(R / cta_tile), ceil(C / cta_tile)]: the GEMM scales each chunk of its sum by it
-    (`numerics.tile_gemm`). Another reference option (tensor_amax) raises ValueError.
+    (`numerics.tile_gemm`). tensor_amax with tiles, or the reference's generator, raises ValueError.
     """
     _check_x(x)
     _reject_unsupported(unsupported)
     if not isinstance(transpose, bool):
         raise ValueError(f"quantize_fused: transpose must be a bool, got {transpose!r}")
-    options = {"fmt": fmt, "scale_mode": scale_mode, "adaptive": adaptive, "cta_tile": cta_tile, "rounding": rounding, "signs": signs, "seed": seed, "uniforms": uniforms, "emit_codes": emit_codes, "emit_values": emit_values}
+    options = {"fmt": fmt, "scale_mode": scale_mode, "adaptive": adaptive, "cta_tile": cta_tile, "rounding": rounding, "signs": signs, "seed": seed, "uniforms": uniforms, "tensor_amax": tensor_amax, "emit_codes": emit_codes, "emit_values": emit_values}
     spec = _orientation(x, options, transpose)
     if tile is not None:
+        if spec.amax is not None:
+            raise ValueError("quantize_fused: tensor_amax applies to 1D blocks only; pass tensor_amax=None with tile")
         return _launch_tiles(x, spec, _check_tile(x, tile, spec, transpose))
     row, col = (None, spec) if transpose else (spec, None)
     out_row, out_col = _launch(x, row, col, _TILE_COL if transpose else _TILE_ROW)
@@ -649,7 +667,7 @@ def quantize_fused_both(x: torch.Tensor, row: dict, col: dict) -> tuple[FusedQua
     """Both orientations from one read of x: (quantized along the last dim, quantized x^T).
 
     `row` and `col` hold quantize_fused's options for each (fmt, scale_mode, adaptive, cta_tile, rounding,
-    signs, seed, uniforms, emit_codes, emit_values), e.g. values for the forward GEMM and codes only for the
+    signs, seed, uniforms, tensor_amax, emit_codes, emit_values), e.g. values for the forward GEMM and codes only for the
     backward's x^T. NVFP4 orientations first take their tensor amaxes in one more read.
     """
     _check_x(x)
@@ -721,12 +739,14 @@ def _launch(x, row: _Orientation | None, col: _Orientation | None, tile) -> tupl
 
 
 def _tensor_amaxes(x, row: _Orientation | None, col: _Orientation | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(row, col): int32 bits of each NVFP4 orientation's amax (None for the others), computed on the
-    device: one for the tensor, or one per CTA tile (nvfp4_cta: per `cta` rows of that orientation's
-    output, so per `cta` columns of x for x^T)."""
-    need_row, need_col = row is not None and row.nv, col is not None and col.nv
+    """(row, col): int32 bits of each NVFP4 orientation's amax (None for the others), the given
+    tensor_amax or computed on the device: one for the tensor, or one per CTA tile (nvfp4_cta: per
+    `cta` rows of that orientation's output, so per `cta` columns of x for x^T)."""
+    given_row, given_col = (row.amax if row is not None else None), (col.amax if col is not None else None)
+    need_row = row is not None and row.nv and given_row is None
+    need_col = col is not None and col.nv and given_col is None
     if not (need_row or need_col):
-        return None, None
+        return given_row, given_col
     rows, cols = x.shape
     row_slots = (triton.cdiv(rows, row.cta) if row.cta else 1) if need_row else 0
     col_slots = (triton.cdiv(cols, col.cta) if col.cta else 1) if need_col else 0
@@ -740,7 +760,7 @@ def _tensor_amaxes(x, row: _Orientation | None, col: _Orientation | None) -> tup
         TH=1, TW=16, R_CTA=row.cta if need_row else 0, C_CTA=col.cta if need_col else 0, SQUARE=0,
         num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
-    return row_amax, col_amax
+    return (given_row if row_amax is None else row_amax), (given_col if col_amax is None else col_amax)
 
 
 def _launch_tiles(x, spec: _Orientation, tile: tuple[int, int]) -> FusedQuant:
@@ -822,7 +842,7 @@ def _check_x(x) -> None:
         raise ValueError("quantize_fused: x must be contiguous (call .contiguous() first)")
 
 
-_REFERENCE_DEFAULTS = {"tensor_amax": None, "generator": None}
+_REFERENCE_DEFAULTS = {"generator": None}
 
 
 def _reject_unsupported(options: dict) -> None:
@@ -865,6 +885,13 @@ def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientatio
         raise ValueError("quantize_fused: seed must be an int64 tensor of one element on x's device")
     if uniforms is not None and not (_on_device(uniforms, x, torch.float32, out_shape) and uniforms.is_contiguous()):
         raise ValueError(f"quantize_fused: uniforms must be a contiguous float32 tensor of shape {list(out_shape)} on x's device")
+    amax = options.get("tensor_amax")
+    if amax is not None:
+        if fmt != "nvfp4":
+            raise ValueError(f"quantize_fused: tensor_amax applies to fmt='nvfp4' only; pass tensor_amax=None for {fmt}")
+        if not _on_device(amax, x, torch.float32, (), (1,)):
+            raise ValueError("quantize_fused: tensor_amax must be a float32 tensor of one element on x's device")
+        amax = amax.reshape(1).view(torch.int32)
     signs = options.get("signs")
     transform = 0
     if signs is not None:
@@ -893,6 +920,7 @@ def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientatio
         sr=rounding == "sr",
         seed=seed,
         uniforms=uniforms,
+        amax=amax,
         codes=emit_codes,
         values=emit_values,
     )

@@ -49,7 +49,7 @@ class OptimizerConfig:
                      e.g. (0.05, 0.02); it caps the block matrices, alpha_qk for attention.wq / wk.
     fused:           AdamW with an fp32 second moment runs as torch.optim.AdamW(fused=True), one kernel
                      for all tensors (CUDA; the same arithmetic as fp4lab's AdamW up to fusion), and
-                     Muon's bf16 Newton-Schulz runs batched, one stack of matrices per shape.
+                     Muon's Newton-Schulz (bf16 or NVFP4) runs batched, one stack of matrices per shape.
     """
 
     name: str = "muon"

@@ -27,6 +27,12 @@ iteration of its orthogonalized optimizer natively in NVFP4: each of the three G
 nearest; on a GPU by the fused quantizer, the same bits) along that GEMM's contraction axis.
 `newton_schulz` states the axes and the roundings.
 
+`batched=True` (OptimizerConfig.fused) runs each group's same-shape matrices as one stack, in either
+mode: a handful of batched kernels per Newton-Schulz step for the stack instead of a handful per matrix
+(a 125m model's 84 matrices come in three shapes). Each matrix of the stack keeps its own Frobenius norm
+and, in NVFP4, its own tensor scales, so a stack gives each matrix's result alone up to the summation
+order of the batched GEMMs (in NVFP4 the tests find the same bits on the CPU).
+
 **Sharded parameters (FSDP2).** Newton-Schulz needs the whole matrix; this is the "gather" scheme of the
 distributed-Muon literature (each rank orthogonalizes every matrix; the alternative, Moonlight's and
 Essential AI's round-robin assignment of whole matrices to ranks, saves compute but needs a scatter
@@ -76,6 +82,9 @@ def newton_schulz(
 ) -> torch.Tensor:
     """Approximately orthogonalize the 2D matrix g (U S V^T -> U S' V^T, S' roughly in [0.7, 1.2]); bf16 result.
 
+    g may also be a stack [n, rows, cols] of same-shape matrices, each orthogonalized as if alone (its
+    own norm; in NVFP4 its own tensor scales) by batched GEMMs.
+
     The loop is Keller Jordan's quintic iteration as torch.optim.Muon writes it: cast to bf16, view the
     matrix wide (transpose when rows > cols, so the Gram matrix X X^T is the small one), divide by the
     Frobenius norm (which bounds the spectral norm by 1), then `steps` times
@@ -97,68 +106,60 @@ def newton_schulz(
     steps; the additions b A and a X are not GEMMs and read the unquantized bf16 values. Every side of
     the matrix is a contraction axis of some GEMM, so both must be multiples of 16.
     """
-    if g.ndim == 3 and fmt == "bf16":
-        return _newton_schulz_batched(g, coefficients, steps, eps)
-    if g.ndim != 2:
-        raise ValueError(f"newton_schulz: g must be a 2D matrix (or a 3D stack with fmt='bf16'), got shape {list(g.shape)}")
+    if g.ndim not in (2, 3):
+        raise ValueError(
+            f"newton_schulz: g must be a 2D matrix or a 3D stack of same-shape matrices, got shape {list(g.shape)}"
+        )
     if fmt not in NS_FORMATS:
         raise ValueError(f"newton_schulz: fmt={fmt!r} is not supported; allowed: {', '.join(map(repr, NS_FORMATS))}")
-    a, b, c = coefficients
-    tall = g.size(0) > g.size(1)
-    x = g.bfloat16()
-    if tall:
-        x = x.T
-    if fmt == "nvfp4" and any(side % NVFP4_BLOCK for side in g.shape):
+    if fmt == "nvfp4" and any(side % NVFP4_BLOCK for side in g.shape[-2:]):
         raise ValueError(f"newton_schulz: {_NVFP4_SHAPE_RULE}; shape {list(g.shape)} is not (use fmt='bf16')")
-    x.div_(x.norm().clamp(min=eps))
-    for _ in range(steps):
-        if fmt == "nvfp4":
-            gram = _nvfp4_matmul(x, x.T).bfloat16()
-            gram_update = (b * gram.float() + c * _nvfp4_matmul(gram, gram)).bfloat16()
-            x = (a * x.float() + _nvfp4_matmul(gram_update, x)).bfloat16()
-        else:
-            gram = x @ x.T
-            gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.addmm(x, gram_update, x, beta=a)
-    return x.T if tall else x
-
-
-def _nvfp4_matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """left [m, k] @ right [k, n] as an NVFP4 GEMM: each operand blocked along k, decoded, fp32 product."""
-    return _nvfp4_decoded(left) @ _nvfp4_decoded(right.T).T
-
-
-def _nvfp4_decoded(x: torch.Tensor) -> torch.Tensor:
-    """x quantized to NVFP4 (round to nearest) in 1x16 blocks along its last dim, decoded to fp32.
-
-    Where Triton runs, by the fused quantizer (one amax read, one pass; its block values and decode
-    scale are the reference's bit for bit, and values x scale is the reference's one rounding) instead
-    of the reference's ~90 small ops a call, 30 calls per matrix per step: by that count, most of
-    Full-Stack FP4's step on a GPU (docs/BENCHMARKS.md)."""
-    x = x.contiguous()
-    if triton_runs_on(x.device):
-        from fp4lab.numerics.triton_quantize import quantize_fused
-
-        q = quantize_fused(x, fmt="nvfp4")
-        return q.values.float() * q.outer
-    return quantize(x, "nvfp4").dequantize()
-
-
-def _newton_schulz_batched(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
-    """The bf16 iteration on a stack of same-shape matrices [n, rows, cols] at once: a handful of
-    batched GEMMs instead of a handful per matrix (the per-matrix launches dominate a small model's
-    optimizer step on a GPU). Equal to the 2D loop up to the summation order of the batched GEMMs."""
     a, b, c = coefficients
-    tall = g.size(1) > g.size(2)
+    tall = g.size(-2) > g.size(-1)
     x = g.bfloat16()
     if tall:
         x = x.mT
-    x = x / torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True).clamp(min=eps)
+    # A lone matrix keeps torch.optim.Muon's whole-tensor reduction, whose bits the bf16 mode matches.
+    norm = x.norm() if x.ndim == 2 else torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True)
+    x.div_(norm.clamp(min=eps))
+    addmm = torch.addmm if x.ndim == 2 else torch.baddbmm
     for _ in range(steps):
-        gram = x @ x.mT
-        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, gram_update, x, beta=a)
+        if fmt == "nvfp4":
+            gram = _nvfp4_matmul(x, x.mT).bfloat16()
+            gram_update = (b * gram.float() + c * _nvfp4_matmul(gram, gram)).bfloat16()
+            x = (a * x.float() + _nvfp4_matmul(gram_update, x)).bfloat16()
+        else:
+            gram = x @ x.mT
+            gram_update = addmm(gram, gram, gram, beta=b, alpha=c)
+            x = addmm(x, gram_update, x, beta=a)
     return x.mT if tall else x
+
+
+def _nvfp4_matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """left [..., m, k] @ right [..., k, n] as NVFP4 GEMMs: each operand blocked along k, decoded, fp32 product."""
+    return _nvfp4_decoded(left) @ _nvfp4_decoded(right.mT).mT
+
+
+def _nvfp4_decoded(x: torch.Tensor) -> torch.Tensor:
+    """Each matrix of x ([rows, cols] or a stack [n, rows, cols]) quantized to NVFP4 (round to nearest,
+    its own tensor scale) in 1x16 blocks along its last dim, decoded to fp32.
+
+    NVFP4 has one tensor scale per tensor, so the stack is quantized as one [n * rows, cols] tensor in
+    nvfp4_cta with a CTA tile of `rows` rows, one outer scale per matrix: each matrix's NVFP4 encoding bit
+    for bit, in one call for the whole stack. Where Triton runs, by the fused quantizer (one amax read,
+    one pass; its block values and decode scales are the reference's bit for bit, and values x scale is
+    the reference's one rounding) instead of the reference's ~90 small ops a call, 30 calls per
+    matrix (or stack) per optimizer step: by that count, most of Full-Stack FP4's step on a GPU
+    (docs/BENCHMARKS.md)."""
+    rows, cols = x.shape[-2:]
+    flat = x.contiguous().view(-1, cols)
+    if triton_runs_on(x.device):
+        from fp4lab.numerics.triton_quantize import quantize_fused
+
+        decoded = quantize_fused(flat, fmt="nvfp4_cta", cta_tile=rows).dequantize()
+    else:
+        decoded = quantize(flat, "nvfp4_cta", cta_tile=rows).dequantize()
+    return decoded.view(x.shape)
 
 
 def lr_scale(shape: torch.Size | tuple[int, int], lr_scaling: str) -> float:
@@ -256,9 +257,10 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _orthogonalize(self, updates: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
-        """Newton-Schulz of every update: one matrix at a time, or (batched, bf16) one stack per shape."""
+        """Newton-Schulz of every update: one matrix at a time, or (batched, either format) one stack per
+        shape, dtype and device."""
         ns = (group["ns_coefficients"], group["ns_steps"], group["ns_format"])
-        if not (self.batched and group["ns_format"] == "bf16"):
+        if not self.batched:
             return [newton_schulz(u, *ns) for u in updates]
         by_shape: dict[tuple, list[int]] = {}
         for i, u in enumerate(updates):
