@@ -19,7 +19,7 @@ import torch
 import fp4lab.nn.attention as attention_module
 from fp4lab.nn.attention import AttentionQuant
 from tests import interpreted
-from tests.test_attention import qkv_and_grad, relative_error
+from tests.test_attention import assert_sr_mean_approaches_the_expectation, qkv_and_grad
 from tests.test_fp4_attention_chunked import chunk_elements_for, output_and_grads, sequence_scaled_qkv
 
 
@@ -108,16 +108,7 @@ def check_fused_sr_draws_from_the_generator(device: str) -> None:
 def check_fused_sr_averages_to_the_expectation(device: str) -> None:
     """The mean dQ, dK over 16 SR draws approaches the unquantized-dS gradients as tests/test_attention.py
     measures for the reference (one draw about 0.13 from it, the mean of 16 about 0.035, RTN 0.09)."""
-    grads = sr_grads(device)
-    expectation = grads(AttentionQuant("nvfp4", ds_rounding=None))
-    generator = torch.Generator(device=device).manual_seed(2)
-    draws = [grads(AttentionQuant("nvfp4", "sr", generator)) for _ in range(16)]
-    rtn = grads(AttentionQuant("nvfp4", "rtn"))
-    for i, name in enumerate(("dq", "dk")):
-        single = relative_error(draws[0][i], expectation[i])
-        averaged = relative_error(torch.stack([d[i] for d in draws]).mean(dim=0), expectation[i])
-        assert averaged < 0.4 * single, (name, averaged, single)  # unbiased: 1/sqrt(16) = 0.25
-        assert averaged < 0.5 * relative_error(rtn[i], expectation[i]), name
+    assert_sr_mean_approaches_the_expectation(sr_grads(device), torch.Generator(device=device).manual_seed(2))
 
 
 INTERPRETED_CHECKS = ("check_fused_rtn_equals_the_reference", "check_fused_sr_draws_from_the_generator")
