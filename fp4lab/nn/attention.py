@@ -340,6 +340,8 @@ class _FP4Attention(torch.autograd.Function):
             ds_keys, ds_queries = _quant_ds(grad_scores, quant, amax_keys, amax_queries)
             grad_q[:, :, rows] = ds_keys @ k_keys[:, :, keys] * scale
             grad_k[:, :, keys] += ds_queries @ q_queries[:, :, rows]
+            # Dropped before the generator builds the next chunk: else two chunks' worth stays alive.
+            del probs, grad_scores, ds_keys, ds_queries
         grad_k *= scale
         return grad_q, _sum_over_group(grad_k, group), _sum_over_group(grad_v, group), None, None
 
