@@ -150,7 +150,10 @@ def emulated_nvfp4_newton_schulz(g: torch.Tensor, steps: int, broken: str | None
 
     tall = g.shape[-2] > g.shape[-1]
     x = g.bfloat16().mT if tall else g.bfloat16()
-    x = x / each(torch.Tensor.norm, x).clamp(min=1e-7)[..., None, None]
+    # Each matrix's Frobenius norm, reduced as newton_schulz reduces it: on CUDA another reduction
+    # order could move a bf16 rounding (the CPU test holds the stack to each matrix run alone).
+    norm = x.norm() if x.ndim == 2 else torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True)
+    x = x / norm.clamp(min=1e-7)
     for _ in range(steps):
         if broken == "gram-bf16":
             gram = x @ x.mT
