@@ -379,13 +379,14 @@ def _fake_quant(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
 def _fake_quant_seq(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     """x [B, H, T, D] quantized (round to nearest) in blocks along the sequence dim T; fp32, same layout.
     The fused kernel quantizes the [B H T, D] view's transpose: its blocks of 16 or 32 rows stay
-    within one (batch, head) as T is a multiple of 32."""
+    within one (batch, head) as T is a multiple of 32. Its result is laid out as the reference's
+    (a transposed contiguous [B, H, D, T]), so the GEMMs that read it are the same cuBLAS calls."""
     if fmt is not None and triton_runs_on(x.device):
         from fp4lab.numerics.triton_quantize import quantize_fused
 
         batch, n_heads, seq, head_dim = x.shape
         decoded = quantize_fused(x.reshape(-1, head_dim), fmt=fmt, transpose=True).dequantize()
-        return decoded.view(head_dim, batch, n_heads, seq).permute(1, 2, 3, 0)
+        return decoded.view(head_dim, batch, n_heads, seq).permute(1, 2, 0, 3).contiguous().transpose(-1, -2)
     return _fake_quant(x.transpose(-1, -2), fmt).transpose(-1, -2)
 
 
@@ -399,7 +400,8 @@ def _quant_ds(
     Where Triton runs, one read of dS by the fused quantizer gives both (its blocks along queries stay
     within one (batch, head): rows is a multiple of 32), their SR bits drawn with Philox from two
     seeds that quant.generator draws; the torch reference draws its bits from quant.generator itself.
-    RTN codes are the same bits either way, SR draws from the same distribution."""
+    RTN codes are the same bits either way, SR draws from the same distribution. Both results are
+    contiguous, as the reference's are: the GEMMs that read them are the same calls on either path."""
     if quant.ds_rounding is None or quant.format is None:
         return grad_scores, grad_scores.transpose(-1, -2)
     fmt, rounding, generator = quant.format, quant.ds_rounding, quant.generator
@@ -414,7 +416,7 @@ def _quant_ds(
         along_keys, along_queries = quantize_fused_both(grad_scores.reshape(-1, keys), options(amax_keys), options(amax_queries))
         return (
             along_keys.dequantize().view(grad_scores.shape),
-            along_queries.dequantize().view(keys, batch, n_heads, rows).permute(1, 2, 0, 3),
+            along_queries.dequantize().view(keys, batch, n_heads, rows).permute(1, 2, 0, 3).contiguous(),
         )
     encode = lambda x, amax: quantize(x, fmt, rounding=rounding, generator=generator, tensor_amax=amax).dequantize()
     return encode(grad_scores, amax_keys), encode(grad_scores.transpose(-1, -2), amax_queries)
