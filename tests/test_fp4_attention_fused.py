@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import fp4lab.nn.attention as attention_module
+import fp4lab.numerics.fast as fast
 from fp4lab.nn.attention import AttentionQuant
 from tests import interpreted
 from tests.test_attention import assert_sr_mean_approaches_the_expectation, qkv_and_grad
@@ -52,12 +53,17 @@ def on(device: str, tensors):
 
 
 def reference_path(function, *args):
-    """`function(*args)` with the attention's fused path switched off: the torch reference quantizers."""
-    runs_on, attention_module.triton_runs_on = attention_module.triton_runs_on, lambda device: False
+    """`function(*args)` with the fused quantizers switched off (the attention's own choice and
+    `fast_fake_quantize`'s): the torch reference quantizers."""
+    modules = (attention_module, fast)
+    saved = [module.triton_runs_on for module in modules]
+    for module in modules:
+        module.triton_runs_on = lambda device: False
     try:
         return function(*args)
     finally:
-        attention_module.triton_runs_on = runs_on
+        for module, runs_on in zip(modules, saved):
+            module.triton_runs_on = runs_on
 
 
 def check_fused_rtn_equals_the_reference(device: str) -> None:

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4lab.numerics import BLOCK_SIZE, quantize
-from fp4lab.numerics.fast import triton_runs_on
+from fp4lab.numerics import BLOCK_SIZE, fake_quantize
+from fp4lab.numerics.fast import fast_fake_quantize, triton_runs_on
 from fp4lab.numerics.quantize import finite_amax
 
 ATTENTION_FORMATS = ("nvfp4", "mxfp4")
@@ -367,13 +367,7 @@ def _ds_tensor_amaxes(
 def _fake_quant(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     """x [..., N] quantized (round to nearest) along its last dim and dequantized to fp32; fmt None
     returns x in fp32. Where Triton runs, by the fused quantizer: the reference's bits."""
-    if fmt is None:
-        return x.float()
-    if triton_runs_on(x.device):
-        from fp4lab.numerics.triton_quantize import quantize_fused
-
-        return quantize_fused(x.reshape(-1, x.shape[-1]), fmt=fmt).dequantize().view(x.shape)
-    return quantize(x, fmt).dequantize()
+    return x.float() if fmt is None else fast_fake_quantize(x, fmt)
 
 
 def _fake_quant_seq(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
@@ -418,7 +412,7 @@ def _quant_ds(
             along_keys.dequantize().view(grad_scores.shape),
             along_queries.dequantize().view(keys, batch, n_heads, rows).permute(1, 2, 0, 3).contiguous(),
         )
-    encode = lambda x, amax: quantize(x, fmt, rounding=rounding, generator=generator, tensor_amax=amax).dequantize()
+    encode = lambda x, amax: fake_quantize(x, fmt, rounding=rounding, generator=generator, tensor_amax=amax)
     return encode(grad_scores, amax_keys), encode(grad_scores.transpose(-1, -2), amax_queries)
 
 
