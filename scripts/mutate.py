@@ -159,7 +159,7 @@ MUTATIONS = [
       (MUON, "if not self.batched:", 'if not (self.batched and group["ns_format"] == "bf16"):'),
       ["tests/test_optim.py::test_batched_nvfp4_muon_steps_bit_for_bit_like_unbatched"]),
     m("fast-fake-quantize-bypassed", "fast_fake_quantize (NVFP4 Newton-Schulz, FP4 attention's Q, K) takes the torch reference where Triton runs",
-      ("fp4lab/numerics/fast.py", "    if triton_runs_on(x.device):\n", "    if False:\n"), [NS_FUSED, ATTN_FUSED_EXACT]),
+      ("fp4lab/numerics/fast_fake_quantize.py", "    if triton_runs_on(x.device):\n", "    if False:\n"), [NS_FUSED, ATTN_FUSED_EXACT]),
     m("ns-gram-bf16", "Muon's nvfp4 Newton-Schulz: A = X X^T left a bf16 GEMM",
       (MUON, "gram = _nvfp4_matmul(x, x.mT).bfloat16()", "gram = x @ x.mT"), [NS_EXACT]),
     m("ns-gram-short-axis", "Muon's nvfp4 Newton-Schulz: X blocked along the short side for X X^T",

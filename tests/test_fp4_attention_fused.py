@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fp4lab.nn.attention as attention_module
-import fp4lab.numerics.fast as fast
+import fp4lab.numerics.fast_fake_quantize as fast
 from fp4lab.nn.attention import AttentionQuant
 from tests import interpreted
 from tests.test_attention import assert_sr_mean_approaches_the_expectation, qkv_and_grad

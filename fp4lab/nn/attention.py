@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4lab.numerics import BLOCK_SIZE, fake_quantize
-from fp4lab.numerics.fast import fast_fake_quantize, triton_runs_on
+from fp4lab.numerics.fast import triton_runs_on
+from fp4lab.numerics.fast_fake_quantize import fast_fake_quantize
 from fp4lab.numerics.quantize import finite_amax
 
 ATTENTION_FORMATS = ("nvfp4", "mxfp4")

@@ -32,15 +32,3 @@ def triton_runs_on(device: torch.device) -> bool:
         return triton_available()
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
-
-def fast_fake_quantize(x: torch.Tensor, fmt: str, **options) -> torch.Tensor:
-    """`numerics.fake_quantize(x, fmt, **options)` bit for bit (round to nearest, along the last dim):
-    by the fused Triton quantizer, one amax read and one pass, where it runs on x's device, else by
-    that torch reference. `options` are those both take (cta_tile, scale_mode)."""
-    if triton_runs_on(x.device):
-        from fp4lab.numerics.triton_quantize import quantize_fused
-
-        return quantize_fused(x.reshape(-1, x.shape[-1]), fmt=fmt, **options).dequantize().view(x.shape)
-    from fp4lab.numerics.quantize import fake_quantize
-
-    return fake_quantize(x, fmt, **options)

@@ -55,7 +55,7 @@ from collections.abc import Iterable
 import torch
 
 from fp4lab.numerics import BLOCK_SIZE
-from fp4lab.numerics.fast import fast_fake_quantize
+from fp4lab.numerics.fast_fake_quantize import fast_fake_quantize
 from fp4lab.optim.plumbing import closure_loss, dense_grads
 from fp4lab.optim.sharding import gather_whole, is_sharded, local, local_part
 
