@@ -74,3 +74,17 @@ def test_auto_takes_the_triton_attention_and_bf16_gemms_on_a_gpu():
     assert attention_kernel(config, cuda, 96) == "sdpa"  # a head_dim the kernel does not take
     with pytest.raises(ConfigError, match="attention_kernel='triton' takes head dims 16, 32, 64, 128; this model's is 96"):
         attention_kernel(TrainConfig(device="cuda", attention_kernel="triton"), cuda, 96)
+
+
+def test_the_triton_check_is_a_constant_to_torch_compile(recwarn):
+    # Every FP4 linear asks it inside the compiled step: traced, its cached body ran again in each graph
+    # and dynamo warned about the lru_cache wrapper on every GPU run.
+    from fp4lab.numerics.fast import triton_available, triton_runs_on
+
+    def pick(x):
+        return x + 1 if triton_runs_on(torch.device("cuda")) else x - 1
+
+    torch._dynamo.reset()
+    out = torch.compile(pick, backend="eager", fullgraph=True)(torch.zeros(2))
+    assert torch.equal(out, torch.full((2,), 1.0 if triton_available() else -1.0))
+    assert not [w for w in recwarn if "lru_cache" in str(w.message)], [str(w.message) for w in recwarn]

@@ -13,9 +13,15 @@ from functools import cache
 import torch
 
 
-@cache
+# A constant to torch.compile: traced instead, the cached check would run again in every graph (and warn).
+@torch.compiler.assume_constant_result
 def triton_available() -> bool:
     """True when Triton imports and a CUDA device is visible."""
+    return _cuda_and_triton()
+
+
+@cache
+def _cuda_and_triton() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
