@@ -37,4 +37,3 @@ def triton_runs_on(device: torch.device) -> bool:
     if device.type == "cuda":
         return triton_available()
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from fp4lab.numerics.fast import triton_runs_on
+from fp4lab.numerics.quantize import fake_quantize
 
 
 def fast_fake_quantize(x: torch.Tensor, fmt: str, **options) -> torch.Tensor:
@@ -18,6 +19,4 @@ def fast_fake_quantize(x: torch.Tensor, fmt: str, **options) -> torch.Tensor:
         from fp4lab.numerics.triton_quantize import quantize_fused
 
         return quantize_fused(x.reshape(-1, x.shape[-1]), fmt=fmt, **options).dequantize().view(x.shape)
-    from fp4lab.numerics.quantize import fake_quantize
-
     return fake_quantize(x, fmt, **options)
