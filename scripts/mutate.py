@@ -492,7 +492,7 @@ MUTATIONS = [
       ("fp4lab/lab/records/logscan.py", "spike_ratio_min_count: int = 1", "spike_ratio_min_count: int = 4"),
       ["tests/test_logscan.py::test_ratio_rule_needs_only_a_handful_of_points"]),
     m("status-rescan-ignored", "fp4lab status --rescan judges nothing again",
-      ("fp4lab/cli.py", "        if rescan:\n", "        if False:\n"),
+      ("fp4lab/cli/sweep.py", "        if rescan:\n", "        if False:\n"),
       ["tests/test_sweep_trust.py::test_status_rescan_judges_ended_runs_again_with_the_current_scanner"]),
     m("scan-runaway-not-diverged", "a finite loss that ends far above its start is no longer judged diverged",
       ("fp4lab/lab/records/logscan.py", 'if "nan" in first_step or "loss_above_start" in first_step or status == "diverged":',

@@ -250,12 +250,6 @@ def test_cli_train_capture_options(run_cli, tmp_path):
     assert result.returncode == 2 and "--capture-steps '1,two'" in result.stderr and not (tmp_path / "bad").exists()
 
 
-def test_cli_gemm_formats_are_the_library_s():
-    from fp4lab import cli
-
-    assert cli.GEMM_FORMATS == tuple(FORMATS)
-
-
 def test_a_sweep_spec_sets_capture_and_the_run_id_ignores_it(tmp_path):
     from fp4lab.lab.specs.sweep_spec import SpecError, expand, load_spec
 

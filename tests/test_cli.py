@@ -300,3 +300,13 @@ def test_train_fresh_removes_both_kinds_of_checkpoint_and_keeps_other_files(run_
     assert not (out / "checkpoint.dcp").exists() and (out / "checkpoint.pt").exists()
     assert (out / "notes.txt").read_text() == "mine"
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+
+
+def test_train_with_a_catalog_refuses_every_other_option_by_its_name(run_cli, tmp_path):
+    # A sweep run trains exactly as its config file says: any option beside it is named, even one set to 0.
+    config = tmp_path / "run.toml"
+    config.write_text('[data]\nsource = "synthetic"\n')
+    out = run_cli("train", "--config", str(config), "--catalog", str(tmp_path / "c.json"), "--data", "synthetic",
+                  "--seed", "0", "--fresh")
+    assert out.returncode == 2 and out.stderr.strip().endswith("(drop --data, --seed, --fresh)"), out.stderr
+    assert not (tmp_path / "c.json").exists()

@@ -319,7 +319,7 @@ def test_the_live_sweep_view_shows_counts_step_loss_and_time_left(tmp_path):
 
     from rich.console import Console
 
-    from fp4lab.cli import _sweep_progress
+    from fp4lab.cli.sweep import _sweep_progress
 
     catalog = Catalog(tmp_path / "c.json")
     run_dir = tmp_path / "runs" / "a"

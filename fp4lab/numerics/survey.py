@@ -17,8 +17,7 @@ from fp4lab.numerics.fp8 import Fp8Tensor, fp8_quantize
 from fp4lab.numerics.hadamard import hadamard, hadamard_full, hadamard_signs
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.quantize import quantize
-
-DISTRIBUTIONS = ("normal", "student-t", "outlier")
+from fp4lab.numerics_choices import DISTRIBUTIONS
 
 # (label, fmt, scale_mode): every scale contract the numerics core implements.
 SCALE_CONTRACTS = (

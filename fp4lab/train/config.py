@@ -58,6 +58,12 @@ PP_MICROBATCHES = 4
 # What FSDP2's weight all-gathers move: the fp32 (param dtype) rows, or where it is exact, the FP4
 # encoding the GEMMs consume (fp4lab.train.encoded_gather). Result-neutral: the same bits either way.
 GATHER_WEIGHTS = ("dense", "encoded")
+# DataConfig.token_dtype: the id width of .bin token files (fp4lab.train.data reads them little-endian).
+TOKEN_DTYPES = ("uint16", "uint32")
+# The corpus fp4lab.train.pycode builds once into the cache (`fp4lab data build pycode`), then a
+# DataConfig.source by that name; CORPORA: every corpus `fp4lab data build` makes.
+PYCODE = "pycode"
+CORPORA = (PYCODE,)
 # A run's summary.json "status": it ended as designed, or it stopped early with a checkpoint to
 # resume from (time budget, Slurm's preemption signals, Ctrl-C, a `stop_after` call).
 ENDED_STATUSES = ("completed", "diverged")

@@ -41,10 +41,12 @@ from tokenizers import Tokenizer
 
 from fp4lab.train.atomic import write_atomic
 from fp4lab.train.bpe import train_tokenizer
+from fp4lab.train import config
 from fp4lab.train.config import DataConfig
 
 NAMED_SOURCES = ("shakespeare", "synthetic", "pycode")
-TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+# Little-endian ids, as the .bin files hold them, under the names DataConfig.token_dtype accepts.
+TOKEN_DTYPES = dict(zip(config.TOKEN_DTYPES, (np.dtype("<u2"), np.dtype("<u4")), strict=True))
 DEFAULT_SHAKESPEARE_VOCAB = 4096
 DEFAULT_SYNTHETIC_VOCAB = 256
 SYNTHETIC_TOKENS = 2**17

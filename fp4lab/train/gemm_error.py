@@ -28,26 +28,8 @@ import torch
 from fp4lab.nn.fp4_linear import FP4Linear, contraction_multiple, operand_values
 from fp4lab.nn.recipe import GEMMS, OPERANDS, LinearRecipe, OperandSpec, Recipe
 from fp4lab.train.capture import CapturedGemm, CaptureError, load_capture
+from fp4lab.train.gemm_formats import DEFAULT_FORMATS, FORMATS  # noqa: F401 (DEFAULT_FORMATS: importable here too)
 
-# The built-in candidates: one spec for every operand, round to nearest, each along its contraction
-# dim (fp8: per-tensor or per-row current scaling, as in fp4lab's fp8 recipes). Data, so a new format or transform of the recipe language is one more entry.
-FORMATS: dict[str, OperandSpec] = {
-    "bf16": OperandSpec("bf16"),
-    "mxfp4": OperandSpec("mxfp4", scale_mode="floor"),
-    "mxfp4-h32": OperandSpec("mxfp4", scale_mode="floor", transform="h32"),
-    "mxfp4-rceil": OperandSpec("mxfp4", scale_mode="rceil"),
-    "nvfp4": OperandSpec("nvfp4"),
-    "nvfp4-h16": OperandSpec("nvfp4", transform="h16"),
-    "nvfp4-rht16": OperandSpec("nvfp4", transform="rht16"),
-    "nvfp4-rhtfull": OperandSpec("nvfp4", transform="rhtfull"),
-    "nvfp4_cta": OperandSpec("nvfp4_cta"),
-    "nvfp4_cta-h16": OperandSpec("nvfp4_cta", transform="h16"),
-    "fp8-e4m3": OperandSpec("fp8", element="e4m3", scaling="tensor"),
-    "fp8-e4m3-row": OperandSpec("fp8", element="e4m3", scaling="row"),
-}
-# Without --format: bf16 and the FP4 formats (FP8 is asked for by name: beside FP4 it would be every
-# table's best and its E/E_best column's reference).
-DEFAULT_FORMATS = tuple(name for name, spec in FORMATS.items() if spec.format != "fp8")
 # The paper's equal-tensor comparison of Dgrad error energy, E_MX / E_CTA.
 MX_VS_CTA = ("mxfp4", "nvfp4_cta")
 BACKWARD_GEMMS = ("dgrad", "wgrad")

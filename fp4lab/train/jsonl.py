@@ -20,16 +20,18 @@ _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 def json_line(record: dict[str, Any]) -> str:
     """One metrics line in strict JSON: non-finite floats are written as the strings "nan", "inf" and
     "-inf" (`read_json_line` turns them back into floats), so any JSON reader can parse the file."""
-    return json.dumps(_strict(record), allow_nan=False)
+    return json.dumps(nonfinite_as_strings(record), allow_nan=False)
 
 
-def _strict(value: Any) -> Any:
+def nonfinite_as_strings(value: Any) -> Any:
+    """`value` as strict JSON can hold it: each non-finite float becomes the string "nan", "inf" or
+    "-inf", dict keys strings, tuples lists (the one rule of metrics.jsonl and of `fp4lab ... --json`)."""
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if value != value else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
+        return {str(k): nonfinite_as_strings(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_strict(v) for v in value]
+        return [nonfinite_as_strings(v) for v in value]
     return value
 
 

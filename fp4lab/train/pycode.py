@@ -52,8 +52,8 @@ from tokenizers import Tokenizer
 
 from fp4lab.train.atomic import replace_atomically
 from fp4lab.train.bpe import train_tokenizer
+from fp4lab.train.config import PYCODE as NAME
 
-NAME = "pycode"
 FORMAT_VERSION = 1
 VOCAB_SIZE = 32768
 END_OF_TEXT = "<|endoftext|>"

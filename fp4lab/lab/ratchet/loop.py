@@ -58,6 +58,7 @@ from typing import Any
 
 from fp4lab.lab.ratchet.proposers import AgentError, Context, Proposal, ProposalError, apply_proposal, editable_files, make_proposer
 from fp4lab.lab import repo
+from fp4lab.lab.choices import RATCHET_EXECUTORS
 from fp4lab.lab.records.catalog import Catalog, utc_now
 from fp4lab.lab.specs.program import Program, metric_from_output
 from fp4lab.lab.runs.sbatch import config_toml
@@ -92,8 +93,8 @@ class Ratchet:
     def __init__(self, program: Program, *, tag: str, proposer: str = "optuna", catalog: str | Path = "sweep_catalog.json",
                  seed: int = 0, proposer_options: dict[str, Any] | None = None, executor: str = "local",
                  workers: int = 1, on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
-        if executor not in ("local", "slurm"):
-            raise RatchetError(f"executor {executor!r} is not supported; allowed: local, slurm")
+        if executor not in RATCHET_EXECUTORS:
+            raise RatchetError(f"executor {executor!r} is not supported; allowed: {', '.join(RATCHET_EXECUTORS)}")
         if workers < 1:
             raise RatchetError(f"workers must be >= 1, got {workers}")
         if not tag or not all(c.isalnum() or c in "._-" for c in tag) or tag.startswith((".", "-")):

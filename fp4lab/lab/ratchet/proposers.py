@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fp4lab.lab import repo
+from fp4lab.lab.choices import PROPOSERS
 from fp4lab.lab.specs import search_space
 from fp4lab.lab.specs.program import Program, safe_relative_path
 
@@ -48,7 +49,6 @@ MAX_DIFF_BYTES = 200 * 1024
 MAX_FILES_BYTES = 100_000
 MAX_RATIONALE = 300
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
-PROPOSERS = ("optuna", "llm", "command")
 # Extended-header lines that carry a file mode; 120000 is a symlink, 160000 a submodule (gitlink).
 MODE_LINE = re.compile(r"^(?:new file mode|deleted file mode|old mode|new mode|index \S+) (\d{6})\s*$", re.MULTILINE)
 # Rename/copy sources: git apply --numstat names only the destination.

@@ -40,8 +40,7 @@ from fp4lab.lab.runs.trials import TrialTask, orphaned_trials, trial_counts
 from fp4lab.lab.runs import sweep as sweep_plans
 from fp4lab.lab.runs.sweep import SweepPlan, scan_thresholds
 from fp4lab.lab.specs.sweep_spec import RunSpec, SpecError, SweepSpec
-
-EXECUTORS = ("local", "slurm", "sbatch")
+from fp4lab.lab.choices import SWEEP_EXECUTORS as EXECUTORS
 
 
 @dataclass
