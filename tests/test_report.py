@@ -1,4 +1,4 @@
-"""fp4lab.lab.records.report: the recipe ledger (seeds grouped, loss excess vs bf16) and its exports."""
+"""fp4lab.lab.records.ledger, plots and render: the recipe ledger (seeds grouped, loss excess vs bf16) and its exports."""
 
 from __future__ import annotations
 
@@ -24,19 +24,10 @@ from scipy import stats as scipy_stats
 
 from fp4lab.lab.records.catalog import Catalog
 from fp4lab.lab.records.claims import claims_markdown
-from fp4lab.lab.records.report import (
-    COLUMN_DOCS,
-    RunMetrics,
-    build_report,
-    divergence_step,
-    endpoint_train_loss,
-    excess_curves,
-    excess_pct,
-    ledger_markdown,
-    plot_figure,
-    render_ledger,
-    write_report,
-)
+from fp4lab.lab.records.ledger import COLUMN_DOCS, build_report, excess_pct
+from fp4lab.lab.records.plots import divergence_step, excess_curves, plot_figure
+from fp4lab.lab.records.render import ledger_markdown, render_ledger, write_report
+from fp4lab.lab.records.run_metrics import RunMetrics, endpoint_train_loss
 
 from .test_sweep import SPEC
 
@@ -241,7 +232,7 @@ def test_excess_pct_helper():
 
 def test_import_is_light():
     code = (
-        "import sys, fp4lab.lab.records.report\n"
+        "import sys, fp4lab.lab.records.ledger, fp4lab.lab.records.plots, fp4lab.lab.records.render, fp4lab.lab.ratchet.report\n"
         "heavy = [m for m in ('torch', 'pandas', 'matplotlib', 'scipy') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

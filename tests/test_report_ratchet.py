@@ -1,4 +1,4 @@
-"""fp4lab.lab.records.report.ratchet_report: the iterations of a ratchet run (table, CSV, Markdown, plot)."""
+"""fp4lab.lab.ratchet.report.ratchet_report: the iterations of a ratchet run (table, CSV, Markdown, plot)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from fp4lab.lab.ratchet.report import ratchet_report
 from fp4lab.lab.records.catalog import Catalog
-from fp4lab.lab.records.report import build_report, ratchet_report
+from fp4lab.lab.records.ledger import build_report
 
 from .test_report import _add_run
 

@@ -29,7 +29,7 @@ def cli(run_cli, monkeypatch, tmp_path):
 
 
 def test_sweeps_share_a_run_and_each_reports_excess_against_it(cli, tmp_path):
-    from fp4lab.lab.records.report import build_report
+    from fp4lab.lab.records.ledger import build_report
 
     (tmp_path / "first.toml").write_text(spec("first", ["bf16", "nvfp4"]))
     (tmp_path / "second.toml").write_text(spec("second", ["bf16", "mxfp4"]))
@@ -146,7 +146,7 @@ def test_status_reads_a_running_ratchet_record_and_an_unknown_sweep_is_an_error(
 
 
 def test_run_folders_are_found_relative_to_the_catalog(cli, tmp_path):
-    from fp4lab.lab.records.report import build_report
+    from fp4lab.lab.records.ledger import build_report
 
     (tmp_path / "s.toml").write_text(spec("s", ["bf16", "nvfp4"]))
     out = cli("sweep", "s.toml", "--catalog", "results/c.json")
@@ -162,7 +162,7 @@ def test_run_folders_are_found_relative_to_the_catalog(cli, tmp_path):
 
 
 def test_status_and_report_show_the_same_final_loss(cli, tmp_path):
-    from fp4lab.lab.records.report import build_report
+    from fp4lab.lab.records.ledger import build_report
 
     (tmp_path / "s.toml").write_text(spec("s", ["bf16"]))
     cli("sweep", "s.toml")

@@ -20,7 +20,9 @@ def report(
     as_json: Annotated[bool, typer.Option("--json", help="Print the ledger rows and the files written as JSON instead of the table.")] = False,
 ) -> None:
     """The recipe ledger of a sweep (seeds grouped, loss excess vs bf16) as CSV, Markdown and HTML with plots."""
-    from fp4lab.lab.records.report import build_report, ratchet_report, render_ledger, write_report
+    from fp4lab.lab.ratchet.report import ratchet_report
+    from fp4lab.lab.records.ledger import build_report
+    from fp4lab.lab.records.render import render_ledger, write_report
 
     console = rich_console()
     if ratchet is not None:

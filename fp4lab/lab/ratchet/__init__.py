@@ -1,1 +1,1 @@
-"""The autoresearch commit/revert loop (`loop`) and the proposers it asks for changes (`proposers`)."""
+"""The autoresearch commit/revert loop (`loop`), the proposers it asks for changes (`proposers`) and the report of its iterations (`report`)."""

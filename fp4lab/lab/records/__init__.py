@@ -1,1 +1,1 @@
-"""What runs leave behind: the catalog (`catalog`), log verdicts (`logscan`), the ledger and plots (`report`)."""
+"""What runs leave behind: the catalog (`catalog`), log verdicts (`logscan`), the ledger (`ledger`, read from `run_metrics` with `values`), its plots (`plots`) and files (`render`), papers' claims against it (`claims`)."""

@@ -17,11 +17,11 @@ A claim without a number says only a direction: `direction = "above"` (or "below
 Each claim is checked against the ledger row of its recipe and that of its reference (the row's bf16 runs
 for bf16, else the reference recipe's row of the same config), over the completed runs only (an
 interrupted run's last losses are not final). The loss is a run's final validation loss, or its
-endpoint train loss: the mean train loss over the last tenth of its logged steps (`report.
+endpoint train loss: the mean train loss over the last tenth of its logged steps (`run_metrics.
 endpoint_train_loss`), which averages out the noise of one batch. The measured excess is each seed's
 loss over the reference runs' mean, the mean over seeds; its 95 % interval is that of the difference
 of the two means, in % of the reference mean, paired by seed where both sides ran the same seeds and
-Welch's otherwise (`report.difference_ci95`; for a val claim against bf16, the row's `val_excess_ci95`).
+Welch's otherwise (`ledger.difference_ci95`; for a val claim against bf16, the row's `val_excess_ci95`).
 The verdict says what the seeds allow. For a number: "agrees" when the claimed value
 lies inside the interval, "smaller here" or "larger here" when the whole interval lies below or above it.
 For a direction: "agrees" when the whole interval lies on the claimed side of 0, "opposite here" when
@@ -38,7 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.records.report import BASELINE
+from fp4lab.lab.records.ledger import BASELINE, difference_ci95, final_val, run_records, seeded
+from fp4lab.lab.records.run_metrics import endpoint_train_loss
+from fp4lab.lab.records.values import format_cell
 from fp4lab.validation import Checks, is_number, read_toml
 
 METRICS = ("val", "train")
@@ -108,10 +110,8 @@ def _claim(entry: dict, where: str, path: Path, index: int) -> Claim:
 
 
 def check_claims(report: Any, claims: list[Claim]) -> Any:
-    """A DataFrame with CLAIM_COLUMNS, one row per claim, from a built report (fp4lab.lab.records.report)."""
+    """A DataFrame with CLAIM_COLUMNS, one row per claim, from a built report (fp4lab.lab.records.ledger.build_report)."""
     import pandas as pd
-
-    from fp4lab.lab.records.report import difference_ci95
 
     rows = []
     for claim in claims:
@@ -125,8 +125,8 @@ def check_claims(report: Any, claims: list[Claim]) -> Any:
             rows.append(row | {"verdict": "not run"})
             continue
         reference_runs = match["baseline_runs"] if reference_row is None else reference_row["runs"]
-        values = _losses(report, match["runs"].split(), claim.metric)
-        reference = _losses(report, reference_runs.split(), claim.metric)
+        values = _seeded_losses(report, match["runs"].split(), claim.metric)
+        reference = _seeded_losses(report, reference_runs.split(), claim.metric)
         row |= {"config": match["config"], "n_seeds": len(values), "n_versus": len(reference)}
         interval, test = difference_ci95(values, reference)
         ref_mean = statistics.mean(v for _, v in reference) if reference else 0.0
@@ -140,7 +140,7 @@ def check_claims(report: Any, claims: list[Claim]) -> Any:
         low, high = (100.0 * bound / ref_mean for bound in interval)
         rows.append(row | {
             "measured_excess_pct": statistics.mean(excess), "measured_excess_std": statistics.stdev(excess),
-            "measured_ci95_low": low, "measured_ci95_high": high, "ci_test": test, "verdict": _verdict(claim, low, high),
+            "measured_ci95_low": low, "measured_ci95_high": high, "ci_test": test, "verdict": _claim_verdict(claim, low, high),
         })  # fmt: skip
     table = pd.DataFrame(rows, columns=list(CLAIM_COLUMNS))
     table["n_seeds"] = table["n_seeds"].astype("Int64")
@@ -160,18 +160,16 @@ def _ledger_row(report: Any, recipe: str, config: str | None) -> Any:
     return None if matches.empty else matches.iloc[0]
 
 
-def _losses(report: Any, run_ids: list[str], metric: str) -> list[tuple[Any, float]]:
+def _seeded_losses(report: Any, run_ids: list[str], metric: str) -> list[tuple[Any, float]]:
     """(seed, loss) of these runs' completed ones with a finite loss (final validation, or endpoint
     train), in order."""
-    from fp4lab.lab.records.report import endpoint_train_loss, final_val, run_records, seeded
-
     def loss(record: dict[str, Any]) -> float | None:
         return final_val(record) if metric == "val" else endpoint_train_loss(report.metrics.get(record["id"]))
 
     return seeded(run_records(report, run_ids, completed_only=True), loss)
 
 
-def _verdict(claim: Claim, low: float, high: float) -> str:
+def _claim_verdict(claim: Claim, low: float, high: float) -> str:
     if claim.direction is None:
         return "agrees" if low <= claim.excess_pct <= high else "smaller here" if high < claim.excess_pct else "larger here"
     measured = "above" if low > 0 else "below" if high < 0 else None
@@ -188,8 +186,6 @@ def attach_claims(report: Any, claims: list[Claim]) -> None:
 def _cells(table: Any) -> list[dict[str, str]]:
     """Each claim as display strings: percentages signed with two decimals, missing values empty, the
     claimed number or direction in one cell and the interval in another."""
-    from fp4lab.lab.records.report import _fmt
-
     def pct(value: Any) -> str:
         return f"{value:+.2f}" if isinstance(value, float) and value == value else ""
 
@@ -197,11 +193,11 @@ def _cells(table: Any) -> list[dict[str, str]]:
     for _, row in table.iterrows():
         low, high = pct(row["measured_ci95_low"]), pct(row["measured_ci95_high"])
         cells.append({
-            "recipe": row["recipe"], "versus": row["versus"], "metric": row["metric"], "config": _fmt(row["config"]),
+            "recipe": row["recipe"], "versus": row["versus"], "metric": row["metric"], "config": format_cell(row["config"]),
             "source": row["source"], "claimed": row["claimed_direction"] or pct(row["claimed_excess_pct"]),
             "measured_excess_pct": pct(row["measured_excess_pct"]), "measured_excess_std": pct(row["measured_excess_std"]).lstrip("+"),
-            "measured_ci95": f"{low}..{high}" if low else "", "ci_test": _fmt(row["ci_test"]), "n_seeds": _fmt(row["n_seeds"]),
-            "n_versus": _fmt(row["n_versus"]), "verdict": row["verdict"],
+            "measured_ci95": f"{low}..{high}" if low else "", "ci_test": format_cell(row["ci_test"]), "n_seeds": format_cell(row["n_seeds"]),
+            "n_versus": format_cell(row["n_versus"]), "verdict": row["verdict"],
         })  # fmt: skip
     return cells
 

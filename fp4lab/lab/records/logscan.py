@@ -294,10 +294,10 @@ class ScanResult:
             "first_step": dict(self.first_step),
             "counts": dict(self.counts),
             "last_step": self.last_step,
-            "final_train_loss": _finite(self.final_train_loss),
-            "best_train_loss": _finite(self.best_train_loss),
-            "final_val_loss": _finite(self.final_val_loss),
-            "last_finite_loss": _finite(self.last_finite_loss),
+            "final_train_loss": _parse_finite(self.final_train_loss),
+            "best_train_loss": _parse_finite(self.best_train_loss),
+            "final_val_loss": _parse_finite(self.final_val_loss),
+            "last_finite_loss": _parse_finite(self.last_finite_loss),
             "last_finite_step": self.last_finite_step,
             "source": self.source,
             "summary_status": self.summary_status,
@@ -396,22 +396,7 @@ def scan(
     """
     th = thresholds or ScanThresholds()
     target = Path(path)
-    if not target.exists():
-        raise FileNotFoundError(f"no such run folder or log: {target}")
-    summary: dict[str, Any] | None = None
-    if target.is_dir():
-        log = target / "metrics.jsonl"
-        if not log.exists():
-            raise FileNotFoundError(f"{target} is a folder without metrics.jsonl (not an fp4lab run folder)")
-        summary = _read_summary(target / "summary.json")
-        kind = "fp4lab"
-    else:
-        log = target
-        if regex is None and preset is None and _looks_like_jsonl(log):
-            kind = "fp4lab"
-            summary = _read_summary(log.parent / "summary.json")
-        else:
-            kind = "text"
+    log, kind, summary = _locate_log(target, regex, preset)
 
     counts = {"lines": 0, "skipped_lines": 0, "steps": 0}
     text = _TextState()
@@ -442,72 +427,105 @@ def scan(
     live = running is True or (running is None and not finished and age <= th.stall_seconds)
     hung = running is True and not finished and age > th.stall_seconds
 
-    events = detector.events
-    reasons: list[str] = []
     if not finished and age > th.stall_seconds and (running is True or (kind == "fp4lab" and running is None)):
         step = detector.last_step if detector.last_step is not None else 0
-        events.append(ScanEvent("stalled", step, age, th.stall_seconds, f"log last written {age:.0f} s ago (> {th.stall_seconds:.0f} s)"))
+        detector.events.append(ScanEvent("stalled", step, age, th.stall_seconds, f"log last written {age:.0f} s ago (> {th.stall_seconds:.0f} s)"))
         detector.flagged["stalled"] = 1
 
     first_step: dict[str, int] = {}
-    for event in events:
+    for event in detector.events:
         first_step[event.kind] = min(first_step.get(event.kind, event.step), event.step)
-    still = " (the job is still running)" if live else ""
+    evidence = _Evidence(kind=kind, source=source, summary=summary, status=status, detector=detector, text=text, counts=counts,
+                         first_step=first_step, running=running, age=age, finished=finished, live=live, hung=hung)  # fmt: skip
+    return _result(target, evidence, *_verdict(evidence, th))
 
-    # --- the verdict, by precedence: alarms first, so a live job with a problem is never "running" ---
-    verdict_step = None
+
+def _locate_log(target: Path, regex, preset: str | None) -> tuple[Path, str, dict[str, Any] | None]:
+    """(the log to read, its kind: "fp4lab" for a metrics.jsonl or "text", the summary.json beside a
+    metrics.jsonl); FileNotFoundError for a missing path or a folder that is no fp4lab run folder."""
+    if not target.exists():
+        raise FileNotFoundError(f"no such run folder or log: {target}")
+    if target.is_dir():
+        log = target / "metrics.jsonl"
+        if not log.exists():
+            raise FileNotFoundError(f"{target} is a folder without metrics.jsonl (not an fp4lab run folder)")
+        return log, "fp4lab", _read_summary(target / "summary.json")
+    if regex is None and preset is None and _looks_like_jsonl(target):
+        return target, "fp4lab", _read_summary(target.parent / "summary.json")
+    return target, "text", None
+
+
+@dataclass
+class _Evidence:
+    """What the verdict rules read, gathered by `scan`: the log, its summary, what the detector found,
+    and how long ago the log was written set against what is known of the job."""
+
+    kind: str  # "fp4lab" (a metrics.jsonl) or "text"
+    source: str  # as ScanResult.source
+    summary: dict[str, Any] | None  # summary.json or a text log's summary block; None when absent or stale
+    status: str | None  # the summary's status
+    detector: _Detector
+    text: _TextState
+    counts: dict[str, int]
+    first_step: dict[str, int]  # event kind -> the first step of that kind
+    running: bool | None  # as scan's argument
+    age: float  # seconds since the log was last written
+    finished: bool  # the summary's status is terminal
+    live: bool  # the job is alive (running=True, or an unfinished log written within stall_seconds)
+    hung: bool  # running=True, unfinished, and the log idle past stall_seconds
+
+
+def _verdict(evidence: _Evidence, th: ScanThresholds) -> tuple[str, int | None, str]:
+    """(verdict, its step, why in words), by precedence: alarms first, so a live job with a problem is
+    never "running"; then how the job ended; then whether it is still going."""
+    first_step, status, summary = evidence.first_step, evidence.status, evidence.summary
+    detector, text, running, age = evidence.detector, evidence.text, evidence.running, evidence.age
+    still = " (the job is still running)" if evidence.live else ""
     if "nan" in first_step or "loss_above_start" in first_step or status == "diverged":
-        verdict = "diverged"
-        verdict_step = summary.get("diverged_step") if status == "diverged" and isinstance(summary.get("diverged_step"), int) else None
-        if verdict_step is None:
-            verdict_step = first_step.get("nan", first_step.get("loss_above_start", detector.last_step))
+        step = summary.get("diverged_step") if status == "diverged" and isinstance(summary.get("diverged_step"), int) else None
+        if step is None:
+            step = first_step.get("nan", first_step.get("loss_above_start", detector.last_step))
         if status == "diverged":
-            reasons.append("summary status diverged" + still)
-        elif "nan" in first_step:
-            reasons.append(f"non-finite value at step {first_step['nan']}" + still)
-        else:
-            reasons.append(f"the loss has stayed above {th.diverge_ratio:g} x its first value since step {first_step['loss_above_start']}" + still)
-    elif "entropy_collapse" in first_step:
-        verdict, verdict_step = "entropy_collapse", first_step["entropy_collapse"]
-        reasons.append(f"attention entropy collapsed at step {verdict_step}{still}")
-    elif "loss_missing" in first_step:
-        verdict, verdict_step = "loss_vanished", first_step["loss_missing"]
-        reasons.append(
-            f"training lines from step {verdict_step} carry no loss and no nan/skipped iteration count (Megatron "
+            return "diverged", step, "summary status diverged" + still
+        if "nan" in first_step:
+            return "diverged", step, f"non-finite value at step {first_step['nan']}" + still
+        return "diverged", step, f"the loss has stayed above {th.diverge_ratio:g} x its first value since step {first_step['loss_above_start']}" + still
+    if "entropy_collapse" in first_step:
+        step = first_step["entropy_collapse"]
+        return "entropy_collapse", step, f"attention entropy collapsed at step {step}{still}"
+    if "loss_missing" in first_step:
+        step = first_step["loss_missing"]
+        return "loss_vanished", step, (
+            f"training lines from step {step} carry no loss and no nan/skipped iteration count (Megatron "
             f"leaves a NaN 'lm loss' out of its line); last finite loss at step {detector.last_finite_step}{still}"
         )
-    elif text.crash is not None and text.timeout is None:
-        verdict = "crashed"
-        reasons.append(f"crash marker in log: {text.crash!r}")
-    elif running is not True and (status in STOPPED_STATUSES or text.timeout is not None):
-        verdict = "timeout"
-        reasons.append(f"summary status {status}" if status else f"marker in log: {text.timeout!r}")
-    elif kind == "fp4lab" and not finished and not live:
-        verdict = "crashed"
-        reasons.append("no summary.json" + (" and running=False" if running is False else f" and log idle {age:.0f} s"))
-    elif not detector.losses_seen:
-        verdict = "no_loss"
-        reasons.append(_no_loss_reason(counts, source, live))
-    elif any(k in first_step for k in th.unstable_kinds):
-        verdict = "unstable"
-        reasons.append("events: " + ", ".join(k for k in th.unstable_kinds if k in first_step) + still)
-    elif hung:
-        verdict = "stalled"
-        reasons.append(f"running=True but the log was last written {age:.0f} s ago (> stall_seconds {th.stall_seconds:g}): hung?")
-    elif live:
-        verdict = "running"
-        reasons.append("running=True" if running is True else f"not finished and log written {age:.0f} s ago")
-    else:
-        verdict = "converged"
-        reasons.append(f"summary status {status}" if status else "finished without anomalies")
+    if text.crash is not None and text.timeout is None:
+        return "crashed", None, f"crash marker in log: {text.crash!r}"
+    if running is not True and (status in STOPPED_STATUSES or text.timeout is not None):
+        return "timeout", None, f"summary status {status}" if status else f"marker in log: {text.timeout!r}"
+    if evidence.kind == "fp4lab" and not evidence.finished and not evidence.live:
+        return "crashed", None, "no summary.json" + (" and running=False" if running is False else f" and log idle {age:.0f} s")
+    if not detector.losses_seen:
+        return "no_loss", None, _no_loss_reason(evidence.counts, evidence.source, evidence.live)
+    if any(k in first_step for k in th.unstable_kinds):
+        return "unstable", None, "events: " + ", ".join(k for k in th.unstable_kinds if k in first_step) + still
+    if evidence.hung:
+        return "stalled", None, f"running=True but the log was last written {age:.0f} s ago (> stall_seconds {th.stall_seconds:g}): hung?"
+    if evidence.live:
+        return "running", None, "running=True" if running is True else f"not finished and log written {age:.0f} s ago"
+    return "converged", None, f"summary status {status}" if status else "finished without anomalies"
 
+
+def _result(target: Path, evidence: _Evidence, verdict: str, verdict_step: int | None, reason: str) -> ScanResult:
+    """The ScanResult of a verdict: the detector's losses, or the summary's where the metrics were lost."""
+    detector, summary, counts = evidence.detector, evidence.summary, evidence.counts
     for kind_name in EVENT_KINDS:
         counts[kind_name] = detector.flagged.get(kind_name, 0)
     final_loss, best_loss, final_val = detector.final_loss, detector.best_loss, detector.final_val_loss
-    if kind == "fp4lab" and summary:  # a folder whose metrics were lost still has its summary
+    if evidence.kind == "fp4lab" and summary:  # a folder whose metrics were lost still has its summary
         final_loss = final_loss if detector.steps else summary_value(summary, "final_train_loss")
-        best_loss = best_loss if best_loss is not None else _finite(summary_value(summary, "best_train_loss"))
-        final_val = final_val if final_val is not None else _finite(summary.get("final_val_loss"))
+        best_loss = best_loss if best_loss is not None else _parse_finite(summary_value(summary, "best_train_loss"))
+        final_val = final_val if final_val is not None else _parse_finite(summary.get("final_val_loss"))
     last_step = detector.last_step
     if last_step is None and summary and isinstance(summary.get("steps_completed"), int) and summary["steps_completed"] > 0:
         last_step = summary["steps_completed"] - 1
@@ -516,19 +534,19 @@ def scan(
         verdict=f"{verdict}@{verdict_step}" if verdict in ("diverged", "entropy_collapse", "loss_vanished") else verdict,
         status=verdict,
         verdict_step=verdict_step,
-        events=sorted(events, key=lambda e: (e.step, EVENT_KINDS.index(e.kind))),
-        first_step=first_step,
+        events=sorted(detector.events, key=lambda e: (e.step, EVENT_KINDS.index(e.kind))),
+        first_step=evidence.first_step,
         counts=counts,
         last_step=last_step,
-        final_train_loss=_finite(final_loss),
-        best_train_loss=_finite(best_loss),
-        final_val_loss=_finite(final_val),
+        final_train_loss=_parse_finite(final_loss),
+        best_train_loss=_parse_finite(best_loss),
+        final_val_loss=_parse_finite(final_val),
         last_finite_loss=detector.last_finite_loss,
         last_finite_step=detector.last_finite_step,
-        source=source,
-        summary_status=status,
-        live=live,
-        reasons=reasons,
+        source=evidence.source,
+        summary_status=evidence.status,
+        live=evidence.live,
+        reasons=[reason],
     )
 
 
@@ -688,7 +706,7 @@ def _read_text(path: Path, fmt: LogFormat, counts: dict[str, int], state: _TextS
 # --- detection -------------------------------------------------------------------------------------
 
 
-def _num(value: Any) -> float | None:
+def _parse_float(value: Any) -> float | None:
     """A float from a JSON value (NaN/Infinity tokens arrive as floats; "nan" strings are accepted)."""
     if isinstance(value, bool) or value is None:
         return None
@@ -801,9 +819,9 @@ class _Detector:
                 self._restart_baselines()
             self.previous_training_step = step
         self.last_step = step if self.last_step is None else max(self.last_step, step)
-        loss = _num(record.get("loss"))
-        grad = _num(record.get("grad_norm"))
-        val = _num(record.get("val_loss"))
+        loss = _parse_float(record.get("loss"))
+        grad = _parse_float(record.get("grad_norm"))
+        val = _parse_float(record.get("val_loss"))
 
         nan_iters = record.get("nan_iters") or 0
         if training and loss is None and self.losses_seen and not nan_iters and not record.get("skipped_iters"):
@@ -899,10 +917,10 @@ class _Detector:
         th = self.th
         layers = record.get("attn_entropy_mean")
         if not isinstance(layers, list) and isinstance(record.get("attn_entropy"), list):
-            layers = [_mean(h) if isinstance(h, list) else h for h in record["attn_entropy"]]
+            layers = [_mean_of_parsed(h) if isinstance(h, list) else h for h in record["attn_entropy"]]
         if isinstance(layers, list):
             for layer, raw in enumerate(layers):
-                value = _num(raw)
+                value = _parse_float(raw)
                 if value is None or not math.isfinite(value):
                     continue
                 history = self.entropy.setdefault(layer, [])
@@ -923,15 +941,15 @@ class _Detector:
         if isinstance(heads, list):
             for layer, row in enumerate(heads):
                 for head, raw in enumerate(row if isinstance(row, list) else [row]):
-                    value = _num(raw)
+                    value = _parse_float(raw)
                     if value is None or math.isnan(value):
                         continue
                     if value > th.max_logit_tau:
                         above += 1
                     if peak is None or value > peak:
                         peak, where = value, f"layer {layer} head {head}"
-        elif _num(record.get("max_logit_max")) is not None:
-            peak = _num(record["max_logit_max"])
+        elif _parse_float(record.get("max_logit_max")) is not None:
+            peak = _parse_float(record["max_logit_max"])
             above = int(peak > th.max_logit_tau)
         if peak is None:
             return
@@ -949,13 +967,15 @@ class _Detector:
             self.flagged["loss_above_start"] = streak.steps
 
 
-def _mean(values: list) -> float | None:
-    nums = [v for v in (_num(x) for x in values) if v is not None]
+def _mean_of_parsed(values: list) -> float | None:
+    """The mean of the values that parse as floats (`_parse_float`), None where none does."""
+    nums = [v for v in (_parse_float(x) for x in values) if v is not None]
     return sum(nums) / len(nums) if nums else None
 
 
-def _finite(value: Any) -> float | None:
-    v = _num(value)
+def _parse_finite(value: Any) -> float | None:
+    """`_parse_float` where the result is finite, else None."""
+    v = _parse_float(value)
     return v if v is not None and math.isfinite(v) else None
 
 

@@ -1,0 +1,314 @@
+"""The ledger's figures (matplotlib, Agg): loss curves, the loss excess vs bf16 with its seed-noise band,
+and the attention probes per layer; a diverged run is marked where its curve stops.
+
+    fig = plot_figure(report, "loss_excess")    # one of PLOTS as a Figure, None where no run has its data
+
+matplotlib and pandas are imported lazily inside functions; this module never imports torch.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from fp4lab.lab.records.ledger import BASELINE, Report, mean_curve
+
+PLOTS = ("loss_curves", "loss_excess", "attn_entropy", "max_logit")
+
+PLOT_CAPTIONS = {
+    "loss_curves": "Train loss at every logged step and validation loss (dots); one colour and line style per "
+    "ledger row, every seed drawn. An x marks the step at which a run diverged (its scan verdict), where its "
+    "curve stops.",
+    "loss_excess": "Train-loss excess over the bf16 reference per logged step (definition above), smoothed by a "
+    "centered rolling mean over {window} logged steps (fewer at the ends of a run). The shaded band is seed "
+    "noise: ±1 standard error of the difference of the means, from the spread across the row's seeds and across "
+    "the bf16 seeds where there are several; where both sides have one seed, ±1 standard deviation of the "
+    "unsmoothed excess around the smoothed curve (step-to-step noise). Each legend entry says which.",
+    "attn_entropy": "Attention entropy (mean over heads) at every probe step, one marker per probe; colour: run, "
+    "line style and marker: layer. An x marks a run's divergence.",
+    "max_logit": "Largest attention logit (max over heads) at every probe step, one marker per probe; colour: run, "
+    "line style and marker: layer. An x marks a run's divergence.",
+}
+
+PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
+           "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan")  # fmt: skip
+LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")
+
+
+def pyplot_agg():
+    """matplotlib.pyplot on the Agg backend: figures render to PNG bytes, never to a window."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def png_bytes(fig) -> bytes:
+    """The figure as PNG bytes, laid out tight with the legends that sit outside the axes."""
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", bbox_inches="tight")  # legends sit outside the axes
+    return buffer.getvalue()
+
+
+def run_label(report: Report, run_id: str) -> str:
+    """A run's name as the sweep gave it, else its id."""
+    for r in report.records:
+        if r["id"] == run_id:
+            name = (r.get("extra") or {}).get("name")
+            return str(name or run_id)
+    return run_id
+
+
+def group_label(report: Report, index: int, seeds: int | None = None) -> str:
+    """The row's recipe (config, sweep) and its number of seeds: `seeds` where a plot draws fewer runs."""
+    row = report.ledger.iloc[index]
+    parts = [row["recipe"]]
+    if row["config"] != "default":
+        parts.append(row["config"])
+    if report.sweep is None:
+        parts.append(row["sweep"])
+    label = parts[0] + (f" ({', '.join(parts[1:])})" if parts[1:] else "")
+    seeds = row["n_seeds"] if seeds is None else seeds
+    return label + (f", {seeds} seeds" if seeds > 1 else "")
+
+
+def _linestyle(index: int) -> Any:
+    """A distinct line style for every index: the four named ones, then dash-dot patterns with longer dashes."""
+    if index < len(LINESTYLES):
+        return LINESTYLES[index]
+    return (0, (3 + index - len(LINESTYLES), 1.5, 1, 1.5))
+
+
+def _style(index: int) -> tuple[str, Any]:
+    """(colour, line style) of series `index`: the ten colours, then again with the next line style."""
+    return PALETTE[index % len(PALETTE)], _linestyle(index // len(PALETTE))
+
+
+def divergence_step(record: dict[str, Any], last_step: int | None = None) -> int | None:
+    """The step a run diverged at: from its verdict "diverged@N", else its first `nan` event, else (a
+    verdict "diverged" without a step) `last_step`; None for a run that did not diverge."""
+    verdict = str(record.get("verdict") or "")
+    match = re.fullmatch(r"diverged@(\d+)", verdict)
+    if match:
+        return int(match.group(1))
+    nan_steps = [e["step"] for e in record.get("events") or []
+                 if isinstance(e, dict) and e.get("kind") == "nan" and type(e.get("step")) is int]  # fmt: skip
+    if nan_steps:
+        return min(nan_steps)
+    return last_step if verdict.startswith("diverged") else None
+
+
+def _mark_divergence(ax, record: dict[str, Any], steps: list[int], values: list[float], colour: str, label: str | None):
+    """An x at the divergence step, level with the curve's last point up to it (where the curve stops)."""
+    step = divergence_step(record, steps[-1] if steps else None)
+    before = [v for s, v in zip(steps, values) if s <= step and math.isfinite(v)] if step is not None else []
+    if not before:
+        return
+    ax.plot([step], [before[-1]], linestyle="none", marker="x", markersize=9, markeredgewidth=2, color=colour,
+            zorder=4, label=f"{label}: diverged@{step}" if label else "_nolegend_")  # fmt: skip
+
+
+def smoothing_window(report: Report) -> int:
+    """The excess plot's rolling window: a tenth of the longest run's logged steps, at least 5, odd (centered)."""
+    longest = max((len(m.steps) for m in report.metrics.values()), default=0)
+    window = max(5, longest // 10)
+    return window + 1 - window % 2
+
+
+@dataclass
+class ExcessCurve:
+    """One ledger row's loss excess vs bf16 as plotted: smoothed, with its seed-noise band."""
+
+    label: str
+    run_ids: list[str]
+    steps: list[int]
+    smoothed: list[float]  # mean over the row's seeds of each seed's smoothed excess (%)
+    band: list[float]  # half-width of the noise band (%), NaN where unknown
+    band_label: str
+    per_run: dict[str, tuple[list[int], list[float]]]  # run id -> its own smoothed excess (steps, %)
+
+
+def excess_curves(report: Report) -> list[ExcessCurve]:
+    """The loss excess of every non-bf16 ledger row's completed runs vs its bf16 reference (the mean of
+    `report.baseline_of`'s runs), per logged step, smoothed by a centered rolling mean over `smoothing_window` steps (fewer at the
+    ends). The band is seed noise: ±1 standard error of the difference of the two means, from the spread of
+    the smoothed excess across the row's seeds and across the bf16 seeds (each side only when it has several);
+    with one seed on both sides, ±1 std of the unsmoothed excess around the smoothed one (step-to-step noise)."""
+    import pandas as pd
+
+    window = smoothing_window(report)
+    completed = {r["id"] for r in report.records if r.get("state") == "completed"}  # as the table's columns
+
+    def excess(run_id: str, ref: dict[int, float]) -> Any:
+        m = report.metrics[run_id]
+        return pd.Series({s: 100.0 * (v - ref[s]) / ref[s] for s, v in zip(m.steps, m.loss) if ref.get(s)}, dtype=float)
+
+    def smooth(series: Any) -> Any:
+        return series.sort_index().rolling(window, center=True, min_periods=1).mean()
+
+    def variance_of_mean(frame: Any) -> Any:
+        return frame.var(axis=1) / frame.count(axis=1)
+
+    curves = []
+    for index, run_ids in enumerate(report.groups):
+        if report.ledger.iloc[index]["recipe"] == BASELINE:
+            continue
+        members = [i for i in run_ids if i in report.metrics and i in completed]
+        bases = [b for b in report.baseline_of.get(run_ids[0], []) if b in report.metrics]
+        if not members or not bases:
+            continue
+        ref = mean_curve([dict(zip(report.metrics[b].steps, report.metrics[b].loss)) for b in bases])
+        runs = pd.concat({i: smooth(excess(i, ref)) for i in members}, axis=1).dropna(how="all")
+        if runs.empty:
+            continue
+        curve = runs.mean(axis=1)
+        recipe = report.ledger.iloc[index]["recipe"]
+        if len(members) > 1 or len(bases) > 1:
+            variance = pd.Series(0.0, index=curve.index)
+            sides = []
+            for side, ids, frame in ((recipe, members, runs), (BASELINE, bases, None)):
+                if len(ids) < 2:
+                    sides.append(f"one {side} seed, its noise not included")
+                    continue
+                if frame is None:
+                    frame = pd.concat({b: smooth(excess(b, ref)) for b in ids}, axis=1).reindex(curve.index)
+                variance = variance + variance_of_mean(frame)
+                sides.append(f"{len(ids)} {side} seeds")
+            band = variance.pow(0.5)
+            band_label = f"seed noise, ±1 s.e. ({'; '.join(sides)})"
+        else:
+            raw = excess(members[0], ref).sort_index()
+            band = (raw - curve).rolling(window, center=True, min_periods=2).std()
+            band_label = "step-to-step noise of the raw excess, ±1 std (one seed each)"
+        curves.append(ExcessCurve(
+            label=group_label(report, index, len(members)), run_ids=members, steps=[int(s) for s in curve.index],
+            smoothed=curve.tolist(), band=band.reindex(curve.index).tolist(), band_label=band_label,
+            per_run={i: ([int(s) for s in runs[i].dropna().index], runs[i].dropna().tolist()) for i in members},
+        ))  # fmt: skip
+    return curves
+
+
+def _spans_decades(curves, decades: float = 2.0) -> bool:
+    """Whether the positive finite values of these curves span more than `decades` powers of ten."""
+    values = [v for curve in curves for v in curve if math.isfinite(v) and v > 0]
+    return bool(values) and math.log10(max(values) / min(values)) > decades
+
+
+def _legend(ax, handles=None) -> None:
+    entries = handles if handles is not None else ax.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              ncol=2 if len(entries) > 28 else 1)  # fmt: skip
+
+
+
+
+def plot_figure(report: Report, which: str):
+    """One of PLOTS as a matplotlib Figure (the caller closes it), or None when no run has its data."""
+    plt = pyplot_agg()
+    records = {r["id"]: r for r in report.records}
+    fig, ax = plt.subplots(figsize=(10, 4.8), dpi=100)
+    if which == "loss_curves":
+        drawn, handles = _draw_loss_curves(ax, report, records), None
+    elif which == "loss_excess":
+        drawn, handles = _draw_loss_excess(ax, report, records), None
+    else:
+        drawn, handles = _draw_probes(ax, report, records, "entropy" if which == "attn_entropy" else "max_logit")
+    if not drawn:
+        plt.close(fig)
+        return None
+    _legend(ax, handles)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def _draw_loss_curves(ax, report: Report, records: dict[str, dict[str, Any]]) -> bool:
+    """Every run's train loss and validation losses, one colour and line style per ledger row."""
+    drawn = False
+    for index, run_ids in enumerate(report.groups):
+        colour, linestyle = _style(index)
+        label = group_label(report, index)
+        for seed_index, run_id in enumerate(i for i in run_ids if i in report.metrics):
+            m = report.metrics[run_id]
+            ax.plot(m.steps, m.loss, color=colour, linestyle=linestyle, linewidth=1,
+                    label=label if seed_index == 0 else "_nolegend_")  # fmt: skip
+            if m.val:
+                ax.plot([s for s, _ in m.val], [v for _, v in m.val], "o", color=colour, markersize=4)
+            _mark_divergence(ax, records[run_id], m.steps, m.loss, colour, run_label(report, run_id))
+            drawn = True
+    ax.set(xlabel="step", ylabel="train loss (o: val loss)", title="loss curves")
+    if _spans_decades(report.metrics[i].loss for ids in report.groups for i in ids if i in report.metrics):
+        ax.set_yscale("log")  # a run that blew up to thousands would flatten every other curve
+    return drawn
+
+
+def _draw_loss_excess(ax, report: Report, records: dict[str, dict[str, Any]]) -> bool:
+    """Each non-bf16 row's smoothed excess over its bf16 reference, with its noise band (`excess_curves`)."""
+    drawn = False
+    for index, curve in enumerate(excess_curves(report)):
+        colour, linestyle = _style(index)
+        ax.plot(curve.steps, curve.smoothed, color=colour, linestyle=linestyle, linewidth=1.5,
+                label=f"{curve.label} (smoothed)")  # fmt: skip
+        known = [math.isfinite(b) for b in curve.band]
+        width = [b if k else 0.0 for b, k in zip(curve.band, known)]
+        low = [c - b for c, b in zip(curve.smoothed, width)]
+        high = [c + b for c, b in zip(curve.smoothed, width)]
+        ax.fill_between(curve.steps, low, high, where=known, color=colour, alpha=0.18, linewidth=0,
+                        label=f"{curve.label}: {curve.band_label}")  # fmt: skip
+        for run_id, (steps, values) in curve.per_run.items():
+            _mark_divergence(ax, records[run_id], steps, values, colour, run_label(report, run_id))
+        drawn = True
+    if drawn:
+        ax.axhline(0, color="black", linewidth=0.8, label="bf16 reference (0 %)")
+    ax.set(xlabel="step", ylabel="train loss excess vs bf16 (%)",
+           title=f"loss excess vs bf16, centered rolling mean over {smoothing_window(report)} logged steps")
+    return drawn
+
+
+def _draw_probes(ax, report: Report, records: dict[str, dict[str, Any]], attr: str) -> tuple[bool, list]:
+    """A probe (`entropy` or `max_logit` of RunMetrics) per layer of every probed run: colour for the run,
+    line style and marker for the layer; (whether any was drawn, the legend's handles)."""
+    from matplotlib.lines import Line2D
+
+    drawn = False
+    probed = [(run_id, getattr(m, attr)) for run_id, m in report.metrics.items() if getattr(m, attr)]
+    n_layers = max((len(v) for _, series in probed for _, v in series), default=0)
+    handles = []
+    for i, (run_id, series) in enumerate(probed):
+        colour = PALETTE[i % len(PALETTE)]
+        block = n_layers * (i // len(PALETTE))  # past ten runs the colours repeat with the next line styles
+        for layer in range(max(len(v) for _, v in series)):
+            pts = [(s, v[layer]) for s, v in series if layer < len(v)]
+            xs, ys = [s for s, _ in pts], [y for _, y in pts]
+            ax.plot(xs, ys, color=colour, linestyle=_linestyle(block + layer), marker=MARKERS[layer % len(MARKERS)],
+                    markersize=5, linewidth=1)  # fmt: skip
+            _mark_divergence(ax, records[run_id], xs, ys, colour, None)
+        handles.append(Line2D([], [], color=colour, linewidth=2, label=run_label(report, run_id)))
+        diverged_at = divergence_step(records[run_id], series[-1][0])
+        if diverged_at is not None:
+            label = f"{run_label(report, run_id)}: diverged@{diverged_at}"
+            handles.append(Line2D([], [], color=colour, linestyle="none", marker="x", markersize=9,
+                                  markeredgewidth=2, label=label))  # fmt: skip
+        drawn = True
+    handles += [Line2D([], [], color="black", linestyle=_linestyle(layer), marker=MARKERS[layer % len(MARKERS)],
+                       markersize=5, label=f"layer {layer}") for layer in range(n_layers)]  # fmt: skip
+    ylabel = "attention entropy (mean over heads)" if attr == "entropy" else "max logit (max over heads)"
+    ax.set(xlabel="step (markers: probe steps)", ylabel=ylabel, title=ylabel + " per layer")
+    return drawn, handles
+
+
+def plot_png(report: Report, which: str) -> bytes | None:
+    """One of PLOTS as PNG bytes, None when no run has its data."""
+    fig = plot_figure(report, which)
+    if fig is None:
+        return None
+    try:
+        return png_bytes(fig)
+    finally:
+        pyplot_agg().close(fig)
