@@ -27,7 +27,7 @@ import triton.language as tl
 
 from fp4lab.bench.kernels import _median_ms
 from fp4lab.numerics import quantize
-from fp4lab.numerics import triton_mx_gemm as mx
+from fp4lab.numerics.kernels import mx_gemm as mx
 
 DEVICE = torch.device("cuda")
 GEMM_SHAPES = (
@@ -141,7 +141,7 @@ BACKWARD_TILES = ((32, 128, 128, 32, 4, 3), (64, 128, 128, 64, 8, 3), (32, 64, 6
 def attention_tiles() -> list[dict]:
     """Forward and backward kernels timed apart (torch.ops.fp4lab.flash_attention_*) beside SDPA's
     forward and forward + backward; a tile tuple is triton_attention._GPU_TILES's."""
-    from fp4lab.nn import triton_attention as ta
+    from fp4lab.numerics.kernels import attention as ta
 
     rows = []
     g = torch.Generator().manual_seed(0)
@@ -195,7 +195,7 @@ def tile_configs() -> list[dict]:
     `fp4lab bench gemm` times; "exact": the same bits as the default config (a larger k_step changes
     only how the tensor cores group each chunk's fp32 sum)."""
     from fp4lab.bench.kernels import tile_gemm_operands
-    from fp4lab.numerics.triton_tile_gemm import TileGemmConfig, tile_scaled_matmul
+    from fp4lab.numerics.kernels.tile_gemm import TileGemmConfig, tile_scaled_matmul
 
     rows = []
     for label, m, n, k in TILE_SHAPES:

@@ -47,23 +47,27 @@ def m(name: str, what: str, edits, tests) -> Mutation:
 
 
 LOOP = "fp4lab/train/loop.py"
+TRAIN_BUILD = "fp4lab/train/build.py"
 ATTN = "fp4lab/nn/attention.py"
-MX_GEMM = "fp4lab/numerics/triton_mx_gemm.py"
+MX_GEMM = "fp4lab/numerics/kernels/mx_gemm.py"
 MX_INTERPRETED = "tests/test_triton_mx_gemm.py::test_kernel_under_triton_interpreter"
 FUSION_WIRE = "tests/test_producer_fusion.py::test_producer_fusion_reaches_every_w2_and_w1_and_the_blocks_call_them"
 NORM_EXACT = "tests/test_producer_fusion.py::test_fused_residual_rmsnorm_equals_the_pinned_unfused_block_under_the_interpreter"
 FUSION_EXACT = "tests/test_producer_fusion.py::test_fused_swiglu_equals_the_unfused_feed_forward_under_the_interpreter"
 LIN = "fp4lab/nn/fp4_linear.py"
-TQ = "fp4lab/numerics/triton_quantize.py"
+OPERANDS = "fp4lab/nn/operands.py"
+GEMM = "fp4lab/nn/gemm.py"
+KERNELS = "fp4lab/numerics/kernels/__init__.py"
+TQ = "fp4lab/numerics/kernels/quantize.py"
 TQ_INTERPRETED = "tests/test_triton_quantize.py::test_kernels_under_triton_interpreter"
 CTA_FUSED = "tests/test_tensor_cores.py::test_cta_local_operands_from_the_fused_quantizers_under_the_interpreter"
 CTA_2D_FUSED = "tests/test_tensor_cores.py::test_cta_local_2d_weights_from_the_fused_quantizer_under_the_interpreter"
 FUSION_REF = "fp4lab/numerics/fusion.py"
 TILE_GEMM = "fp4lab/numerics/tile_gemm.py"
-FP8_KERNEL = "fp4lab/numerics/triton_fp8.py"
+FP8_KERNEL = "fp4lab/numerics/kernels/fp8.py"
 FP8_INTERPRETED = "tests/test_triton_fp8.py::test_fused_fp8_matches_the_reference_under_the_interpreter"
 FP8_WIRE = "tests/test_triton_fp8.py::test_fp8_layers_take_the_fused_quantizer_under_the_interpreter"
-TILE_KERNEL = "fp4lab/numerics/triton_tile_gemm.py"
+TILE_KERNEL = "fp4lab/numerics/kernels/tile_gemm.py"
 TILE_TESTS = "tests/test_tile_gemm.py"
 TILE_INTERPRETED = "tests/test_tile_gemm.py::test_kernel_equals_the_reference_under_the_interpreter"
 TILE_WIRE = "tests/test_tile_gemm.py::test_fp4_linear_sends_cta_local_weights_to_the_kernel_under_the_interpreter"
@@ -115,10 +119,10 @@ MUTATIONS = [
       (LOOP, "if hit and realign:", "if False:"),
       [FULLSTACK]),
     m("update-cap-unwired", "the recipe's update cap never reaches the optimizer",
-      (LOOP, "cap = (opt.update_cap_alpha, opt.update_cap_alpha_qk) if", "cap = None if"),
+      (TRAIN_BUILD, "cap = (opt.update_cap_alpha, opt.update_cap_alpha_qk) if", "cap = None if"),
       [CAP_LOOP]),
     m("update-cap-alphas-swapped", "update_cap_alpha and update_cap_alpha_qk swapped",
-      (LOOP, "cap = (opt.update_cap_alpha, opt.update_cap_alpha_qk)", "cap = (opt.update_cap_alpha_qk, opt.update_cap_alpha)"),
+      (TRAIN_BUILD, "cap = (opt.update_cap_alpha, opt.update_cap_alpha_qk)", "cap = (opt.update_cap_alpha_qk, opt.update_cap_alpha)"),
       [CAP_LOOP]),
     m("update-cap-qk-alpha-ignored", "wq / wk capped with alpha, not alpha_qk",
       (OPT, "alpha_qk if _QK_PARAM.match(n) else alpha", "alpha"),
@@ -127,18 +131,18 @@ MUTATIONS = [
       (OPT, "            self.cap.apply()", "            pass"),
       ["tests/test_optim.py::test_update_cap_is_wired_to_block_matrices_with_alpha_qk_on_wq_wk", CAP_LOOP]),
     m("lora-refresh-removed", "the loop never refreshes the LoRA-SVD factors (they stay zero)",
-      (LOOP, "                _realign_low_rank(model)\n", "                pass\n"),
+      (LOOP, "        _realign_low_rank(model)\n", "        pass\n"),
       [FULLSTACK, W + "test_lora_svd_refresh_follows_lora_svd_every"]),
     m("lora-refresh-once", "LoRA-SVD refreshed at step 0 only, not every lora_svd_every steps",
       (LOOP, "step % recipe.lora_svd_every == 0", "step == 0"),
       [W + "test_lora_svd_refresh_follows_lora_svd_every"]),
     # --- NVFP4 optimizer states ----------------------------------------------------------------------
     m("ns-polynomial-unwired", "the recipe's optimizer.ns_polynomial (optitrain: cubic) never reaches Muon",
-      (LOOP, "        ns_coefficients=NS_POLYNOMIALS[config.ns_polynomial or opt.ns_polynomial],\n", ""), [CAP_LOOP]),
+      (TRAIN_BUILD, "        ns_coefficients=NS_POLYNOMIALS[config.ns_polynomial or opt.ns_polynomial],\n", ""), [CAP_LOOP]),
     m("ns-format-unwired", "the recipe's optimizer.ns_format never reaches Muon",
-      (LOOP, "ns_format=opt.ns_format,", 'ns_format="bf16",'), [FULLSTACK]),
+      (TRAIN_BUILD, "ns_format=opt.ns_format,", 'ns_format="bf16",'), [FULLSTACK]),
     m("adam-v-format-unwired", "the recipe's optimizer.adam_v_format never reaches AdamW",
-      (LOOP, "adam_v_format=opt.adam_v_format,", 'adam_v_format="fp32",'), [FULLSTACK]),
+      (TRAIN_BUILD, "adam_v_format=opt.adam_v_format,", 'adam_v_format="fp32",'), [FULLSTACK]),
     m("muon-ns-format-dropped", "build_optimizer builds Muon with bf16 Newton-Schulz whatever ns_format says",
       (OPT, "ns_format=cfg.ns_format,", 'ns_format="bf16",'), [OPT_STATES, FULLSTACK]),
     m("adamw-v-never-packed", "AdamW keeps v in fp32 although v_format is nvfp4",
@@ -158,8 +162,8 @@ MUTATIONS = [
     m("muon-nvfp4-unbatched", "Muon batches its Newton-Schulz in bf16 only, NVFP4 one matrix at a time",
       (MUON, "if not self.batched:", 'if not (self.batched and group["ns_format"] == "bf16"):'),
       ["tests/test_optim.py::test_batched_nvfp4_muon_steps_bit_for_bit_like_unbatched"]),
-    m("fast-fake-quantize-bypassed", "fast_fake_quantize (NVFP4 Newton-Schulz, FP4 attention's Q, K) takes the torch reference where Triton runs",
-      ("fp4lab/numerics/fast_fake_quantize.py", "    if triton_runs_on(x.device):\n", "    if False:\n"), [NS_FUSED, ATTN_FUSED_EXACT]),
+    m("fast-fake-quantize-bypassed", "kernels.fake_quantize (NVFP4 Newton-Schulz, FP4 attention's Q, K) takes the torch reference where Triton runs",
+      ("fp4lab/numerics/kernels/__init__.py", "    if runs_on(x.device):\n", "    if False:\n"), [NS_FUSED, ATTN_FUSED_EXACT]),
     m("ns-gram-bf16", "Muon's nvfp4 Newton-Schulz: A = X X^T left a bf16 GEMM",
       (MUON, "gram = _nvfp4_matmul(x, x.mT).bfloat16()", "gram = x @ x.mT"), [NS_EXACT]),
     m("ns-gram-short-axis", "Muon's nvfp4 Newton-Schulz: X blocked along the short side for X X^T",
@@ -197,16 +201,16 @@ MUTATIONS = [
       ["tests/test_recipe.py::test_nvfp4_is_the_te_recipe_with_bf16_ends_scaled_to_depth"]),
     # --- per-operand spec keys ---------------------------------------------------------------------
     m("operand-rounding-ignored", "an operand's rounding = sr quantizes to nearest",
-      (LIN, '        "rounding": spec.rounding,\n', '        "rounding": "rtn",\n'), [LINEAR_EXACT]),
+      (OPERANDS, '        "rounding": spec.rounding,\n', '        "rounding": "rtn",\n'), [LINEAR_EXACT]),
     m("operand-scale-mode-ignored", "an MXFP4 operand's scale_mode falls back to the default",
-      (LIN, '        "scale_mode": spec.scale_mode,\n', '        "scale_mode": None,\n'), [LINEAR_EXACT]),
+      (OPERANDS, '        "scale_mode": spec.scale_mode,\n', '        "scale_mode": None,\n'), [LINEAR_EXACT]),
     m("operand-tile-ignored", "a weight's 2D tile is quantized 1x16 instead",
-      (LIN, '        "tile": spec.tile,\n', '        "tile": None,\n'),
+      (OPERANDS, '        "tile": spec.tile,\n', '        "tile": None,\n'),
       ["tests/test_fp4_linear.py", OPTIONS]),
     m("operand-adaptive-ignored", "adaptive = true (rceil) scales as plain rceil",
-      (LIN, '        "adaptive": spec.adaptive,\n', '        "adaptive": False,\n'), ["tests/test_fp4_linear.py", OPTIONS]),
+      (OPERANDS, '        "adaptive": spec.adaptive,\n', '        "adaptive": False,\n'), ["tests/test_fp4_linear.py", OPTIONS]),
     m("operand-cta-tile-ignored", "an nvfp4_cta operand's cta_tile falls back to the default",
-      (LIN, '        "cta_tile": spec.cta_tile,\n', '        "cta_tile": None,\n'), ["tests/test_fp4_linear.py", OPTIONS]),
+      (OPERANDS, '        "cta_tile": spec.cta_tile,\n', '        "cta_tile": None,\n'), ["tests/test_fp4_linear.py", OPTIONS]),
     m("operand-transform-ignored", "transform = h16 / rht16 never applies the Hadamard",
       (LIN, '        if spec.transform == "none":\n            return None', "        return None"),
       [LINEAR_EXACT, "tests/test_fp4_linear.py::test_random_hadamard_signs_are_paired_and_redrawn_each_call"]),
@@ -215,13 +219,13 @@ MUTATIONS = [
       [LINEAR_EXACT]),
     # --- fp8 operands and the full-dimension RHT (issue 12 item 4) -----------------------------------
     m("fp8-element-ignored", "an fp8 operand's element = e5m2 is cast to E4M3",
-      (LIN, "fp8_quantize(t, spec.element, spec.scaling, pow2", 'fp8_quantize(t, "e4m3", spec.scaling, pow2'),
+      (OPERANDS, "fp8_quantize(t, spec.element, spec.scaling, pow2", 'fp8_quantize(t, "e4m3", spec.scaling, pow2'),
       [GEMMS_EXACT + "[fp8:linear]"]),
     m("fp8-scaling-ignored", "an fp8 operand's scaling = row gets one scale per tensor",
-      (LIN, "fp8_quantize(t, spec.element, spec.scaling, pow2", 'fp8_quantize(t, spec.element, "tensor", pow2'),
+      (OPERANDS, "fp8_quantize(t, spec.element, spec.scaling, pow2", 'fp8_quantize(t, spec.element, "tensor", pow2'),
       [GEMMS_EXACT + "[fp8-rowwise:linear]", GEMMS_EXACT + "[full-rht-padded]"]),
     m("fp8-pow2-ignored", "an fp8 operand's pow2_scale = true keeps the exact scale",
-      (LIN, "pow2=spec.pow2_scale, amax=amax)", "pow2=False, amax=amax)"),
+      (OPERANDS, "pow2=spec.pow2_scale, amax=amax)", "pow2=False, amax=amax)"),
       [GEMMS_EXACT + "[fp8-rowwise:linear]", GEMMS_EXACT + "[full-rht-padded]"]),
     m("fp8-dtypes-swapped", "fp8's e4m3 and e5m2 name each other's torch dtype",
       ("fp4lab/numerics/fp8.py", 'FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}',
@@ -262,7 +266,7 @@ MUTATIONS = [
       ["tests/test_fp4_linear.py::test_paired_full_transforms_leave_the_products_unchanged_on_padded_dims",
        GEMMS_EXACT + "[full-rht-padded]"]),
     m("full-rht-no-block-floor", "the full RHT pads a short dim to a power of two below the FP4 block",
-      (LIN, "return max(1 << (length - 1).bit_length(), *blocks, 1)", "return max(1 << (length - 1).bit_length(), 1)"),
+      (OPERANDS, "return max(1 << (length - 1).bit_length(), *blocks, 1)", "return max(1 << (length - 1).bit_length(), 1)"),
       ["tests/test_fp4_linear.py::test_full_transform_pads_to_at_least_the_fp4_block_and_redraws_its_signs"]),
     m("full-rht-wgrad-length-from-features", "Wgrad's full RHT sized from in_features, not the call's tokens",
       (LIN, '"wgrad": tokens}', '"wgrad": self.in_features}'),
@@ -337,7 +341,7 @@ MUTATIONS = [
       (ATTN, "torch.randint(2**62, (1,), generator=generator, device=grad_scores.device)",
        "torch.ones(1, dtype=torch.int64, device=grad_scores.device)"), [ATTN_FUSED_SR]),
     m("attn-fused-bypassed", "FP4 attention quantizes dS with the torch reference where Triton runs",
-      (ATTN, "    if triton_runs_on(grad_scores.device):\n", "    if False:\n"), [ATTN_FUSED_EXACT, ATTN_FUSED_SR]),
+      (ATTN, "    if kernels.runs_on(grad_scores.device):\n", "    if False:\n"), [ATTN_FUSED_EXACT, ATTN_FUSED_SR]),
     m("tq-tensor-amax-ignored", "quantize_fused takes its own NVFP4 amax over a given tensor_amax",
       ((TQ, "need_row = row is not None and row.nv and given_row is None", "need_row = row is not None and row.nv"),
        (TQ, "need_col = col is not None and col.nv and given_col is None", "need_col = col is not None and col.nv")),
@@ -398,10 +402,10 @@ MUTATIONS = [
        "committed = False"),
       ["tests/test_ratchet.py::test_a_ratchet_killed_between_its_commit_and_recording_it_adopts_that_commit"]),
     m("fused-cta-not-covered", "CTA-local NVFP4 operands go to the torch quantizer, not the fused kernels",
-      (LIN, 'if spec.format not in ("mxfp4", "nvfp4", "nvfp4_cta") or', 'if spec.format not in ("mxfp4", "nvfp4") or'),
+      (KERNELS, 'if spec.format not in ("mxfp4", "nvfp4", "nvfp4_cta") or', 'if spec.format not in ("mxfp4", "nvfp4") or'),
       [CTA_FUSED]),
     m("fused-cta-tile-dropped", "the fused kernels get the default CTA tile, not the recipe's cta_tile",
-      (LIN, 'options["cta_tile"] = spec.cta_tile', 'options["cta_tile"] = None'), [CTA_FUSED]),
+      (OPERANDS, 'options["cta_tile"] = spec.cta_tile', 'options["cta_tile"] = None'), [CTA_FUSED]),
     m("fused-cta-amax-one-slot", "the fused amax pass folds every row into one CTA tile's slot (a tensor amax)",
       (TQ, "tl.atomic_max(r_amax + rows // R_CTA, row_amax, mask=rows < R)", "tl.atomic_max(r_amax + rows * 0, row_amax, mask=rows < R)"),
       [TQ_INTERPRETED, CTA_FUSED]),
@@ -410,9 +414,9 @@ MUTATIONS = [
        "            if first_col & first_row:\n                tl.store(outer_ptr + rows, outer, mask=inside)"),
       [CTA_FUSED]),
     m("fused-cta-probe-tensor-scales", "a probe decodes the fused CTA-local codes with the first CTA tile's outer scale everywhere",
-      (LIN, "else q.outer[::cta_tile, 0]", "else q.outer[:1, 0].expand(len(q.outer[::cta_tile, 0]))"), [CTA_FUSED]),
+      (OPERANDS, "else q.outer[::cta_tile, 0]", "else q.outer[:1, 0].expand(len(q.outer[::cta_tile, 0]))"), [CTA_FUSED]),
     m("tile-gemm-squares-not-transposed", "Dgrad's W^T keeps W's grid of square scales untransposed",
-      (LIN, "outer = self.outer.T if self.outer_cell is not None else self.outer", "outer = self.outer"),
+      (OPERANDS, "outer = self.outer.T if self.outer_cell is not None else self.outer", "outer = self.outer"),
       [TILE_TESTS + "::test_tensor_core_operands_of_cta_local_weights_stay_bf16_and_match_the_reference[dgrad-cpu]", CTA_MATCH]),
     m("tile-gemm-first-chunk-scale", "the reference scales every chunk of K by its first square's scale",
       (TILE_GEMM, "acc = acc + (a32[:, cols] @ b32[:, cols].T) * per_row[:, chunk]", "acc = acc + (a32[:, cols] @ b32[:, cols].T) * per_row[:, 0]"),
@@ -427,13 +431,13 @@ MUTATIONS = [
       (TILE_KERNEL, "acc = acc * tl.load(outer_ptr + rows_a, mask=in_a, other=0.0)[:, None]", "acc = acc * tl.load(outer_ptr)"),
       [TILE_INTERPRETED]),
     m("tile-gemm-not-routed", "tensor_core_mm ignores per-square outer scales (treats them as a per-row alpha)",
-      (LIN, "    if b.outer_cell is not None:\n        return tile_scaled_mm(a, b, out_dtype)\n", ""),
+      (GEMM, "    if b.outer_cell is not None:\n        return tile_scaled_mm(a, b, out_dtype)\n", ""),
       [CTA_MATCH, TILE_TESTS + "::test_tensor_core_operands_of_cta_local_weights_stay_bf16_and_match_the_reference[fprop-cpu]"]),
     m("tile-gemm-kernel-never-taken", "CTA-local weights' GEMMs stay on the torch reference where Triton runs",
-      (LIN, "if a.values.dtype == b.values.dtype == torch.bfloat16 and triton_runs_on(a.values.device):", "if False:"),
+      (GEMM, "if a.values.dtype == b.values.dtype == torch.bfloat16 and runs_on(a.values.device):", "if False:"),
       [TILE_WIRE]),
     m("tile-gemm-squares-dropped", "gemm_operand drops the square side of a 2D CTA-local weight's outer scale",
-      (LIN, "return GemmOperand(parts.values.to(torch.bfloat16), parts.outer, packed, parts.outer_cell)",
+      (OPERANDS, "return GemmOperand(parts.values.to(torch.bfloat16), parts.outer, packed, parts.outer_cell)",
        "return GemmOperand(parts.values.to(torch.bfloat16), parts.outer, packed)"),
       [CTA_MATCH]),
     m("fp8-fused-e5m2-grid", "the fused FP8 quantizer rounds E5M2 onto a grid of 3 mantissa bits",
@@ -458,7 +462,7 @@ MUTATIONS = [
       (TQ, "tl.atomic_max(r_amax + slots, tile_amax, mask=inside)", "tl.atomic_max(r_amax + slots * 0, tile_amax, mask=inside)"),
       [TQ_INTERPRETED, CTA_2D_FUSED]),
     m("fused-cta-2d-not-covered", "2D CTA-local weights stay on the torch quantizer",
-      (LIN, "    return spec.rounding == \"rtn\" and spec.transform == \"none\" and all(",
+      (KERNELS, "    return spec.rounding == \"rtn\" and spec.transform == \"none\" and all(",
        "    return spec.format != \"nvfp4_cta\" and spec.rounding == \"rtn\" and spec.transform == \"none\" and all("),
       [CTA_2D_FUSED]),
     m("fused-cta-2d-squares-dropped", "the fused 2D CTA-local weight's operand forgets that its outer scale is per square",
@@ -505,7 +509,7 @@ MUTATIONS = [
       ("fp4lab/lab/runs/job.py", 'returncode=130, state="interrupted")', "returncode=130)"),
       ["tests/test_sweep_trust.py::test_ctrl_c_during_start_up_leaves_the_run_interrupted_so_the_next_sweep_runs_it"]),
     m("sweep-child-ctrl-c-failed", "a training process the sweep's Ctrl-C stops in start-up is recorded failed",
-      ("fp4lab/lab/runs/executors.py", "            if stopping.is_set():\n", "            if False:\n"),
+      ("fp4lab/lab/runs/executors.py", "        if self.stopping.is_set():\n            # Our SIGINT", "        if False:\n            # Our SIGINT"),
       ["tests/test_sweep_trust.py::test_ctrl_c_while_a_training_process_starts_up_leaves_its_run_interrupted"]),
     m("report-first-event-by-name", "events at one step are ordered by name, not by the scanner's order of kinds",
       ("fp4lab/lab/records/ledger.py", "min(bad, key=_event_order)", "min(bad)"),

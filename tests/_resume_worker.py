@@ -24,6 +24,8 @@ from fp4lab.nn.build import attention_generators, fp4_linears
 from fp4lab.nn.model import preset
 from fp4lab.nn.recipe import load_recipe
 from fp4lab.train import distributed, loop
+from fp4lab.train.build import build_training
+from fp4lab.train.checkpoint import resume_run
 from fp4lab.train.config import TrainConfig
 from fp4lab.train.data import load_dataset
 
@@ -44,7 +46,7 @@ def streams(model) -> dict:
 
 
 def train(config: TrainConfig, stop_after: int, saved: Path) -> None:
-    save = loop._save
+    save = loop.save_run
 
     def save_and_gather(out, config, model, optimizer, state, ranks) -> None:
         save(out, config, model, optimizer, state, ranks)
@@ -52,7 +54,7 @@ def train(config: TrainConfig, stop_after: int, saved: Path) -> None:
         if ranks.main:
             torch.save(whole, saved)
 
-    loop._save = save_and_gather
+    loop.save_run = save_and_gather
     loop.run(config, progress=False, stop_after=stop_after)
 
 
@@ -62,8 +64,8 @@ def load(config: TrainConfig, loaded: str) -> None:
     try:
         data = load_dataset(config.data, progress=False)
         model_config = preset(config.model, data.vocab_size, config.seq_len)
-        model, optimizer, _ = loop.build_training(config, load_recipe(config.recipe), model_config, device, ranks)
-        state = loop._resume(Path(config.out_dir), config, model, optimizer, ranks)
+        model, optimizer, _ = build_training(config, load_recipe(config.recipe), model_config, device, ranks)
+        state = resume_run(Path(config.out_dir), config, model, optimizer, ranks)
         result = {"step": state.step, "whole": whole_state(model, optimizer), "streams": streams(model)}
         torch.save(result, f"{loaded}-rank{ranks.rank}.pt")
     finally:

@@ -1,4 +1,4 @@
-"""Attention.kernel = "triton": Attention.forward runs fp4lab.nn.triton_attention's flash attention and
+"""Attention.kernel = "triton": Attention.forward runs fp4lab.numerics.kernels.attention's flash attention and
 stores the probes' statistics from it, and QK-Clip and the probe records of a training run read them.
 
 The CPU checks run in a subprocess each under TRITON_INTERPRET=1 (the interpreter's gaps filled as in
@@ -35,7 +35,8 @@ import torch
 pytest.importorskip("triton")
 
 from fp4lab.nn import attention as attention_module
-from fp4lab.nn.attention import Attention, apply_rope, attention_entropy, max_attention_logits, rope_tables
+from fp4lab.nn.attention import Attention, apply_rope, rope_tables
+from fp4lab.numerics.attention import attention_entropy, max_attention_logits
 from tests.test_triton_attention import error, max_logit_bound, run_interpreted
 
 OUT_AND_GRAD_TOLERANCE = 1e-5
@@ -177,7 +178,8 @@ def check_compiled_matches_eager():
     """torch.compile traces the kernel's custom operators into one graph (fullgraph: no graph break)
     with the probe stores as side effects; output, gradients and probes equal the eager module's.
     aot_eager runs AOTAutograd (the fake implementations and the registered backward) without
-    Inductor, which would need a GPU for the Triton kernels of its own."""
+    Inductor, which would need a GPU for the Triton kernels of its own; so the same kernels run on the
+    same inputs as eager, and the bits must match."""
     _, eager = attention_pair()
     compiled = copy.deepcopy(eager)
     x, cos, sin = inputs()
@@ -196,7 +198,7 @@ def check_operator_registrations():
     """torch.library.opcheck: the fake implementations match the real outputs (shapes, dtypes,
     strides), and the autograd registration is complete, for the forward and backward operators
     (AOTAutograd itself: check_compiled_matches_eager, at static shapes as the loop compiles)."""
-    from fp4lab.nn import triton_attention  # noqa: F401  (registers torch.ops.fp4lab.*)
+    from fp4lab.numerics.kernels import attention as triton_attention  # noqa: F401  (registers torch.ops.fp4lab.*)
 
     x, cos, sin = inputs()
     _, triton = attention_pair()
@@ -244,9 +246,9 @@ QK_CLIP_TAU = 0.17
 def train_tiny(out_dir: str, kernel: str) -> tuple[list[dict], list[torch.Tensor]]:
     """Two steps of the tiny model (seq 16, batch 2; the fp32 reference path on the CPU) with QK-Clip
     at a tau some heads pass; the metrics records, and per step the max logits qk_clip_ was handed,
-    [layers, heads]. kernel "triton" is forced past the loop's choice (which refuses it on the CPU),
+    [layers, heads]. kernel "triton" is forced past the path record's choice (which refuses it on the CPU),
     and there SDPA and the chunked probes raise: every statistic must come from the kernel."""
-    from fp4lab.train import loop
+    from fp4lab.train import loop, paths
     from fp4lab.train.config import DataConfig, TrainConfig
 
     handed: list[torch.Tensor] = []
@@ -256,10 +258,10 @@ def train_tiny(out_dir: str, kernel: str) -> tuple[list[dict], list[torch.Tensor
         handed.append(max_logits.clone())
         return original_clip(w_q, w_k, max_logits, *args)
 
-    saved = loop.qk_clip_, loop.attention_kernel
+    saved = loop.qk_clip_, paths.attention_kernel
     loop.qk_clip_ = recording_clip
     if kernel == "triton":
-        loop.attention_kernel = lambda config, device, head_dim: "triton"
+        paths.attention_kernel = lambda config, kernels_run, head_dim, off: "triton"
     try:
         with only_the_kernel() if kernel == "triton" else contextlib.nullcontext():
             config = TrainConfig(  # both steps probed: step 0 (probe_every) and the last
@@ -269,7 +271,7 @@ def train_tiny(out_dir: str, kernel: str) -> tuple[list[dict], list[torch.Tensor
             )
             summary = loop.run(config, progress=False)
     finally:
-        loop.qk_clip_, loop.attention_kernel = saved
+        loop.qk_clip_, paths.attention_kernel = saved
     assert summary["status"] == "completed", summary
     with open(f"{out_dir}/metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
@@ -389,7 +391,9 @@ def test_graphed_steps_keep_the_replayed_steps_max_logits_on_cuda():
     from fp4lab.nn.model import preset
     from fp4lab.nn.recipe import load_recipe
     from fp4lab.train.config import TrainConfig
-    from fp4lab.train.loop import TrainStep, _set_probes, build_training
+    from fp4lab.train.build import build_training
+    from fp4lab.train.loop import _set_probes
+    from fp4lab.train.step import TrainStep
 
     cuda = torch.device("cuda")
     config = TrainConfig(recipe="bf16", device="cuda", seq_len=256, batch_size=4, cuda_graphs="on")

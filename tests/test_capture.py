@@ -27,7 +27,9 @@ from fp4lab.train.gemm_error import (
     summarize,
 )
 from fp4lab.train.jsonl import read_json_line
-from fp4lab.train.loop import _restore, _set_probes, build_training, run
+from fp4lab.train.build import build_training
+from fp4lab.train.checkpoint import _restore
+from fp4lab.train.loop import _set_probes, run
 
 LAYERS = ["layers.0.attention.wq", "layers.*.feed_forward.w2"]
 CAPTURED = ["layers.0.attention.wq"] + [f"layers.{i}.feed_forward.w2" for i in range(4)]

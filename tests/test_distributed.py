@@ -157,6 +157,7 @@ def test_a_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path, monkeyp
 # --- two ranks ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("recipe", "parallel", "optimizer", "extra"), [
     ("bf16", "ddp", "muon", {}),
     ("mxfp4", "ddp", "adamw", {}),
@@ -181,6 +182,7 @@ def test_two_ranks_train_the_one_process_curve(tmp_path, recipe, parallel, optim
     assert summary["status"] == "completed" and summary["world_size"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_only_rank_0_writes_and_a_stop_on_one_rank_stops_all_and_resumes_exactly(tmp_path, parallel):
     # An SR recipe: the resumed run must continue every rank's own generators (checkpoint.dcp's rank-<r>.pt).
@@ -213,6 +215,7 @@ def fp4lab_train(out: Path, *args: str) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow
 def test_fp4lab_train_nproc_per_node_runs_torchrun(tmp_path):
     out = tmp_path / "cli"
     result = fp4lab_train(out, "--nproc-per-node", "2", "--parallel", "ddp", "--steps", "3", "--batch-size", "4", "--seq-len", "32",
@@ -222,6 +225,7 @@ def test_fp4lab_train_nproc_per_node_runs_torchrun(tmp_path):
     assert result.stdout.count("status: completed") == 1
 
 
+@pytest.mark.slow
 def test_nproc_per_node_1_runs_one_rank_under_torchrun(tmp_path):
     """`--nproc-per-node 1 --parallel fsdp`: one FSDP2 rank (how a run written by 2 GPUs goes on on 1)."""
     out = tmp_path / "one"
@@ -234,7 +238,7 @@ def test_nproc_per_node_1_runs_one_rank_under_torchrun(tmp_path):
 def _compiled_parts(rank: int, world: int, parallel: str) -> tuple[bool, list[bool]]:
     from fp4lab.nn.model import preset
     from fp4lab.nn.recipe import load_recipe
-    from fp4lab.train.loop import build_training
+    from fp4lab.train.build import build_training
 
     config = TrainConfig(recipe="bf16", model="tiny", compile="on", parallel=parallel, out_dir="unused")
     model, _, loss_fn = build_training(config, load_recipe("bf16"), preset("tiny", 64, 32), torch.device("cpu"),
@@ -246,6 +250,7 @@ def _is_compiled(fn) -> bool:
     return hasattr(fn, "_torchdynamo_orig_callable")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_data_parallel_runs_compile_each_block_not_the_whole_loss(parallel):
     """Under DDP/FSDP2 each block is compiled, torchtitan's pattern, instead of the whole loss, whose graph
@@ -255,6 +260,7 @@ def test_data_parallel_runs_compile_each_block_not_the_whole_loss(parallel):
     assert not whole and blocks and all(blocks)
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4"])
 def test_ddp_steps_replay_from_a_cuda_graph_with_the_same_bits(tmp_path, recipe):

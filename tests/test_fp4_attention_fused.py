@@ -1,7 +1,7 @@
 """FP4 attention on the fused Triton quantizers: what `fp4_attention` runs where Triton runs.
 
 Q and K (along head_dim, then along the sequence) and dS with dS^T (one read of dS, both
-orientations) go through `numerics.triton_quantize` instead of the torch reference; every other
+orientations) go through `numerics.kernels.quantize` instead of the torch reference; every other
 operation is the same code. So with round-to-nearest the result equals the reference path's bit for
 bit on the same device (tests/test_attention.py holds that one to an emulation from the docstring),
 also in chunks, where NVFP4's tensor scale of the whole dS reaches the kernel as `tensor_amax`; with
@@ -16,8 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fp4lab.nn.attention as attention_module
-import fp4lab.numerics.fast_fake_quantize as fast
+import fp4lab.numerics.kernels as kernels
 from fp4lab.nn.attention import AttentionQuant
 from tests import interpreted
 from tests.test_attention import assert_sr_mean_approaches_the_expectation, qkv_and_grad
@@ -28,7 +27,7 @@ class FusedCalls:
     """Counts the fused quantizer's calls (the attention imports them at call time)."""
 
     def __enter__(self):
-        from fp4lab.numerics import triton_quantize
+        from fp4lab.numerics.kernels import quantize as triton_quantize
 
         self.module, self.one, self.both = triton_quantize, triton_quantize.quantize_fused, triton_quantize.quantize_fused_both
         self.calls = {"one": 0, "both": 0}
@@ -53,17 +52,14 @@ def on(device: str, tensors):
 
 
 def reference_path(function, *args):
-    """`function(*args)` with the fused quantizers switched off (the attention's own choice and
-    `fast_fake_quantize`'s): the torch reference quantizers."""
-    modules = (attention_module, fast)
-    saved = [module.triton_runs_on for module in modules]
-    for module in modules:
-        module.triton_runs_on = lambda device: False
+    """`function(*args)` with the fused quantizers switched off (the one question both the attention
+    and `kernels.fake_quantize` ask, `kernels.runs_on`): the torch reference quantizers."""
+    runs_on = kernels.runs_on
+    kernels.runs_on = lambda device: False
     try:
         return function(*args)
     finally:
-        for module, runs_on in zip(modules, saved):
-            module.triton_runs_on = runs_on
+        kernels.runs_on = runs_on
 
 
 def check_fused_rtn_equals_the_reference(device: str) -> None:
@@ -76,7 +72,7 @@ def check_fused_rtn_equals_the_reference(device: str) -> None:
     mxfp4 runs on unit Gaussians: sequence-scaled inputs give dS blocks of E8M0 scale 2^-127 whose
     decoded values are fp32 subnormals, which Triton's interpreter flushes to zero (the kernels keep
     them on CUDA: tests/test_triton_quantize.py's "wide" inputs)."""
-    assert attention_module.triton_runs_on(torch.device(device))
+    assert kernels.runs_on(torch.device(device))
     shape = dict(batch=1, n_heads=2, n_kv_heads=1, seq=64)
     for fmt, qkv in (("nvfp4", sequence_scaled_qkv(**shape)), ("mxfp4", qkv_and_grad(**shape))):
         q, k, v, grad_out = on(device, qkv)

@@ -3,11 +3,11 @@ training tensors: Fprop, Dgrad and Wgrad outputs are the kernel's, bit for bit
 `mxfp4_matmul_reference` of the QTensors the layer quantized, and within fp32 summation order of the
 bf16 tensor-core path and the fp32 reference path; GEMMs the kernel cannot take fall back.
 
-Which GEMM ran where is read from a spy on `triton_mx_gemm.mxfp4_matmul` that calls the real kernel and
+Which GEMM ran where is read from a spy on `kernels.mx_gemm.mxfp4_matmul` that calls the real kernel and
 records its operands and output (Fprop, then Dgrad, then Wgrad: the order autograd runs them).
 
 Tolerance: the kernel is exact per 32-block, so |C - C_exact| <= (K / 32) (u sum_k |a_k b_k| + 2^-149)
-(u = 2^-24; fp4lab.numerics.triton_mx_gemm); the decoded fp32 GEMM of either other path is within
+(u = 2^-24; fp4lab.numerics.kernels.mx_gemm); the decoded fp32 GEMM of either other path is within
 K (u sum_k |a_k b_k| + 2^-149) of C_exact (tests/test_tensor_cores.py), so the paths differ by at most
 the sum of the two, checked element by element from the recorded operands.
 
@@ -52,10 +52,10 @@ class KernelCall:
 
 
 class KernelSpy:
-    """Within `with`: `triton_mx_gemm.mxfp4_matmul` runs the real kernel and records each call."""
+    """Within `with`: `kernels.mx_gemm.mxfp4_matmul` runs the real kernel and records each call."""
 
     def __init__(self):
-        from fp4lab.numerics import triton_mx_gemm
+        from fp4lab.numerics.kernels import mx_gemm as triton_mx_gemm
 
         self.module, self.kernel, self.calls = triton_mx_gemm, triton_mx_gemm.mxfp4_matmul, []
 
@@ -147,15 +147,16 @@ def check_recipe(recipe: str, tokens=(2, 32), features=(64, 64), dtype=torch.flo
 
 def check_recipe_with_fused_quantizers(recipe: str) -> None:
     """As on CUDA, the fused Triton quantizers make the operands (under the interpreter, on CPU tensors:
-    `_kernel_options` answers as for CUDA ones) and emit the codes and scales the kernel reads, packed
+    `kernel_options` answers as for CUDA ones) and emit the codes and scales the kernel reads, packed
     x^T and W^T (2D tiles transposed) included: each call equals the reference, is within summation
     order of the fp32 GEMM of its decoded operands, and for GEMMs without SR (the same bits from the
     torch quantizers) of the fp32 reference path. (Not against mx_gemm bf16 here: the interpreter's
     bf16 cast in `decode_fused` flushes the subnormal values of 2^-127 blocks, which CUDA keeps.)"""
     from fp4lab.nn import fp4_linear
+    from fp4lab.numerics.kernels import quantizer_covers
 
-    fp4_linear._kernel_options = lambda spec, signs, t, seed: (
-        fp4_linear.fused_options(spec, signs, t, seed) if fp4_linear.kernel_covers(spec) else None)
+    fp4_linear.kernel_options = lambda spec, signs, t, seed: (
+        fp4_linear.fused_options(spec, signs, t, seed) if quantizer_covers(spec) else None)
     x, weight, dy = training_tensors((2, 32), 64, 64, seed=4)
     with KernelSpy() as spy:
         fp8 = step(make_layer(recipe, "fp8", weight), x, dy)

@@ -204,7 +204,7 @@ def test_batched_nvfp4_newton_schulz_is_each_matrix_s_bit_for_bit(shape):
 def check_fused_newton_schulz_equals_the_emulation(device: str, shapes) -> None:
     """newton_schulz(fmt="nvfp4") where Triton runs takes every operand from the fused quantizer (six
     per step) and gives the emulation's bits (the emulation quantizes with the torch reference)."""
-    from fp4lab.numerics import triton_quantize
+    from fp4lab.numerics.kernels import quantize as triton_quantize
 
     calls = []
     fused = triton_quantize.quantize_fused
@@ -239,7 +239,7 @@ def check_fused_batched_newton_schulz_equals_the_emulation(device: str, shapes, 
     """A stack of n matrices takes six fused quantizations per step, not 6 n: each operand of the stack
     in one nvfp4_cta call with one CTA tile (one outer scale) per matrix; and gives the bits of the
     emulation, which quantizes each matrix alone with the torch reference."""
-    from fp4lab.numerics import triton_quantize
+    from fp4lab.numerics.kernels import quantize as triton_quantize
 
     calls = []
     fused = triton_quantize.quantize_fused
@@ -585,7 +585,7 @@ def test_the_cubic_newton_schulz_is_selectable_and_is_the_classic_iteration(tmp_
     from fp4lab.nn.recipe import load_recipe
     from fp4lab.optim.muon import NS_POLYNOMIALS, newton_schulz
     from fp4lab.train.config import TrainConfig
-    from fp4lab.train.loop import _optimizer_config
+    from fp4lab.train.build import optimizer_config
 
     g = torch.randn(48, 96, generator=torch.Generator().manual_seed(3))
     cubic = newton_schulz(g, NS_POLYNOMIALS["cubic"], steps=3).float()
@@ -599,8 +599,8 @@ def test_the_cubic_newton_schulz_is_selectable_and_is_the_classic_iteration(tmp_
     assert (s_cubic - 1).abs().max() < 0.02 and (s_quintic - 1).abs().max() > 0.1
     # the wire: a run's ns_polynomial (else its recipe's) reaches Muon
     recipe = load_recipe("nvfp4")
-    assert _optimizer_config(TrainConfig(ns_polynomial="cubic"), recipe, fused=False).ns_coefficients == NS_POLYNOMIALS["cubic"]
-    assert _optimizer_config(TrainConfig(), recipe, fused=False).ns_coefficients == NS_POLYNOMIALS["quintic"]
+    assert optimizer_config(TrainConfig(ns_polynomial="cubic"), recipe, fused=False).ns_coefficients == NS_POLYNOMIALS["cubic"]
+    assert optimizer_config(TrainConfig(), recipe, fused=False).ns_coefficients == NS_POLYNOMIALS["quintic"]
     (tmp_path / "cubic.toml").write_text('extends = "nvfp4"\nname = "cubic"\n[optimizer]\nns_polynomial = "cubic"\n')
-    from_recipe = _optimizer_config(TrainConfig(), load_recipe(str(tmp_path / "cubic.toml")), fused=False)
+    from_recipe = optimizer_config(TrainConfig(), load_recipe(str(tmp_path / "cubic.toml")), fused=False)
     assert from_recipe.ns_coefficients == NS_POLYNOMIALS["cubic"]

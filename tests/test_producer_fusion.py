@@ -5,7 +5,7 @@ _ResidualRmsnormFunction) compute what the unfused block computes with its norm 
 formula (its sum of squares in a fixed order), forward bit for bit, and the config reaches every W1.
 
 CPU (CI): under Triton's interpreter, in a fresh Python with TRITON_INTERPRET=1, where the fused
-kernels run on CPU tensors. Both paths use the fused Triton quantizers there (`_kernel_options`
+kernels run on CPU tensors. Both paths use the fused Triton quantizers there (`kernel_options`
 answers for CPU tensors as for CUDA ones, as in tests/test_mx_gemm_linear.py), so stochastic rounding
 draws from the same Philox seeds in both: the output and dW2 are equal bit for bit, and d_gate, d_up
 are the backward kernel's on the unfused path's dh, bit for bit. Against autograd's d_gate they may
@@ -55,10 +55,11 @@ def w2_layer(recipe_name: str, hidden: int, dim: int, fprop_x_sr: bool = False) 
 def check_swiglu_matches_unfused(recipe_name: str, tokens: int = 64, hidden: int = 96, dim: int = 64, fprop_x_sr: bool = False) -> None:
     """One forward and backward of w2(silu(gate) * up), fused and unfused, from the same layer state."""
     from fp4lab.nn import fp4_linear
-    from fp4lab.numerics import triton_fusion
+    from fp4lab.numerics.kernels import quantizer_covers
+    from fp4lab.numerics.kernels import fusion as triton_fusion
 
-    fp4_linear._kernel_options = lambda spec, signs, t, seed: (
-        fp4_linear.fused_options(spec, signs, t, seed) if fp4_linear.kernel_covers(spec) else None)
+    fp4_linear.kernel_options = lambda spec, signs, t, seed: (
+        fp4_linear.fused_options(spec, signs, t, seed) if quantizer_covers(spec) else None)
     g = torch.Generator().manual_seed(3)
     gate, up = (torch.randn(2, tokens // 2, hidden, generator=g).to(torch.bfloat16) for _ in range(2))
     grad = torch.randn(2, tokens // 2, dim, generator=g).to(torch.bfloat16)
@@ -162,9 +163,10 @@ def check_residual_rmsnorm_matches_unfused(recipe_name: str) -> None:
     norm), the rest within float32 rounding (the norm's backward is the fused function's own); W1 and W3
     made no x operands of their own on the fused path."""
     from fp4lab.nn import fp4_linear
+    from fp4lab.numerics.kernels import quantizer_covers
 
-    fp4_linear._kernel_options = lambda spec, signs, t, seed: (
-        fp4_linear.fused_options(spec, signs, t, seed) if fp4_linear.kernel_covers(spec) else None)
+    fp4_linear.kernel_options = lambda spec, signs, t, seed: (
+        fp4_linear.fused_options(spec, signs, t, seed) if quantizer_covers(spec) else None)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, 32, 128, generator=g)
     grad = torch.randn(1, 32, 128, generator=g)
@@ -307,7 +309,7 @@ def test_cuda_training_with_the_fused_residual_rmsnorm_tracks_training_without(t
     """Eight steps of the tiny model on mxfp4, eager and graphed as by default, with producer_fusion
     "all" and "on": the fused kernel ran in every block, and the losses agree to within what a few
     ulps in the normed activations (then quantized to FP4) can move them."""
-    from fp4lab.numerics import triton_fusion
+    from fp4lab.numerics.kernels import fusion as triton_fusion
     from fp4lab.numerics.fast import triton_available
 
     if not triton_available():

@@ -86,7 +86,7 @@ def test_mxfp4_subnormal_scale_blocks_survive_the_tensor_cores(device):
     out = tensor_core_mm(gemm_operand(a, spec, None, None), gemm_operand(b, spec, None, None), torch.float32)
     ref = fake_quantize(a, "mxfp4") @ fake_quantize(b, "mxfp4").T
     assert (ref > 0).all()
-    assert torch.equal(out, ref)
+    assert torch.equal(out, ref)  # every partial sum is a multiple of 2^-126 below 2^-119: exact in any order
 
 
 RTN_H16 = LinearRecipe(*(OperandSpec("nvfp4"),) * 4, OperandSpec("nvfp4", transform="h16"), OperandSpec("nvfp4", transform="h16"))
@@ -135,17 +135,18 @@ def test_fp4_linear_tensor_cores_match_reference(recipe, fused, device):
 
 
 def check_cta_local_operands_from_the_fused_quantizers(two_d: bool = False) -> None:
-    """Under Triton's interpreter (CPU tensors, which `_kernel_options` then takes as CUDA ones): one
+    """Under Triton's interpreter (CPU tensors, which `kernel_options` then takes as CUDA ones): one
     layer's forward and both gradients with CTA-local operands from the fused quantizers equal, bit for
     bit, those from the torch quantizers (round to nearest: the same operands, per-row outer scales
     and all), every operand came from the kernels, and a probing step measures the same clip and flush
     fractions from the kernels' codes as from the reference's encodings. two_d: the weight in 2D
     tiles with one outer scale per square, quantized once for Fprop and Dgrad (W^T is its transpose)."""
     from fp4lab.nn import fp4_linear
-    from fp4lab.numerics import triton_quantize
+    from fp4lab.numerics.kernels import quantizer_covers
+    from fp4lab.numerics.kernels import quantize as triton_quantize
 
-    fp4_linear._kernel_options = lambda spec, signs, t, seed: (
-        fp4_linear.fused_options(spec, signs, t, seed) if fp4_linear.kernel_covers(spec) else None)
+    fp4_linear.kernel_options = lambda spec, signs, t, seed: (
+        fp4_linear.fused_options(spec, signs, t, seed) if quantizer_covers(spec) else None)
     fused_formats = []
     single, both = triton_quantize.quantize_fused, triton_quantize.quantize_fused_both
     triton_quantize.quantize_fused = lambda x, **o: fused_formats.append(o["fmt"]) or single(x, **o)
@@ -202,13 +203,28 @@ def test_fp4_linear_returns_the_autocast_dtype(device):
     assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
 
 
+# How far the fast run's final val loss may sit from the reference's (relative), from what differs
+# between the two runs (measured on the H200 at this test's setup, seeds 0-3, each path; val loss
+# falls from 5.69 to about 5.39 in the ten steps):
+# - bf16 draws nothing at random: only bf16 rounding differs, which moved the loss by 0.11 % rms (at
+#   most 0.18 %), while a new seed moves it by 0.60 % (std): 1 % is ~9 rms gaps.
+# - nvfp4 and mxfp4-rowsr-h32 round gradients stochastically, and the fused kernels' Philox draws are
+#   not the reference's torch uniforms: the two runs are two independent draws, and their gap spreads
+#   as two seeds' do (nvfp4: rms gap 0.83 %, sqrt(2) x seed spread 0.98 %). So the bound is 3 sqrt(2)
+#   sigma, sigma the seed spread of this run's val loss (std over the 4 seeds, both paths pooled):
+#   nvfp4 0.69 % (the ledger's converged nvfp4 spread is 0.69 % too) -> 2.9 %, mxfp4-rowsr-h32 0.28 %
+#   -> 1.2 %. Measured gaps: nvfp4 -1.22..+1.01 %, mxfp4-rowsr-h32 +0.24..+0.43 %.
+# A path that does not train stays near 5.69, over 5 % above.
+SR_SEED_SPREAD = {"nvfp4": 0.0069, "mxfp4-rowsr-h32": 0.0028}
+FAST_TRAINING_TOLERANCE = {"bf16": 0.01} | {recipe: 3 * 2**0.5 * sigma for recipe, sigma in SR_SEED_SPREAD.items()}
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "mxfp4-rowsr-h32"])
+@pytest.mark.parametrize("recipe", sorted(FAST_TRAINING_TOLERANCE))
 def test_fast_training_tracks_the_reference_on_cuda(recipe, tmp_path):
     """Ten steps of the 125m shape on CUDA (synthetic Markov data): fast path (bf16 autocast, tensor
     cores, fused quantizers, compile, fused AdamW) against the fp32 reference from the same init and
-    data. bf16 activations move the loss by well under a percent over ten steps; a broken GEMM or
-    scale moves it by far more."""
+    data, within FAST_TRAINING_TOLERANCE (its derivation is beside it)."""
     from fp4lab.train.config import TrainConfig
     from fp4lab.train.data import DataConfig
     from fp4lab.train.loop import run
@@ -224,7 +240,7 @@ def test_fast_training_tracks_the_reference_on_cuda(recipe, tmp_path):
         summary = run(config, progress=False)
         assert summary["status"] == "completed"
         losses[compute] = summary["final_val_loss"]
-    assert abs(losses["fast"] - losses["reference"]) / losses["reference"] < 0.01
+    assert abs(losses["fast"] - losses["reference"]) / losses["reference"] < FAST_TRAINING_TOLERANCE[recipe]
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -287,13 +303,18 @@ def test_cuda_graphs_resolve_per_device_and_refuse_what_cannot_be_graphed(tmp_pa
     from fp4lab.nn.build import build_model
     from fp4lab.nn.model import preset
     from fp4lab.train.config import ConfigError, TrainConfig
-    from fp4lab.train.loop import cuda_graph
+    from fp4lab.nn.build import cuda_graph_blocker
+    from fp4lab.train import paths
 
     model = build_model(preset("tiny", 256, 64), load_recipe("bf16"), seed=0)
     cpu = torch.device("cpu")
-    assert not cuda_graph(TrainConfig(), model, cpu)
+
+    def settled(config):
+        return paths.with_cuda_graphs(paths.resolve(config, cpu, 16), config, cuda_graph_blocker(model, 256))
+
+    assert not settled(TrainConfig()).cuda_graphs
     with pytest.raises(ConfigError, match="cuda_graphs='on' needs the fast path on CUDA"):
-        cuda_graph(TrainConfig(cuda_graphs="on"), model, cpu)
+        settled(TrainConfig(cuda_graphs="on"))
     with pytest.raises(ConfigError, match="cuda_graphs='maybe' is not supported"):
         TrainConfig(cuda_graphs="maybe")
 
@@ -354,7 +375,7 @@ def test_packed_saved_operands_give_the_same_gradients(recipe):
 
 
 def test_kernel_coverage_follows_what_the_fused_quantizer_supports():
-    from fp4lab.nn.fp4_linear import kernel_covers
+    from fp4lab.numerics.kernels import quantizer_covers as kernel_covers
 
     assert kernel_covers(OperandSpec("nvfp4", rounding="sr", transform="h16"))
     assert kernel_covers(OperandSpec("mxfp4", scale_mode="rceil", tile=(32, 32), adaptive=True))

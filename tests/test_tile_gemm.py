@@ -1,4 +1,4 @@
-"""The chunk-scaled GEMM of 2D CTA-local NVFP4 weights (`numerics.tile_gemm`, `numerics.triton_tile_gemm`).
+"""The chunk-scaled GEMM of 2D CTA-local NVFP4 weights (`numerics.tile_gemm`, `numerics.kernels.tile_gemm`).
 
 The torch reference against the fp32 GEMM of the folded values (bit for bit where every partial sum is
 exact; within fp32 summation order on quantized operands); the Triton kernel against the reference bit
@@ -126,7 +126,7 @@ def check_kernel_against_reference(device: str, shapes=SHAPES, tile=(16, 32), k_
     """The kernel equals the reference bit for bit on exact data: each shape, each form of a's outer
     scale, fp32 and bf16 output, b contiguous and as a transposed view (Dgrad's W^T); and on quantized
     operands it stays within fp32 summation order of the exact product."""
-    from fp4lab.numerics.triton_tile_gemm import TileGemmConfig, tile_scaled_matmul
+    from fp4lab.numerics.kernels.tile_gemm import TileGemmConfig, tile_scaled_matmul
 
     config = TileGemmConfig(tile=tile, k_step=k_step, warps=4, stages=2)
     for m, n, k, cell in shapes:
@@ -148,7 +148,7 @@ def check_cta_local_weights_take_the_kernel() -> None:
     """Under the interpreter, FP4Linear with 2D CTA-local weights on the tensor-core path sends Fprop
     and Dgrad (not Wgrad) to the kernel, and its forward and gradients stay within summation order of
     the fp32 reference path."""
-    from fp4lab.numerics import triton_tile_gemm
+    from fp4lab.numerics.kernels import tile_gemm as triton_tile_gemm
 
     calls = []
     kernel = triton_tile_gemm.tile_scaled_matmul

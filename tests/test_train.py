@@ -171,21 +171,22 @@ def test_config_validation_names_the_field(tmp_path):
 
 
 def test_compute_and_compile_resolve_per_device_and_validate():
-    from fp4lab.train.loop import compiled, fast_compute
+    from fp4lab.train.paths import compiled, tensor_cores
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    auto = TrainConfig()
-    assert not fast_compute(auto, cpu) and fast_compute(auto, cuda)
-    assert not compiled(auto, cpu) and compiled(auto, cuda)
-    assert fast_compute(TrainConfig(compute="fast"), cpu) and not fast_compute(TrainConfig(compute="reference"), cuda)
-    assert compiled(TrainConfig(compile="on"), cpu) and not compiled(TrainConfig(compile="off"), cuda)
+    auto, off = TrainConfig(), {}
+    assert not tensor_cores(auto, cpu, off) and tensor_cores(auto, cuda, off)
+    assert not compiled(auto, cpu, off) and compiled(auto, cuda, off)
+    assert tensor_cores(TrainConfig(compute="fast"), cpu, off) and not tensor_cores(TrainConfig(compute="reference"), cuda, off)
+    assert compiled(TrainConfig(compile="on"), cpu, off) and not compiled(TrainConfig(compile="off"), cuda, off)
+    assert off == {"tensor_cores": "config compute='reference'", "compile": "config compile='off'"}  # the last reason of each
     with pytest.raises(ConfigError, match="compute='turbo' is not supported"):
         TrainConfig(compute="turbo")
     with pytest.raises(ConfigError, match="compile='yes' is not supported"):
         TrainConfig(compile="yes")
     from fp4lab.nn.model import preset
     from fp4lab.nn.recipe import load_recipe
-    from fp4lab.train.loop import build_training
+    from fp4lab.train.build import build_training
 
     model_config, recipe = preset("tiny", 256, 64), load_recipe("bf16")
     _, _, eager_loss = build_training(TrainConfig(compile="off"), recipe, model_config, cpu)

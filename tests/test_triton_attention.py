@@ -1,4 +1,4 @@
-"""The Triton flash attention (fp4lab.nn.triton_attention) against SDPA, autograd and the two probes.
+"""The Triton flash attention (fp4lab.numerics.kernels.attention) against SDPA, autograd and the two probes.
 
 Each check is a function of (device, dtype, shapes) that raises on a mismatch. The CPU tests run them
 in a subprocess under TRITON_INTERPRET=1 (fp32, small shapes: B=2, H=4, H_kv=2, T in {1, 17, 40,
@@ -40,8 +40,8 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 import triton.language as tl
 
-from fp4lab.nn import triton_attention
-from fp4lab.nn.attention import attention_entropy, max_attention_logits
+from fp4lab.numerics.kernels import attention as triton_attention
+from fp4lab.numerics.attention import attention_entropy, max_attention_logits
 
 CPU_SHAPES = [(2, 4, 2, seq, head_dim) for seq in (1, 17, 40, 64) for head_dim in (16, 32)]  # B, H, H_kv, T, D
 GPU_SHAPES = [(2, 12, 4, 1024, 64), (4, 12, 4, 2048, 128), (2, 12, 4, 4096, 64), (3, 12, 4, 1537, 128)]

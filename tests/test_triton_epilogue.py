@@ -11,7 +11,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from fp4lab.numerics.triton_epilogue import scale_result  # noqa: E402
+from fp4lab.numerics.kernels.epilogue import scale_result  # noqa: E402
 
 MODES = {
     "scalar a": lambda m, n: (torch.tensor(3.7e-3), None),
@@ -27,6 +27,14 @@ def reference(acc, a, b, out_dtype):
         b = b.reshape(1, -1)
     alpha = b if a is None else a if b is None else a * b
     return (acc * alpha).to(out_dtype)
+
+
+def test_the_numerics_reference_is_this_emulation_bit_for_bit():
+    from fp4lab.numerics.epilogue import scale_result_reference
+
+    for _, acc, a, b in cases("cpu"):
+        for out_dtype in (torch.bfloat16, torch.float32):
+            assert torch.equal(scale_result_reference(acc, a, b, out_dtype), reference(acc, a, b, out_dtype))
 
 
 def cases(device):
@@ -57,7 +65,7 @@ INTERPRETED = """
 import torch, sys
 sys.path.insert(0, {tests!r})
 from test_triton_epilogue import cases, reference
-from fp4lab.numerics.triton_epilogue import scale_result
+from fp4lab.numerics.kernels.epilogue import scale_result
 for name, acc, a, b in cases("cpu"):
     got = scale_result(acc.clone(), a, b, torch.float32)
     assert torch.equal(got, reference(acc, a, b, torch.float32)), name

@@ -1,4 +1,4 @@
-"""The fused FP8 quantizer (`numerics.triton_fp8`) against `numerics.fp8`, bit for bit, and FP4Linear's FP8
+"""The fused FP8 quantizer (`numerics.kernels.fp8`) against `numerics.fp8`, bit for bit, and FP4Linear's FP8
 operands taking it; under Triton's CPU interpreter (CI) and on CUDA."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def grid_and_ties(element: str) -> torch.Tensor:
 
 
 def check_fused_fp8_matches_the_reference(device: str) -> None:
-    from fp4lab.numerics.triton_fp8 import fp8_quantize_fused
+    from fp4lab.numerics.kernels.fp8 import fp8_quantize_fused
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = wide_range(70, 100, seed=1).to(dtype)
@@ -64,7 +64,7 @@ def check_fp8_layers_take_the_fused_quantizer() -> None:
     fused quantizer (x^T, W^T and dY^T transposed in the kernel), and its forward and gradients equal
     those of the torch quantizers bit for bit; a probing step takes the torch path."""
     from fp4lab.nn import fp4_linear
-    from fp4lab.numerics import triton_fp8
+    from fp4lab.numerics.kernels import fp8 as triton_fp8
 
     fp4_linear.fp8_kernel_runs = lambda t: True
     calls = []
@@ -113,7 +113,7 @@ def test_fused_fp8_matches_the_reference_on_cuda():
 
 def test_fused_fp8_refuses_what_it_cannot_quantize():
     pytest.importorskip("triton")
-    from fp4lab.numerics.triton_fp8 import fp8_quantize_fused
+    from fp4lab.numerics.kernels.fp8 import fp8_quantize_fused
 
     with pytest.raises(ValueError, match="x must be a non-empty 2D tensor"):
         fp8_quantize_fused(torch.ones(8))

@@ -1,4 +1,4 @@
-"""Fused FP4 producers (fp4lab.numerics.triton_fusion) against their torch reference
+"""Fused FP4 producers (fp4lab.numerics.kernels.fusion) against their torch reference
 (fp4lab.numerics.fusion), bit for bit, and the reference against the unfused ops of the model.
 
 Two kinds of check:
@@ -106,7 +106,7 @@ def swiglu_inputs(shape, dtype, device, seed: int, magnitude: float = 1.0):
 
 
 def check_swiglu(gate, up, row: dict, col: dict | None, exact: bool, label: str) -> None:
-    from fp4lab.numerics.triton_fusion import swiglu_quantize_fused
+    from fp4lab.numerics.kernels.fusion import swiglu_quantize_fused
 
     ref = swiglu_quantize_reference(gate, up, row["fmt"])  # h only: the encodings come from `expected`
     h = ref.h
@@ -132,7 +132,7 @@ def rmsnorm_inputs(shape, dtypes, device, seed: int, magnitude: float = 1.0):
 
 
 def check_rmsnorm(x, residual, weight, eps, row: dict, col: dict | None, label: str) -> None:
-    from fp4lab.numerics.triton_fusion import residual_rmsnorm_quantize_fused
+    from fp4lab.numerics.kernels.fusion import residual_rmsnorm_quantize_fused
 
     ref = residual_rmsnorm_quantize_reference(x, residual, weight, eps, row["fmt"])
     want_row, row_kernel = expected(ref.normed, row)
@@ -147,7 +147,7 @@ def check_rmsnorm(x, residual, weight, eps, row: dict, col: dict | None, label: 
 
 
 def check_backward(grad_h, gate, up, row: dict | None, col: dict | None, exact: bool, label: str) -> None:
-    from fp4lab.numerics.triton_fusion import swiglu_backward_fused
+    from fp4lab.numerics.kernels.fusion import swiglu_backward_fused
 
     ref = swiglu_backward_reference(grad_h, gate, up)
     plain = swiglu_backward_fused(grad_h, gate, up)
@@ -207,8 +207,8 @@ def check_seeded_sr(device, shape) -> None:
     """SR from an in-kernel Philox seed draws, per element, what quantize_fused draws for the same
     element of the produced tensor: the fused producers equal quantize_fused of the reference's h and
     n (bf16 inputs: h exact everywhere), codes-only orientations included."""
-    from fp4lab.numerics.triton_fusion import residual_rmsnorm_quantize_fused, swiglu_quantize_fused
-    from fp4lab.numerics.triton_quantize import quantize_fused, quantize_fused_both
+    from fp4lab.numerics.kernels.fusion import residual_rmsnorm_quantize_fused, swiglu_quantize_fused
+    from fp4lab.numerics.kernels.quantize import quantize_fused, quantize_fused_both
 
     seed = torch.tensor([20261201], dtype=torch.int64, device=device)
     for fmt in ("mxfp4", "nvfp4"):
@@ -416,7 +416,7 @@ def test_kernels_compile_for_hopper(monkeypatch):
     from triton.compiler import ASTSource
     from triton.runtime.jit import mangle_type
 
-    from fp4lab.numerics import triton_fusion as tf
+    from fp4lab.numerics.kernels import fusion as tf
 
     launches = _recorded_launches(monkeypatch, tf)
     assert len(launches) == 9

@@ -1,4 +1,4 @@
-"""MXFP4 GEMM on FP8 tensor cores (fp4lab.numerics.triton_mx_gemm) against its torch reference
+"""MXFP4 GEMM on FP8 tensor cores (fp4lab.numerics.kernels.mx_gemm) against its torch reference
 (fp4lab.numerics.mx_gemm), bit for bit.
 
 Three facts are checked, on the CPU (the reference in-process, the kernel under Triton's interpreter)
@@ -199,7 +199,7 @@ def assert_matches_decoded_gemm(c: torch.Tensor, a: QTensor, b: QTensor, label: 
 @pytest.fixture(scope="module")
 def mx():
     pytest.importorskip("triton")
-    from fp4lab.numerics import triton_mx_gemm
+    from fp4lab.numerics.kernels import mx_gemm as triton_mx_gemm
 
     return triton_mx_gemm
 
@@ -262,7 +262,7 @@ def _zeros(rows: int, k: int, block: int = MX) -> QTensor:
 
 @pytest.mark.parametrize("name", ["mxfp4_matmul", "mxfp4_matmul_reference"])
 def test_bad_operands_raise_one_line_value_errors(name):
-    fn = mxfp4_matmul_reference if name == "mxfp4_matmul_reference" else pytest.importorskip("fp4lab.numerics.triton_mx_gemm").mxfp4_matmul
+    fn = mxfp4_matmul_reference if name == "mxfp4_matmul_reference" else pytest.importorskip("fp4lab.numerics.kernels.mx_gemm").mxfp4_matmul
     x = torch.randn(16, 64)
     cases = [
         ((_zeros(4, 48, 16), _zeros(4, 48, 16)), {}, "K=48 of a is not a multiple of 32; pad"),
@@ -299,7 +299,7 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 from test_triton_mx_gemm import *
 from fp4lab.numerics.mx_gemm import mxfp4_matmul_reference
-from fp4lab.numerics.triton_mx_gemm import GemmConfig, mxfp4_matmul
+from fp4lab.numerics.kernels.mx_gemm import GemmConfig, mxfp4_matmul
 
 a, b = every_scale_pair()
 c = mxfp4_matmul(a, b, tile=(64, 64))

@@ -1,4 +1,4 @@
-"""Fused Triton quantizers (fp4lab.numerics.triton_quantize) against the torch reference, bit for bit.
+"""Fused Triton quantizers (fp4lab.numerics.kernels.quantize) against the torch reference, bit for bit.
 
 The reference of `quantize_fused(x, fmt=f, signs=s, transpose=t, ...)` is
 `fake_quantize_factored(hadamard(y, len(s), s), f, ...)` (and `quantize(...)` for codes and scale
@@ -179,7 +179,7 @@ def every_scale_byte(fmt: str, tile=None, device="cpu"):
 @pytest.fixture(scope="module")
 def tq():
     pytest.importorskip("triton")
-    from fp4lab.numerics import triton_quantize
+    from fp4lab.numerics.kernels import quantize as triton_quantize
 
     return triton_quantize
 
@@ -502,7 +502,9 @@ def test_codes_only_and_decode_errors(tq):
     scales = torch.zeros(64, 2, dtype=torch.uint8, device="cuda")
     ok = dict(fmt="mxfp4", shape=(64, 64))
     for kwargs, match in (
-        (dict(ok, fmt="nvfp4_cta"), "fmt"),
+        (dict(ok, fmt="fp8"), "fmt='fp8' is not supported"),
+        # nvfp4_cta decodes (its blocks are NVFP4's 1x16): mxfp4-sized scales are refused by their shape.
+        (dict(ok, fmt="nvfp4_cta"), r"scales must be a uint8 tensor of shape \[64, 4\], got torch.uint8 \[64, 2\]"),
         (dict(ok, shape=(64, 48)), "shape"),
         (dict(ok, shape=(64,)), "shape"),
         (dict(ok, shape=(32, 64)), r"codes must be a uint8 tensor of shape \[32, 32\]"),
@@ -669,7 +671,7 @@ sys.path.insert(0, {tests!r})
 from test_triton_quantize import inputs, assert_matches, assert_codes_only, assert_same_bits, every_scale_byte, BLOCK
 from fp4lab.numerics import fake_quantize_factored, hadamard, hadamard_signs, quantize
 from fp4lab.numerics.qtensor import QTensor
-from fp4lab.numerics.triton_quantize import decode_fused, quantize_fused, quantize_fused_both
+from fp4lab.numerics.kernels.quantize import decode_fused, quantize_fused, quantize_fused_both
 
 def ref(y, fmt, mode, rounding, signs):
     if signs is not None:

@@ -1,5 +1,5 @@
 """Attention benchmark: fp4lab's Triton flash attention, which also yields the per-head max logit and
-entropy (fp4lab.nn.triton_attention), against PyTorch's SDPA (its flash backend on CUDA), forward and
+entropy (fp4lab.numerics.kernels.attention), against PyTorch's SDPA (its flash backend on CUDA), forward and
 backward of causal GQA attention on bf16 tensors of one shape.
 
 SDPA alone computes neither probe, so the ratio is what the fused statistics cost on top of the best
@@ -61,12 +61,12 @@ def bench_attention(
     batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, device: torch.device, repeats: int = 20
 ) -> AttentionBench | None:
     """Forward and backward of each attention on one shape; None off CUDA or without Triton."""
-    from fp4lab.numerics.fast import triton_available
+    from fp4lab.train.paths import gpu_kernels_run
 
-    if device.type != "cuda" or not triton_available():
+    if not gpu_kernels_run(device):
         return None
-    from fp4lab.nn.attention import attention_entropy, max_attention_logits
-    from fp4lab.nn.triton_attention import flash_attention
+    from fp4lab.numerics.attention import attention_entropy, max_attention_logits
+    from fp4lab.numerics.kernels.attention import flash_attention
 
     g = torch.Generator().manual_seed(0)
 

@@ -1,4 +1,4 @@
-"""Producer fusion benchmark: the fused FP4 producers of numerics.triton_fusion against the ops they
+"""Producer fusion benchmark: the fused FP4 producers of numerics.kernels.fusion against the ops they
 replace (CUDA only).
 
 For one [tokens, features] shape and one format, three ways to make each producer's GEMM operand:
@@ -70,16 +70,16 @@ def bench_producer_fusion(
     """Time each of `producers` unfused, compiled and fused on a [tokens, features] shape (features a
     multiple of the format's block). None off CUDA or without Triton: the fused kernels are CUDA
     kernels, and a CPU time of Triton's interpreter would measure nothing."""
-    from fp4lab.numerics.fast import triton_available
+    from fp4lab.train.paths import gpu_kernels_run
 
-    if torch.device(device).type != "cuda" or not triton_available():
+    if not gpu_kernels_run(torch.device(device)):
         return None
-    from fp4lab.numerics.triton_fusion import (
+    from fp4lab.numerics.kernels.fusion import (
         residual_rmsnorm_quantize_fused,
         swiglu_backward_fused,
         swiglu_quantize_fused,
     )
-    from fp4lab.numerics.triton_quantize import quantize_fused
+    from fp4lab.numerics.kernels.quantize import quantize_fused
 
     device = torch.device(device)
     tokens, features = shape

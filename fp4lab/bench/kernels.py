@@ -145,25 +145,24 @@ def _materialize(options: dict, case: Case, device: torch.device) -> dict:
 def _quantizer(case: Case, x: torch.Tensor) -> tuple[Callable, str]:
     """The fused kernel where it covers the case (checked by one call: unsupported options raise
     ValueError), else the torch reference."""
-    if x.device.type == "cuda":
-        from fp4lab.numerics.fast import triton_available
+    from fp4lab.train.paths import gpu_kernels_run
 
-        if triton_available():
-            from fp4lab.numerics.triton_quantize import decode_fused, quantize_fused, quantize_fused_both
+    if gpu_kernels_run(x.device):
+        from fp4lab.numerics.kernels.quantize import decode_fused, quantize_fused, quantize_fused_both
 
-            opts = [_materialize(o, case, x.device) for o, _ in case.orientations]
-            if len(opts) == 2:
-                fused = lambda x: quantize_fused_both(x, opts[0], opts[1])  # noqa: E731
-            else:
-                fused = lambda x: quantize_fused(x, transpose=case.row is None, **opts[0])  # noqa: E731
-            try:
-                if case.decode:  # the codes are made once, outside the timing
-                    q = fused(x)
-                    fused = lambda x: decode_fused(q.codes, q.scales, fmt=opts[0]["fmt"], shape=tuple(x.shape), tile=case.tile)  # noqa: E731
-                fused(x)
-                return fused, "triton"
-            except ValueError:
-                pass
+        opts = [_materialize(o, case, x.device) for o, _ in case.orientations]
+        if len(opts) == 2:
+            fused = lambda x: quantize_fused_both(x, opts[0], opts[1])  # noqa: E731
+        else:
+            fused = lambda x: quantize_fused(x, transpose=case.row is None, **opts[0])  # noqa: E731
+        try:
+            if case.decode:  # the codes are made once, outside the timing
+                q = fused(x)
+                fused = lambda x: decode_fused(q.codes, q.scales, fmt=opts[0]["fmt"], shape=tuple(x.shape), tile=case.tile)  # noqa: E731
+            fused(x)
+            return fused, "triton"
+        except ValueError:
+            pass
     return _reference(case, x), "torch reference"
 
 
@@ -204,8 +203,8 @@ def _reference(case: Case, x: torch.Tensor) -> Callable:
 
 @dataclass(frozen=True)
 class GemmBench:
-    """An FP4 GEMM kernel (the MXFP4 GEMM on FP8 tensor cores, `numerics.triton_mx_gemm`, or the
-    chunk-scaled GEMM of CTA-local weights, `numerics.triton_tile_gemm`; bf16 out) against a bf16 cuBLAS
+    """An FP4 GEMM kernel (the MXFP4 GEMM on FP8 tensor cores, `numerics.kernels.mx_gemm`, or the
+    chunk-scaled GEMM of CTA-local weights, `numerics.kernels.tile_gemm`; bf16 out) against a bf16 cuBLAS
     GEMM of the same [m, k] x [n, k]^T shape (bf16 out), each timed as the quantizers are. The
     operands are quantized once, outside the timing."""
 
@@ -237,11 +236,11 @@ class GemmBench:
 def bench_mx_gemm(m: int, n: int, k: int, device: torch.device, repeats: int = 20, label: str = "") -> GemmBench | None:
     """Time `mxfp4_matmul` against `torch.mm` in bf16 on one shape; None off CUDA or without Triton (the
     kernel is CUDA only). k must be a multiple of 32."""
-    from fp4lab.numerics.fast import triton_available
+    from fp4lab.train.paths import gpu_kernels_run
 
-    if device.type != "cuda" or not triton_available():
+    if not gpu_kernels_run(device):
         return None
-    from fp4lab.numerics.triton_mx_gemm import mxfp4_matmul
+    from fp4lab.numerics.kernels.mx_gemm import mxfp4_matmul
 
     g = torch.Generator().manual_seed(0)
     a32, b32 = (torch.randn(rows, k, generator=g).to(device) for rows in (m, n))
@@ -253,14 +252,14 @@ def bench_mx_gemm(m: int, n: int, k: int, device: torch.device, repeats: int = 2
 
 
 def bench_tile_gemm(m: int, n: int, k: int, device: torch.device, repeats: int = 20, label: str = "") -> GemmBench | None:
-    """Time the chunk-scaled GEMM of a 2D CTA-local NVFP4 weight (`numerics.triton_tile_gemm`, 128 x 128
+    """Time the chunk-scaled GEMM of a 2D CTA-local NVFP4 weight (`numerics.kernels.tile_gemm`, 128 x 128
     squares, a per-row a outer scale, bf16 out) against `torch.mm` in bf16 on one shape; None off CUDA
     or without Triton. The operands are quantized once, outside the timing."""
-    from fp4lab.numerics.fast import triton_available
+    from fp4lab.train.paths import gpu_kernels_run
 
-    if device.type != "cuda" or not triton_available():
+    if not gpu_kernels_run(device):
         return None
-    from fp4lab.numerics.triton_tile_gemm import tile_scaled_matmul
+    from fp4lab.numerics.kernels.tile_gemm import tile_scaled_matmul
 
     a16, b16, cells, cell, a_outer = tile_gemm_operands(m, n, k, device)
     ms = _median_ms(lambda: tile_scaled_matmul(a16, b16, cells, cell, a_outer, torch.bfloat16), device, repeats)

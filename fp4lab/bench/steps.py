@@ -1,7 +1,7 @@
 """Training-step benchmarks: fp4lab recipes and the plain PyTorch anchor, same shape, one process.
 
-Each configuration builds its model, optimizer and step the way a run does (`train.loop.build_training`
-and `TrainStep` for fp4lab, `bench.anchor` for the anchor), warms up (torch.compile compiles and the
+Each configuration resolves its compute paths, then builds its model, optimizer and step the way a run
+does (`train.paths.resolve`, `train.build.build_training` and `train.step.TrainStep` for fp4lab, `bench.anchor` for the anchor), warms up (torch.compile compiles and the
 CUDA graph is captured then: give more warm-up steps than GRAPH_WARMUP_STEPS), and times
 `steps` whole steps: forward and loss, backward, gradient clipping, optimizer step, with the loss and
 gradient norm read back every step as the training loop reads them. Batches are random tokens.
@@ -22,7 +22,10 @@ from fp4lab.bench.anchor import anchor_step
 from fp4lab.nn.model import preset
 from fp4lab.nn.recipe import load_recipe
 from fp4lab.train.config import TrainConfig
-from fp4lab.train.loop import TrainStep, build_training, clip_and_step, compiled, cuda_graph, fast_compute
+from fp4lab.nn.build import cuda_graph_blocker
+from fp4lab.train import paths
+from fp4lab.train.build import build_training
+from fp4lab.train.step import TrainStep, clip_and_step
 
 ANCHOR = "anchor"
 
@@ -39,6 +42,7 @@ class StepBench:
     compute: str
     compiled: bool
     cuda_graph: bool
+    paths: dict | None  # fp4lab's resolved train.paths.ComputePaths; None for the anchor
     optimizer: str
     step_ms: float  # median over the timed steps
     step_ms_spread: float  # (max - min) / median of the timed steps
@@ -85,19 +89,20 @@ def bench_steps(
             device=device.type, compile=compile, cuda_graphs=cuda_graphs, attention_kernel=attention_kernel, mx_gemm=mx_gemm,
             producer_fusion=producer_fusion, optimizer=optimizer, adam_lr=3e-4, lr=0.02,
         )
-        use_compile = compiled(config, device)
+        chosen = paths.resolve(config, device, model_config.head_dim)
         if name == ANCHOR:
-            step = anchor_step(model_config, device, compile=use_compile)
-            compute, optimizer_name, graphed = "bf16 autocast", "adamw (torch, fused on CUDA)", False
+            step = anchor_step(model_config, device, compile=chosen.compile)
+            compute, optimizer_name, graphed, record = "bf16 autocast", "adamw (torch, fused on CUDA)", False, None
         else:
-            step, graphed = _fp4lab_step(config, model_config, device)
-            compute, optimizer_name = "fast" if fast_compute(config, device) else "reference", optimizer
+            step, chosen = _fp4lab_step(config, model_config, device, chosen)
+            compute, optimizer_name, graphed = "fast" if chosen.tensor_cores else "reference", optimizer, chosen.cuda_graphs
+            record = chosen.as_dict()
         times, losses, peak = _time(step, x, y, device, steps, warmup)
         if profile_dir is not None:
             _profile(step, x, y, device, Path(profile_dir) / f"{name}.txt")
         median = statistics.median(times)
         result = StepBench(
-            name=name, **shape, compute=compute, compiled=use_compile, cuda_graph=graphed, optimizer=optimizer_name,
+            name=name, **shape, compute=compute, compiled=chosen.compile, cuda_graph=graphed, paths=record, optimizer=optimizer_name,
             step_ms=median * 1e3, step_ms_spread=(max(times) - min(times)) / median,
             tokens_per_s=batch_size * seq_len / median, peak_memory_mb=peak,
             first_loss=losses[0], last_loss=losses[-1],
@@ -113,17 +118,19 @@ def bench_steps(
     return results
 
 
-def _fp4lab_step(config: TrainConfig, model_config, device: torch.device):
-    """The training loop's step, as `run` builds it (CUDA graph included where it applies)."""
-    model, optimizer, loss_fn = build_training(config, load_recipe(config.recipe), model_config, device)
-    train_step = TrainStep(model, loss_fn, cuda_graph(config, model, device))
+def _fp4lab_step(config: TrainConfig, model_config, device: torch.device, chosen: paths.ComputePaths):
+    """The training loop's step, as `run` builds it (CUDA graph included where it applies), and the
+    compute paths with cuda_graphs settled."""
+    model, optimizer, loss_fn = build_training(config, load_recipe(config.recipe), model_config, device, paths=chosen)
+    chosen = paths.with_cuda_graphs(chosen, config, cuda_graph_blocker(model, config.batch_size * config.seq_len))
+    train_step = TrainStep(model, loss_fn, chosen.cuda_graphs)
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
         loss = train_step(tokens, targets)
         grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed)
         return loss.item(), grad_norm.item()
 
-    return step, train_step.graphed
+    return step, chosen
 
 
 def _time(step, x, y, device: torch.device, steps: int, warmup: int) -> tuple[list[float], list[float], float | None]:

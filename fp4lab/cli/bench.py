@@ -112,9 +112,7 @@ def _model_shape_on_paths_that_run(target, model: str, batch_size: int, seq_len:
     this device lacks is refused here, not after the anchor ran."""
     from fp4lab.nn.model import preset
     from fp4lab.train.config import ConfigError, TrainConfig
-    from fp4lab.train.loop import attention_kernel as resolve_attention
-    from fp4lab.train.loop import mx_gemm as resolve_mx_gemm
-    from fp4lab.train.loop import producer_fusion as resolve_fusion
+    from fp4lab.train.paths import resolve as resolve_paths
 
     try:
         kernels = TrainConfig(
@@ -122,7 +120,7 @@ def _model_shape_on_paths_that_run(target, model: str, batch_size: int, seq_len:
             attention_kernel=attention_kernel, mx_gemm=mx_gemm, producer_fusion=producer_fusion,
         )
         model_shape = preset(model, 4096, seq_len)
-        resolve_attention(kernels, target, model_shape.head_dim), resolve_mx_gemm(kernels, target), resolve_fusion(kernels, target)
+        resolve_paths(kernels, target, model_shape.head_dim)
     except ConfigError as exc:
         fail(f"bench: {exc}")
     return model_shape

@@ -239,8 +239,7 @@ def _toml_keys(path: Path) -> set[str]:
 def _clear_run_folder(folder: Path) -> None:
     """Remove only the files a training run writes (either kind of checkpoint, one process or sharded),
     never anything else the user keeps there."""
-    from fp4lab.train.checkpoint import remove_checkpoint
-    from fp4lab.train.loop import CHECKPOINT, SHARDED_CHECKPOINT
+    from fp4lab.train.checkpoint import CHECKPOINT, SHARDED_CHECKPOINT, remove_checkpoint
 
     for name in (CHECKPOINT, SHARDED_CHECKPOINT):
         remove_checkpoint(folder / name)

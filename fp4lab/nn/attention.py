@@ -7,7 +7,7 @@
   `record_max_logits` stores the per-head max attention logit S_max^h (the QK-Clip trigger, Kimi K2),
   `probe` stores the per-head attention entropy (Zhai et al. 2023);
 - `kernel="triton"` (what build_model sets on the fast path on CUDA): the Triton flash attention of
-  fp4lab.nn.triton_attention, whose online softmax also returns both probes' statistics, so they
+  fp4lab.numerics.kernels.attention, whose online softmax also returns both probes' statistics, so they
   cost one more multiply-add per logit instead of a pass over all logits: QK-Clip reads them every
   step. The same two flags say which of them are stored;
 - `quant`: FP4 attention after Full-Stack FP4 (arXiv 2607.04422), fake-quantized, with a
@@ -29,16 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4lab.numerics import BLOCK_SIZE, fake_quantize
-from fp4lab.numerics.fast import triton_runs_on
-from fp4lab.numerics.fast_fake_quantize import fast_fake_quantize
+from fp4lab.numerics import kernels
+from fp4lab.numerics.attention import attention_entropy, max_attention_logits
 from fp4lab.numerics.quantize import finite_amax
 
 ATTENTION_FORMATS = ("nvfp4", "mxfp4")
 DS_ROUNDINGS = ("sr", "rtn")
 # Sequence length and head_dim must hold whole blocks of every attention format.
 FP4_BLOCK_MULTIPLE = max(BLOCK_SIZE[fmt] for fmt in ATTENTION_FORMATS)
-# A probe materialises at most this many fp32 logits at once (64 MiB), whatever the model size.
-PROBE_CHUNK_ELEMENTS = 1 << 24
 # FP4 attention materialises its fp32 scores, P, dP and dS (and dS's quantizations) for chunks of query
 # rows of at most this many elements each (256 MiB), not [B, H, T, T]; a chunk holds 32 rows at least.
 # A chunk costs about 50 kernel launches a pass whatever its size: 64 MiB chunks made the 125m model
@@ -101,7 +99,7 @@ class Attention(nn.Module):
                          entropy (nats), over the first `probe_batch` sequences.
       quant              an AttentionQuant to run FP4 attention instead of SDPA (whatever `kernel`).
       kernel             "sdpa" (PyTorch's attention beside the chunked probes) or "triton"
-                         (fp4lab.nn.triton_attention, the probes' statistics computed online; its
+                         (fp4lab.numerics.kernels.attention, the probes' statistics computed online; its
                          inputs in the autocast dtype under autocast, as SDPA's are).
     Both probes read the unquantized post-RoPE q and k, also under FP4 attention: they track the
     weights QK-Clip rescales, not the rounding noise.
@@ -158,7 +156,7 @@ class Attention(nn.Module):
         """The "triton" kernel: attention whose online softmax also yields both probes' statistics, so
         they cost no extra pass over the logits and can run every step."""
         # Imported here: the module imports Triton, and only runs where build_model chose the kernel.
-        from fp4lab.nn.triton_attention import flash_attention
+        from fp4lab.numerics.kernels.attention import flash_attention
 
         device = q.device.type
         if torch.is_autocast_enabled(device):
@@ -173,56 +171,7 @@ class Attention(nn.Module):
         return result.out
 
 
-# --- probes -------------------------------------------------------------------------------------
-
-
-def _causal_logit_chunks(
-    q: torch.Tensor, k: torch.Tensor, max_elements: int
-) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
-    """Yield (query heads, logits, causal mask) in chunks of query rows, each row with all its keys.
-
-    q [B, H, T, D], k [B, H_kv, T, D]. A chunk holds the logits of one KV group's query heads for some
-    query rows: [B, group, rows, keys] with masked logits at -inf. Whole rows keep softmax exact.
-    """
-    batch, n_heads, seq, head_dim = q.shape
-    group = n_heads // k.shape[1]
-    rows_per_chunk = max(1, max_elements // (batch * group * seq))
-    positions = torch.arange(seq, device=q.device)
-    for kv_head in range(k.shape[1]):
-        heads = slice(kv_head * group, (kv_head + 1) * group)
-        keys = k[:, kv_head : kv_head + 1].float()
-        for start in range(0, seq, rows_per_chunk):
-            stop = min(start + rows_per_chunk, seq)
-            logits = q[:, heads, start:stop].float() @ keys[:, :, :stop].transpose(-1, -2) / math.sqrt(head_dim)
-            causal = positions[:stop] <= positions[start:stop, None]
-            yield heads, logits.masked_fill(~causal, -math.inf), causal
-
-
-@torch.no_grad()
-def max_attention_logits(q: torch.Tensor, k: torch.Tensor, max_elements: int = PROBE_CHUNK_ELEMENTS) -> torch.Tensor:
-    """S_max^h = max over batch and causal (i, j) of q_i.k_j / sqrt(head_dim): fp32 [n_heads], detached."""
-    result = torch.full((q.shape[1],), -math.inf, device=q.device)
-    for heads, logits, _ in _causal_logit_chunks(q.detach(), k.detach(), max_elements):
-        result[heads] = torch.maximum(result[heads], logits.amax(dim=(0, 2, 3)))
-    return result
-
-
-@torch.no_grad()
-def attention_entropy(q: torch.Tensor, k: torch.Tensor, max_elements: int = PROBE_CHUNK_ELEMENTS) -> torch.Tensor:
-    """Per head, the mean over batch and query rows of -sum_j p_ij log p_ij (nats): fp32 [n_heads]."""
-    batch, n_heads, seq, _ = q.shape
-    total = torch.zeros(n_heads, device=q.device)
-    for heads, logits, causal in _causal_logit_chunks(q.detach(), k.detach(), max_elements):
-        log_p = torch.log_softmax(logits, dim=-1)
-        # Masked entries have p = 0 and log p = -inf; their 0 * log 0 term is 0 by definition.
-        p_log_p = torch.where(causal, log_p.exp() * log_p, 0.0)
-        total[heads] -= p_log_p.sum(dim=(0, 2, 3))
-    return total / (batch * seq)
-
-
 # --- FP4 attention ------------------------------------------------------------------------------
-
-
 
 
 def fp4_attention(
@@ -368,7 +317,7 @@ def _ds_tensor_amaxes(
 def _fake_quant(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     """x [..., N] quantized (round to nearest) along its last dim and dequantized to fp32; fmt None
     returns x in fp32. Where Triton runs, by the fused quantizer: the reference's bits."""
-    return x.float() if fmt is None else fast_fake_quantize(x, fmt)
+    return x.float() if fmt is None else kernels.fake_quantize(x, fmt)
 
 
 def _fake_quant_seq(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
@@ -376,8 +325,8 @@ def _fake_quant_seq(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     The fused kernel quantizes the [B H T, D] view's transpose: its blocks of 16 or 32 rows stay
     within one (batch, head) as T is a multiple of 32. Its result is laid out as the reference's
     (a transposed contiguous [B, H, D, T]), so the GEMMs that read it are the same cuBLAS calls."""
-    if fmt is not None and triton_runs_on(x.device):
-        from fp4lab.numerics.triton_quantize import quantize_fused
+    if fmt is not None and kernels.runs_on(x.device):
+        from fp4lab.numerics.kernels.quantize import quantize_fused
 
         batch, n_heads, seq, head_dim = x.shape
         decoded = quantize_fused(x.reshape(-1, head_dim), fmt=fmt, transpose=True).dequantize()
@@ -400,8 +349,8 @@ def _quant_ds(
     if quant.ds_rounding is None or quant.format is None:
         return grad_scores, grad_scores.transpose(-1, -2)
     fmt, rounding, generator = quant.format, quant.ds_rounding, quant.generator
-    if triton_runs_on(grad_scores.device):
-        from fp4lab.numerics.triton_quantize import quantize_fused_both
+    if kernels.runs_on(grad_scores.device):
+        from fp4lab.numerics.kernels.quantize import quantize_fused_both
 
         def options(amax: torch.Tensor | None) -> dict:
             seed = torch.randint(2**62, (1,), generator=generator, device=grad_scores.device) if rounding == "sr" else None

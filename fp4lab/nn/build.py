@@ -19,14 +19,15 @@ def derive_seed(seed: int, name: str) -> int:
 
 def build_model(
     config: ModelConfig, recipe: Recipe, *, seed: int, device: torch.device | str = "cpu", tensor_cores: bool = False,
-    attention_kernel: str = "sdpa", mx_gemm: str = "bf16", producer_fusion: str = "off",
+    fused_quantizers: bool = True, attention_kernel: str = "sdpa", mx_gemm: str = "bf16", producer_fusion: str = "off",
 ) -> Llama:
     """Every block linear gets the recipe's linear for its depth, the head gets the head recipe;
     each FP4Linear and each FP4 attention draws its random bits from its own seeded generator (on
     `device`, where the model is moved). `tensor_cores` runs every linear's GEMMs on bf16 tensor
-    cores instead of the fp32 reference (fp4lab.nn.fp4_linear); `mx_gemm` "fp8" runs their MXFP4 x
+    cores instead of the fp32 reference (fp4lab.nn.fp4_linear), with the fused quantizers where
+    `fused_quantizers` (train.paths.ComputePaths decides each of these for a run); `mx_gemm` "fp8" runs their MXFP4 x
     MXFP4 GEMMs on FP8 tensor cores instead. `attention_kernel` "triton" runs unquantized attention
-    as fp4lab.nn.triton_attention's flash attention, "sdpa" as PyTorch's. `producer_fusion` "on" fuses each
+    as fp4lab.numerics.kernels.attention's flash attention, "sdpa" as PyTorch's. `producer_fusion` "on" fuses each
     feed-forward's SwiGLU into its W2's GEMMs (`FP4Linear.swiglu`: the same bits, fewer passes); "all"
     also the residual add and RMSNorm before each feed-forward into its W1's and W3's x operands
     (`FP4Linear.residual_rmsnorm`: the norm within a few ulps of nn.RMSNorm's)."""
@@ -39,6 +40,7 @@ def build_model(
         lora_rank = recipe.lora_svd_rank if block_index is not None and not linear.is_high_precision else 0
         layer = FP4Linear(in_features, out_features, linear, seed=derive_seed(seed, path), lora_rank=lora_rank)
         layer.tensor_cores = tensor_cores
+        layer.fused_quantizers = fused_quantizers
         layer.mx_gemm = mx_gemm
         return layer
 

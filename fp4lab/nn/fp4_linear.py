@@ -18,7 +18,7 @@ block and transform sizes for Wgrad (zeros add nothing to the product). A full-d
 (rhtfull) pads each operand's contraction dim itself, to the power of two its sign vector spans
 (`transform_length`), so its GEMMs take any in_features, out_features and token count. FP8 operands
 are encoded with one current scale per tensor or per row (`numerics.fp8`; on CUDA by the fused
-`numerics.triton_fp8`, the same bits).
+`numerics.kernels.fp8`, the same bits).
 
 Three ways to run the same GEMMs (`FP4Linear.tensor_cores`, then `FP4Linear.mx_gemm`):
 
@@ -36,7 +36,7 @@ Three ways to run the same GEMMs (`FP4Linear.tensor_cores`, then `FP4Linear.mx_g
   activations) and the weight gradient stays fp32. An all-bf16 recipe is a plain `F.linear` on bf16
   casts, as in any bf16 PyTorch loop.
 - FP8 tensor cores (tensor cores with mx_gemm = "fp8"): a GEMM whose two operands are both MXFP4
-  (`FP4Linear.takes_fp8_gemm`) runs as `numerics.triton_mx_gemm.mxfp4_matmul` on the operands' packed
+  (`FP4Linear.takes_fp8_gemm`) runs as `numerics.kernels.mx_gemm.mxfp4_matmul` on the operands' packed
   E2M1 codes and E8M0 scale bytes, which the quantizers then write (the fused ones write nothing else:
   `PackedOperand`; the torch ones add them to the values, `GemmOperand.packed`). Each 32-block is one FP8 dot, exact,
   scaled in fp32, so Fprop, Dgrad and Wgrad equal the fp32 GEMM of the decoded operands up to fp32
@@ -48,20 +48,20 @@ Three ways to run the same GEMMs (`FP4Linear.tensor_cores`, then `FP4Linear.mx_g
   of the 32-block), whose per-tile scales are exactly per-block scales repeated
   (`numerics.mx_gemm.along_k`), also transposed for Dgrad. Falls back to the bf16 tensor cores above:
   any GEMM with an NVFP4, FP8, bf16 or fp32 operand (so mixed formats, e.g. hybrid-operand's NVFP4
-  Dgrad), and tensors where the kernel cannot run (`numerics.fast.triton_runs_on`: CUDA with
+  Dgrad), and tensors where the kernel cannot run (`numerics.kernels.runs_on`: CUDA with
   Triton, or the CPU under Triton's interpreter). A K that is not a multiple of 32 never reaches it:
   MXFP4 operands are whole blocks along K. With mx_gemm = "bf16" nothing here changes a bit.
 
 Producer fusion (`fuse_swiglu`, set on each feed-forward's W2 by producer_fusion = "on"): the
 feed-forward calls `swiglu(gate, up)` instead of `self(F.silu(gate) * up)`; on the tensor-core path
-one Triton kernel (`numerics.triton_fusion.swiglu_quantize_fused`) reads gate and up and writes W2's
+one Triton kernel (`numerics.kernels.fusion.swiglu_quantize_fused`) reads gate and up and writes W2's
 Fprop x and Wgrad x^T operands, so h is never written, and the backward makes d_gate and d_up from
 Dgrad's dh in one kernel (`swiglu_backward_fused`). The same bits as the eager unfused ops (the
 kernels equal the torch references bit for bit; stochastic rounding draws from the same Philox
 seeds); under torch.compile the unfused SiLU is Inductor's, whose exp may round differently.
 `fuses_swiglu` says where it falls back to the unfused ops. With producer_fusion = "all" each block
 also hands the residual add and RMSNorm before its feed-forward to W1 (`residual_rmsnorm`,
-`fuse_residual_rmsnorm`): one kernel (`triton_fusion.residual_rmsnorm_quantize_fused`) writes h, the
+`fuse_residual_rmsnorm`): one kernel (`kernels.fusion.residual_rmsnorm_quantize_fused`) writes h, the
 normed activations and their Fprop x and Wgrad x^T operands, which it offers W1 and W3 through the
 sibling slot; the norm's sum of squares runs in the kernel's fixed order, so the normed activations
 are within a few ulps of nn.RMSNorm's (docs/BENCHMARKS.md: neither fusion gains step time on an H200).
@@ -70,10 +70,9 @@ are within a few ulps of nn.RMSNorm's (docs/BENCHMARKS.md: neither fusion gains 
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -84,248 +83,32 @@ if torch.distributed.is_available():
 else:  # a torch build without torch.distributed has no sharded weights
     DTensor = ()
 
-from fp4lab.nn.recipe import GEMMS, OPERANDS, LinearRecipe, OperandSpec
-from fp4lab.numerics import (
-    BLOCK_SIZE,
-    Fp8Tensor,
-    fake_quantize,
-    fake_quantize_factored,
-    fp8_quantize,
-    hadamard,
-    hadamard_full,
-    hadamard_signs,
-    quantize,
+from fp4lab.nn.gemm import fp8_gemm_operands, fp8_tensor_core_mm, tensor_core_mm
+from fp4lab.nn.operands import (
+    GemmOperand,
+    PackedOperand,
+    contraction_multiple,
+    decode_operand,
+    encode_operand,
+    fp8_kernel_runs,
+    fused_encoding,
+    fused_operand,
+    fused_options,
+    gemm_operand,
+    kernel_options,
+    operand_values,
+    packed_form,
+    transform_length,
+    transform_operand,
+    unpacked,
 )
-from fp4lab.numerics.fast import triton_available, triton_runs_on
+from fp4lab.nn.recipe import GEMMS, OPERANDS, LinearRecipe, OperandSpec
+from fp4lab.numerics import Fp8Tensor, hadamard_signs
 from fp4lab.numerics.fusion import RMSNORM_MAX_WIDTH, rmsnorm_backward
-from fp4lab.numerics.mx_gemm import MX_BLOCK, OUT_DTYPES, along_k
+from fp4lab.numerics.kernels import quantizer_covers, runs_on
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.quantize import DEFAULT_CTA_TILE
-from fp4lab.numerics.tile_gemm import OUT_DTYPES as TILE_GEMM_OUT_DTYPES
-from fp4lab.numerics.tile_gemm import tile_scaled_matmul_reference
 from fp4lab.numerics.survey import clip_flush_fractions
-
-
-def transform_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None) -> torch.Tensor:
-    """t with the spec's Hadamard along its last dim: blockwise, or over the whole dim zero-padded to
-    the length of the sign vector (a full transform), or t itself without one."""
-    if signs is None:
-        return t
-    return hadamard_full(t, signs) if spec.full_transform else hadamard(t, spec.transform_size, signs)
-
-
-def encode_operand(
-    t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator, amax: torch.Tensor | None = None
-) -> QTensor | Fp8Tensor | torch.Tensor:
-    """The representation of a 2D operand (quantized along its last dim) that a GEMM consumes.
-    `amax`: the amax behind an NVFP4 tensor scale or FP8 scale other than t's own (that of the whole
-    weight, for a shard of it)."""
-    t = transform_operand(t, spec, signs)
-    if spec.format == "fp32":
-        return t
-    if spec.format == "bf16":
-        return t.to(torch.bfloat16)
-    if spec.format == "fp8":
-        return fp8_quantize(t, spec.element, spec.scaling, pow2=spec.pow2_scale, amax=amax)
-    return quantize(t, spec.format, **_quantize_options(spec, generator), tensor_amax=amax)
-
-
-def decode_operand(encoded: QTensor | Fp8Tensor | torch.Tensor) -> torch.Tensor:
-    return encoded.dequantize() if isinstance(encoded, (QTensor, Fp8Tensor)) else encoded.to(torch.float32)
-
-
-def operand_values(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator) -> torch.Tensor:
-    """`decode_operand(encode_operand(...))` without packing, for operands consumed at once."""
-    if not spec.is_fp4:
-        return decode_operand(encode_operand(t, spec, signs, generator))
-    return fake_quantize(transform_operand(t, spec, signs), spec.format, **_quantize_options(spec, generator))
-
-
-def _quantize_options(spec: OperandSpec, generator) -> dict:
-    return {
-        "rounding": spec.rounding,
-        "tile": spec.tile,
-        "scale_mode": spec.scale_mode,
-        "generator": generator if spec.rounding == "sr" else None,
-        "adaptive": spec.adaptive,
-        "cta_tile": spec.cta_tile,
-    }
-
-
-def kernel_covers(spec: OperandSpec) -> bool:
-    """Whether the fused quantizer covers `spec` (not non-FP4 formats, transforms other than 16 and
-    32, or 2D tiles with SR, a transform or a side that is not a power of two)."""
-    if spec.format not in ("mxfp4", "nvfp4", "nvfp4_cta") or spec.transform_size not in (0, 16, 32):
-        return False
-    if spec.tile is None:
-        return True
-    return spec.rounding == "rtn" and spec.transform == "none" and all(side & (side - 1) == 0 for side in spec.tile)
-
-
-def _kernel_options(spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor, seed) -> dict | None:
-    """The fused quantizer's arguments for `spec`, or None where it does not cover the spec or cannot
-    run (no CUDA tensor, no Triton). `seed()` gives the Philox seed of a stochastically rounded one."""
-    if not (t.is_cuda and kernel_covers(spec) and triton_available()):
-        return None
-    return fused_options(spec, signs, t, seed)
-
-
-def fp8_kernel_runs(t: torch.Tensor) -> bool:
-    """Whether the fused FP8 quantizer runs on t: a CUDA tensor, with Triton (tests under Triton's
-    interpreter replace this for CPU tensors)."""
-    return t.is_cuda and triton_available()
-
-
-def fused_options(spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor, seed) -> dict:
-    """`triton_quantize.quantize_fused`'s arguments for a spec it covers (`kernel_covers`); tests under
-    Triton's CPU interpreter call it for CPU tensors, where `_kernel_options` says None."""
-    options = {"fmt": spec.format, "scale_mode": spec.scale_mode, "rounding": spec.rounding, "signs": signs}
-    options["seed"] = seed(t.device) if spec.rounding == "sr" else None
-    if spec.adaptive:
-        options["adaptive"] = True
-    if spec.format == "nvfp4_cta":
-        options["cta_tile"] = spec.cta_tile
-    if spec.tile is not None:
-        options["tile"] = spec.tile
-    return options
-
-
-def contraction_multiple(recipe: LinearRecipe, gemm: str) -> int:
-    """The contraction length of `gemm` must be a multiple of this (blocks, tiles and transform); 1
-    under a full transform, which pads the dim itself (`transform_length`)."""
-    if recipe.operand(GEMMS[gemm][0]).full_transform:
-        return 1
-    multiple = 1
-    for name in GEMMS[gemm]:
-        spec = recipe.operand(name)
-        if spec.is_fp4:
-            multiple = math.lcm(multiple, BLOCK_SIZE[spec.format], *(spec.tile or ()))
-        multiple = math.lcm(multiple, max(spec.transform_size, 1))
-    return multiple
-
-
-def transform_length(recipe: LinearRecipe, gemm: str, length: int) -> int:
-    """The padded contraction length N of a full transform of `gemm` over `length` elements: the next
-    power of two, and at least the operands' FP4 block, so the padded operands divide into blocks (the
-    recipe allows no tiles with a full transform)."""
-    blocks = [BLOCK_SIZE[recipe.operand(name).format] for name in GEMMS[gemm] if recipe.operand(name).is_fp4]
-    return max(1 << (length - 1).bit_length(), *blocks, 1)
-
-
-@dataclass(frozen=True)
-class GemmOperand:
-    """One operand of a tensor-core GEMM: `values` [rows, K] (bf16 where exact, else fp32) and the
-    outer scale that multiplies the result: None, 0-dim, or one per row ([rows, 1]); or, for a weight in
-    2D CTA-local NVFP4 tiles, one per `outer_cell` x `outer_cell` square, which scales each chunk of the
-    sum along K (`numerics.tile_gemm`)."""
-
-    values: torch.Tensor
-    outer: torch.Tensor | None = None
-    packed: PackedOperand | None = None  # the same operand as codes and scales, where the kernel wrote them
-    outer_cell: int | None = None
-
-    @property
-    def T(self) -> GemmOperand:  # noqa: N802 (reads like tensor.T)
-        """The transposed operand, for an encoding valid in both orientations (2D weight tiles)."""
-        if self.outer_cell is None:
-            _check_transposable(self.outer, "GemmOperand")
-        outer = self.outer.T if self.outer_cell is not None else self.outer
-        return GemmOperand(self.values.T, outer, self.packed.T if self.packed is not None else None, self.outer_cell)
-
-
-def _check_transposable(outer: torch.Tensor | None, what: str) -> None:
-    if outer is not None and outer.dim():
-        raise ValueError(f"{what}.T: a per-row outer scale does not transpose into a per-row scale")
-
-
-@dataclass(frozen=True)
-class PackedOperand:
-    """A tensor-core operand kept for the backward pass as the fused kernel's packed codes and block
-    scales (0.5 byte per element plus a byte per block, against 2 for bf16 values), as FP4 training
-    keeps its saved operands; `unpack()` decodes the bf16 values when the GEMM needs them."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    outer: torch.Tensor | None
-    fmt: str
-    shape: tuple[int, int]
-    tile: tuple[int, int] | None = None
-    transposed: bool = False
-    outer_cell: int | None = None  # as GemmOperand's: `outer` holds one scale per square of this side
-
-    @property
-    def T(self) -> PackedOperand:  # noqa: N802 (reads like tensor.T)
-        """The transposed operand, for an encoding valid in both orientations (2D weight tiles)."""
-        if self.outer_cell is None:
-            _check_transposable(self.outer, "PackedOperand")
-        return replace(self, transposed=not self.transposed)
-
-    def unpack(self) -> GemmOperand:
-        from fp4lab.numerics.triton_quantize import decode_fused
-
-        values = decode_fused(self.codes, self.scales, fmt=self.fmt, shape=self.shape, tile=self.tile)
-        operand = GemmOperand(values, self.outer, outer_cell=self.outer_cell)
-        return operand.T if self.transposed else operand
-
-    def along_k(self) -> QTensor | None:
-        """This operand as the FP8 GEMM's MXFP4 operand, 1D blocks of 32 along its last dim
-        (`numerics.mx_gemm.along_k`: 2D tiles expressed per block), or None where it is not one."""
-        if self.fmt != "mxfp4":
-            return None
-        encoded = QTensor(self.codes, self.scales, None, self.fmt, torch.Size(self.shape), MX_BLOCK, tile=self.tile)
-        return along_k(encoded, self.transposed)
-
-
-def _fused_encoding(q, options: dict, shape: tuple) -> QTensor:
-    """The QTensor of a fused kernel's output written with its codes (for probes): nvfp4_cta's tensor
-    scales are one per CTA tile, the first row's of each of the per-row outer scales (1D blocks) or
-    the kernel's one per square (2D tiles)."""
-    fmt, outer, cta_tile = options["fmt"], q.outer, None
-    if fmt == "nvfp4_cta":
-        cta_tile = options.get("cta_tile") or DEFAULT_CTA_TILE
-        outer = q.outer if options.get("tile") else q.outer[::cta_tile, 0]
-    return QTensor(q.codes, q.scales, outer, fmt, torch.Size(shape), BLOCK_SIZE[fmt], tile=options.get("tile"),
-                   scale_mode=options["scale_mode"], cta_tile=cta_tile)
-
-
-def _operand_of(q, fmt: str, shape: tuple, tile: tuple[int, int] | None = None, outer_cell: int | None = None) -> GemmOperand | PackedOperand:
-    """The operand a fused kernel's output (`triton_quantize.FusedQuant`) gives a GEMM: its values
-    (with the packed codes where written), or the packed codes and scales alone. `outer_cell`: the
-    side of the squares of a 2D CTA-local outer scale."""
-    packed = PackedOperand(q.codes, q.scales, q.outer, fmt, shape, tile=tile, outer_cell=outer_cell) if q.codes is not None else None
-    return packed if q.values is None else GemmOperand(q.values, q.outer, packed, outer_cell)
-
-
-def unpacked(operand: GemmOperand | PackedOperand) -> GemmOperand:
-    return operand.unpack() if isinstance(operand, PackedOperand) else operand
-
-
-def packed_form(operand: GemmOperand | PackedOperand) -> PackedOperand | None:
-    """The operand's codes and scales, where they were written."""
-    return operand if isinstance(operand, PackedOperand) else operand.packed
-
-
-def fp8_gemm_operands(a: GemmOperand | PackedOperand, b: GemmOperand | PackedOperand) -> tuple[QTensor, QTensor] | None:
-    """(A, B) for `mxfp4_matmul` when both operands carry MXFP4 encodings along K (the contraction
-    dim, then a multiple of 32: whole blocks) that the kernel takes on their device, else None: the
-    GEMM falls back to bf16 tensor cores."""
-    packed_a, packed_b = packed_form(a), packed_form(b)
-    if packed_a is None or packed_b is None:
-        return None
-    qa, qb = packed_a.along_k(), packed_b.along_k()
-    if qa is None or qb is None:
-        return None
-    return (qa, qb) if triton_runs_on(qa.data.device) and qa.data.device == qb.data.device else None
-
-
-def fp8_tensor_core_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a @ b^T on FP8 tensor cores (`numerics.triton_mx_gemm.mxfp4_matmul`): exact per 32-block, so
-    the fp32 GEMM of the decoded operands up to fp32 summation order; one rounding to `out_dtype`
-    (in the kernel for fp32 and bf16)."""
-    from fp4lab.numerics import triton_mx_gemm
-
-    out = triton_mx_gemm.mxfp4_matmul(a, b, out_dtype if out_dtype in OUT_DTYPES else torch.float32)
-    return out.to(out_dtype)
 
 
 @dataclass(frozen=True)
@@ -373,79 +156,6 @@ class _SiblingOperands:
 
 
 SIBLING_OPERANDS = _SiblingOperands()
-
-
-def gemm_operand(
-    t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None, generator, encoded=None, keep_codes: bool = False
-) -> GemmOperand:
-    """What a tensor-core GEMM reads for a 2D operand quantized along its last dim. `encoded` (a QTensor
-    of the same operand, made for a probe) is used instead of quantizing again, so the random bits
-    drawn are the same either way. `keep_codes` (an FP4 spec): the operand also carries its codes and
-    scales (`GemmOperand.packed`), which the FP8 GEMM reads."""
-    t = transform_operand(t.to(torch.float32), spec, signs) if signs is not None else t
-    if spec.format == "fp32":
-        return GemmOperand(t.to(torch.float32))
-    if spec.format == "bf16":
-        return GemmOperand(t.to(torch.bfloat16))
-    if spec.format == "fp8" or keep_codes:  # FP8: E4M3 / E5M2 values are exact in bf16; the scale goes to the epilogue
-        encoded = encoded if encoded is not None else encode_operand(t, spec, None, generator)
-    parts = encoded.factored() if encoded is not None else fake_quantize_factored(t, spec.format, **_quantize_options(spec, generator))
-    packed = None
-    if keep_codes:
-        packed = PackedOperand(encoded.data, encoded.scales, parts.outer, encoded.fmt, tuple(encoded.shape), tile=encoded.tile)
-    return GemmOperand(parts.values.to(torch.bfloat16), parts.outer, packed, parts.outer_cell)
-
-
-def tensor_core_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype) -> torch.Tensor:
-    """a.values @ b.values^T with fp32 accumulation, times the outer scales, in `out_dtype`.
-
-    bf16 x bf16 runs on bf16 tensor cores. Without outer scales the GEMM writes `out_dtype` itself
-    (one rounding of the fp32 accumulator, as a bf16 linear does); with them it writes fp32
-    (`torch.mm(..., out_dtype=torch.float32)`) and the result is multiplied by alpha = the product of
-    the outer scales before its one rounding, as Blackwell's FP4 GEMMs apply alpha (on CUDA one fused
-    pass, `numerics.triton_epilogue`). Anything else, and every CPU GEMM, runs in fp32 on the upcast
-    values, which computes the same exact products. A b whose outer scale is per square (a weight in
-    2D CTA-local tiles) takes the chunk-scaled GEMM (`tile_scaled_mm`)."""
-    if b.outer_cell is not None:
-        return tile_scaled_mm(a, b, out_dtype)
-    if a.values.dtype == b.values.dtype == torch.bfloat16 and a.values.is_cuda:
-        if a.outer is None and b.outer is None and out_dtype == torch.bfloat16:
-            return torch.mm(a.values, b.values.T)
-        out = torch.mm(a.values, b.values.T, out_dtype=torch.float32)
-        if (a.outer is not None or b.outer is not None) and triton_available():
-            from fp4lab.numerics.triton_epilogue import scale_result
-
-            return scale_result(out, a.outer, b.outer, out_dtype)
-    else:
-        out = a.values.to(torch.float32) @ b.values.to(torch.float32).T
-    alpha = _alpha(a.outer, b.outer)
-    return (out if alpha is None else out * alpha).to(out_dtype)
-
-
-def tile_scaled_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype) -> torch.Tensor:
-    """a @ b^T for b with one outer scale per square: each chunk of K between square boundaries summed
-    on its own and scaled, then a's outer scale (`numerics.tile_gemm`); on bf16 tensor cores where
-    Triton runs (`numerics.triton_tile_gemm`), else the torch reference of the same sums."""
-    if a.outer_cell is not None:
-        raise ValueError("tile_scaled_mm: only b (the weight) may carry per-square outer scales; a is the activation or gradient")
-    if a.outer is not None and a.outer.numel() not in (1, a.values.shape[0]):
-        raise ValueError(f"tile_scaled_mm: a's outer scale must be one scale or one per row, got {list(a.outer.shape)}")
-    kernel_dtype = out_dtype if out_dtype in TILE_GEMM_OUT_DTYPES else torch.float32
-    args = (a.values, b.values, b.outer, b.outer_cell, a.outer, kernel_dtype)
-    if a.values.dtype == b.values.dtype == torch.bfloat16 and triton_runs_on(a.values.device):
-        from fp4lab.numerics.triton_tile_gemm import tile_scaled_matmul
-
-        return tile_scaled_matmul(*args).to(out_dtype)
-    return tile_scaled_matmul_reference(*args).to(out_dtype)
-
-
-def _alpha(a_outer: torch.Tensor | None, b_outer: torch.Tensor | None) -> torch.Tensor | None:
-    """The epilogue scale: a 0-dim product of two tensor scales, or per-row a [M, 1] by per-row b [1, N]."""
-    if b_outer is not None and b_outer.dim():
-        b_outer = b_outer.reshape(1, -1)
-    if a_outer is None or b_outer is None:
-        return b_outer if a_outer is None else a_outer
-    return a_outer * b_outer
 
 
 def _activation_dtype(x: torch.Tensor) -> torch.dtype:
@@ -496,7 +206,7 @@ class _SwigluFP4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        from fp4lab.numerics import triton_fusion
+        from fp4lab.numerics.kernels import fusion as triton_fusion
 
         gate2, up2 = ctx.saved_tensors
         with torch.autocast(grad_out.device.type, enabled=False):
@@ -515,7 +225,7 @@ class _ResidualRmsnormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor, eps: float, layer: FP4Linear):
-        from fp4lab.numerics import triton_fusion
+        from fp4lab.numerics.kernels import fusion as triton_fusion
 
         shape = x.shape
         with torch.autocast(x.device.type, enabled=False):
@@ -526,7 +236,7 @@ class _ResidualRmsnormFunction(torch.autograd.Function):
             row, col = layer.x_operand_options(x2, signs)
             fused = triton_fusion.residual_rmsnorm_quantize_fused(x2, branch2, weight.detach().contiguous(), eps, col=col, emit_normed=True, **row)
         layer._produced_operands = (
-            _operand_of(fused.row, row["fmt"], tuple(x2.shape)), _operand_of(fused.col, col["fmt"], tuple(x2.T.shape)))
+            fused_operand(fused.row, row["fmt"], tuple(x2.shape)), fused_operand(fused.col, col["fmt"], tuple(x2.T.shape)))
         ctx.save_for_backward(fused.residual, fused.rstd, weight)
         ctx.x_dtype, ctx.branch_dtype = x.dtype, branch.dtype
         return fused.residual.view(shape), fused.normed.view(shape)
@@ -711,7 +421,7 @@ class FP4Linear(nn.Module):
             self.register_buffer("lora_v", torch.zeros(in_features, lora_rank, dtype=torch.bfloat16))
         self.tensor_cores = False
         # "fp8": on the tensor-core path, MXFP4 x MXFP4 GEMMs run on FP8 tensor cores
-        # (fp4lab.numerics.triton_mx_gemm) instead of bf16 ones (module docstring: what falls back);
+        # (fp4lab.numerics.kernels.mx_gemm) instead of bf16 ones (module docstring: what falls back);
         # "bf16" keeps the decoded values.
         self.mx_gemm = "bf16"
         # Set by fp4lab.train.encoded_gather when FSDP2 all-gathers this weight as its GEMMs' encodings.
@@ -820,7 +530,7 @@ class FP4Linear(nn.Module):
         if self.mx_gemm != "fp8" or not self.tensor_cores:
             return False
         both_mxfp4 = all(self.recipe.operand(name).format == "mxfp4" for name in GEMMS[gemm])
-        return both_mxfp4 and triton_runs_on(device)
+        return both_mxfp4 and runs_on(device)
 
     def wants_codes(self, name: str, device: torch.device) -> bool:
         """Whether operand `name` is made with its codes and scales, for a GEMM on FP8 tensor cores."""
@@ -847,7 +557,7 @@ class FP4Linear(nn.Module):
         if self.takes_fused_fp8(spec, signs, t):
             return self._fused_fp8(t, spec)
         codes = self.wants_codes(name, t.device)
-        options = _kernel_options(spec, signs, t, self.philox_seed) if self.fused_quantizers else None
+        options = kernel_options(spec, signs, t, self.philox_seed) if self.fused_quantizers else None
         if options is not None:
             if codes:
                 options |= {"emit_codes": True, "emit_values": False}
@@ -880,10 +590,10 @@ class FP4Linear(nn.Module):
             return self._fused_fp8(t, row_spec), self._fused_fp8(t, col_spec, transpose=True)
         # Both covered, or neither from here: no Philox seed is drawn for a request that is not made.
         covered = self.fused_quantizers and t.shape[0] % multiple == 0 and all(
-            spec.tile is None and kernel_covers(spec) for spec in (row_spec, col_spec)
+            spec.tile is None and quantizer_covers(spec) for spec in (row_spec, col_spec)
         )
-        row = _kernel_options(row_spec, signs[0], t, self.philox_seed) if covered else None
-        col = _kernel_options(col_spec, signs[1], t, self.philox_seed) if row is not None else None
+        row = kernel_options(row_spec, signs[0], t, self.philox_seed) if covered else None
+        col = kernel_options(col_spec, signs[1], t, self.philox_seed) if row is not None else None
         if row is not None and col is not None:
             if self.wants_codes(row_name, t.device):
                 row = row | {"emit_codes": True, "emit_values": False}
@@ -893,13 +603,13 @@ class FP4Linear(nn.Module):
         return self.operand(row_name, t, signs[0], generator), self.operand(col_name, _pad_last(t.T, multiple), signs[1], generator)
 
     def takes_fused_fp8(self, spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor) -> bool:
-        """Whether an FP8 operand comes from the fused FP8 quantizer (`numerics.triton_fp8`): no
+        """Whether an FP8 operand comes from the fused FP8 quantizer (`numerics.kernels.fp8`): no
         transform, not a probing step (probes record the torch encoding), and the kernel runs on t."""
         return (spec.format == "fp8" and signs is None and self.fused_quantizers and not self.probe
                 and fp8_kernel_runs(t))
 
     def _fused_fp8(self, t: torch.Tensor, spec: OperandSpec, transpose: bool = False) -> GemmOperand:
-        from fp4lab.numerics.triton_fp8 import fp8_quantize_fused
+        from fp4lab.numerics.kernels.fp8 import fp8_quantize_fused
 
         q = fp8_quantize_fused(t, spec.element, spec.scaling, pow2=spec.pow2_scale, transpose=transpose)
         return GemmOperand(q.values, q.outer)
@@ -907,7 +617,7 @@ class FP4Linear(nn.Module):
     def _fused(self, t: torch.Tensor, requests: list[tuple[str, dict, bool]]) -> list[GemmOperand | PackedOperand]:
         """Run the fused quantizer for (name, options, transposed) requests on one read of t; probes
         record from the codes it emits, so probing never changes the bits a step draws."""
-        from fp4lab.numerics import triton_quantize
+        from fp4lab.numerics.kernels import quantize as triton_quantize
 
         t = t.contiguous()
         requests = [(name, options | {"emit_codes": self.probe or options.get("emit_codes", False)}, transposed)
@@ -920,9 +630,9 @@ class FP4Linear(nn.Module):
         for (name, options, transposed), q in zip(requests, outputs):
             shape = tuple(t.T.shape if transposed else t.shape)
             if self.probe:
-                self.record(name, t.T if transposed else t, _fused_encoding(q, options, shape), options["signs"])
+                self.record(name, t.T if transposed else t, fused_encoding(q, options, shape), options["signs"])
             outer_cell = (options.get("cta_tile") or DEFAULT_CTA_TILE) if options["fmt"] == "nvfp4_cta" and options.get("tile") else None
-            operands.append(_operand_of(q, options["fmt"], shape, options.get("tile"), outer_cell))
+            operands.append(fused_operand(q, options["fmt"], shape, options.get("tile"), outer_cell))
         return operands
 
     def x_operands(self, x: torch.Tensor, make):
@@ -961,7 +671,7 @@ class FP4Linear(nn.Module):
         call (a graph break under torch.compile) to fall back."""
         specs = (self.recipe.fprop_x, self.recipe.wgrad_x)
         # The producers take one tensor amax per orientation: no CTA-local scales.
-        if self.lora_rank or not all(kernel_covers(spec) and spec.tile is None and spec.format != "nvfp4_cta" for spec in specs):
+        if self.lora_rank or not all(quantizer_covers(spec) and spec.tile is None and spec.format != "nvfp4_cta" for spec in specs):
             return False
         return not shared or all(_deterministic(spec) for spec in specs)
 
@@ -976,7 +686,7 @@ class FP4Linear(nn.Module):
         if self._forward_hooks or self._forward_pre_hooks:
             return False
         tokens = t.numel() // t.shape[-1]
-        return tokens % self._contraction_multiples["wgrad"] == 0 and triton_runs_on(t.device)
+        return tokens % self._contraction_multiples["wgrad"] == 0 and runs_on(t.device)
 
     @torch.compiler.disable
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -996,19 +706,19 @@ class FP4Linear(nn.Module):
 
     def swiglu_operands(self, gate: torch.Tensor, up: torch.Tensor, signs: dict) -> tuple:
         """Fprop's x and Wgrad's x^T operands of h = silu(gate) * up, from one fused read of gate and up
-        (`triton_fusion.swiglu_quantize_fused`), with `operand_pair`'s options: x^T kept packed for the
+        (`kernels.fusion.swiglu_quantize_fused`), with `operand_pair`'s options: x^T kept packed for the
         backward, codes only for a GEMM on FP8 tensor cores."""
-        from fp4lab.numerics import triton_fusion
+        from fp4lab.numerics.kernels import fusion as triton_fusion
 
         row, col = self.x_operand_options(gate, signs)
         fused = triton_fusion.swiglu_quantize_fused(gate, up, col=col, **row)
         shapes = (tuple(gate.shape), tuple(gate.T.shape))
-        return tuple(_operand_of(q, options["fmt"], shape) for q, options, shape in zip((fused.row, fused.col), (row, col), shapes))
+        return tuple(fused_operand(q, options["fmt"], shape) for q, options, shape in zip((fused.row, fused.col), (row, col), shapes))
 
     @torch.compiler.disable
     def residual_rmsnorm(self, x: torch.Tensor, branch: torch.Tensor, norm: nn.RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, norm(h)) for h = x + branch, the input of this layer and its siblings: where
-        `fuses_residual_rmsnorm`, one Triton kernel (`triton_fusion.residual_rmsnorm_quantize_fused`)
+        `fuses_residual_rmsnorm`, one Triton kernel (`kernels.fusion.residual_rmsnorm_quantize_fused`)
         writes h and norm(h) and quantizes norm(h) into the x operands this layer and its siblings
         would make of it, so none of them reads it again (`_ResidualRmsnormFunction`); else the
         unfused ops."""
@@ -1061,7 +771,7 @@ class FP4Linear(nn.Module):
                 return f"{name} draws random Hadamard signs from a torch.Generator every call"
         for name, spec in specs:
             if spec.rounding == "sr" and spec.is_fp4:
-                if not (self.fused_quantizers and kernel_covers(spec) and triton_available()):
+                if not (self.fused_quantizers and quantizer_covers(spec) and runs_on(self.weight.device)):
                     return f"{name} ({spec.describe()}) is stochastically rounded by the torch quantizer"
                 if tokens % self._contraction_multiples["wgrad"]:
                     return f"{tokens} tokens per step are not a multiple of {self._contraction_multiples['wgrad']}"

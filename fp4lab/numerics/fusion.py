@@ -14,7 +14,7 @@ along, the outer scale, and the exact values that autograd keeps. Three producer
   and up, optionally quantized as w1's / w3's Dgrad operands (along the hidden dim) and Wgrad
   operands (d^T, along the tokens).
 
-Each function here is what `fp4lab.numerics.triton_fusion` computes bit for bit, and is itself the
+Each function here is what `fp4lab.numerics.kernels.fusion` computes bit for bit, and is itself the
 unfused composition of fp4lab's ops (tests/test_triton_fusion.py checks both):
 
     swiglu: F.silu(gate) * up in the inputs' dtype, exactly FeedForward's expression (under bf16

@@ -7,7 +7,7 @@ GEMM along their shared contraction dim leaves the product unchanged: (A R)(B R)
 
 `hadamard` computes the product as a fast Walsh-Hadamard butterfly in a fixed order of float32
 operations (not as a matrix product, whose summation order depends on the BLAS), so a GPU kernel
-that performs the same operations (fp4lab.numerics.triton_quantize) reproduces it bit for bit.
+that performs the same operations (fp4lab.numerics.kernels.quantize) reproduces it bit for bit.
 """
 
 from __future__ import annotations

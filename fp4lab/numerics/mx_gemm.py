@@ -1,9 +1,9 @@
 """The MXFP4 GEMM of FP8 tensor cores in torch: `mxfp4_matmul_reference`, the bits that
-`fp4lab.numerics.triton_mx_gemm.mxfp4_matmul` computes (its docstring says why they are exact but for
+`fp4lab.numerics.kernels.mx_gemm.mxfp4_matmul` computes (its docstring says why they are exact but for
 the fp32 additions across K blocks), with the operand checks both share.
 
-Torch only, as `fp4lab.numerics.fast`: nothing here imports Triton, so callers can check operands,
-ask `fast.triton_runs_on(device)` and build the kernel's operands (`along_k`) before importing the kernel.
+Torch only: nothing here imports Triton, so callers can check operands,
+ask `kernels.runs_on(device)` and build the kernel's operands (`along_k`) before importing the kernel.
 """
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ changes: with `cells` the b operand's squares,
     out = (acc * a_outer).to(out_dtype)                        a_outer: None, 0-dim or one per row of a
 
 so the values stay exact in bf16 and every chunk runs on bf16 tensor cores
-(`numerics.triton_tile_gemm.tile_scaled_matmul`). Against the fp32 GEMM of the folded values the
+(`numerics.kernels.tile_gemm.tile_scaled_matmul`). Against the fp32 GEMM of the folded values the
 result differs by fp32 summation order and the folding's one rounding per value: both within
 K u sum |a b| of the exact product (u = 2^-24). Where every partial sum is exact (a and b whole
 numbers of small magnitude, say), the kernel and this reference give the same bits.
 
-Torch only: nothing here imports Triton (`fp4lab.numerics.fast`).
+Torch only: nothing here imports Triton (the kernel is `fp4lab.numerics.kernels.tile_gemm`).
 """
 
 from __future__ import annotations

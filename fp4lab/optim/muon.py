@@ -55,7 +55,7 @@ from collections.abc import Iterable
 import torch
 
 from fp4lab.numerics import BLOCK_SIZE
-from fp4lab.numerics.fast_fake_quantize import fast_fake_quantize
+from fp4lab.numerics import kernels
 from fp4lab.optim.plumbing import closure_loss, dense_grads
 from fp4lab.optim.sharding import gather_whole, is_sharded, local, local_part
 
@@ -152,7 +152,7 @@ def _nvfp4_decoded(x: torch.Tensor) -> torch.Tensor:
     matrix (or stack) per optimizer step: by that count, most of Full-Stack FP4's step on a GPU
     (docs/BENCHMARKS.md)."""
     rows, cols = x.shape[-2:]
-    return fast_fake_quantize(x.contiguous().view(-1, cols), "nvfp4_cta", cta_tile=rows).view(x.shape)
+    return kernels.fake_quantize(x.contiguous().view(-1, cols), "nvfp4_cta", cta_tile=rows).view(x.shape)
 
 
 def lr_scale(shape: torch.Size | tuple[int, int], lr_scaling: str) -> float:

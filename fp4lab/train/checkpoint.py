@@ -1,16 +1,23 @@
-"""Atomic files: checkpoints, JSON summaries and the metrics log a resumed run continues."""
+"""Checkpoints: atomic files (checkpoints, JSON summaries, the metrics log a resumed run continues), a
+run's checkpoint names (`checkpoint.pt`, or `checkpoint.dcp/` of a run on several ranks), saving one
+(`save_run`) and resuming the newest on any number of ranks (`resume_run`)."""
 
 from __future__ import annotations
 
 import json
 import math
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fp4lab.nn.build import attention_generators, fp4_linears
+from fp4lab.nn.model import Llama
+from fp4lab.train import distributed
 from fp4lab.train.atomic import replace_atomically
+from fp4lab.train.config import RESULT_NEUTRAL, CheckpointMismatch, ConfigError, TrainConfig
 from fp4lab.train.jsonl import json_line, read_metrics_file
 
 
@@ -178,3 +185,177 @@ class MetricsLog:
 
 def finite_or_none(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
+
+
+# --- a run's checkpoints: which files, saving, and resuming on any number of ranks --------------------
+
+CHECKPOINT = "checkpoint.pt"
+
+# A run of several ranks (parallel != "none") checkpoints here instead: fp4lab.train.checkpoint.save_sharded.
+# Either resumes in the other kind of run, on any number of ranks (resume_run).
+SHARDED_CHECKPOINT = "checkpoint.dcp"
+
+# Config fields a resumed run may change besides the result-neutral ones: how the ranks share the
+# model (and into how many microbatches a pipeline cuts the batch) changes only summation order,
+# rounding scales and which random bits are drawn, not what is trained. (A run id still hashes them:
+# train.config.HASHED_UNLESS_DEFAULT.)
+RESUMABLE_CHANGES = ("parallel", "pp_microbatches")
+
+
+@dataclass
+class RunState:
+    """What the loop carries from step to step besides model and optimizer (checkpointed too)."""
+
+    step: int = 0
+    best_loss: float = math.inf
+    best_val_loss: float = math.inf
+    last_loss: float | None = None
+    last_val_loss: float | None = None
+    train_seconds: float = 0.0
+    tokens_seen: int = 0
+    qk_clip_events: int = 0
+    history: dict[str, Any] = field(default_factory=dict)
+
+def save_run(out: Path, config: TrainConfig, model: Llama, optimizer, state: RunState, ranks: distributed.Ranks) -> None:
+    if ranks.mode != "none":
+        extras = {
+            "config": config.to_dict(),
+            "world_size": ranks.world,
+            "linears": {name: linear.get_extra_state() for name, linear in fp4_linears(model).items()},
+            "attention_generators": [g.get_state() for g in attention_generators(model)],
+            "torch_rng": torch.get_rng_state(),
+            "state": state.__dict__,
+        }
+        if ranks.mode == "pp":  # which blocks' attention streams those are (_pipeline_streams merges them)
+            extras["generator_blocks"] = list(_generators_by_block(model))
+        save_sharded(out / SHARDED_CHECKPOINT, state.step, model, list(optimizer.optimizers.values()), extras, ranks.rank,
+                     per_parameter=ranks.mode == "pp")
+        other = out / CHECKPOINT
+    else:
+        save_checkpoint(
+            out / CHECKPOINT,
+            {
+                "config": config.to_dict(),
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "attention_generators": [g.get_state() for g in attention_generators(model)],
+                "torch_rng": torch.get_rng_state(),
+                "state": state.__dict__,
+            },
+        )
+        other = out / SHARDED_CHECKPOINT
+    # A run resumed from the other format: the checkpoint just written is newer and whole, so the old
+    # one goes (until then, newest_checkpoint picks the newer of the two).
+    if ranks.main and other.exists():
+        remove_checkpoint(other)
+
+def resume_run(out: Path, config: TrainConfig, model: Llama, optimizer, ranks: distributed.Ranks,
+            whole_optimizer_order: dict[str, list[str]] | None = None) -> RunState:
+    """Restore the run folder's newest checkpoint, whichever kind of run wrote it, on however many ranks
+    this run has; a fresh RunState when there is none. Model and optimizer state are the saved values,
+    resharded (checkpoint.load_sharded, checkpoint.load_whole). Random streams: rank r continues the
+    saved rank r's, a rank the saved world lacked gets fresh ones (distributed.fresh_random_streams);
+    the step and run state come from rank 0. Under pp, every block continues the streams the one process
+    (or rank 0 of data-parallel ranks) saved for it; `whole_optimizer_order`: the parameter names of the
+    whole model's optimizers in position order (build_training's), for a one-process checkpoint."""
+    source = newest_checkpoint(out / CHECKPOINT, out / SHARDED_CHECKPOINT)
+    if source is None:
+        return RunState()
+    if source.name != CHECKPOINT:
+        return _restore_sharded(source, config, model, optimizer, ranks)
+    if ranks.mode == "none":
+        return _restore(source, config, model, optimizer)
+    checkpoint = load_checkpoint(source)
+    _check_resumable(source, checkpoint["config"], config)
+    load_whole(model, optimizer.optimizers, checkpoint["model"], checkpoint["optimizer"], whole_optimizer_order)
+    state = RunState(**checkpoint["state"])
+    if ranks.mode == "pp":
+        linears = {name: checkpoint["model"][f"{name}._extra_state"] for name in fp4_linears(model)}
+        _set_streams(model, linears, _own_blocks(model, checkpoint["attention_generators"]), checkpoint["torch_rng"])
+    elif ranks.main:
+        linears = {name: checkpoint["model"][f"{name}._extra_state"] for name in fp4_linears(model)}
+        _set_streams(model, linears, checkpoint["attention_generators"], checkpoint["torch_rng"])
+    else:
+        distributed.fresh_random_streams(model, state.step)
+    return state
+
+def _restore(path: Path, config: TrainConfig, model: Llama, optimizer) -> RunState:
+    checkpoint = load_checkpoint(path)
+    _check_resumable(path, checkpoint["config"], config)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    for generator, rng in zip(attention_generators(model), checkpoint["attention_generators"]):
+        generator.set_state(rng)
+    torch.set_rng_state(checkpoint["torch_rng"])
+    return RunState(**checkpoint["state"])
+
+def _restore_sharded(step_folder: Path, config: TrainConfig, model: Llama, optimizer, ranks: distributed.Ranks) -> RunState:
+    main = load_checkpoint(step_folder / "rank-0.pt")
+    _check_resumable(step_folder.parent, main["config"], config)
+    saved_pp = main["config"].get("parallel") == "pp"
+    if ranks.mode == "pp" and saved_pp and main["world_size"] != ranks.world:
+        raise ConfigError(
+            f"{step_folder.parent} was written by {main['world_size']} pp ranks; a pp run resumes it on as many (its "
+            f"stages' random streams are per rank): resume it on {main['world_size']}, or with parallel none, ddp or fsdp"
+        )
+    load_sharded(step_folder, model, list(optimizer.optimizers.values()), per_parameter=saved_pp)
+    state = RunState(**main["state"])
+    if ranks.mode == "pp" and not saved_pp:  # rank 0 kept the one-process streams of every block
+        _set_streams(model, main["linears"], _own_blocks(model, main["attention_generators"]), main["torch_rng"])
+    elif saved_pp and ranks.mode != "pp":  # each block's streams are on the rank that held it
+        if ranks.main:
+            _set_streams(model, *_pipeline_streams(step_folder, main["world_size"]), main["torch_rng"])
+        else:
+            distributed.fresh_random_streams(model, state.step)
+    elif ranks.rank < main["world_size"]:
+        own = main if ranks.main else load_checkpoint(step_folder / f"rank-{ranks.rank}.pt")
+        _set_streams(model, own["linears"], own["attention_generators"], own["torch_rng"])
+    else:
+        distributed.fresh_random_streams(model, state.step)
+    return state
+
+def _generators_by_block(model: Llama) -> dict[int, torch.Generator]:
+    """The FP4 attention generators of the model's blocks (every block's or none: nn.build), by block
+    index, in attention_generators' order."""
+    blocks = [int(index) for index, _ in model.layers.named_children()]
+    return {i: a.quant.generator for i, a in zip(blocks, model.attentions()) if a.quant is not None}
+
+def _own_blocks(model: Llama, attention: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This pp rank's part of the attention generator states of the whole model."""
+    return [attention[i] for i in _generators_by_block(model)] if attention else []
+
+def _pipeline_streams(step_folder: Path, world: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The random streams of a pp checkpoint as one process holds them: every rank's linears, and the
+    attention generators of all blocks in block order."""
+    linears: dict[str, Any] = {}
+    attention: dict[int, torch.Tensor] = {}
+    for rank in range(world):
+        extras = load_checkpoint(step_folder / f"rank-{rank}.pt")
+        linears.update(extras["linears"])
+        attention.update(zip(extras["generator_blocks"], extras["attention_generators"]))
+    return linears, [attention[i] for i in sorted(attention)]
+
+def _set_streams(model: Llama, linears: dict[str, Any], attention: list[torch.Tensor], torch_rng: torch.Tensor) -> None:
+    for name, linear in fp4_linears(model).items():
+        linear.set_extra_state(linears[name])
+    for generator, rng in zip(attention_generators(model), attention):
+        generator.set_state(rng)
+    torch.set_rng_state(torch_rng)
+
+def _check_resumable(path: Path, saved: dict[str, Any], config: TrainConfig) -> None:
+    current = config.to_dict()
+    defaults = TrainConfig().to_dict()  # a checkpoint older than a field ran with its default
+    changed = [
+        k for k in current if k not in RESULT_NEUTRAL + RESUMABLE_CHANGES and saved.get(k, defaults[k]) != current[k]
+    ]
+    if changed == ["steps"]:
+        raise CheckpointMismatch(
+            f"{path} belongs to a run of {saved['steps']} steps, not {current['steps']}: its learning-rate schedule "
+            f"spans all {saved['steps']} steps, so it cannot be extended exactly; train {current['steps']} steps "
+            "from scratch, in this folder or another out_dir"
+        )
+    if changed:
+        raise CheckpointMismatch(
+            f"{path} was written by a run with a different {', '.join(changed)}; resume with the same "
+            "settings, or start afresh, in this folder or another out_dir"
+        )

@@ -27,12 +27,12 @@ COMPILES = ("auto", "on", "off")
 # nothing on the path draws from a torch.Generator); it changes nothing but the launch cost.
 CUDA_GRAPHS = ("auto", "on", "off")
 # Attention (unquantized) on the fast path: the Triton flash attention whose online softmax also yields
-# each head's max logit and entropy (fp4lab.nn.triton_attention: probes and QK-Clip cost nothing), or
+# each head's max logit and entropy (fp4lab.numerics.kernels.attention: probes and QK-Clip cost nothing), or
 # PyTorch's SDPA beside the chunked fp32 probes. "auto": triton on CUDA where Triton is installed.
 # Summation order is all that changes. FP4 attention (fullstack) keeps its own path either way.
 ATTENTION_KERNELS = ("auto", "triton", "sdpa")
 # MXFP4 x MXFP4 GEMMs on the fast path: FP8 tensor cores with each 32-block's partial sum promoted
-# to fp32 and scaled there (fp4lab.numerics.triton_mx_gemm), or the decoded values on bf16 tensor
+# to fp32 and scaled there (fp4lab.numerics.kernels.mx_gemm), or the decoded values on bf16 tensor
 # cores. "auto": bf16, the faster of the two wherever measured (on an H200 the FP8 kernel runs at about
 # 0.2x of cuBLAS's bf16 rate: docs/BENCHMARKS.md); "fp8" is opt-in. Both are exact products;
 # summation order is all that changes.

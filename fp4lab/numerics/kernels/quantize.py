@@ -34,7 +34,7 @@ tile's amax into the slot of its 128 x 128 square (`outer` then holds one scale 
 Not supported (ValueError naming the argument; callers fall back to the reference): tensor_amax with a format other than nvfp4, transforms other than 16 and 32, 2D tiles with SR, a transform or transpose=True,
 a blocked dim that is not a multiple of the block and transform, tile dims that are not powers of
 two, dtypes other than bf16/fp32, non-CUDA or non-contiguous tensors. This module imports Triton: import it lazily, after
-`fp4lab.numerics.fast.triton_available()`.
+`fp4lab.numerics.kernels.runs_on(device)`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lab.numerics.fast import triton_available
 from fp4lab.numerics.quantize import BLOCK_SIZE, DEFAULT_CTA_TILE
 
 FORMATS = ("mxfp4", "nvfp4", "nvfp4_cta")
@@ -78,11 +77,6 @@ SIGN_BIT = tl.constexpr(-0x80000000)  # 0x80000000 as an int32
 INV_SQRT32 = tl.constexpr(1.0 / math.sqrt(32))  # hadamard's scale, rounded to float32 where used
 PHILOX_ROUNDS = tl.constexpr(10)  # Triton's and cuRAND's default
 ADAPTIVE_RATIO = tl.constexpr(0.87)  # scales.ADAPTIVE_RATIO
-
-
-def available() -> bool:
-    """Triton imports and CUDA is available: what callers check before taking this path."""
-    return triton_available()
 
 
 @dataclass(frozen=True)

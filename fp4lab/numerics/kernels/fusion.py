@@ -1,6 +1,6 @@
 """Fused Triton producers: the FP4 quantizer of triton_quantize fused with the op that makes its
 input, bit for bit equal to fp4lab.numerics.fusion (the torch reference; its docstring says why these
-boundaries). Imports Triton: import it lazily, after `fp4lab.numerics.fast.triton_available()`.
+boundaries). Imports Triton: import it lazily, after `fp4lab.numerics.kernels.runs_on(device)`.
 
     swiglu_quantize_fused(gate, up, fmt=f, col=c, ...)       == swiglu_quantize_reference(...)
     residual_rmsnorm_quantize_fused(x, r, w, eps, fmt=f, ...) == residual_rmsnorm_quantize_reference(...)
@@ -63,7 +63,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fp4lab.numerics.fusion import RMSNORM_MAX_WIDTH, RMSNORM_SUM_LANES
-from fp4lab.numerics.triton_quantize import (
+from fp4lab.numerics.kernels.quantize import (
     _AMAX_TILES,
     _INTERPRETED,
     _OPTION_NAMES,
@@ -86,12 +86,6 @@ _SWIGLU = tl.constexpr(0)  # a = gate, b = up: h
 _NORM_APPLY = tl.constexpr(1)  # a = s, rstd, w: n = (s * rstd) * w
 _NORM_ELEMENTS = 8192  # rows per RMSNorm program: this many elements (not yet swept on a GPU)
 _DTYPES = (torch.bfloat16, torch.float32)
-
-
-def available() -> bool:
-    from fp4lab.numerics.fast import triton_available
-
-    return triton_available()
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ its two operands along its contraction dim (fp4lab/nn/fp4_linear.py):
     Wgrad  dW [N, K] = mxfp4_matmul(Q(dy^T) [N, M], Q(x^T) [K, M])
 
 i.e. F.linear's convention, a @ b^T, on `QTensor`s from `quantize(t, "mxfp4")` (1D blocks, any scale
-mode), or on the codes and scale bytes of `triton_quantize.quantize_fused(..., emit_codes=True)`
+mode), or on the codes and scale bytes of `kernels.quantize.quantize_fused(..., emit_codes=True)`
 wrapped as `QTensor(codes, scales, None, "mxfp4", torch.Size(shape), 32)`. The kernel reads each
 operand's values as E4M3 bytes, converted once per operand from the packed codes by a small
 elementwise kernel (`e4m3_values`: bit arithmetic, exact), and its scale bytes block-major
@@ -60,7 +60,7 @@ Speed: a K block is one FP8 wgmma with K = 32 whose result the fp32 scaling must
 serialisation, not the tensor cores, bounds the kernel. `GemmConfig.blocks_per_step` issues several
 blocks' dots before their scaled sums, so that Triton's pipeliner can overlap them.
 
-This module imports Triton: import it lazily, after `fp4lab.numerics.fast.triton_runs_on(device)`.
+This module imports Triton: import it lazily, after `fp4lab.numerics.kernels.runs_on(device)`.
 Without a GPU, `fp4lab.numerics.mx_gemm.mxfp4_matmul_reference` (pure torch, any device, re-exported
 here) computes the same bits.
 """

@@ -8,7 +8,7 @@ the fp8 recipes the slowest but the CTA-local ones (0.23x of bf16). Here the ama
 from `fp8.fp8_scale` given that amax (its float64 quotient, one rounding), and one kernel reads x and
 writes what the GEMM reads, each element's FP8 value in bf16 (4 significant bits at most: exact):
 
-    value = RNE of x * scale onto the FP8 grid    fp32, from bits, as `triton_quantize._grid_round` for E2M1
+    value = RNE of x * scale onto the FP8 grid    fp32, from bits, as `kernels.quantize._grid_round` for E2M1
 
 `fp8_quantize` clamps x * scale to +-fp8_max first; here it cannot exceed it by more than an fp32
 rounding (the scale comes from x's own amax: |x * scale| <= fp8_max (1 + 2^-24)^2), which rounds back
@@ -22,7 +22,7 @@ exact. That is the float8 cast's round to nearest even, so the values equal `fp8
 its outer. transpose=True quantizes x^T (its rows are x's columns: a per-row scale is then one per
 column of x) from x's own layout.
 
-Import lazily, after `fp4lab.numerics.fast.triton_runs_on(device)`.
+Import lazily, after `fp4lab.numerics.kernels.runs_on(device)`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from fp4lab.numerics.fp8 import fp8_scale
-from fp4lab.numerics.triton_quantize import SIGN_BIT, FusedQuant
+from fp4lab.numerics.kernels.quantize import SIGN_BIT, FusedQuant
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # (mantissa bits, exponent of the smallest normal) of each element format

@@ -1,6 +1,6 @@
 """The epilogue of an emulated NVFP4 GEMM as one kernel: the fp32 accumulator times alpha, rounded once.
 
-Reference (`fp4lab.nn.fp4_linear.tensor_core_mm` off the GPU):
+Reference (`fp4lab.numerics.epilogue.scale_result_reference`, what `nn.gemm.tensor_core_mm` runs off the GPU):
 
     alpha = a_outer * b_outer            # fp32; either may be absent, 0-dim, or one per row / column
     out = (acc * alpha).to(out_dtype)
@@ -9,7 +9,7 @@ Torch runs that as two passes (a broadcast multiply that writes fp32, then a cas
 element, and the multiply by a 0-dim CUDA tensor is not vectorised. This kernel reads the accumulator
 once and writes `out_dtype` once (6 bytes for bf16; in place for fp32), with the same two float32
 roundings in the same order (compiled without FMA contraction), so its output equals the reference's
-bit for bit. Import lazily, after `fp4lab.numerics.fast.triton_available()`.
+bit for bit. Import lazily, after `fp4lab.numerics.kernels.runs_on(device)`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ to the output dtype are its epilogue. Compiled without FMA contraction, so each 
 its addition round as `tile_scaled_matmul_reference` rounds them: the two give the same bits wherever
 the partial sums are exact, and differ by fp32 summation order elsewhere.
 
-Import lazily, after `fp4lab.numerics.fast.triton_runs_on(device)`; the torch reference computes the
+Import lazily, after `fp4lab.numerics.kernels.runs_on(device)`; the torch reference computes the
 same sums on any device.
 """
 
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from fp4lab.numerics.tile_gemm import check_tile_operands
 from fp4lab.numerics.tile_gemm import tile_scaled_matmul_reference as tile_scaled_matmul_reference  # re-exported beside the kernel
-from fp4lab.numerics.triton_mx_gemm import GROUP_ROWS, LAUNCH_OPTIONS, bf16_round, grouped_tile_rows
+from fp4lab.numerics.kernels.mx_gemm import GROUP_ROWS, LAUNCH_OPTIONS, bf16_round, grouped_tile_rows
 
 # Triton's CPU interpreter (the tests) multiplies bf16 operands of tl.dot as integers (their bits), so
 # there the kernel upcasts them to fp32 first: the same exact products.

@@ -3,7 +3,7 @@
 `flash_attention(q, k, v)` computes softmax(q k^T / sqrt(D) + causal mask) v tile by tile, never
 materialising the [T, T] logits (the structure of Triton's "Fused Attention" tutorial), and while
 its online softmax runs it also keeps, per query row i, the statistics that
-`fp4lab.nn.attention.max_attention_logits` and `attention_entropy` compute from chunks of fp32
+`fp4lab.numerics.attention.max_attention_logits` and `attention_entropy` compute from chunks of fp32
 logits. With s_ij = q_i.k_j / sqrt(D) over the causal keys j <= i:
 
     m_i  = max_j s_ij                              (kept as the running max of the raw q_i.k_j)
@@ -56,7 +56,7 @@ stores `max_logits` and `entropy` as the probes' `last_max_logits` and `last_ent
 
 Tile shapes on a GPU (`_GPU_TILES`) come from a sweep on an H200; under TRITON_INTERPRET=1 small tiles with BLOCK_M != BLOCK_N keep the CPU tests fast and cover
 the diagonal tiles' masks. This module imports Triton: import it lazily, after
-`fp4lab.numerics.fast.triton_available()`.
+`fp4lab.numerics.kernels.runs_on(device)`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,75 @@
+"""fp4lab's Triton kernels, each in a module named as the torch reference it must equal:
+
+    kernels.quantize   numerics.quantize     fused MXFP4 / NVFP4 quantizers, codes-only output, fused decode
+    kernels.fp8        numerics.fp8          fused FP8 quantizer (current scaling)
+    kernels.fusion     numerics.fusion       SwiGLU / residual + RMSNorm producers emitting GEMM operands
+    kernels.mx_gemm    numerics.mx_gemm      MXFP4 x MXFP4 GEMM on FP8 tensor cores
+    kernels.tile_gemm  numerics.tile_gemm    chunk-scaled GEMM of 2D CTA-local weights
+    kernels.epilogue   numerics.epilogue     one-pass NVFP4 GEMM epilogue (outer scales)
+    kernels.attention  numerics.attention    flash attention that also returns each head's max logit and entropy
+
+This package itself is torch-only: fp4lab never imports Triton at import time, so CPU runs and
+`fp4lab --help` stay fast and work without it. `runs_on(device)` is the one question "can the kernels
+run on tensors there"; callers import a kernel module only after it says yes. What the quantizers
+take is said here, torch-only (`quantizer_covers`), so it can be asked without importing Triton;
+the GEMM kernels check their operands themselves (`numerics.mx_gemm.check_operands`,
+`numerics.tile_gemm.check_tile_operands`). Elsewhere the torch reference runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import cache
+
+import torch
+
+from fp4lab.numerics.quantize import fake_quantize as reference_fake_quantize
+
+
+# A constant to torch.compile: traced instead, the cached check would run again in every graph (and warn).
+@torch.compiler.assume_constant_result
+def _cuda_with_triton() -> bool:
+    return _cuda_and_triton_importable()
+
+
+@cache
+def _cuda_and_triton_importable() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether fp4lab's Triton kernels can run on tensors on `device`: a CUDA device with Triton, or
+    the CPU under Triton's interpreter (TRITON_INTERPRET=1, read when a kernel module is imported)."""
+    if device.type == "cuda":
+        return _cuda_with_triton()
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+
+
+def quantizer_covers(spec) -> bool:
+    """Whether the fused quantizer (kernels.quantize) takes an operand spec (any object with
+    nn.recipe.OperandSpec's format, transform_size, tile, rounding and transform): MXFP4, NVFP4 and
+    CTA-local NVFP4, no transform or a 16 / 32 blockwise one; 2D tiles only round to nearest, with no
+    transform and sides that are powers of two."""
+    if spec.format not in ("mxfp4", "nvfp4", "nvfp4_cta") or spec.transform_size not in (0, 16, 32):
+        return False
+    if spec.tile is None:
+        return True
+    return spec.rounding == "rtn" and spec.transform == "none" and all(side & (side - 1) == 0 for side in spec.tile)
+
+
+def fake_quantize(x: torch.Tensor, fmt: str, **options) -> torch.Tensor:
+    """`numerics.fake_quantize(x, fmt, **options)` bit for bit (round to nearest, along the last dim):
+    by the fused quantizer, one amax read and one pass, where the kernels run on x's device, else by
+    that torch reference. `options` are those both take (cta_tile, scale_mode)."""
+    if runs_on(x.device):
+        from fp4lab.numerics.kernels.quantize import quantize_fused
+
+        return quantize_fused(x.reshape(-1, x.shape[-1]), fmt=fmt, **options).dequantize().view(x.shape)
+    return reference_fake_quantize(x, fmt, **options)

@@ -1,0 +1,103 @@
+"""Building a run: the model, its optimizer and the loss function one training step calls, on the
+compute paths the run's `train.paths.ComputePaths` chose (the training loop and `fp4lab bench` both
+build here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fp4lab.nn.build import build_model
+from fp4lab.nn.model import Llama, ModelConfig
+from fp4lab.nn.recipe import Recipe
+from fp4lab.optim.build import OptimizerConfig, build_optimizer
+from fp4lab.optim.muon import NS_POLYNOMIALS
+from fp4lab.train import distributed
+from fp4lab.train.config import TrainConfig
+from fp4lab.train.paths import ComputePaths, resolve
+from fp4lab.train.step import LossFn
+
+
+def build_training(
+    config: TrainConfig, recipe: Recipe, model_config: ModelConfig, device: torch.device,
+    ranks: distributed.Ranks | None = None, *, paths: ComputePaths | None = None,
+) -> tuple[Llama, Any, LossFn]:
+    """The model, its optimizer and the loss function one training step calls, on `paths` (the run's
+    record; `train.paths.resolve` of config and device when not given): the fast path (bf16 autocast,
+    tensor-core GEMMs, fused kernels and AdamW on CUDA) or the fp32 reference, and torch.compile or
+    not. `ranks`: the model wrapped for data parallelism (DDP, FSDP2); the returned
+    model is the Llama itself (its parameters DTensor shards under FSDP2), the loss function runs the
+    wrapper. Under pp the model keeps this rank's blocks only and the loss function is the
+    train.pipeline.Pipeline (evaluation's forward; its `step` trains)."""
+    ranks = ranks or distributed.Ranks()
+    paths = paths or resolve(config, device, model_config.head_dim)
+    fast = paths.tensor_cores
+    if fast and device.type == "cuda":
+        # bf16-output GEMMs must reduce in fp32 (no bf16 split-K partial sums): the fast path claims
+        # fp32 accumulation, exactly what an FP4 tensor core does.
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    torch.manual_seed(config.seed)
+    model = build_model(
+        model_config, recipe, seed=config.seed, device=device, tensor_cores=fast, fused_quantizers=paths.fused_quantizers,
+        attention_kernel=paths.attention_kernel, mx_gemm=paths.mx_gemm, producer_fusion=paths.producer_fusion,
+    )
+    settings = optimizer_config(config, recipe, fused=paths.fused_optimizer)
+    if ranks.mode == "pp":
+        # Every block lives on one rank and sees the whole batch: its random streams stay the one-process ones.
+        from fp4lab.train.pipeline import DUALPIPE_V, Pipeline
+
+        # A one-process checkpoint keys optimizer state by position in the whole model's optimizer: its
+        # names in that order, while the model is whole (an optimizer allocates no state until it steps).
+        names = {id(p): n for n, p in model.named_parameters()}
+        whole = build_optimizer(model.named_parameters(), settings).optimizers
+        whole_order = {key: [names[id(p)] for g in opt.param_groups for p in g["params"]] for key, opt in whole.items()}
+        microbatch = (config.batch_size // config.pp_microbatches, config.seq_len)
+        loss_fn: LossFn = Pipeline(model, ranks.world, ranks.rank, device, microbatch, config.pp_microbatches, fast, DUALPIPE_V is not None)
+        loss_fn.whole_optimizer_order = whole_order
+    else:
+        distributed.offset_random_streams(model, ranks)
+        model_loss = distributed.wrap(model, ranks, device, config.gather_weights)
+
+        def loss_fn(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast):
+                return model_loss(tokens, targets)
+
+    optimizer = build_optimizer(model.named_parameters(), settings)
+
+    if not paths.compile:
+        return model, optimizer, loss_fn
+    if ranks.mode == "none":
+        return model, optimizer, torch.compile(loss_fn)
+    # Under DDP, FSDP2 and pp each transformer block is compiled on its own (torchtitan's pattern): their
+    # hooks (gradient buckets, all-gathers, reshards) and the pipeline's stage boundaries then run
+    # between compiled graphs instead of breaking a whole-model graph into pieces (H200 figures in
+    # docs/BENCHMARKS.md). Replacing `forward` keeps parameter names, so checkpoints stay
+    # interchangeable with one-process runs.
+    for block in model.layers:
+        block.forward = torch.compile(block.forward)
+    return model, optimizer, loss_fn
+
+
+def optimizer_config(config: TrainConfig, recipe: Recipe, fused: bool) -> OptimizerConfig:
+    """The optimizer settings of a run: the config's over the recipe's [optimizer] table."""
+    opt = recipe.optimizer
+    cap = (opt.update_cap_alpha, opt.update_cap_alpha_qk) if qk_clip_setting(config, recipe)[0] == "update_cap" else None
+    return OptimizerConfig(
+        name=config.optimizer or opt.name or "muon",
+        lr=config.lr,
+        adam_lr=config.adam_lr,
+        weight_decay=config.weight_decay,
+        ns_steps=config.ns_steps,
+        ns_coefficients=NS_POLYNOMIALS[config.ns_polynomial or opt.ns_polynomial],
+        lr_scaling=config.lr_scaling,
+        ns_format=opt.ns_format,
+        adam_v_format=opt.adam_v_format,
+        update_cap=cap,
+        fused=fused,
+    )
+
+
+def qk_clip_setting(config: TrainConfig, recipe: Recipe) -> tuple[str, float]:
+    """The run's QK-Clip ("none", "kimi", "update_cap") and tau: the config's over the recipe's."""
+    return config.qk_clip or recipe.optimizer.qk_clip, config.qk_clip_tau or recipe.optimizer.qk_clip_tau
