@@ -120,7 +120,7 @@ class Context:
             "goal": program.goal,
             "metric": program.metric,
             "direction": program.direction,
-            "search_space": {name: p.model_dump(exclude_none=True) for name, p in program.search_space.items()},
+            "search_space": {name: p.as_table() for name, p in program.search_space.items()},
             "edit_files": list(program.edit_files),
             "files": self.files,
             "history": self.history,

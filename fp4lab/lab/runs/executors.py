@@ -169,75 +169,112 @@ def _run_local(
     On a machine with at least `workers` x ranks GPUs, each run at a time gets GPUs of its own
     (`gpu_slots`), so concurrent runs neither share a GPU nor slow each other's tokens/s; more
     single-GPU runs than GPUs share them evenly."""
-    thresholds = scan_thresholds(plan.spec)
-    ranks = plan.spec.slurm.ranks  # all on this machine
-    slots = None
-    if workers > 1 and any(str(run.config.get("device", "auto")) != "cpu" for run in runs):
-        assignment = gpu_slots(workers, ranks, sweep_plans.cuda_devices(), os.environ.get("CUDA_VISIBLE_DEVICES"))
-        if assignment is not None:
-            slots = queue.SimpleQueue()
-            for gpus in assignment:
-                slots.put(gpus)
-    lock = threading.Lock()
-    owner = this_owner()
-    stopping = threading.Event()
-    children: dict[str, subprocess.Popen] = {}
-
-    def one(run: RunSpec) -> dict[str, Any] | None:
-        if stopping.is_set():
-            return None
-        log = plan.log_path(run)
-        log.parent.mkdir(parents=True, exist_ok=True)
-        other = catalog.claim(run.id, owner, state="submitted", submitted_at=utc_now(), executor="local",
-                              error=None, paths={"log": catalog.relative(log)})
-        if other is not None:
-            return catalog.get(run.id)
-        distributed = ranks > 1 or run.config.get("parallel", "none") != "none"
-        command = train_command(plan.sweep_dir / f"{run.id}.toml", catalog.path, nproc=ranks if distributed else None)
-        if on_start is not None:
-            with lock:
-                on_start(run)
-        gpus = slots.get() if slots is not None else None  # never waits: one slot per pool thread
-        try:
-            with open(log, "ab") as out:
-                child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env(workers, ranks, gpus), start_new_session=True)
-                with lock:
-                    children[run.id] = child
-                returncode = child.wait()
-                with lock:
-                    children.pop(run.id, None)
-        finally:
-            if gpus is not None:
-                slots.put(gpus)
-        finished = catalog.get(run.id)
-        if finished["state"] in IN_FLIGHT_STATES:
-            if stopping.is_set():
-                # Our SIGINT reached it before it could record anything (interpreter start-up, imports):
-                # nothing broke, so the next sweep runs it again instead of skipping it as failed.
-                finished = finish_run(run, catalog, thresholds, returncode=130, state="interrupted")
-            else:
-                finished = finish_run(run, catalog, thresholds, returncode=returncode or 1)
-                if finished["state"] == "failed" and not finished.get("error"):
-                    finished = catalog.update(run.id, error=last_error_line(log) or f"the training process exited with {_exit_text(returncode)}")
-        if on_finish is not None:
-            with lock:
-                on_finish(finished)
-        return finished
-
+    local = _LocalRuns(plan, catalog, workers, on_start, on_finish, _gpu_queue(workers, plan.spec.slurm.ranks, runs))
     pool = ThreadPoolExecutor(max_workers=max(1, workers))
-    futures = [pool.submit(one, run) for run in runs]
+    futures = [pool.submit(local.run, run) for run in runs]
     try:
         return [record for record in (future.result() for future in futures) if record is not None]
     except KeyboardInterrupt:
-        stopping.set()
-        with lock:
-            for child in children.values():
-                child.send_signal(signal.SIGINT)
+        local.stop()
         pool.shutdown(wait=True, cancel_futures=True)
         done = [f.result() for f in futures if f.done() and not f.cancelled() and f.exception() is None]
         raise SweepInterrupted([r for r in done if r is not None and r["state"] == "interrupted"]) from None
     finally:
         pool.shutdown(wait=True)
+
+
+def _gpu_queue(workers: int, ranks: int, runs: list[RunSpec]) -> queue.SimpleQueue | None:
+    """The GPU slots (`gpu_slots`) that concurrent runs take and give back, or None when runs do not
+    split the GPUs: one worker, CPU runs only, or nothing to split."""
+    if workers < 2 or all(str(run.config.get("device", "auto")) == "cpu" for run in runs):
+        return None
+    assignment = gpu_slots(workers, ranks, sweep_plans.cuda_devices(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if assignment is None:
+        return None
+    slots = queue.SimpleQueue()
+    for gpus in assignment:
+        slots.put(gpus)
+    return slots
+
+
+class _LocalRuns:
+    """One local launch's runs, each its own training process, and what they share: the GPU slots, the
+    live processes a Ctrl-C must reach, and whether the sweep is stopping. `run` is called from the
+    pool's threads; `stop` from the launching thread."""
+
+    def __init__(self, plan: SweepPlan, catalog: Catalog, workers: int,
+                 on_start: Callable[[RunSpec], None] | None, on_finish: Callable[[dict[str, Any]], None] | None,
+                 slots: queue.SimpleQueue | None) -> None:
+        self.plan, self.catalog, self.workers, self.slots = plan, catalog, workers, slots
+        self.on_start, self.on_finish = on_start, on_finish
+        self.thresholds = scan_thresholds(plan.spec)
+        self.ranks = plan.spec.slurm.ranks  # all on this machine
+        self.owner = this_owner()
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.children: dict[str, subprocess.Popen] = {}
+
+    def run(self, run: RunSpec) -> dict[str, Any] | None:
+        """Claim, train and record one run; None when the sweep stopped before it began."""
+        if self.stopping.is_set():
+            return None
+        log = self.plan.log_path(run)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        other = self.catalog.claim(run.id, self.owner, state="submitted", submitted_at=utc_now(), executor="local",
+                                   error=None, paths={"log": self.catalog.relative(log)})
+        if other is not None:
+            return self.catalog.get(run.id)
+        if self.on_start is not None:
+            with self.lock:
+                self.on_start(run)
+        finished = self._record_end(run, self._train(run, log), log)
+        if self.on_finish is not None:
+            with self.lock:
+                self.on_finish(finished)
+        return finished
+
+    def _train(self, run: RunSpec, log: Path) -> int:
+        """The run's training process (torchrun for several ranks or a parallel mode), on its GPU slot
+        if there are slots, its output appended to `log`; its exit status."""
+        distributed = self.ranks > 1 or run.config.get("parallel", "none") != "none"
+        command = train_command(self.plan.sweep_dir / f"{run.id}.toml", self.catalog.path,
+                                nproc=self.ranks if distributed else None)
+        gpus = self.slots.get() if self.slots is not None else None  # never waits: one slot per pool thread
+        try:
+            with open(log, "ab") as out:
+                child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                         env=worker_env(self.workers, self.ranks, gpus), start_new_session=True)
+                with self.lock:
+                    self.children[run.id] = child
+                returncode = child.wait()
+                with self.lock:
+                    self.children.pop(run.id, None)
+        finally:
+            if gpus is not None:
+                self.slots.put(gpus)
+        return returncode
+
+    def _record_end(self, run: RunSpec, returncode: int, log: Path) -> dict[str, Any]:
+        """The run's record once its process ended: as the process wrote it, or, if it died before
+        recording its end, interrupted (the sweep was stopping) or failed with its log's last error."""
+        finished = self.catalog.get(run.id)
+        if finished["state"] not in IN_FLIGHT_STATES:
+            return finished
+        if self.stopping.is_set():
+            # Our SIGINT reached it before it could record anything (interpreter start-up, imports):
+            # nothing broke, so the next sweep runs it again instead of skipping it as failed.
+            return finish_run(run, self.catalog, self.thresholds, returncode=130, state="interrupted")
+        finished = finish_run(run, self.catalog, self.thresholds, returncode=returncode or 1)
+        if finished["state"] == "failed" and not finished.get("error"):
+            finished = self.catalog.update(run.id, error=last_error_line(log) or f"the training process exited with {_exit_text(returncode)}")
+        return finished
+
+    def stop(self) -> None:
+        """Start nothing more, and pass one SIGINT to each training process."""
+        self.stopping.set()
+        with self.lock:
+            for child in self.children.values():
+                child.send_signal(signal.SIGINT)
 
 
 def _exit_text(returncode: int) -> str:

@@ -40,14 +40,12 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from typing import Any
 
 from fp4lab.lab.records.logscan import VERDICTS
-from fp4lab.lab.specs.search_space import SearchParam, search_param
+from fp4lab.lab.specs.search_space import SearchParam, probe_values, search_param
 from fp4lab.lab.specs.sweep_spec import SlurmSpec, slurm_table
-from fp4lab.validation import known_keys
+from fp4lab.validation import boolean, checked_table, choice, entry, integer, known_keys, list_of, number, string, table_of
 from fp4lab.train.config import ConfigError, DataConfig, TrainConfig
 
 # metric names a kind = "fp4lab" program may give -> the summary.json key the run writes.
@@ -61,6 +59,8 @@ FP4LAB_METRICS = {
     "best_loss": "best_train_loss",  # the earlier name
     "tokens_per_s": "tokens_per_s",
 }
+KINDS = ("fp4lab", "command")
+DIRECTIONS = ("minimize", "maximize")
 TOP_KEYS = ("metric", "direction", "run", "health", "edit", "search_space", "stop", "noise", "slurm")
 # The per-run budget is [run].steps / [run].minutes, so that every run gets the same one.
 BUDGET_FIELDS = {"steps": "[run].steps", "max_minutes": "[run].minutes"}
@@ -75,54 +75,44 @@ class ProgramError(ValueError):
     """A program.md that does not validate: one line naming the file, the key and the fix."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class RunTarget:
+    kind: str = entry(choice(KINDS))
+    base: dict[str, Any] = entry(table_of(), {})
+    steps: int | None = entry(integer(minimum=1), None)
+    minutes: float | None = entry(number(positive=True, wants="a number of minutes > 0"), None)
+    command: tuple[str, ...] | None = entry(list_of(string()), None)
+    metric_regex: str | None = entry(string(), None)
+    timeout_minutes: float | None = entry(number(positive=True, wants="a number of minutes > 0, e.g. 10"), None)
+    env: dict[str, str] = entry(table_of(string()), {})
 
 
-def _as_tuple(value: Any) -> Any:
-    # TOML gives lists; the models hold tuples so that a Program cannot change after validation.
-    return tuple(value) if isinstance(value, list) else value
+@dataclass(frozen=True, kw_only=True)
+class Health:
+    no_nan: bool = entry(boolean(), True)
+    entropy_floor: float | None = entry(number(positive=False).hinted("leave it out for the scanner's default"), None)
+    max_logit: float | None = entry(number(positive=False).hinted("leave it out for the scanner's default"), None)
+    require_verdict: tuple[str, ...] = entry(list_of(string()), ("converged",))
 
 
-class RunTarget(_Strict):
-    kind: Literal["fp4lab", "command"]
-    base: dict[str, Any] = Field(default_factory=dict)
-    steps: int | None = None
-    minutes: float | None = None
-    command: tuple[str, ...] | None = None
-    metric_regex: str | None = None
-    timeout_minutes: float | None = None
-    env: dict[str, str] = Field(default_factory=dict)
-
-    _tuples = field_validator("command", mode="before")(_as_tuple)
+@dataclass(frozen=True, kw_only=True)
+class StopRules:
+    iterations: int | None = entry(integer(minimum=1).hinted("leave it out for no limit"), None)
+    target: float | None = entry(number(), None)
+    plateau: int | None = entry(integer(minimum=1).hinted("leave it out for no limit"), None)
 
 
-class Health(_Strict):
-    no_nan: bool = True
-    entropy_floor: float | None = None
-    max_logit: float | None = None
-    require_verdict: tuple[str, ...] = ("converged",)
-
-    _tuples = field_validator("require_verdict", mode="before")(_as_tuple)
-
-
-class StopRules(_Strict):
-    iterations: int | None = None
-    target: float | None = None
-    plateau: int | None = None
+@dataclass(frozen=True, kw_only=True)
+class NoiseGate:
+    seeds: int = entry(integer(minimum=1).hinted("1 turns the noise gate off"), 1)
+    rule: str = entry(choice(("sigma", "paired")), "sigma")
+    k: float = entry(number(positive=False), 2.0)
+    confidence: float = entry(number(positive=True, below=1, wants="between 0 and 1, e.g. 0.95"), 0.95)
 
 
-class NoiseGate(_Strict):
-    seeds: int = 1
-    rule: Literal["sigma", "paired"] = "sigma"
-    k: float = 2.0
-    confidence: float = 0.95
-
-
-class _Edit(_Strict):
-    files: tuple[str, ...] = ()
-
-    _tuples = field_validator("files", mode="before")(_as_tuple)
+@dataclass(frozen=True, kw_only=True)
+class _Edit:
+    files: tuple[str, ...] = entry(list_of(string()), ())
 
 
 @dataclass(frozen=True)
@@ -176,91 +166,24 @@ def parse_program(text: str, path: str | Path = "program.md") -> Program:
     def fail(where: str, message: str) -> ProgramError:
         return ProgramError(f"{path}: {where}: {message}")
 
-    goal, block, first_line = _split(text, path)
-    try:
-        header = tomllib.loads(block)
-    except tomllib.TOMLDecodeError as exc:
-        # tomllib counts lines from the start of the block; point at the line of program.md instead.
-        message = re.sub(r"at line (\d+)", lambda m: f"at line {int(m[1]) + first_line}", str(exc))
-        raise ProgramError(f"{path}: the ```toml ratchet block is not valid TOML: {message}; fix that line") from None
-
+    goal, header = _header(text, path)
     known_keys(header, TOP_KEYS, "", fail)
-    for key in ("metric", "direction", "run"):
-        if key not in header:
-            example = {"metric": 'metric = "val_loss"', "direction": 'direction = "minimize"',
-                       "run": '[run] with kind = "fp4lab" or "command"'}[key]
-            raise fail(key, f"missing; add {example}")
-    direction = header["direction"]
-    if direction not in ("minimize", "maximize"):
-        raise fail("direction", f"{direction!r} is not supported; allowed: minimize, maximize")
-
-    if isinstance(header["run"], dict) and "kind" not in header["run"]:
-        raise fail("[run].kind", "missing; add kind = \"fp4lab\" (a training run of this repo) "
-                   "or \"command\" (any program)")
-    run = _model(RunTarget, header["run"], "run", fail)
-    metric = header["metric"]
+    _require(header, fail)
+    direction = choice(DIRECTIONS).check("direction", header["direction"], fail)
+    run = checked_table(RunTarget, header["run"], "[run]", fail)
+    metric = _metric(header["metric"], run, fail)
+    search_space = _search_space(header.get("search_space", {}), fail)
     if run.kind == "fp4lab":
-        if not isinstance(metric, str) or metric not in FP4LAB_METRICS:
-            raise fail("metric", f"{metric!r} is not a summary key of an fp4lab run; "
-                       f"allowed: {', '.join(FP4LAB_METRICS)}")
-        metric = FP4LAB_METRICS[metric]
-    elif not isinstance(metric, str) or not metric.strip() or not metric.isprintable():
-        raise fail("metric", f"{metric!r} must be a name for the command's number, e.g. \"score\"")
-
-    space = header.get("search_space", {})
-    if not isinstance(space, dict):
-        raise fail("[search_space]", "must be a table: name = {type = ..., low, high} "
-                   "or {type = \"categorical\", choices = [...]}")
-    search_space = {name: search_param(f"[search_space].{name}", param, fail) for name, param in space.items()}
-    if run.kind == "fp4lab":
-        _check_fp4lab(run, search_space, fail)
+        _check_fp4lab(run, set(header["run"]), search_space, fail)
     else:
-        _check_command(run, fail)
-
-    health = _model(Health, header.get("health", {}), "health", fail)
-    for key in ("entropy_floor", "max_logit"):
-        value = getattr(health, key)
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise fail(f"[health].{key}", f"{value} must be a finite number >= 0 "
-                       "(leave it out for the scanner's default)")
-    for verdict in health.require_verdict:
-        if verdict not in VERDICTS:
-            raise fail("[health].require_verdict",
-                       f"{verdict!r} is not a scanner verdict; allowed: {', '.join(VERDICTS)}")
-    if not health.require_verdict:
-        raise fail("[health].require_verdict",
-                   "is empty; list the verdicts that count as healthy, e.g. [\"converged\"]")
-
-    edit = _model(_Edit, header.get("edit", {}), "edit", fail)
-    for i, pattern in enumerate(edit.files):
-        if not safe_relative_path(pattern.replace("**", "x")):
-            raise fail(f"[edit].files[{i}]", f"{pattern!r} must be a pattern relative to the repo root, without "
-                       "'..', '.' or empty components and outside .git, e.g. \"fp4lab/recipes/*.toml\"")
-
-    stop = _model(StopRules, header.get("stop", {}), "stop", fail)
-    for key in ("iterations", "plateau"):
-        value = getattr(stop, key)
-        if value is not None and value < 1:
-            raise fail(f"[stop].{key}", f"{value} must be an integer >= 1 (leave it out for no limit)")
-    if stop.target is not None and not math.isfinite(stop.target):
-        raise fail("[stop].target", f"{stop.target} must be a finite number")
-
-    noise = _model(NoiseGate, header.get("noise", {}), "noise", fail)
-    if noise.seeds < 1:
-        raise fail("[noise].seeds", f"{noise.seeds} must be >= 1 (1 turns the noise gate off)")
-    if noise.rule == "paired" and noise.seeds < 2:
-        raise fail("[noise].rule", "\"paired\" compares a proposal with the baseline seed by seed; set seeds >= 2")
-    if not (math.isfinite(noise.k) and noise.k >= 0):
-        raise fail("[noise].k", f"{noise.k} must be a finite number >= 0")
-    if not 0 < noise.confidence < 1:
-        raise fail("[noise].confidence", f"{noise.confidence} must be between 0 and 1, e.g. 0.95")
-
-    slurm = slurm_table(header.get("slurm", {}), lambda where, message: fail(f"[{where.replace('.', '].', 1)}", message))
-    if slurm.ranks > 1:  # each experiment is one submitit task, one process
-        raise fail("[slurm]", f"{slurm.ranks_text()} gives each experiment {slurm.ranks} ranks; the ratchet trains "
-                              "one process per experiment: leave gpus_per_node, ntasks_per_node and nodes at 1")
+        _check_command(run, set(header["run"]), fail)
+    health = _health(header.get("health", {}), fail)
+    edit_files = _edit_files(header.get("edit", {}), fail)
+    stop = checked_table(StopRules, header.get("stop", {}), "[stop]", fail)
+    noise = _noise(header.get("noise", {}), fail)
+    slurm = _slurm(header.get("slurm", {}), fail)
     return Program(path=path, goal=goal, metric=metric, direction=direction, run=run, health=health,
-                   edit_files=edit.files, search_space=search_space, stop=stop, noise=noise, header=header,
+                   edit_files=edit_files, search_space=search_space, stop=stop, noise=noise, header=header,
                    slurm=slurm)
 
 
@@ -274,6 +197,87 @@ def metric_from_output(text: str, regex: str) -> float | None:
     except ValueError:
         return None
     return value if math.isfinite(value) else None
+
+
+# ------------------------------------------------------------------------------- the header's parts
+
+
+def _header(text: str, path: Path) -> tuple[str, dict[str, Any]]:
+    """(goal prose, the ```toml ratchet block's table)."""
+    goal, block, first_line = _split(text, path)
+    try:
+        return goal, tomllib.loads(block)
+    except tomllib.TOMLDecodeError as exc:
+        # tomllib counts lines from the start of the block; point at the line of program.md instead.
+        message = re.sub(r"at line (\d+)", lambda m: f"at line {int(m[1]) + first_line}", str(exc))
+        raise ProgramError(f"{path}: the ```toml ratchet block is not valid TOML: {message}; fix that line") from None
+
+
+def _require(header: dict[str, Any], fail) -> None:
+    """metric, direction and [run] with its kind: the keys without a default."""
+    for key in ("metric", "direction", "run"):
+        if key not in header:
+            example = {"metric": 'metric = "val_loss"', "direction": 'direction = "minimize"',
+                       "run": '[run] with kind = "fp4lab" or "command"'}[key]
+            raise fail(key, f"missing; add {example}")
+    if isinstance(header["run"], dict) and "kind" not in header["run"]:
+        raise fail("[run].kind", "missing; add kind = \"fp4lab\" (a training run of this repo) "
+                   "or \"command\" (any program)")
+
+
+def _metric(metric: Any, run: RunTarget, fail) -> str:
+    """The summary.json key an fp4lab run's metric names, or the label of a command's number."""
+    if run.kind == "fp4lab":
+        if not isinstance(metric, str) or metric not in FP4LAB_METRICS:
+            raise fail("metric", f"{metric!r} is not a summary key of an fp4lab run; "
+                       f"allowed: {', '.join(FP4LAB_METRICS)}")
+        return FP4LAB_METRICS[metric]
+    if not isinstance(metric, str) or not metric.strip() or not metric.isprintable():
+        raise fail("metric", f"{metric!r} must be a name for the command's number, e.g. \"score\"")
+    return metric
+
+
+def _search_space(space: Any, fail) -> dict[str, SearchParam]:
+    if not isinstance(space, dict):
+        raise fail("[search_space]", "must be a table: name = {type = ..., low, high} "
+                   "or {type = \"categorical\", choices = [...]}")
+    return {name: search_param(f"[search_space].{name}", param, fail) for name, param in space.items()}
+
+
+def _health(table: Any, fail) -> Health:
+    health = checked_table(Health, table, "[health]", fail)
+    for verdict in health.require_verdict:
+        if verdict not in VERDICTS:
+            raise fail("[health].require_verdict",
+                       f"{verdict!r} is not a scanner verdict; allowed: {', '.join(VERDICTS)}")
+    if not health.require_verdict:
+        raise fail("[health].require_verdict",
+                   "is empty; list the verdicts that count as healthy, e.g. [\"converged\"]")
+    return health
+
+
+def _edit_files(table: Any, fail) -> tuple[str, ...]:
+    edit = checked_table(_Edit, table, "[edit]", fail)
+    for i, pattern in enumerate(edit.files):
+        if not safe_relative_path(pattern.replace("**", "x")):
+            raise fail(f"[edit].files[{i}]", f"{pattern!r} must be a pattern relative to the repo root, without "
+                       "'..', '.' or empty components and outside .git, e.g. \"fp4lab/recipes/*.toml\"")
+    return edit.files
+
+
+def _noise(table: Any, fail) -> NoiseGate:
+    noise = checked_table(NoiseGate, table, "[noise]", fail)
+    if noise.rule == "paired" and noise.seeds < 2:
+        raise fail("[noise].rule", "\"paired\" compares a proposal with the baseline seed by seed; set seeds >= 2")
+    return noise
+
+
+def _slurm(table: Any, fail) -> SlurmSpec:
+    slurm = slurm_table(table, fail, "[slurm]")
+    if slurm.ranks > 1:  # each experiment is one submitit task, one process
+        raise fail("[slurm]", f"{slurm.ranks_text()} gives each experiment {slurm.ranks} ranks; the ratchet trains "
+                              "one process per experiment: leave gpus_per_node, ntasks_per_node and nodes at 1")
+    return slurm
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -306,30 +310,11 @@ def _split(text: str, path: Path) -> tuple[str, str, int]:
     return goal, "\n".join(lines[start + 1:end]), start + 1
 
 
-def _model(model: type[BaseModel], table: Any, name: str, fail):
-    where = f"[{name}]"
-    if not isinstance(table, dict):
-        raise fail(where, f"must be a table ([{name}] with key = value lines)")
-    known_keys(table, tuple(model.model_fields), where, fail)
-    try:
-        return model.model_validate(table)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        loc = where + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
-        value = error.get("input")
-        if error["type"] == "literal_error":
-            allowed = re.findall(r"'([^']*)'", error["ctx"]["expected"])
-            raise fail(loc, f"{value!r} is not supported; allowed: {', '.join(allowed)}") from None
-        if error["type"] == "tuple_type":
-            raise fail(loc, f"{value!r} must be a list, e.g. [\"a\", \"b\"]") from None
-        raise fail(loc, f"{value!r}: {error['msg'].lower()}") from None
-
-
-def _check_fp4lab(run: RunTarget, search_space: dict[str, SearchParam], fail) -> None:
-    from fp4lab.nn.recipe import RecipeError, load_recipe
-
+def _check_fp4lab(run: RunTarget, given: set[str], search_space: dict[str, SearchParam], fail) -> None:
+    """A kind = "fp4lab" run: [run].base a valid TrainConfig without the budget and out_dir, a budget,
+    and a search space of TrainConfig fields whose bounds (or choices) each give a valid config."""
     for key in ("command", "metric_regex", "timeout_minutes", "env"):
-        if key in run.model_fields_set:
+        if key in given:
             raise fail(f"[run].{key}", "only applies to kind = \"command\"; remove it or set kind = \"command\"")
     train_fields = [f.name for f in dataclasses.fields(TrainConfig)]
     data_fields = [f.name for f in dataclasses.fields(DataConfig)]
@@ -346,27 +331,7 @@ def _check_fp4lab(run: RunTarget, search_space: dict[str, SearchParam], fail) ->
             raise fail(f"[run].base.{key}", f"the per-run budget is {budget}; move it there")
     if run.steps is None and run.minutes is None:
         raise fail("[run]", "kind = \"fp4lab\" needs a budget: steps = N and/or minutes = M per run")
-    if run.steps is not None and run.steps < 1:
-        raise fail("[run].steps", f"{run.steps} must be an integer >= 1")
-    if run.minutes is not None and not (math.isfinite(run.minutes) and run.minutes > 0):
-        raise fail("[run].minutes", f"{run.minutes} must be a number of minutes > 0")
-
-    def validate(params: dict[str, Any], where: str) -> None:
-        values = {**run.base, "data": dict(run.base.get("data", {})), "max_minutes": run.minutes}
-        if run.steps is not None:
-            values["steps"] = run.steps
-        for key, value in params.items():
-            if key.startswith("data."):
-                values["data"][key[5:]] = value
-            else:
-                values[key] = value
-        try:
-            config = TrainConfig.from_dict(values, "config")
-            load_recipe(config.recipe)
-        except (ConfigError, RecipeError) as exc:
-            raise fail(where, str(exc).removeprefix("config: ")) from None
-
-    validate({}, "[run].base")
+    _check_run_config(run, {}, "[run].base", fail)
     for name, p in search_space.items():
         where = f"[search_space].{name}"
         field_name = name.removeprefix("data.")
@@ -377,13 +342,34 @@ def _check_fp4lab(run: RunTarget, search_space: dict[str, SearchParam], fail) ->
                    else "is not a TrainConfig field (or data.<DataConfig field>)")
             searchable = [f for f in train_fields if f not in NOT_SEARCHABLE] + [f"data.{f}" for f in data_fields]
             raise fail(where, f"{why}; allowed: {', '.join(searchable)}")
-        for value in p.choices if p.type == "categorical" else (p.low, p.high):
-            validate({name: value}, where)
+        for value in probe_values(p):
+            _check_run_config(run, {name: value}, where, fail)
 
 
-def _check_command(run: RunTarget, fail) -> None:
+def _check_run_config(run: RunTarget, params: dict[str, Any], where: str, fail) -> None:
+    """The TrainConfig of one experiment (base, budget, then params; `data.x` keys go into the data
+    table) validates, and so does its recipe."""
+    from fp4lab.nn.recipe import RecipeError, load_recipe
+
+    values = {**run.base, "data": dict(run.base.get("data", {})), "max_minutes": run.minutes}
+    if run.steps is not None:
+        values["steps"] = run.steps
+    for key, value in params.items():
+        if key.startswith("data."):
+            values["data"][key[5:]] = value
+        else:
+            values[key] = value
+    try:
+        config = TrainConfig.from_dict(values, "config")
+        load_recipe(config.recipe)
+    except (ConfigError, RecipeError) as exc:
+        raise fail(where, str(exc).removeprefix("config: ")) from None
+
+
+def _check_command(run: RunTarget, given: set[str], fail) -> None:
+    """A kind = "command" run: an argv, a regex with a group for the metric, a time cap, env names."""
     for key in ("base", "steps", "minutes"):
-        if key in run.model_fields_set:
+        if key in given:
             raise fail(f"[run].{key}", "only applies to kind = \"fp4lab\"; remove it or set kind = \"fp4lab\"")
     if not run.command or not all(arg and "\0" not in arg for arg in run.command):
         raise fail("[run].command", "must be a non-empty list of non-empty strings (argv, no shell), "
@@ -397,8 +383,8 @@ def _check_command(run: RunTarget, fail) -> None:
         raise fail("[run].metric_regex", f"{run.metric_regex!r} does not compile: {exc}") from None
     if groups < 1:
         raise fail("[run].metric_regex", f"{run.metric_regex!r} has no capture group; wrap the number in ( )")
-    if run.timeout_minutes is None or not (math.isfinite(run.timeout_minutes) and run.timeout_minutes > 0):
-        raise fail("[run].timeout_minutes", f"{run.timeout_minutes!r}: every run is capped; set minutes > 0, e.g. 10")
+    if run.timeout_minutes is None:
+        raise fail("[run].timeout_minutes", "missing; every run is capped: add timeout_minutes = a number of minutes > 0, e.g. 10")
     for key in run.env:
         if not ENV_NAME.match(key):
             raise fail(f"[run].env.{key}", "is not an environment variable name (letters, digits, _)")

@@ -11,13 +11,13 @@ samples it: one validator, one suggest, one study, for Optuna sweeps and the rat
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
-
-from fp4lab.validation import is_int, known_keys
+from fp4lab.validation import Rule, boolean, checked_table, choice, entry, is_int, number
 
 TYPES = ("float", "int", "categorical")
 # Seeds of concurrent samplers: seed * SEED_STRIDE + offset (a job's slot, or the trials so far) keeps
@@ -25,42 +25,39 @@ TYPES = ("float", "int", "categorical")
 SEED_STRIDE = 1_000_003
 
 
-class SearchParam(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class SearchParam:
+    """One parameter: a "float" or "int" range (low, high, log) or "categorical" choices."""
 
-    type: Literal["float", "int", "categorical"]
-    low: float | int | None = None
-    high: float | int | None = None
-    log: bool = False
-    choices: list[Any] | None = None
+    type: str = entry(choice(TYPES))
+    # An int stays an int (the bounds of an "int" parameter), a float a float.
+    low: float | int | None = entry(number(as_float=False), None)
+    high: float | int | None = entry(number(as_float=False), None)
+    log: bool = entry(boolean(), False)
+    choices: list[Any] | None = entry(Rule("a list", lambda value: isinstance(value, list), list), None)
+
+    def as_table(self) -> dict[str, Any]:
+        """The parameter as its TOML table would give it, without the keys left out."""
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
 
 
 def search_param(where: str, param: Any, fail) -> SearchParam:
     """One validated parameter of a search space; `where` names it in errors (`optuna.search_space.lr`)."""
     if not isinstance(param, dict):
         raise fail(where, "must be a table {type = \"float\"|\"int\"|\"categorical\", low, high, log, choices}")
-    known_keys(param, SearchParam.model_fields, where, fail)
-    if "type" not in param:
-        raise fail(f"{where}.type", "missing; add type = \"float\", \"int\" or \"categorical\"")
-    if param["type"] not in TYPES:
-        raise fail(f"{where}.type", f"{param['type']!r} is not supported; allowed: {', '.join(TYPES)}")
-    try:
-        p = SearchParam.model_validate(param)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        raise fail(f"{where}.{error['loc'][0]}", f"{error.get('input')!r}: {error['msg'].lower()}") from None
+    p = checked_table(SearchParam, param, where, fail)
     if p.type == "categorical":
         if not p.choices or p.low is not None or p.high is not None or p.log:
             raise fail(where, "type = \"categorical\" takes choices = [non-empty list] and no low/high/log")
-        for i, choice in enumerate(p.choices):
-            if not isinstance(choice, (str, int, float, bool)) or _index(p.choices, choice) != i:
-                raise fail(f"{where}.choices[{i}]", f"{choice!r}: choices are distinct strings, numbers or booleans")
+        for i, option in enumerate(p.choices):
+            if not isinstance(option, (str, int, float, bool)) or _index(p.choices, option) != i:
+                raise fail(f"{where}.choices[{i}]", f"{option!r}: choices are distinct strings, numbers or booleans")
         return p
     if p.choices is not None or p.low is None or p.high is None:
         raise fail(where, f"type = {p.type!r} takes low and high (and optional log), not choices")
     if p.type == "int" and not (is_int(p.low) and is_int(p.high)):
         raise fail(where, f"type = \"int\" needs integer low and high, got {p.low!r}, {p.high!r}")
-    if not (math.isfinite(p.low) and math.isfinite(p.high) and p.low < p.high):
+    if not p.low < p.high:
         raise fail(where, f"low = {p.low} must be below high = {p.high}")
     if p.log and p.low <= 0:
         raise fail(where, f"log = true needs low > 0, got {p.low}")
@@ -126,7 +123,7 @@ def open_study(name: str, journal: str | Path, *, direction: str, seed: int, off
 
 def _index(choices: list[Any], value: Any) -> int | None:
     """Where `value` is among `choices`, matching kinds too (1 == True == 1.0 in Python, not here)."""
-    for i, choice in enumerate(choices):
-        if value == choice and isinstance(value, bool) == isinstance(choice, bool) and isinstance(value, str) == isinstance(choice, str):
+    for i, option in enumerate(choices):
+        if value == option and isinstance(value, bool) == isinstance(option, bool) and isinstance(value, str) == isinstance(option, str):
             return i
     return None

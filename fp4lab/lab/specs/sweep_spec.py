@@ -26,19 +26,19 @@ import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, ValidationError
+from typing import Any
 
 from fp4lab.lab.records.logscan import ScanThresholds, threshold_value
 from fp4lab.lab.specs.search_space import SearchParam, probe_values, search_param
-from fp4lab.validation import is_int, known_keys, read_toml
+from fp4lab.validation import Rule, checked_table, choice, entry, integer, is_int, known_keys, list_of, read_toml, string, table_of
 from fp4lab.train.config import HASHED_UNLESS_DEFAULT, RENAMED_SUMMARY_KEYS, RESULT_NEUTRAL, ConfigError, DataConfig, TrainConfig
 
 METHODS = ("grid", "random", "optuna")
 # Summary keys (train.loop's summary.json) an optuna objective may name.
 OBJECTIVES = ("final_val_loss", "best_val_loss", "final_train_loss", "best_train_loss", "tokens_per_s", "train_seconds")
 DIRECTIONS = ("minimize", "maximize")
+SEARCH_SPACE_WANTS = ("a non-empty table: name = {type = ..., low, high} or "
+                      "{type = \"categorical\", choices = [...]}")
 TOP_KEYS = ("name", "description", "base", "axes", "method", "samples", "seed", "optuna", "slurm", "scan")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # #SBATCH values: sbatch (not bash) parses these lines, so they may only hold characters that need no
@@ -69,35 +69,42 @@ class RunSpec:
     params: dict[str, Any] = field(default_factory=dict)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+def _sbatch_time(value: Any) -> bool:
+    return is_int(value) or isinstance(value, str)
 
 
-class OptunaSpec(_Strict):
-    n_trials: int
-    objective: str = "final_val_loss"
-    direction: Literal["minimize", "maximize"] = "minimize"
-    search_space: dict[str, SearchParam]
-    storage: str | None = None
+@dataclass(frozen=True, kw_only=True)
+class OptunaSpec:
+    n_trials: int = entry(integer(minimum=1))
+    objective: str = entry(choice(OBJECTIVES), "final_val_loss")
+    direction: str = entry(choice(DIRECTIONS), "minimize")
+    search_space: dict[str, SearchParam] = entry(table_of(wants=SEARCH_SPACE_WANTS))
+    storage: str | None = entry(string(wants="a journal file path (default jobs/<sweep>/optuna.journal)",
+                                       holds=lambda path: bool(path) and path.isprintable()), None)
 
 
-class SlurmSpec(_Strict):
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    gpus_per_node: int | None = None
-    nodes: int = 1
-    ntasks_per_node: int | None = None
-    cpus_per_task: int | None = None
-    mem: str | None = None
-    time: str | int | None = None
-    constraint: str | None = None
-    exclude: str | None = None
-    array_parallelism: int | None = None
-    signal_before_timeout_s: int = 120
-    setup: list[str] = []
-    max_array_size: int | None = None
-    max_requeues: int = 3
+@dataclass(frozen=True, kw_only=True)
+class SlurmSpec:
+    """[slurm]: where and how the runs go on a Slurm cluster. The text values go into #SBATCH lines and
+    keep to SBATCH_PATTERNS (checked by slurm_table)."""
+
+    partition: str | None = entry(string(), None)
+    account: str | None = entry(string(), None)
+    qos: str | None = entry(string(), None)
+    gpus_per_node: int | None = entry(integer(minimum=0), None)
+    nodes: int = entry(integer(minimum=1), 1)
+    ntasks_per_node: int | None = entry(integer(minimum=1), None)
+    cpus_per_task: int | None = entry(integer(minimum=1), None)
+    mem: str | None = entry(string(), None)
+    time: str | int | None = entry(Rule("minutes (an integer >= 1) or text such as 04:00:00", _sbatch_time,
+                                        holds=lambda value: not is_int(value) or value >= 1), None)
+    constraint: str | None = entry(string(), None)
+    exclude: str | None = entry(string(), None)
+    array_parallelism: int | None = entry(integer(minimum=1), None)
+    signal_before_timeout_s: int = entry(integer(minimum=1), 120)
+    setup: tuple[str, ...] = entry(list_of(string()), ())
+    max_array_size: int | None = entry(integer(minimum=1), None)
+    max_requeues: int = entry(integer(minimum=0), 3)
 
     @property
     def ranks_per_node(self) -> int:
@@ -164,19 +171,30 @@ def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepS
         return SpecError(f"{path}: {where}: {message}")
 
     known_keys(table, TOP_KEYS, "", fail)
+    name, description, method = _identity(table, fail)
+    slurm = slurm_table(table.get("slurm", {}), fail)
+    base, base_config = _base(table.get("base", {}), fail)
+    axes = _axes(table.get("axes", {}), base, fail)
+    samples, seed = _sampling(table, method, axes, fail)
+    optuna = _optuna(table, method, axes, base, fail)
+    _check_ranks(slurm, method, base_config, axes, fail)
+    scan = _scan(table.get("scan", {}), fail)
+    return SweepSpec(name=name, description=description, path=path, base=base, axes=axes, method=method,
+                     samples=samples, seed=seed if method != "grid" else 0, optuna=optuna, slurm=slurm, scan=scan)
+
+
+def _identity(table: dict[str, Any], fail) -> tuple[str, str, str]:
+    """name, description and method."""
     name = table.get("name")
     if not isinstance(name, str) or not NAME_PATTERN.match(name):
         raise fail("name", f"{name!r} must be 1-64 letters, digits, . _ - (it names jobs/<name> and runs/<name>)")
-    description = table.get("description", "")
-    if not isinstance(description, str):
-        raise fail("description", "must be a string")
-    method = table.get("method", "grid")
-    if method not in METHODS:
-        raise fail("method", f"{method!r} is not supported; allowed: {', '.join(METHODS)}")
+    description = string().check("description", table.get("description", ""), fail)
+    method = choice(METHODS).check("method", table.get("method", "grid"), fail)
+    return name, description, method
 
-    slurm = slurm_table(table.get("slurm", {}), fail)
 
-    base = table.get("base", {})
+def _base(base: Any, fail) -> tuple[dict[str, Any], dict[str, Any]]:
+    """[base] as written, and the TrainConfig it resolves to."""
     if not isinstance(base, dict):
         raise fail("base", "must be a table of TrainConfig fields ([base])")
     train_fields, data_fields = _train_fields()
@@ -188,11 +206,15 @@ def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepS
     if "out_dir" in base:
         raise fail("base.out_dir", "is set by the sweep to runs/<sweep>/<id>; remove it")
     _check_recipe(base.get("recipe"), "base.recipe", fail)
-    base_config = _validate_config(_merge(base, {}), "base", fail)
+    return base, _validate_config(_merge(base, {}), "base", fail)
 
-    axes = table.get("axes", {})
+
+def _axes(axes: Any, base: dict[str, Any], fail) -> dict[str, list[Any]]:
+    """[axes]: each a TrainConfig field (or data.<DataConfig field>) with distinct values, each value
+    giving a valid config on top of [base]."""
     if not isinstance(axes, dict):
         raise fail("axes", "must be a table: name = [values]")
+    train_fields, data_fields = _train_fields()
     for axis, values in axes.items():
         _check_axis_name(axis, train_fields, data_fields, f"axes.{axis}", fail)
         if not isinstance(values, list) or not values:
@@ -207,104 +229,79 @@ def spec_from_dict(table: dict[str, Any], path: str | Path = "<spec>") -> SweepS
             if axis == "recipe":
                 _check_recipe(value, where, fail)
             _validate_config(_merge(base, {axis: value}), where, fail)
+    return axes
 
+
+def _sampling(table: dict[str, Any], method: str, axes: dict[str, list[Any]], fail) -> tuple[int | None, Any]:
+    """samples and seed: random sweeps need both, optuna takes a seed, grid neither."""
     samples = table.get("samples")
     seed = table.get("seed", 0)
     if method != "random" and "samples" in table:
         raise fail("samples", f"only applies to method = \"random\" (this spec has method = {method!r})")
     if method == "grid" and "seed" in table:
         raise fail("seed", "only applies to method = \"random\" or \"optuna\" (this spec has method = \"grid\")")
-    if method == "optuna" and (not is_int(seed) or seed < 0):
-        raise fail("seed", f"{seed!r} must be an integer >= 0 (the Optuna sampler's seed)")
+    if method == "optuna":
+        integer(minimum=0).hinted("the Optuna sampler's seed").check("seed", seed, fail)
     if method == "random":
-        if not is_int(samples) or samples < 1:
-            raise fail("samples", f"{samples!r}: method = \"random\" needs samples = an integer >= 1")
-        if not is_int(seed) or seed < 0:
-            raise fail("seed", f"{seed!r} must be an integer >= 0")
+        if samples is None:
+            raise fail("samples", "missing; method = \"random\" needs samples = an integer >= 1")
+        integer(minimum=1).check("samples", samples, fail)
+        integer(minimum=0).check("seed", seed, fail)
         total = math.prod(len(v) for v in axes.values())
         if samples > total:
             raise fail("samples", f"{samples} is more than the {total} distinct axis combinations; lower it")
-
-    optuna = None
-    if method == "optuna":
-        if axes:
-            raise fail("axes", "method = \"optuna\" takes its parameters from [optuna.search_space]; "
-                       "move the axes there (type = \"categorical\", choices = [...])")
-        if "optuna" not in table:
-            raise fail("optuna", "method = \"optuna\" needs an [optuna] table (n_trials, objective, direction, search_space)")
-        optuna = _optuna(table["optuna"], base, train_fields, data_fields, fail)
-    elif "optuna" in table:
-        raise fail("optuna", f"only applies to method = \"optuna\" (this spec has method = {method!r})")
-
-    _check_ranks(slurm, method, base_config, axes, fail)
-    scan = _scan(table.get("scan", {}), fail)
-    return SweepSpec(name=name, description=description, path=path, base=base, axes=axes, method=method,
-                     samples=samples, seed=seed if method != "grid" else 0, optuna=optuna, slurm=slurm, scan=scan)
+    return samples, seed
 
 
-def _optuna(table: Any, base: dict, train_fields, data_fields, fail) -> OptunaSpec:
-    if not isinstance(table, dict):
-        raise fail("optuna", "must be a table")
-    known_keys(table, tuple(OptunaSpec.model_fields), "optuna", fail)
-    space = table.get("search_space")
-    if not isinstance(space, dict) or not space:
-        raise fail("optuna.search_space", "must be a non-empty table: name = {type = ..., low, high} or {type = \"categorical\", choices = [...]}")
-    checked = {}
-    for pname, param in space.items():
+def _optuna(table: dict[str, Any], method: str, axes: dict[str, list[Any]], base: dict[str, Any], fail) -> OptunaSpec | None:
+    """[optuna], which method = "optuna" needs and no other method takes; its search space holds
+    TrainConfig fields, and both ends (or every choice) of each give a valid config on top of [base]."""
+    if method != "optuna":
+        if "optuna" in table:
+            raise fail("optuna", f"only applies to method = \"optuna\" (this spec has method = {method!r})")
+        return None
+    if axes:
+        raise fail("axes", "method = \"optuna\" takes its parameters from [optuna.search_space]; "
+                   "move the axes there (type = \"categorical\", choices = [...])")
+    if "optuna" not in table:
+        raise fail("optuna", "method = \"optuna\" needs an [optuna] table (n_trials, objective, direction, search_space)")
+    optuna = table["optuna"]
+    if isinstance(optuna, dict) and optuna.get("objective") in RENAMED_SUMMARY_KEYS:  # a spec written before the rename
+        optuna = {**optuna, "objective": RENAMED_SUMMARY_KEYS[optuna["objective"]]}
+    spec = checked_table(OptunaSpec, optuna, "optuna", fail)
+    if not spec.search_space:
+        raise fail("optuna.search_space", f"must be {SEARCH_SPACE_WANTS}")
+    train_fields, data_fields = _train_fields()
+    space = {}
+    for pname, param in spec.search_space.items():
         where = f"optuna.search_space.{pname}"
         _check_axis_name(pname, train_fields, data_fields, where, fail)
-        checked[pname] = search_param(where, param, fail)
-    if table.get("objective") in RENAMED_SUMMARY_KEYS:  # a spec written before the rename
-        table = {**table, "objective": RENAMED_SUMMARY_KEYS[table["objective"]]}
-    for key, allowed in (("objective", OBJECTIVES), ("direction", DIRECTIONS)):
-        if key in table and table[key] not in allowed:
-            raise fail(f"optuna.{key}", f"{table[key]!r} is not supported; allowed: {', '.join(allowed)}")
-    spec = _pydantic(OptunaSpec, {**table, "search_space": checked}, "optuna", fail)
-    if spec.n_trials < 1:
-        raise fail("optuna.n_trials", f"{spec.n_trials} must be >= 1")
-    if spec.storage is not None and (not spec.storage or not spec.storage.isprintable()):
-        raise fail("optuna.storage", "must be a journal file path (default jobs/<sweep>/optuna.journal)")
-    for pname, p in spec.search_space.items():
-        where = f"optuna.search_space.{pname}"
-        for i, value in enumerate(probe_values(p)):
+        space[pname] = search_param(where, param, fail)
+        for i, value in enumerate(probe_values(space[pname])):
             if pname == "recipe":
                 _check_recipe(value, f"{where}.choices[{i}]", fail)
             _validate_config(_merge(base, {pname: value}), where, fail)
-    return spec
+    return dataclasses.replace(spec, search_space=space)
 
 
-def slurm_table(table: Any, fail) -> SlurmSpec:
-    """A validated [slurm] table (sweep specs and program.md share it); fail(where, message) for errors."""
-    if not isinstance(table, dict):
-        raise fail("slurm", "must be a table")
-    known_keys(table, tuple(SlurmSpec.model_fields), "slurm", fail)
-    slurm = _pydantic(SlurmSpec, table, "slurm", fail)
+def slurm_table(table: Any, fail, where: str = "slurm") -> SlurmSpec:
+    """A validated [slurm] table (sweep specs and program.md share it); fail(place, message) for errors,
+    `where` naming the table in them (`slurm`, `[slurm]`)."""
+    slurm = checked_table(SlurmSpec, table, where, fail)
     for key, (pattern, allowed) in SBATCH_PATTERNS.items():
         value = getattr(slurm, key)
-        if value is None:
-            continue
-        if key == "time" and is_int(value):
-            if value < 1:
-                raise fail("slurm.time", f"{value} minutes must be >= 1")
-            continue
-        if not re.fullmatch(pattern, value):
-            raise fail(f"slurm.{key}", f"{value!r} is not allowed in an #SBATCH line; use {allowed}")
-    minimum = {"gpus_per_node": 0, "nodes": 1, "ntasks_per_node": 1, "cpus_per_task": 1, "array_parallelism": 1,
-               "signal_before_timeout_s": 1, "max_array_size": 1, "max_requeues": 0}
-    for key, low in minimum.items():
-        value = getattr(slurm, key)
-        if value is not None and value < low:
-            raise fail(f"slurm.{key}", f"{value} must be >= {low}")
+        if isinstance(value, str) and not re.fullmatch(pattern, value):
+            raise fail(f"{where}.{key}", f"{value!r} is not allowed in an #SBATCH line; use {allowed}")
     if slurm.gpus_per_node and slurm.ntasks_per_node not in (None, slurm.gpus_per_node):
-        raise fail("slurm.ntasks_per_node", f"{slurm.ntasks_per_node} differs from gpus_per_node = {slurm.gpus_per_node}: "
+        raise fail(f"{where}.ntasks_per_node", f"{slurm.ntasks_per_node} differs from gpus_per_node = {slurm.gpus_per_node}: "
                    "a run has one rank per GPU; remove ntasks_per_node")
     limit = time_limit_seconds(slurm.time)
     if limit is not None and slurm.signal_before_timeout_s >= limit:
-        raise fail("slurm.signal_before_timeout_s",
+        raise fail(f"{where}.signal_before_timeout_s",
                    f"{slurm.signal_before_timeout_s} s must be shorter than the time limit ({limit} s)")
     for i, line in enumerate(slurm.setup):
         if any(ch in line for ch in "\n\r\0") or not line.strip():
-            raise fail(f"slurm.setup[{i}]", "each entry is one shell command on one line: no newlines or NUL, not empty; "
+            raise fail(f"{where}.setup[{i}]", "each entry is one shell command on one line: no newlines or NUL, not empty; "
                        "split it into several entries")
     return slurm
 
@@ -483,18 +480,6 @@ def _check_axis_name(name: str, train_fields, data_fields, where: str, fail) -> 
     if name not in train_fields:
         allowed = [f for f in train_fields if f not in ("data", "out_dir")] + [f"data.{f}" for f in data_fields]
         raise fail(where, f"unknown field {name!r}; allowed: {', '.join(allowed)}")
-
-
-def _pydantic(model, table: dict, where: str, fail):
-    try:
-        return model.model_validate(table)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        loc = where
-        for part in error["loc"]:
-            loc += f"[{part}]" if isinstance(part, int) else f".{part}"
-        value = error.get("input")
-        raise fail(loc, f"{value!r}: {error['msg'].lower()}") from None
 
 
 def _merge(base: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
