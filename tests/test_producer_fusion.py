@@ -296,9 +296,9 @@ def test_cuda_training_with_the_fused_swiglu_equals_training_without(tmp_path):
     """Eight steps of the tiny model on mxfp4 (round-to-nearest x operands), eager (torch.compile would
     give the unfused SiLU Inductor's own exp) and graphed as by default: the same loss at every step
     with producer_fusion on and off."""
-    from fp4lab.numerics.fast import triton_available
+    from fp4lab.numerics.kernels import runs_on
 
-    if not triton_available():
+    if not runs_on(torch.device("cuda")):
         pytest.skip("needs Triton")
     losses = [cuda_training_losses(tmp_path, fusion) for fusion in ("off", "on")]
     assert losses[0] == losses[1] and len(losses[0]) >= 8, losses
@@ -310,9 +310,9 @@ def test_cuda_training_with_the_fused_residual_rmsnorm_tracks_training_without(t
     "all" and "on": the fused kernel ran in every block, and the losses agree to within what a few
     ulps in the normed activations (then quantized to FP4) can move them."""
     from fp4lab.numerics.kernels import fusion as triton_fusion
-    from fp4lab.numerics.fast import triton_available
+    from fp4lab.numerics.kernels import runs_on
 
-    if not triton_available():
+    if not runs_on(torch.device("cuda")):
         pytest.skip("needs Triton")
     calls = []
     producer = triton_fusion.residual_rmsnorm_quantize_fused

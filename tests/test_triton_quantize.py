@@ -644,19 +644,20 @@ def test_bad_tensors_raise_value_error(tq):
 
 
 def test_fp4lab_imports_no_triton():
-    """fp4lab.numerics and fp4lab.nn (every submodule but the triton_* kernels) import and work without Triton,
-    and do not load it when it is installed; triton_available() then says False."""
+    """fp4lab.numerics and fp4lab.nn (every submodule, and the kernel layer's torch-only package, but not
+    its kernel modules) import and work without Triton, and do not load it when it is installed;
+    kernels.runs_on then says no for a CUDA device."""
     code = textwrap.dedent(
         """
         import importlib, pkgutil, sys
         sys.modules["triton"] = None  # any `import triton` now raises ImportError
         import fp4lab.numerics, fp4lab.nn
-        from fp4lab.numerics.fast import triton_available
+        import torch
+        from fp4lab.numerics.kernels import runs_on
         for package in (fp4lab.numerics, fp4lab.nn):
             for info in pkgutil.iter_modules(package.__path__):
-                if not info.name.startswith("triton_"):  # the kernel modules
-                    importlib.import_module(f"{package.__name__}.{info.name}")
-        assert not triton_available()
+                importlib.import_module(f"{package.__name__}.{info.name}")  # numerics.kernels: its __init__ only
+        assert not runs_on(torch.device("cuda"))
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
