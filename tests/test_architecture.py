@@ -67,3 +67,54 @@ def test_no_import_cycles():
             visit(module, [module])
     assert not cycles, cycles
     assert "fp4lab.lab.runs.executors" in graph and "fp4lab.lab.runs.slurm" in graph["fp4lab.lab.runs.executors"]
+
+
+KERNELS = "fp4lab.numerics.kernels"
+# The one place the Triton kernels are asked whether they can run (kernels.runs_on, which checks CUDA and
+# that Triton imports) and the one place a run's paths are chosen (train.paths); nowhere else imports
+# Triton or asks whether it is installed.
+TRITON_CHECKS = {"fp4lab/numerics/kernels", "fp4lab/train/paths.py"}
+
+
+def module_level_imports(path: Path, modules: set[str]) -> set[str]:
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fp4lab"):
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names}
+    return found & modules
+
+
+def test_references_never_import_their_kernels():
+    # A torch reference stands on its own beside its kernel (torchao's mx_formats layout): the kernel
+    # imports the reference it must equal, never the other way round.
+    wrong = [f"{a} imports {b}" for a, targets in import_graph().items() for b in targets
+             if a.startswith("fp4lab.numerics") and not a.startswith(KERNELS) and b.startswith(KERNELS)]
+    assert not wrong, wrong
+
+
+def test_kernel_modules_are_imported_lazily_outside_the_kernel_layer():
+    # They import Triton at module level: a CPU run and `fp4lab --help` must never load it.
+    files = {module_name(p): p for p in ROOT.rglob("*.py")}
+    kernel_modules = {name for name in files if name.startswith(KERNELS + ".")}
+    wrong = [f"{name} imports {target} at module level" for name, path in files.items() if not name.startswith(KERNELS)
+             for target in module_level_imports(path, set(files)) & kernel_modules]
+    assert not wrong, wrong
+    assert kernel_modules >= {f"{KERNELS}.{k}" for k in ("quantize", "fp8", "fusion", "mx_gemm", "tile_gemm", "epilogue", "attention")}
+
+
+def test_each_kernel_has_its_torch_reference_beside_it():
+    for kernel in (ROOT / "numerics" / "kernels").glob("*.py"):
+        if kernel.stem != "__init__":
+            assert (ROOT / "numerics" / kernel.name).is_file(), f"numerics/kernels/{kernel.name} has no numerics/{kernel.name}"
+
+
+def test_only_the_kernel_layer_and_the_path_module_check_for_triton():
+    wrong = []
+    for path in ROOT.rglob("*.py"):
+        relative = path.relative_to(ROOT.parent).as_posix()
+        if any(relative.startswith(place) for place in TRITON_CHECKS):
+            continue
+        text = path.read_text()
+        if any(needle in text for needle in ("import triton", 'find_spec("triton")', "torch.cuda.is_available() and")):
+            wrong.append(relative)
+    assert not wrong, wrong
