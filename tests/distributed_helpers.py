@@ -5,11 +5,14 @@
 (picklable, tensors included) comes back as one list, indexed by rank. `fn` must be a module-level
 function of an importable module (the spawned interpreter imports it by name).
 `gloo_unavailable()` says why this machine cannot run them (None when it can), for a skip.
+`rank_threads()` puts this process on a rank's thread count, for a reference a rank must equal bit for bit.
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,6 +29,19 @@ def gloo_unavailable() -> str | None:
     if not dist.is_gloo_available():
         return "this torch build has no gloo backend"
     return None
+
+
+@contextmanager
+def rank_threads() -> Iterator[None]:
+    """This process's intra-op threads set to a spawned rank's while inside: a CPU GEMM may split its
+    work by thread, and another split can be another summation order, so a reference computed on other
+    threads is not the ranks' arithmetic."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(RANK_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_gloo(fn, *args, world_size: int = 2) -> list:

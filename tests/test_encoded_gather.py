@@ -205,6 +205,7 @@ def _without_speed(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
 
 
+@pytest.mark.slow
 @needs_gloo
 @pytest.mark.parametrize(("recipe", "compute", "parallel"), [
     ("mxfp4", "reference", "fsdp"),
@@ -238,6 +239,7 @@ def test_encoded_gathers_train_the_dense_run_bit_for_bit_and_move_the_bytes_the_
     assert "gather_bytes_per_step" not in json.loads((Path(dense.out_dir) / "summary.json").read_text())
 
 
+@pytest.mark.slow
 @needs_gloo
 def test_a_run_stopped_and_resumed_under_encoded_gathers_is_the_dense_run(tmp_path):
     # nvfp4: SR gradients (each rank's generators go through the checkpoint) and a BF16 block.

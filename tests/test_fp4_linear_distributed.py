@@ -17,9 +17,16 @@ from torch import nn
 
 from fp4lab.nn.fp4_linear import FP4Linear
 from fp4lab.nn.recipe import load_recipe
-from tests.distributed_helpers import gloo_unavailable, run_gloo
+from tests.distributed_helpers import gloo_unavailable, rank_threads, run_gloo
 
-pytestmark = pytest.mark.skipif(gloo_unavailable() is not None, reason=str(gloo_unavailable()))
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(gloo_unavailable() is not None, reason=str(gloo_unavailable()))]
+
+
+@pytest.fixture(autouse=True)
+def _as_a_rank():
+    """The references below run on a rank's threads: the same arithmetic as the ranks', so bits can match."""
+    with rank_threads():
+        yield
 
 DIM, TOKENS, LORA_RANK = 64, 32, 4
 # The mean of two fp32 gradients: FSDP2 may divide before or after the sum (its pre/post-divide

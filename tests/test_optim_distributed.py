@@ -22,9 +22,16 @@ from torch import nn
 
 from fp4lab.optim import OptimizerConfig, all_reduce_max_logits_, build_optimizer, qk_clip_
 from fp4lab.optim.sharding import clip_grad_norm_
-from tests.distributed_helpers import gloo_unavailable, run_gloo
+from tests.distributed_helpers import gloo_unavailable, rank_threads, run_gloo
 
-pytestmark = pytest.mark.skipif(gloo_unavailable() is not None, reason=str(gloo_unavailable()))
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(gloo_unavailable() is not None, reason=str(gloo_unavailable()))]
+
+
+@pytest.fixture(autouse=True)
+def _as_a_rank():
+    """The references below run on a rank's threads: the same arithmetic as the ranks', so bits can match."""
+    with rank_threads():
+        yield
 
 DIM, N_HEADS, N_KV_HEADS, HEAD_DIM, HIDDEN, VOCAB = 64, 3, 1, 16, 96, 67
 STEPS = 3

@@ -15,7 +15,7 @@ import pytest
 from fp4lab.lab.records.catalog import Catalog
 from tests.test_ratchet import git, repo  # noqa: F401 (the fixture)
 
-pytestmark = pytest.mark.slurm  # each test is skipped without the local cluster (tests/conftest.py)
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # each test is skipped without the local cluster (tests/conftest.py)
 
 SLURM = '\n[slurm]\ncpus_per_task = 1\ntime = "00:05:00"\n'
 

@@ -106,6 +106,7 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     return metrics(config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("parallel", "nproc"), [("none", 1), ("fsdp", 1), ("fsdp", 2)])
 def test_two_fsdp_ranks_checkpoint_loads_bit_for_bit_on_one_process_one_rank_and_two(fsdp_checkpoint, parallel, nproc):
     config, saved = fsdp_checkpoint
@@ -118,6 +119,7 @@ def test_two_fsdp_ranks_checkpoint_loads_bit_for_bit_on_one_process_one_rank_and
         assert_identical(saved_streams(config, rank), result["streams"])
 
 
+@pytest.mark.slow
 def test_ddp_checkpoint_of_two_ranks_loads_bit_for_bit_in_one_process(tmp_path):
     config, saved = stopped_after_2(tmp_path, "ddp", 2, EVERYTHING)
     (loaded,) = loaded_on(config, "none", 1)
@@ -126,6 +128,7 @@ def test_ddp_checkpoint_of_two_ranks_loads_bit_for_bit_in_one_process(tmp_path):
     assert_identical(saved_streams(config, 0), loaded["streams"])
 
 
+@pytest.mark.slow
 def test_one_process_checkpoint_loads_bit_for_bit_on_two_fsdp_ranks(tmp_path):
     config, saved = stopped_after_2(tmp_path, "none", 1, EVERYTHING)
     rank_0, rank_1 = loaded_on(config, "fsdp", 2)
@@ -141,6 +144,7 @@ def test_one_process_checkpoint_loads_bit_for_bit_on_two_fsdp_ranks(tmp_path):
         assert not torch.equal(ours, theirs)
 
 
+@pytest.mark.slow
 def test_two_fsdp_ranks_then_one_process_train_the_uninterrupted_curve(tmp_path, uninterrupted):
     moved = small(tmp_path, "moved", parallel="fsdp", **RTN)
     run_two_ranks(moved, stop_after_on_rank_1=3)
@@ -153,6 +157,7 @@ def test_two_fsdp_ranks_then_one_process_train_the_uninterrupted_curve(tmp_path,
     assert (out / "checkpoint.pt").exists() and not (out / "checkpoint.dcp").exists()
 
 
+@pytest.mark.slow
 def test_after_a_change_of_world_a_stop_and_resume_on_the_same_ranks_continues_bit_for_bit(tmp_path):
     # SR: rank 1's fresh streams (it had none in the one-process checkpoint) must be checkpointed and
     # continued like any other rank's.
@@ -167,6 +172,7 @@ def test_after_a_change_of_world_a_stop_and_resume_on_the_same_ranks_continues_b
     assert [r | {"tokens_per_s": 0} for r in metrics(stopped)] == [r | {"tokens_per_s": 0} for r in metrics(straight)]
 
 
+@pytest.mark.slow
 def test_a_stale_checkpoint_of_the_other_kind_is_never_resumed(tmp_path, uninterrupted):
     # 1 process -> 2 ranks -> 1 process -> 2 ranks, each time with the replaced checkpoint put back, as a
     # kill between writing the new checkpoint and removing the old would leave it.
@@ -205,6 +211,7 @@ def test_the_newer_checkpoint_wins_and_an_incomplete_one_never_does(tmp_path):
     assert not sharded.exists() and newest_checkpoint(one_process, sharded) == one_process
 
 
+@pytest.mark.slow
 def test_resuming_on_ranks_that_do_not_split_the_batch_is_refused_before_anything_is_written(fsdp_checkpoint, tmp_path, monkeypatch):
     config, _ = fsdp_checkpoint
     folder = tmp_path / "run"
@@ -220,6 +227,7 @@ def test_resuming_on_ranks_that_do_not_split_the_batch_is_refused_before_anythin
     assert {p: p.stat().st_mtime_ns for p in folder.rglob("*")} == before
 
 
+@pytest.mark.slow
 def test_only_parallel_may_change_with_the_world_size(fsdp_checkpoint, tmp_path):
     config, _ = fsdp_checkpoint
     folder = tmp_path / "run"

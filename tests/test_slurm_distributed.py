@@ -23,7 +23,7 @@ import pytest
 from fp4lab.lab.records.catalog import Catalog
 from tests.distributed_helpers import gloo_unavailable
 
-pytestmark = [pytest.mark.slurm, pytest.mark.skipif(gloo_unavailable() is not None, reason=str(gloo_unavailable()))]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.skipif(gloo_unavailable() is not None, reason=str(gloo_unavailable()))]
 
 STEPS = 24
 SPEC = f"""

@@ -21,7 +21,7 @@ import cloudpickle  # submitit's dependency
 import pytest
 import submitit
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 MAX_ARRAY_SIZE = 64  # scripts/local-slurm.sh writes MaxArraySize=64: indices 0..63
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",

@@ -136,6 +136,7 @@ def test_gpu_slots_give_concurrent_local_runs_gpus_of_their_own():
     assert gpu_slots(3, 2, 4, None) is None  # runs of 2 ranks that do not each fit: they share what they see
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(gloo_unavailable() is not None, reason=str(gloo_unavailable()))
 def test_local_sweep_runs_a_run_of_two_ranks_through_torchrun(cli, tmp_path):
     """The local executor starts torchrun --standalone of 2 processes; rank 0 alone records the run and
@@ -153,6 +154,7 @@ def test_local_sweep_runs_a_run_of_two_ranks_through_torchrun(cli, tmp_path):
     assert log.count("status: completed") == 1  # rank 0 alone printed its summary
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(gloo_unavailable() is not None, reason=str(gloo_unavailable()))
 def test_train_with_catalog_on_two_processes_records_once(cli, tmp_path):
     """`fp4lab train --config jobs/<sweep>/<id>.toml --catalog C --nproc-per-node 2`: torchrun runs the

@@ -14,7 +14,7 @@ import pytest
 from fp4lab.lab.records.catalog import Catalog
 from tests.test_sweep import OPTUNA_SPEC, SPEC, cli  # noqa: F401 (the fixture)
 
-pytestmark = pytest.mark.slurm  # each test is skipped without the local cluster (tests/conftest.py)
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # each test is skipped without the local cluster (tests/conftest.py)
 
 SLURM = '\n[slurm]\ncpus_per_task = 1\ntime = "00:10:00"\n'
 LONG = SPEC.replace("steps = 6", "steps = 100000").replace('recipe = ["bf16", "nvfp4"]', 'recipe = ["bf16"]')

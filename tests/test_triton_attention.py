@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -40,8 +39,9 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 import triton.language as tl
 
-from fp4lab.numerics.kernels import attention as triton_attention
 from fp4lab.numerics.attention import attention_entropy, max_attention_logits
+from fp4lab.numerics.kernels import attention as triton_attention
+from tests import interpreted
 
 CPU_SHAPES = [(2, 4, 2, seq, head_dim) for seq in (1, 17, 40, 64) for head_dim in (16, 32)]  # B, H, H_kv, T, D
 GPU_SHAPES = [(2, 12, 4, 1024, 64), (4, 12, 4, 2048, 128), (2, 12, 4, 4096, 64), (3, 12, 4, 1537, 128)]
@@ -286,9 +286,8 @@ checks.{call}
 def run_interpreted(module: str, call: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """`module.call` (module: e.g. "tests.test_triton_attention") in a fresh Python under TRITON_INTERPRET=1,
     with the interpreter's gaps above filled; the completed process (check its returncode)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
     code = INTERPRETED.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), module=module, call=call)
-    return subprocess.run([sys.executable, "-c", code], check=False, env=env, timeout=timeout, capture_output=True, text=True)
+    return interpreted.interpreter_python(code, timeout)
 
 
 @pytest.mark.parametrize(

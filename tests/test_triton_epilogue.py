@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from fp4lab.numerics.kernels.epilogue import scale_result  # noqa: E402
+from tests import interpreted  # noqa: E402
 
 MODES = {
     "scalar a": lambda m, n: (torch.tensor(3.7e-3), None),
@@ -75,9 +74,7 @@ for name, acc, a, b in cases("cpu"):
 def test_epilogue_under_triton_interpreter():
     """The kernel's float32 arithmetic, run by Triton's CPU interpreter, equals the reference (fp32 out:
     the interpreter's bf16 cast truncates where the GPU's rounds to nearest even)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", INTERPRETED.format(tests=os.path.dirname(__file__))],
-                          env=env, timeout=300, capture_output=True, text=True)
+    done = interpreted.interpreter_python(INTERPRETED.format(tests=os.path.dirname(__file__)), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -18,8 +18,6 @@ Two kinds of check:
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -36,6 +34,7 @@ from fp4lab.numerics.fusion import (
     swiglu_backward_reference,
     swiglu_quantize_reference,
 )
+from tests import interpreted
 
 FIELDS = ("values", "outer", "codes", "scales")
 
@@ -370,10 +369,7 @@ print("ok")
 def test_kernels_under_triton_interpreter():
     """The fused kernels, run by Triton's CPU interpreter, equal their references (see the module
     docstring for fp32 exp)."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = INTERPRETED_CHECK.format(tests=os.path.dirname(__file__))
-    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=600, capture_output=True, text=True)
+    done = interpreted.interpreter_python(INTERPRETED_CHECK.format(tests=os.path.dirname(__file__)))
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 

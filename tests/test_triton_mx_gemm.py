@@ -18,8 +18,6 @@ huge (products overflow), NaN bytes, and blocks mixing 6 x 6 with 0.5 x 0.5 prod
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,6 +25,7 @@ import torch
 from fp4lab.numerics import e2m1, quantize
 from fp4lab.numerics.mx_gemm import mxfp4_matmul_reference
 from fp4lab.numerics.qtensor import QTensor
+from tests import interpreted
 
 MX = 32
 # (M, N, K): ragged M and N (masks), K from one block to eight
@@ -344,10 +343,7 @@ print("ok")
 def test_kernel_under_triton_interpreter():
     """The kernel's arithmetic, run by Triton's CPU interpreter, equals the reference bit for bit on every
     kind of operand, and the fp64 and decoded-GEMM checks hold for it too."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = INTERPRETED_CHECK.format(tests=os.path.dirname(__file__))
-    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=300, capture_output=True, text=True)
+    done = interpreted.interpreter_python(INTERPRETED_CHECK.format(tests=os.path.dirname(__file__)), timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 

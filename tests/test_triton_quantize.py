@@ -23,6 +23,7 @@ import torch
 
 from fp4lab.numerics import BLOCK_SIZE, e2m1, fake_quantize_factored, hadamard, hadamard_signs, quantize
 from fp4lab.numerics.qtensor import QTensor
+from tests import interpreted
 
 MX_MODES = ("floor", "ceil", "even", "rceil")
 FORMAT_MODES = [("mxfp4", m) for m in MX_MODES] + [("nvfp4", None), ("nvfp4_cta", None)]
@@ -756,8 +757,5 @@ for fmt in ("mxfp4", "nvfp4"):
 def test_kernels_under_triton_interpreter():
     """The kernels' integer and float arithmetic, run by Triton's CPU interpreter, equals the reference
     (normal magnitudes: the interpreter's float casts mishandle subnormals, the GPU's do not)."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = INTERPRETED_CHECK.format(tests=os.path.dirname(__file__))
-    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=300, capture_output=True, text=True)
+    done = interpreted.interpreter_python(INTERPRETED_CHECK.format(tests=os.path.dirname(__file__)), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
