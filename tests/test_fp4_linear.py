@@ -240,12 +240,12 @@ def _siblings(recipe: LinearRecipe, tensor_cores: bool, n: int = 3) -> list[FP4L
 
 
 def _count_quantizations(monkeypatch) -> list[tuple]:
-    import fp4lab.nn.fp4_linear as fp4_linear
+    import fp4lab.nn.operands as operands
 
     calls = []
     for name in ("quantize", "fake_quantize", "fake_quantize_factored"):
-        original = getattr(fp4_linear, name)
-        monkeypatch.setattr(fp4_linear, name, lambda t, *a, _f=original, **k: calls.append(tuple(t.shape)) or _f(t, *a, **k))
+        original = getattr(operands, name)
+        monkeypatch.setattr(operands, name, lambda t, *a, _f=original, **k: calls.append(tuple(t.shape)) or _f(t, *a, **k))
     return calls
 
 

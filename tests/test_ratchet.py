@@ -227,12 +227,18 @@ def test_a_ratchet_killed_between_its_commit_and_recording_it_adopts_that_commit
     assert record["extra"]["decision"] == "keep"  # x = 0 is the baseline's (x - 3)^2 = 9, the most any x in [0, 6] scores
     commit = record["extra"]["kept_commit"]
     assert git(repo, "rev-parse", "ratchet/c") == commit
-    # The state on disk when SIGKILL lands right after `git commit`: the catalog still says "decided".
+    rows = ratchet_tsv(repo, "c")
+    assert [(r["iteration"], r["commit"]) for r in rows] == [("0", ""), ("1", commit[:7])]
+    # The state on disk when SIGKILL lands right after `git commit`: the catalog still says "decided" and
+    # results.tsv has no row for the iteration yet.
     Catalog(catalog).update("ratchet-c-0001", extra={"phase": "decided", "kept_commit": None})
+    tsv = repo / ".fp4lab" / "ratchet" / "c" / "results.tsv"
+    tsv.write_text("".join(tsv.read_text().splitlines(keepends=True)[:-1]))
     Ratchet(program, tag="c", catalog=catalog).run(iterations=1)
     record = Catalog(catalog).get("ratchet-c-0001")
     assert record["extra"]["phase"] == "done" and record["extra"]["kept_commit"] == commit
     assert git(repo, "rev-parse", "ratchet/c") == commit  # adopted, not applied and committed a second time
+    assert ratchet_tsv(repo, "c") == rows  # the row the kill left out, written from the record
 
 
 def _study(journal: Path):

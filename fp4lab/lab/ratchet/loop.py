@@ -294,7 +294,7 @@ class Ratchet:
 
     def _finish(self, number: int, proposal: Proposal | None, outcome: Outcome, decision: str, *,
                 best: float | None = None, sigma: float | None = None, record: dict[str, Any] | None = None) -> None:
-        """Record the decision (catalog, then results.tsv), then commit or revert, then mark done."""
+        """Record the decision in the catalog, then commit or revert, write results.tsv, mark done."""
         fields: dict[str, Any] = {
             "iteration": number, "phase": "decided", "decision": decision, "metric": outcome.metric,
             "values": outcome.values, "verdicts": outcome.verdicts, "healthy": outcome.healthy, "note": outcome.note,
@@ -315,7 +315,6 @@ class Ratchet:
         else:
             self.catalog.update(record_id, state=state, finished_at=utc_now(),
                                 verdict=outcome.verdicts[0] if outcome.verdicts else None, extra=fields)
-        self._append_tsv(number, proposal, outcome, decision)
         self._complete(number)
         if proposal is not None and self._proposer is not None:
             self._proposer.observe(proposal, outcome.metric, outcome.healthy)
@@ -341,9 +340,9 @@ class Ratchet:
                 repo.commit(self.worktree, title + (f"\n\n{rationale}" if rationale else ""))
             commit = repo.git(self.worktree, "rev-parse", "HEAD")
             self.catalog.update(record["id"], extra={"kept_commit": commit})
-            self._rewrite_tsv_commit(number, commit)
         elif extra["decision"] != "keep":
             repo.reset(self.worktree, "HEAD")  # the main worktree never holds more than the branch head, but be sure
+        self._write_tsv_row(number)  # from the record: a ratchet killed before writing it writes it on resuming
         self.catalog.update(record["id"], extra={"phase": "done"})
 
     # --------------------------------------------------------------------------------- proposing
@@ -593,31 +592,25 @@ class Ratchet:
         wins = sum(sum(rng.choice(gains) for _ in gains) > 0 for _ in range(draws))
         return wins / draws
 
-    def _append_tsv(self, number: int, proposal: Proposal | None, outcome: Outcome, decision: str) -> None:
+    def _write_tsv_row(self, number: int) -> None:
+        """results.tsv's row for a decided iteration, made from its catalog record (replacing any earlier one)."""
+        extra = self._record(number)["extra"]
+        proposal = extra.get("proposal") or {}
+        description = "baseline" if number == 0 else proposal.get("rationale") or ""
+        if proposal.get("kind") == "params":
+            description = " ".join(f"{k}={_short(v)}" for k, v in proposal["params"].items()) + (f" ({description})" if description else "")
+        if extra.get("note"):
+            description += f" [{extra['note']}]"
+        metric, best = extra.get("metric"), self._best(self._records())[0]
+        row = {"iteration": str(number), "commit": (extra.get("kept_commit") or "")[:7],
+               "metric": "" if metric is None else f"{metric:.6f}", "best": "" if best is None else f"{best:.6f}",
+               "status": extra["decision"], "healthy": str(bool(extra.get("healthy"))).lower(),
+               "source": proposal.get("source") or ("baseline" if number == 0 else self.proposer_name),
+               "fingerprint": (proposal.get("fingerprint") or "")[:12], "description": " ".join(description.split())}
         path = self.state_dir / "results.tsv"
         path.parent.mkdir(parents=True, exist_ok=True)
-        rows = _read_tsv(path)
-        rows = [r for r in rows if r["iteration"] != str(number)]  # a resumed iteration replaces its row
-        best = self._best(self._records())[0]
-        description = (proposal.rationale if proposal else "baseline") or ""
-        if proposal is not None and proposal.kind == "params":
-            description = " ".join(f"{k}={_short(v)}" for k, v in proposal.params.items()) + (f" ({description})" if description else "")
-        if outcome.note:
-            description += f" [{outcome.note}]"
-        rows.append({"iteration": str(number), "commit": "", "metric": "" if outcome.metric is None else f"{outcome.metric:.6f}",
-                     "best": "" if best is None else f"{best:.6f}", "status": decision, "healthy": str(outcome.healthy).lower(),
-                     "source": proposal.source if proposal else ("baseline" if number == 0 else self.proposer_name),
-                     "fingerprint": proposal.fingerprint()[:12] if proposal else "",
-                     "description": " ".join(description.split())})
-        _write_tsv(path, sorted(rows, key=lambda row: int(row["iteration"])))  # workers decide out of order
-
-    def _rewrite_tsv_commit(self, number: int, commit: str) -> None:
-        path = self.state_dir / "results.tsv"
-        rows = _read_tsv(path)
-        for row in rows:
-            if row["iteration"] == str(number):
-                row["commit"] = commit[:7]
-        _write_tsv(path, rows)
+        rows = [r for r in _read_tsv(path) if r["iteration"] != str(number)]
+        _write_tsv(path, sorted([*rows, row], key=lambda r: int(r["iteration"])))  # workers decide out of order
 
 
 # ------------------------------------------------------------------------------------------- helpers
