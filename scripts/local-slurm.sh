@@ -19,7 +19,7 @@
 #   SLURM_LOCAL_KEEP_STATE=1 keep slurmctld's saved jobs across a stop/start (default: start from a clean slate)
 #   SLURM_LOCAL_WAIT         seconds `start` waits for the node to become idle (default 30)
 #
-# Settings the tests rely on (see tests/test_slurm_local.py):
+# Settings the tests rely on (see tests/lab/test_slurm_local.py):
 #   MaxArraySize=64       array indices must be < 64, so `--array=0-63` is the largest accepted array and
 #                         `--array=0-64` is refused at submission: the orchestrator has to split big sweeps.
 #   JobRequeue=1          batch jobs may be requeued (scontrol requeue, submitit's Checkpointable).

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-W = "tests/test_wires.py::"
+W = "tests/train/test_wires.py::"
 
 
 @dataclass(frozen=True)
@@ -50,54 +50,54 @@ LOOP = "fp4lab/train/loop.py"
 TRAIN_BUILD = "fp4lab/train/build.py"
 ATTN = "fp4lab/nn/attention.py"
 MX_GEMM = "fp4lab/numerics/kernels/mx_gemm.py"
-MX_INTERPRETED = "tests/test_triton_mx_gemm.py::test_kernel_under_triton_interpreter"
-FUSION_WIRE = "tests/test_producer_fusion.py::test_producer_fusion_reaches_every_w2_and_w1_and_the_blocks_call_them"
-NORM_EXACT = "tests/test_producer_fusion.py::test_fused_residual_rmsnorm_equals_the_pinned_unfused_block_under_the_interpreter"
-FUSION_EXACT = "tests/test_producer_fusion.py::test_fused_swiglu_equals_the_unfused_feed_forward_under_the_interpreter"
+MX_INTERPRETED = "tests/kernels/test_triton_mx_gemm.py::test_kernel_under_triton_interpreter"
+FUSION_WIRE = "tests/nn/test_producer_fusion.py::test_producer_fusion_reaches_every_w2_and_w1_and_the_blocks_call_them"
+NORM_EXACT = "tests/nn/test_producer_fusion.py::test_fused_residual_rmsnorm_equals_the_pinned_unfused_block_under_the_interpreter"
+FUSION_EXACT = "tests/nn/test_producer_fusion.py::test_fused_swiglu_equals_the_unfused_feed_forward_under_the_interpreter"
 LIN = "fp4lab/nn/fp4_linear.py"
 OPERANDS = "fp4lab/nn/operands.py"
 GEMM = "fp4lab/nn/gemm.py"
 KERNELS = "fp4lab/numerics/kernels/__init__.py"
 TQ = "fp4lab/numerics/kernels/quantize.py"
-TQ_INTERPRETED = "tests/test_triton_quantize.py::test_kernels_under_triton_interpreter"
-CTA_FUSED = "tests/test_tensor_cores.py::test_cta_local_operands_from_the_fused_quantizers_under_the_interpreter"
-CTA_2D_FUSED = "tests/test_tensor_cores.py::test_cta_local_2d_weights_from_the_fused_quantizer_under_the_interpreter"
+TQ_INTERPRETED = "tests/kernels/test_triton_quantize.py::test_kernels_under_triton_interpreter"
+CTA_FUSED = "tests/nn/test_tensor_cores.py::test_cta_local_operands_from_the_fused_quantizers_under_the_interpreter"
+CTA_2D_FUSED = "tests/nn/test_tensor_cores.py::test_cta_local_2d_weights_from_the_fused_quantizer_under_the_interpreter"
 FUSION_REF = "fp4lab/numerics/fusion.py"
 TILE_GEMM = "fp4lab/numerics/tile_gemm.py"
 FP8_KERNEL = "fp4lab/numerics/kernels/fp8.py"
-FP8_INTERPRETED = "tests/test_triton_fp8.py::test_fused_fp8_matches_the_reference_under_the_interpreter"
-FP8_WIRE = "tests/test_triton_fp8.py::test_fp8_layers_take_the_fused_quantizer_under_the_interpreter"
+FP8_INTERPRETED = "tests/kernels/test_triton_fp8.py::test_fused_fp8_matches_the_reference_under_the_interpreter"
+FP8_WIRE = "tests/kernels/test_triton_fp8.py::test_fp8_layers_take_the_fused_quantizer_under_the_interpreter"
 TILE_KERNEL = "fp4lab/numerics/kernels/tile_gemm.py"
-TILE_TESTS = "tests/test_tile_gemm.py"
-TILE_INTERPRETED = "tests/test_tile_gemm.py::test_kernel_equals_the_reference_under_the_interpreter"
-TILE_WIRE = "tests/test_tile_gemm.py::test_fp4_linear_sends_cta_local_weights_to_the_kernel_under_the_interpreter"
-CTA_MATCH = "tests/test_tensor_cores.py::test_fp4_linear_tensor_cores_match_reference[cpu-nvfp4-cta]"
-NORM_BACKWARD = "tests/test_triton_fusion.py::test_rmsnorm_backward_is_autograd_of_the_reference"
+TILE_TESTS = "tests/numerics/test_tile_gemm.py"
+TILE_INTERPRETED = "tests/numerics/test_tile_gemm.py::test_kernel_equals_the_reference_under_the_interpreter"
+TILE_WIRE = "tests/numerics/test_tile_gemm.py::test_fp4_linear_sends_cta_local_weights_to_the_kernel_under_the_interpreter"
+CTA_MATCH = "tests/nn/test_tensor_cores.py::test_fp4_linear_tensor_cores_match_reference[cpu-nvfp4-cta]"
+NORM_BACKWARD = "tests/kernels/test_triton_fusion.py::test_rmsnorm_backward_is_autograd_of_the_reference"
 BUILD = "fp4lab/nn/build.py"
 RECIPE = "fp4lab/nn/recipe.py"
 OPT = "fp4lab/optim/build.py"
 MUON = "fp4lab/optim/muon.py"
 CAPTURE = "fp4lab/train/capture.py"
 GEMM_ERROR = "fp4lab/train/gemm_error.py"
-CAPTURE_FILES = "tests/test_capture.py::test_capture_writes_the_chosen_steps_and_layers_only"
-CAPTURE_REAL = "tests/test_capture.py::test_captured_tensors_are_the_step_s_real_operands"
-CAPTURE_EXACT = "tests/test_capture.py::test_diagnostic_equals_an_independent_quantized_product"
+CAPTURE_FILES = "tests/train/test_capture.py::test_capture_writes_the_chosen_steps_and_layers_only"
+CAPTURE_REAL = "tests/train/test_capture.py::test_captured_tensors_are_the_step_s_real_operands"
+CAPTURE_EXACT = "tests/train/test_capture.py::test_diagnostic_equals_an_independent_quantized_product"
 KIMI_LOOP = W + "test_loop_steps_in_the_documented_order_with_qk_clip_and_update_cap[bf16-kimi]"
 CAP_LOOP = W + "test_loop_steps_in_the_documented_order_with_qk_clip_and_update_cap[optitrain-None]"
 FULLSTACK = W + "test_fullstack_loop_refreshes_lora_svd_and_keeps_nvfp4_optimizer_states"
 SWITCHES = W + "test_recipe_switches_reach_the_model"
 OPT_STATES = W + "test_nvfp4_optimizer_states_are_stored_packed_and_used"
-ATTN_EXACT = "tests/test_attention.py::test_fp4_attention_is_bit_exact_to_an_emulation_with_every_operand_on_its_contraction_axis"
-ATTN_FUSED_EXACT = "tests/test_fp4_attention_fused.py::test_fused_fp4_attention_under_the_interpreter[check_fused_rtn_equals_the_reference]"
-ATTN_FUSED_SR = "tests/test_fp4_attention_fused.py::test_fused_fp4_attention_under_the_interpreter[check_fused_sr_draws_from_the_generator]"
+ATTN_EXACT = "tests/nn/test_attention.py::test_fp4_attention_is_bit_exact_to_an_emulation_with_every_operand_on_its_contraction_axis"
+ATTN_FUSED_EXACT = "tests/nn/test_fp4_attention_fused.py::test_fused_fp4_attention_under_the_interpreter[check_fused_rtn_equals_the_reference]"
+ATTN_FUSED_SR = "tests/nn/test_fp4_attention_fused.py::test_fused_fp4_attention_under_the_interpreter[check_fused_sr_draws_from_the_generator]"
 OPTIONS = W + "test_fp4_linear_operand_options_reach_the_quantizer"
-NS_EXACT = "tests/test_optim.py::test_nvfp4_newton_schulz_is_three_nvfp4_gemms_blocked_along_their_contraction_axes"
-NS_FUSED = "tests/test_optim.py::test_fused_nvfp4_newton_schulz_equals_the_reference_under_the_interpreter"
-NS_BATCHED = "tests/test_optim.py::test_batched_nvfp4_newton_schulz_is_each_matrix_s_bit_for_bit"
-NS_FUSED_BATCHED = "tests/test_optim.py::test_fused_batched_nvfp4_newton_schulz_equals_the_reference_under_the_interpreter"
-LINEAR_EXACT = "tests/test_fp4_linear.py::test_mxfp4_rowsr_h32_gemms_are_bit_exact_emulations"
-LINEAR_1D = "tests/test_fp4_linear.py::test_nvfp4_with_one_d_weights_requantizes_w_transposed_for_dgrad"
-GEMMS_EXACT = "tests/test_recipe_gemms.py::test_each_gemm_is_the_bit_exact_emulation_of_its_recipe"
+NS_EXACT = "tests/optim/test_optim.py::test_nvfp4_newton_schulz_is_three_nvfp4_gemms_blocked_along_their_contraction_axes"
+NS_FUSED = "tests/optim/test_optim.py::test_fused_nvfp4_newton_schulz_equals_the_reference_under_the_interpreter"
+NS_BATCHED = "tests/optim/test_optim.py::test_batched_nvfp4_newton_schulz_is_each_matrix_s_bit_for_bit"
+NS_FUSED_BATCHED = "tests/optim/test_optim.py::test_fused_batched_nvfp4_newton_schulz_equals_the_reference_under_the_interpreter"
+LINEAR_EXACT = "tests/nn/test_fp4_linear.py::test_mxfp4_rowsr_h32_gemms_are_bit_exact_emulations"
+LINEAR_1D = "tests/nn/test_fp4_linear.py::test_nvfp4_with_one_d_weights_requantizes_w_transposed_for_dgrad"
+GEMMS_EXACT = "tests/nn/test_recipe_gemms.py::test_each_gemm_is_the_bit_exact_emulation_of_its_recipe"
 
 QK_CALL = "clipped = _apply_qk_clip(model, tau, bool(recipe.lora_svd_rank))"
 STEP_CALL = 'grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed, pipelined=ranks.mode == "pp")'
@@ -126,10 +126,10 @@ MUTATIONS = [
       [CAP_LOOP]),
     m("update-cap-qk-alpha-ignored", "wq / wk capped with alpha, not alpha_qk",
       (OPT, "alpha_qk if _QK_PARAM.match(n) else alpha", "alpha"),
-      ["tests/test_optim.py::test_update_cap_is_wired_to_block_matrices_with_alpha_qk_on_wq_wk"]),
+      ["tests/optim/test_optim.py::test_update_cap_is_wired_to_block_matrices_with_alpha_qk_on_wq_wk"]),
     m("update-cap-not-applied", "CombinedOptimizer snapshots but never applies the cap",
       (OPT, "            self.cap.apply()", "            pass"),
-      ["tests/test_optim.py::test_update_cap_is_wired_to_block_matrices_with_alpha_qk_on_wq_wk", CAP_LOOP]),
+      ["tests/optim/test_optim.py::test_update_cap_is_wired_to_block_matrices_with_alpha_qk_on_wq_wk", CAP_LOOP]),
     m("lora-refresh-removed", "the loop never refreshes the LoRA-SVD factors (they stay zero)",
       (LOOP, "        _realign_low_rank(model)\n", "        pass\n"),
       [FULLSTACK, W + "test_lora_svd_refresh_follows_lora_svd_every"]),
@@ -147,10 +147,10 @@ MUTATIONS = [
       (OPT, "ns_format=cfg.ns_format,", 'ns_format="bf16",'), [OPT_STATES, FULLSTACK]),
     m("adamw-v-never-packed", "AdamW keeps v in fp32 although v_format is nvfp4",
       ("fp4lab/optim/adamw.py", 'quantized = group["v_format"] == "nvfp4" and quantized_v(param)', "quantized = False"),
-      ["tests/test_optim_adamw.py::test_nvfp4_state_dict_round_trip_keeps_dtypes_and_resumes_bit_identically", OPT_STATES]),
+      ["tests/optim/test_optim_adamw.py::test_nvfp4_state_dict_round_trip_keeps_dtypes_and_resumes_bit_identically", OPT_STATES]),
     m("adamw-v-not-stored", "AdamW's updated v is never encoded back into the packed state",
       ("fp4lab/optim/adamw.py", "state.update(_encode_v_state(exp_avg_sq, param))", "pass"),
-      ["tests/test_optim_adamw.py::test_stored_v_tracks_an_fp32_adamw_run"]),
+      ["tests/optim/test_optim_adamw.py::test_stored_v_tracks_an_fp32_adamw_run"]),
     m("fused-dequantize-outer-dropped", "FusedQuant.dequantize (NVFP4 Newton-Schulz, fused FP4 attention) leaves out the decode scale",
       (TQ, "return values if self.outer is None else values.mul_(self.outer)", "return values"), [NS_FUSED, ATTN_FUSED_EXACT]),
     m("ns-batch-one-scale", "batched NVFP4 Newton-Schulz: one tensor scale for the whole stack, not one per matrix",
@@ -161,7 +161,7 @@ MUTATIONS = [
       [NS_BATCHED]),
     m("muon-nvfp4-unbatched", "Muon batches its Newton-Schulz in bf16 only, NVFP4 one matrix at a time",
       (MUON, "if not self.batched:", 'if not (self.batched and group["ns_format"] == "bf16"):'),
-      ["tests/test_optim.py::test_batched_nvfp4_muon_steps_bit_for_bit_like_unbatched"]),
+      ["tests/optim/test_optim.py::test_batched_nvfp4_muon_steps_bit_for_bit_like_unbatched"]),
     m("fast-fake-quantize-bypassed", "kernels.fake_quantize (NVFP4 Newton-Schulz, FP4 attention's Q, K) takes the torch reference where Triton runs",
       ("fp4lab/numerics/kernels/__init__.py", "    if runs_on(x.device):\n", "    if False:\n"), [NS_FUSED, ATTN_FUSED_EXACT]),
     m("ns-gram-bf16", "Muon's nvfp4 Newton-Schulz: A = X X^T left a bf16 GEMM",
@@ -192,13 +192,13 @@ MUTATIONS = [
       (RECIPE, 'return self.linear if self.head == "fp4" else', 'return self.linear if False else'), [SWITCHES]),
     m("head-fp32-ignored", "model.head = fp32 gives a bf16 head",
       (RECIPE, 'format="fp32" if self.head == "fp32" else "bf16"', 'format="bf16"'),
-      ["tests/test_recipe.py", SWITCHES]),
+      ["tests/nn/test_recipe.py", SWITCHES]),
     m("lora-rank-ignored", "model.lora_svd_rank never reaches the linears",
       (BUILD, "lora_rank = recipe.lora_svd_rank if block_index", "lora_rank = 0 if block_index"),
       [FULLSTACK, SWITCHES]),
     m("block-overrides-ignored", "[[blocks]] overrides (depth hybrids) are ignored",
       (RECIPE, "                chosen = override.linear", "                pass"),
-      ["tests/test_recipe.py::test_nvfp4_is_the_te_recipe_with_bf16_ends_scaled_to_depth"]),
+      ["tests/nn/test_recipe.py::test_nvfp4_is_the_te_recipe_with_bf16_ends_scaled_to_depth"]),
     # --- per-operand spec keys ---------------------------------------------------------------------
     m("operand-rounding-ignored", "an operand's rounding = sr quantizes to nearest",
       (OPERANDS, '        "rounding": spec.rounding,\n', '        "rounding": "rtn",\n'), [LINEAR_EXACT]),
@@ -206,14 +206,14 @@ MUTATIONS = [
       (OPERANDS, '        "scale_mode": spec.scale_mode,\n', '        "scale_mode": None,\n'), [LINEAR_EXACT]),
     m("operand-tile-ignored", "a weight's 2D tile is quantized 1x16 instead",
       (OPERANDS, '        "tile": spec.tile,\n', '        "tile": None,\n'),
-      ["tests/test_fp4_linear.py", OPTIONS]),
+      ["tests/nn/test_fp4_linear.py", OPTIONS]),
     m("operand-adaptive-ignored", "adaptive = true (rceil) scales as plain rceil",
-      (OPERANDS, '        "adaptive": spec.adaptive,\n', '        "adaptive": False,\n'), ["tests/test_fp4_linear.py", OPTIONS]),
+      (OPERANDS, '        "adaptive": spec.adaptive,\n', '        "adaptive": False,\n'), ["tests/nn/test_fp4_linear.py", OPTIONS]),
     m("operand-cta-tile-ignored", "an nvfp4_cta operand's cta_tile falls back to the default",
-      (OPERANDS, '        "cta_tile": spec.cta_tile,\n', '        "cta_tile": None,\n'), ["tests/test_fp4_linear.py", OPTIONS]),
+      (OPERANDS, '        "cta_tile": spec.cta_tile,\n', '        "cta_tile": None,\n'), ["tests/nn/test_fp4_linear.py", OPTIONS]),
     m("operand-transform-ignored", "transform = h16 / rht16 never applies the Hadamard",
       (LIN, '        if spec.transform == "none":\n            return None', "        return None"),
-      [LINEAR_EXACT, "tests/test_fp4_linear.py::test_random_hadamard_signs_are_paired_and_redrawn_each_call"]),
+      [LINEAR_EXACT, "tests/nn/test_fp4_linear.py::test_random_hadamard_signs_are_paired_and_redrawn_each_call"]),
     m("operand-spec-swapped", "Dgrad's dy quantized with the wgrad_dy spec",
       (LIN, 'dy_hat = layer.consume("dgrad_dy", dy, signs["dgrad"], g)', 'dy_hat = layer.consume("wgrad_dy", dy, signs["dgrad"], g)'),
       [LINEAR_EXACT]),
@@ -230,28 +230,28 @@ MUTATIONS = [
     m("fp8-dtypes-swapped", "fp8's e4m3 and e5m2 name each other's torch dtype",
       ("fp4lab/numerics/fp8.py", 'FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}',
        'FP8_DTYPES = {"e4m3": torch.float8_e5m2, "e5m2": torch.float8_e4m3fn}'),
-      ["tests/test_fp8.py", GEMMS_EXACT + "[fp8:linear]"]),
+      ["tests/numerics/test_fp8.py", GEMMS_EXACT + "[fp8:linear]"]),
     m("fp8-row-amax-over-columns", "fp8 per-row scales take their amax down the columns",
       ("fp4lab/numerics/fp8.py", "magnitude.amax(dim=-1, keepdim=True)", "magnitude.amax(dim=0, keepdim=True)"),
-      ["tests/test_fp8.py", GEMMS_EXACT + "[fp8-rowwise:linear]"]),
+      ["tests/numerics/test_fp8.py", GEMMS_EXACT + "[fp8-rowwise:linear]"]),
     m("fp8-outer-not-inverted", "the tensor-core path multiplies an fp8 GEMM by the scales, not their reciprocals",
       ("fp4lab/numerics/fp8.py", "FactoredValues(self.data.to(torch.float32), 1.0 / self.scale)",
        "FactoredValues(self.data.to(torch.float32), self.scale)"),
-      ["tests/test_tensor_cores.py::test_fp4_linear_tensor_cores_match_reference[cpu-fp8]",
-       "tests/test_tensor_cores.py::test_tensor_core_gemm_equals_fp32_emulation[cpu-fprop-fp8-rowwise]"]),
+      ["tests/nn/test_tensor_cores.py::test_fp4_linear_tensor_cores_match_reference[cpu-fp8]",
+       "tests/nn/test_tensor_cores.py::test_tensor_core_gemm_equals_fp32_emulation[cpu-fprop-fp8-rowwise]"]),
     m("fp8-not-probed", "probes skip fp8 operands (is_fp4 where is_quantized is meant)",
       (LIN, "        if self.probe and spec.is_quantized:\n            encoded = encode_operand(t, spec, signs, generator)\n"
             "            self.record(operand,",
        "        if self.probe and spec.is_fp4:\n            encoded = encode_operand(t, spec, signs, generator)\n"
        "            self.record(operand,"),
-      ["tests/test_fp4_linear.py::test_fp8_operands_are_probed_and_decode_as_their_quantizer"]),
+      ["tests/nn/test_fp4_linear.py::test_fp8_operands_are_probed_and_decode_as_their_quantizer"]),
     m("fp8-counts-as-high-precision", "an all-fp8 linear counts as high precision (no LoRA-SVD, no FP8 checks)",
       (RECIPE, "return not any(self.operand(name).is_quantized for name in OPERANDS)",
        "return not any(self.operand(name).is_fp4 for name in OPERANDS)"),
-      ["tests/test_recipe.py::test_fp8_recipes_are_te_hybrid_and_torchao_rowwise"]),
+      ["tests/nn/test_recipe.py::test_fp8_recipes_are_te_hybrid_and_torchao_rowwise"]),
     m("fp8-keys-accepted-elsewhere", "element / scaling silently accepted on non-fp8 operands",
       (RECIPE, 'if fmt != "fp8" and any(k in table for k in FP8_KEYS):', "if False:"),
-      ["tests/test_recipe.py::test_bad_recipes_name_file_and_key"]),
+      ["tests/nn/test_recipe.py::test_bad_recipes_name_file_and_key"]),
     m("full-rht-signs-unsigned", "rhtfull draws no random signs (plain H over the padded dim)",
       (LIN, 'return hadamard_signs(transform_length(recipe, gemm, length), "random", generator)',
        'return hadamard_signs(transform_length(recipe, gemm, length), "none")'),
@@ -259,21 +259,21 @@ MUTATIONS = [
     m("full-rht-pad-not-zero", "the full RHT pads the contraction dim with ones, not zeros",
       ("fp4lab/numerics/hadamard.py", "y = F.pad(x.to(torch.float32), (0, n - x.shape[-1]))",
        "y = F.pad(x.to(torch.float32), (0, n - x.shape[-1]), value=1.0)"),
-      ["tests/test_fp4_linear.py::test_paired_full_transforms_leave_the_products_unchanged_on_padded_dims"]),
+      ["tests/nn/test_fp4_linear.py::test_paired_full_transforms_leave_the_products_unchanged_on_padded_dims"]),
     m("full-rht-normalized-by-unpadded-length", "the full RHT divides by sqrt(length), not sqrt(N)",
       ("fp4lab/numerics/hadamard.py", "return _butterfly(y, n, s, inverse).reshape(*x.shape[:-1], n)",
        "return _butterfly(y, n, s, inverse).reshape(*x.shape[:-1], n) * math.sqrt(n / x.shape[-1])"),
-      ["tests/test_fp4_linear.py::test_paired_full_transforms_leave_the_products_unchanged_on_padded_dims",
+      ["tests/nn/test_fp4_linear.py::test_paired_full_transforms_leave_the_products_unchanged_on_padded_dims",
        GEMMS_EXACT + "[full-rht-padded]"]),
     m("full-rht-no-block-floor", "the full RHT pads a short dim to a power of two below the FP4 block",
       (OPERANDS, "return max(1 << (length - 1).bit_length(), *blocks, 1)", "return max(1 << (length - 1).bit_length(), 1)"),
-      ["tests/test_fp4_linear.py::test_full_transform_pads_to_at_least_the_fp4_block_and_redraws_its_signs"]),
+      ["tests/nn/test_fp4_linear.py::test_full_transform_pads_to_at_least_the_fp4_block_and_redraws_its_signs"]),
     m("full-rht-wgrad-length-from-features", "Wgrad's full RHT sized from in_features, not the call's tokens",
       (LIN, '"wgrad": tokens}', '"wgrad": self.in_features}'),
-      ["tests/test_fp4_linear.py::test_full_transform_pads_to_at_least_the_fp4_block_and_redraws_its_signs"]),
+      ["tests/nn/test_fp4_linear.py::test_full_transform_pads_to_at_least_the_fp4_block_and_redraws_its_signs"]),
     m("optitrain-blockwise-rht", "optitrain's Wgrad uses the blockwise RHT16 again",
       ("fp4lab/recipes/optitrain.toml", 'transform = "rhtfull"', 'transform = "rht16"'),
-      ["tests/test_recipe.py::test_optimizer_and_fullstack_switches"]),
+      ["tests/nn/test_recipe.py::test_optimizer_and_fullstack_switches"]),
     # --- quantization axes: linears ----------------------------------------------------------------
     m("axis-fprop-x", "Fprop's x blocked along tokens (M), not K",
       (LIN, 'x_hat = layer.consume("fprop_x", x2, signs["fprop"], g)',
@@ -296,7 +296,7 @@ MUTATIONS = [
       [LINEAR_EXACT]),
     m("axis-tensor-core-operands-swapped", "tensor-core Dgrad / Wgrad dy operands built with each other's spec",
       (LIN, 'layer.operand_pair(("dgrad_dy", "wgrad_dy"), dy,', 'layer.operand_pair(("wgrad_dy", "dgrad_dy"), dy,'),
-      ["tests/test_tensor_cores.py"]),
+      ["tests/nn/test_tensor_cores.py"]),
     # --- quantization axes: FP4 attention -----------------------------------------------------------
     m("ds-query-axis", "FP4 attention's dS for dQ blocked along the query dim, not the key dim",
       (ATTN, "return encode(grad_scores, amax_keys), encode(grad_scores.transpose(-1, -2), amax_queries)",
@@ -304,11 +304,11 @@ MUTATIONS = [
       [ATTN_EXACT]),
     m("ds-unquantized", "FP4 attention never quantizes dS",
       (ATTN, "if quant.ds_rounding is None or quant.format is None:", "if True:"),
-      ["tests/test_attention.py::test_fp4_attention_stochastic_ds_gradients_average_to_their_expectation", ATTN_EXACT]),
+      ["tests/nn/test_attention.py::test_fp4_attention_stochastic_ds_gradients_average_to_their_expectation", ATTN_EXACT]),
     m("qk-seq-axis", "FP4 attention's forward Q, K blocked along the sequence, not head_dim",
       (ATTN, "q_q, k_q = _fake_quant(q, quant.format), _fake_quant(k, quant.format)",
        "q_q, k_q = _fake_quant_seq(q, quant.format), _fake_quant_seq(k, quant.format)"),
-      ["tests/test_attention.py::test_fp4_attention_saves_fp4_q_k_and_the_unrounded_v", ATTN_EXACT]),
+      ["tests/nn/test_attention.py::test_fp4_attention_saves_fp4_q_k_and_the_unrounded_v", ATTN_EXACT]),
     m("pv-fp32", "FP4 attention's PV / dO V^T products run in fp32, not on BF16 operands",
       (ATTN, "return a.to(torch.bfloat16).float() @ b.to(torch.bfloat16).float()", "return a @ b"), [ATTN_EXACT]),
     m("dst-key-axis", "FP4 attention's dS^T for dK blocked along the key dim, not the query dim",
@@ -371,36 +371,36 @@ MUTATIONS = [
       ("fp4lab/nn/model.py", 'if getattr(w1, "fuse_residual_rmsnorm", False):', "if False:"), [FUSION_WIRE]),
     m("steady-throughput-all-steps", "the report's steady tok/s takes the median over every step, compilation included",
       ("fp4lab/lab/records/run_metrics.py", "for step, v in metrics.throughput if 2 * step >= last)", "for step, v in metrics.throughput)"),
-      ["tests/test_report.py::test_steady_throughput_is_the_median_of_the_second_half_of_the_steps"]),
+      ["tests/lab/test_report.py::test_steady_throughput_is_the_median_of_the_second_half_of_the_steps"]),
     m("claims-count-interrupted-runs", "the claims count an interrupted run's last losses, validation or train",
       ("fp4lab/lab/records/ledger.py", ' and (not completed_only or by_id[i].get("state") == "completed")]', "]"),
-      ["tests/test_report.py::test_claims_are_set_against_the_welch_interval_of_their_recipe",
-       "tests/test_report.py::test_claims_against_another_recipe_by_direction_and_on_the_endpoint_train_loss"]),
+      ["tests/lab/test_report.py::test_claims_are_set_against_the_welch_interval_of_their_recipe",
+       "tests/lab/test_report.py::test_claims_against_another_recipe_by_direction_and_on_the_endpoint_train_loss"]),
     m("claims-metric-ignored", "a train claim is checked against the final validation losses",
       ("fp4lab/lab/records/claims.py", 'if metric == "val" else', "if True else"),
-      ["tests/test_report.py::test_claims_against_another_recipe_by_direction_and_on_the_endpoint_train_loss"]),
+      ["tests/lab/test_report.py::test_claims_against_another_recipe_by_direction_and_on_the_endpoint_train_loss"]),
     m("claims-versus-ignored", "a claim against another recipe is checked against bf16",
       ("fp4lab/lab/records/claims.py", 'reference_runs = match["baseline_runs"] if reference_row is None else reference_row["runs"]',
        'reference_runs = match["baseline_runs"]'),
-      ["tests/test_report.py::test_claims_against_another_recipe_by_direction_and_on_the_endpoint_train_loss"]),
+      ["tests/lab/test_report.py::test_claims_against_another_recipe_by_direction_and_on_the_endpoint_train_loss"]),
     m("claims-direction-loose", "a claimed direction agrees when the interval merely reaches that side of 0",
       ("fp4lab/lab/records/claims.py", 'measured = "above" if low > 0 else "below" if high < 0 else None',
        'measured = "above" if high > 0 else "below" if low < 0 else None'),
-      ["tests/test_report.py::test_claims_against_another_recipe_by_direction_and_on_the_endpoint_train_loss"]),
+      ["tests/lab/test_report.py::test_claims_against_another_recipe_by_direction_and_on_the_endpoint_train_loss"]),
     m("endpoint-train-loss-last-step", "the endpoint train loss is the last logged loss, not the last tenth's mean",
       ("fp4lab/lab/records/run_metrics.py", "metrics.loss[-math.ceil(len(metrics.loss) / 10) :]", "metrics.loss[-1:]"),
-      ["tests/test_report.py::test_the_endpoint_train_loss_is_the_mean_over_the_last_tenth_of_the_logged_steps"]),
+      ["tests/lab/test_report.py::test_the_endpoint_train_loss_is_the_mean_over_the_last_tenth_of_the_logged_steps"]),
     m("ci-never-paired", "runs of the same seeds are compared by Welch's interval, not seed by seed",
       ("fp4lab/lab/records/ledger.py", "if len(seeds) >= 2 and None not in seeds", "if False"),
-      ["tests/test_report.py::test_matched_seeds_are_compared_pair_by_pair",
-       "tests/test_report.py::test_claims_against_another_recipe_by_direction_and_on_the_endpoint_train_loss"]),
+      ["tests/lab/test_report.py::test_matched_seeds_are_compared_pair_by_pair",
+       "tests/lab/test_report.py::test_claims_against_another_recipe_by_direction_and_on_the_endpoint_train_loss"]),
     m("ci-paired-across-seeds", "a row missing a seed is still paired, against bf16 runs of other seeds",
       ("fp4lab/lab/records/ledger.py", " and sorted(seeds) == sorted(reference_seeds)", " and len(seeds) <= len(reference_seeds)"),
-      ["tests/test_report.py::test_matched_seeds_are_compared_pair_by_pair"]),
+      ["tests/lab/test_report.py::test_matched_seeds_are_compared_pair_by_pair"]),
     m("ratchet-recommits-a-recorded-keep", "a ratchet killed right after committing a kept change applies it again on restart",
       ("fp4lab/lab/ratchet/loop.py", 'committed = clean and repo.git(self.worktree, "rev-parse", "HEAD^{tree}") == extra.get("tree")',
        "committed = False"),
-      ["tests/test_ratchet.py::test_a_ratchet_killed_between_its_commit_and_recording_it_adopts_that_commit"]),
+      ["tests/lab/test_ratchet.py::test_a_ratchet_killed_between_its_commit_and_recording_it_adopts_that_commit"]),
     m("fused-cta-not-covered", "CTA-local NVFP4 operands go to the torch quantizer, not the fused kernels",
       (KERNELS, 'if spec.format not in ("mxfp4", "nvfp4", "nvfp4_cta") or', 'if spec.format not in ("mxfp4", "nvfp4") or'),
       [CTA_FUSED]),
@@ -479,10 +479,10 @@ MUTATIONS = [
       [NORM_BACKWARD]),
     m("rmsnorm-sum-unpinned", "the reference sums the 32 lanes with torch's own sum, not by halving",
       (FUSION_REF, "        half = t.shape[1] // 2\n        t = t[:, :half] + t[:, half:]\n", "        t = t.sum(1, keepdim=True)\n"),
-      ["tests/test_triton_fusion.py::test_rmsnorm_reference_sums_in_lanes_then_by_halving"]),
+      ["tests/kernels/test_triton_fusion.py::test_rmsnorm_reference_sums_in_lanes_then_by_halving"]),
     m("sweep-workers-share-gpus", "concurrent local runs are not given GPUs of their own",
       ("fp4lab/lab/runs/executors.py", 'env["CUDA_VISIBLE_DEVICES"] = gpus', "pass"),
-      ["tests/test_sweep.py::test_local_sweep_runs_scans_records_and_skips_completed_runs"]),
+      ["tests/lab/test_sweep.py::test_local_sweep_runs_scans_records_and_skips_completed_runs"]),
     # --- the MXFP4 GEMM on FP8 tensor cores (run by Triton's interpreter on the CPU) -----------------
     m("mx-gemm-second-block-scales", "the second K block of a step is scaled by the first block's scale bytes",
       (MX_GEMM, "p1, a_scales, b_scales, rows_a, rows_b, M, N, kb + 1, SPLIT)", "p1, a_scales, b_scales, rows_a, rows_b, M, N, kb, SPLIT)"),
@@ -491,35 +491,35 @@ MUTATIONS = [
       (MX_GEMM, "<= ROW_FIRST_MAX_BYTE:", "<= 255:"), [MX_INTERPRETED]),
     m("scan-entropy-three-probes", "the entropy rule's relative test waits for three earlier probes again",
       ("fp4lab/lab/records/logscan.py", "entropy_min_probes: int = 1", "entropy_min_probes: int = 3"),
-      ["tests/test_logscan.py::test_entropy_collapse_before_the_second_probe"]),
+      ["tests/lab/test_logscan.py::test_entropy_collapse_before_the_second_probe"]),
     m("scan-spike-four-losses", "the loss ratio rule waits for four earlier losses again",
       ("fp4lab/lab/records/logscan.py", "spike_ratio_min_count: int = 1", "spike_ratio_min_count: int = 4"),
-      ["tests/test_logscan.py::test_ratio_rule_needs_only_a_handful_of_points"]),
+      ["tests/lab/test_logscan.py::test_ratio_rule_needs_only_a_handful_of_points"]),
     m("status-rescan-ignored", "fp4lab status --rescan judges nothing again",
       ("fp4lab/cli/sweep.py", "        if rescan:\n", "        if False:\n"),
-      ["tests/test_sweep_trust.py::test_status_rescan_judges_ended_runs_again_with_the_current_scanner"]),
+      ["tests/lab/test_sweep_trust.py::test_status_rescan_judges_ended_runs_again_with_the_current_scanner"]),
     m("scan-runaway-not-diverged", "a finite loss that ends far above its start is no longer judged diverged",
       ("fp4lab/lab/records/logscan.py", 'if "nan" in first_step or "loss_above_start" in first_step or status == "diverged":',
        'if "nan" in first_step or status == "diverged":'),
-      ["tests/test_logscan.py::test_a_finite_loss_that_runs_away_for_good_is_diverged"]),
+      ["tests/lab/test_logscan.py::test_a_finite_loss_that_runs_away_for_good_is_diverged"]),
     m("scan-runaway-recovery-kept", "a runaway loss that recovers is still flagged at the end",
       ("fp4lab/lab/records/logscan.py", "            self.above_start = None\n            return\n", "            return\n"),
-      ["tests/test_logscan.py::test_a_loss_that_runs_away_and_recovers_is_not_diverged"]),
+      ["tests/lab/test_logscan.py::test_a_loss_that_runs_away_and_recovers_is_not_diverged"]),
     m("sweep-startup-ctrl-c-failed", "a Ctrl-C during a run's start-up records it failed, so the next sweep skips it",
       ("fp4lab/lab/runs/job.py", 'returncode=130, state="interrupted")', "returncode=130)"),
-      ["tests/test_sweep_trust.py::test_ctrl_c_during_start_up_leaves_the_run_interrupted_so_the_next_sweep_runs_it"]),
+      ["tests/lab/test_sweep_trust.py::test_ctrl_c_during_start_up_leaves_the_run_interrupted_so_the_next_sweep_runs_it"]),
     m("sweep-child-ctrl-c-failed", "a training process the sweep's Ctrl-C stops in start-up is recorded failed",
       ("fp4lab/lab/runs/executors.py", "        if self.stopping.is_set():\n            # Our SIGINT", "        if False:\n            # Our SIGINT"),
-      ["tests/test_sweep_trust.py::test_ctrl_c_while_a_training_process_starts_up_leaves_its_run_interrupted"]),
+      ["tests/lab/test_sweep_trust.py::test_ctrl_c_while_a_training_process_starts_up_leaves_its_run_interrupted"]),
     m("report-first-event-by-name", "events at one step are ordered by name, not by the scanner's order of kinds",
       ("fp4lab/lab/records/ledger.py", "min(bad, key=_event_order)", "min(bad)"),
-      ["tests/test_report.py::test_seeds_are_grouped_with_mean_and_std"]),
+      ["tests/lab/test_report.py::test_seeds_are_grouped_with_mean_and_std"]),
     m("report-excess-plot-unfinished", "the loss-excess plot averages interrupted runs with the completed ones",
       ("fp4lab/lab/records/plots.py", "if i in report.metrics and i in completed]", "if i in report.metrics]"),
-      ["tests/test_report.py::test_losses_and_throughput_come_from_completed_runs_only"]),
+      ["tests/lab/test_report.py::test_losses_and_throughput_come_from_completed_runs_only"]),
     m("report-unfinished-losses", "the ledger averages the last losses of interrupted runs with the completed ones",
       ("fp4lab/lab/records/ledger.py", "ended = [r for r in members if r.get(\"state\") == \"completed\"]", "ended = members"),
-      ["tests/test_report.py::test_losses_and_throughput_come_from_completed_runs_only"]),
+      ["tests/lab/test_report.py::test_losses_and_throughput_come_from_completed_runs_only"]),
     m("mx-gemm-scales-row-major", "the kernel reads the scale bytes row-major, not block-major",
       (MX_GEMM, "a.scales.T.contiguous(), e4m3_values(b.data), b.scales.T.contiguous()",
        "a.scales.contiguous(), e4m3_values(b.data), b.scales.contiguous()"), [MX_INTERPRETED]),

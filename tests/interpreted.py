@@ -24,8 +24,9 @@ def interpreter_python(code: str, timeout: int = 600) -> subprocess.CompletedPro
 
 
 def run_interpreted(module: str, call: str, timeout: int = 600) -> None:
-    """`call`, with every name of tests/<module>.py in scope, under TRITON_INTERPRET=1; fails with its stderr."""
-    done = interpreter_python(f"from tests.{module} import *\n{call}\nprint('ok')\n", timeout)
+    """`call`, with every name of the test module `module` (its `__name__`) in scope, under TRITON_INTERPRET=1;
+    fails with its stderr."""
+    done = interpreter_python(f"from {module} import *\n{call}\nprint('ok')\n", timeout)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
 
 

@@ -203,7 +203,7 @@ def fp4_attention(
     The backward re-quantization starts from the saved forward FP4 values Qq, Kq, not from the exact
     Q, K ("unified tensor reuse": the backward sees the Q, K the forward computed S from, and a kernel
     keeps them packed between the passes, 4.5 bits a value against bf16's 16). The cost is a second
-    rounding. Measured on `qkv_and_grad()` of tests/test_attention.py (nvfp4, RTN dS, mean of 4 input
+    rounding. Measured on `qkv_and_grad()` of tests/nn/test_attention.py (nvfp4, RTN dS, mean of 4 input
     seeds), the relative error of dQ and dK against exact attention is 0.193 when re-quantizing Qq, Kq
     and 0.167 when re-quantizing the exact Q, K (2.6 points more; mxfp4 0.224 against 0.221); their
     distance from the gradient of the forward's own function (the same dSq times Kq, Qq in fp32) is
@@ -216,7 +216,7 @@ def fp4_attention(
     causal mask makes P, and so dS, zero beyond, and stop is a multiple of 32, so the keys left out are
     whole blocks that would contribute zero to O, dQ and dK. Chunking keeps the numerics of one chunk:
     - a row's scores and softmax are whole, and O, dP, dS and dQ are per query row: the same values
-      (bit-equal on CPU; tests/test_fp4_attention_chunked.py);
+      (bit-equal on CPU; tests/nn/test_fp4_attention_chunked.py);
     - dS along keys (for dQ) is quantized per row; dS^T along queries (for dK) in blocks of 16 or 32
       queries, which chunk boundaries at multiples of 32 keep whole;
     - NVFP4's tensor scale is that of the whole dS: a first pass over the chunks finds its amax

@@ -15,7 +15,7 @@ along, the outer scale, and the exact values that autograd keeps. Three producer
   operands (d^T, along the tokens).
 
 Each function here is what `fp4lab.numerics.kernels.fusion` computes bit for bit, and is itself the
-unfused composition of fp4lab's ops (tests/test_triton_fusion.py checks both):
+unfused composition of fp4lab's ops (tests/kernels/test_triton_fusion.py checks both):
 
     swiglu: F.silu(gate) * up in the inputs' dtype, exactly FeedForward's expression (under bf16
         autocast w1 and w3 return bf16 and neither silu nor * is an autocast op, so both round to

@@ -51,7 +51,7 @@ Limits of the locking (what `filelock` can and cannot do):
   holder ran on the same host; a marker left by a process that died on another host blocks writers
   until it is removed by hand (the lock timeout error says so).
 - Writes are serialised: each one rewrites the whole file, which is fine for thousands of runs
-  (see the timing in `tests/test_catalog.py`), not for millions.
+  (see the timing in `tests/lab/test_catalog.py`), not for millions.
 - The lock file stays in place after release on purpose (waiters must share one inode): do not delete
   it while jobs may be writing.
 """

@@ -29,7 +29,7 @@ dyadic inputs whose partial sums are exact; otherwise within the summation-order
 product, about D * 2^-24 of sum_d |q_d k_d|). On CUDA the probe's `logits / sqrt(D)` is a
 multiplication by the fp32 reciprocal (torch's scalar division there), one ulp away at most for D = 32
 and 128 and exact for D = 16 and 64. The entropy sums in another order than the probe's log_softmax:
-equal to a few fp32 ulps per row (tests/test_triton_attention.py states the tolerances).
+equal to a few fp32 ulps per row (tests/kernels/test_triton_attention.py states the tolerances).
 
 Cost of the statistics: per logit one more multiply-add (p (s - m) into u), per tile two row sums
 and per row three stores; the per-head reductions are torch ops over [B, H, T], not [B, H, T, T].
@@ -71,7 +71,7 @@ import triton.language as tl
 
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float32)
-# Measured in tests/test_triton_attention.py over [-126, 0] (8.57e-5 in fp32 Horner evaluation).
+# Measured in tests/kernels/test_triton_attention.py over [-126, 0] (8.57e-5 in fp32 Horner evaluation).
 EXP2_POLY_MAX_REL_ERROR = 8.6e-5
 # Triton's CPU interpreter runs these kernels on CPU tensors: the tests use it.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

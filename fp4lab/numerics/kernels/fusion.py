@@ -45,7 +45,7 @@ almost never shows; the tests say how it is checked).
 Status (2026-12-02): checked against the references under Triton's CPU interpreter, and compiled
 for sm_90 without a GPU (the PTX has no flushed add/mul/div/sqrt, correctly rounded div and sqrt,
 and fma only in libdevice's expf and the written-out one). On the H200 the benchmark ran and the
-CUDA reference checks of tests/test_triton_fusion.py passed, but its kernel-exactness tests did not
+CUDA reference checks of tests/kernels/test_triton_fusion.py passed, but its kernel-exactness tests did not
 finish compiling inside a device call (docs/BENCHMARKS.md): that libdevice's expf and nvcc's fma
 give torch's CUDA bits is shown on the CPU only so far.
 

@@ -1,0 +1,33 @@
+"""scripts/mutate.py's deliberate breaks still apply to the code as it is: each edit's old text occurs
+exactly once in its file, and each named test exists. A refactor that moves a wire must move its
+break too, or `python scripts/mutate.py` would report an error instead of checking the wire."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_mutations():
+    spec = importlib.util.spec_from_file_location("fp4lab_mutate_script", ROOT / "scripts" / "mutate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module.MUTATIONS
+
+
+def test_every_break_applies_once_and_names_existing_tests():
+    mutations = load_mutations()
+    assert len({m.name for m in mutations}) == len(mutations), "two breaks share a name"
+    for mutation in mutations:
+        for path, old, _ in mutation.edits:
+            count = (ROOT / path).read_text().count(old)
+            assert count == 1, f"{mutation.name}: its old text occurs {count} times in {path}"
+        for node in mutation.tests:
+            file, _, name = node.partition("::")
+            assert (ROOT / file).is_file(), f"{mutation.name}: no test file {file}"
+            function = name.split("[")[0]
+            assert not function or f"def {function}(" in (ROOT / file).read_text(), f"{mutation.name}: no test {node}"

@@ -1,0 +1,106 @@
+"""fp4lab sweep on the real local cluster (scripts/local-slurm.sh): submitit job arrays whose jobs record
+their own results in the catalog, a job that times out and is requeued and resumes, a cancelled job,
+plain sbatch of the written scripts, and Optuna trials asked and told from inside Slurm jobs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from fp4lab.lab.records.catalog import Catalog
+from tests.lab.test_sweep import OPTUNA_SPEC, SPEC, cli  # noqa: F401 (the fixture)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # each test is skipped without the local cluster (tests/conftest.py)
+
+SLURM = '\n[slurm]\ncpus_per_task = 1\ntime = "00:10:00"\n'
+LONG = SPEC.replace("steps = 6", "steps = 100000").replace('recipe = ["bf16", "nvfp4"]', 'recipe = ["bf16"]')
+
+
+def wait_for(catalog, predicate, timeout=240, refresh=None):
+    """Poll the catalog until predicate(records); `refresh` (e.g. `fp4lab status`) runs before each look."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if refresh is not None:
+            refresh()
+        records = catalog.records()
+        if records and predicate(records):
+            return records
+        time.sleep(2)
+    raise AssertionError(f"timed out; records: {[(r['id'], r['state'], r['slurm_job_id'], r['attempts']) for r in catalog.records()]}")
+
+
+def test_submitit_sweep_jobs_record_their_own_results(cli, tmp_path):  # noqa: F811
+    (tmp_path / "mini.toml").write_text(SPEC + SLURM)
+    out = cli("sweep", "mini.toml", "--executor", "slurm")
+    assert out.returncode == 0, out.stderr
+    assert "submitted Slurm jobs" in out.stdout
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    submitted = catalog.records()
+    assert len({r["slurm_job_id"] for r in submitted}) == 1  # one array
+    assert sorted(r["slurm_array_index"] for r in submitted) == [0, 1]
+    # No `fp4lab status` here: the jobs themselves write their end into the catalog.
+    records = wait_for(catalog, lambda rs: all(r["state"] == "completed" for r in rs))
+    for record in records:
+        assert record["verdict"] == "converged" and record["summary"]["final_val_loss"] > 0
+        assert record["executor"] == "slurm" and record["finished_at"] and record["attempts"] == 1
+        assert Path(record["paths"]["log"]).name.endswith("_log.out")
+    assert list((tmp_path / "jobs" / "mini" / "submitit").glob("*_result.pkl"))
+
+
+def test_a_timed_out_job_is_requeued_resumes_and_ends_as_timeout(cli, tmp_path):  # noqa: F811
+    # 3-minute limit, signal 90 s before it: each attempt is warned 90-120 s after Slurm allocates it
+    # (Slurm checks every ~30 s), checkpoints, and submitit requeues it once (max_requeues = 1); the
+    # second warning ends it. Not sooner: a warning that lands before the trainer runs (the job still
+    # launching or importing torch: a CI machine once took 30 s from allocation to Python) reaches
+    # submitit alone, which spends the one requeue on an attempt that never counts as started.
+    (tmp_path / "long.toml").write_text(LONG + "\n[slurm]\ncpus_per_task = 1\ntime = 3\nsignal_before_timeout_s = 90\nmax_requeues = 1\n")
+    out = cli("sweep", "long.toml", "--executor", "slurm")
+    assert out.returncode == 0, out.stderr
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    (record,) = wait_for(catalog, lambda rs: rs[0]["state"] == "timeout", timeout=600)
+    assert record["attempts"] == 2 and record["requeues"] == 1, record
+    run_dir = Path(record["paths"]["run_dir"])
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(len(steps))) and len(steps) > 2  # resumed where attempt 1 stopped: no gap, no repeat
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["stop_signal"] == "SIGUSR2"
+    assert summary["steps_completed"] == len(steps)
+
+
+def test_a_cancelled_slurm_run_is_recorded_as_cancelled(cli, tmp_path):  # noqa: F811
+    (tmp_path / "long.toml").write_text(LONG + SLURM)
+    out = cli("sweep", "long.toml", "--executor", "slurm")
+    assert out.returncode == 0, out.stderr
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    running = wait_for(catalog, lambda rs: rs[0]["state"] == "running")
+    subprocess.run(["scancel", f"{running[0]['slurm_job_id']}_{running[0]['slurm_array_index']}"
+                    if running[0]["slurm_array_index"] is not None else running[0]["slurm_job_id"]], check=True)
+    cancelled = wait_for(catalog, lambda rs: rs[0]["state"] == "cancelled", refresh=lambda: cli("status"))
+    assert cancelled[0]["finished_at"], cancelled[0]
+
+
+def test_plain_sbatch_executor_submits_the_written_array(cli, tmp_path):  # noqa: F811
+    (tmp_path / "mini.toml").write_text(SPEC + SLURM)
+    out = cli("sweep", "mini.toml", "--executor", "sbatch")
+    assert out.returncode == 0, out.stderr
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    records = wait_for(catalog, lambda rs: all(r["state"] == "completed" for r in rs))
+    assert len({r["slurm_job_id"] for r in records}) == 1
+    assert all(r["verdict"] == "converged" and r["attempts"] == 1 for r in records)
+
+
+def test_optuna_trials_run_as_a_slurm_array_through_submitit(cli, tmp_path):  # noqa: F811
+    (tmp_path / "opt.toml").write_text(OPTUNA_SPEC.replace("n_trials = 3", "n_trials = 2") + SLURM)
+    out = cli("sweep", "opt.toml", "--executor", "slurm")
+    assert out.returncode == 0, out.stderr
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    records = wait_for(catalog, lambda rs: len(rs) == 2 and all(r["extra"].get("objective") for r in rs))
+    assert sorted(r["extra"]["trial"] for r in records) == [0, 1]
+    assert all(r["state"] == "completed" and r["executor"] == "slurm" and r["slurm_job_id"] for r in records)
+    from tests.lab.test_sweep import _study
+
+    assert [t.state.name for t in _study(tmp_path).get_trials()] == ["COMPLETE", "COMPLETE"]
