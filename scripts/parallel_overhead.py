@@ -21,8 +21,8 @@ import torch
 from fp4lab.nn.model import preset
 from fp4lab.nn.recipe import load_recipe
 from fp4lab.train import distributed
-from fp4lab.train.config import TrainConfig
 from fp4lab.train.build import build_training
+from fp4lab.train.config import TrainConfig
 from fp4lab.train.step import clip_and_step
 
 BATCH, SEQ, VOCAB, WARMUP, TIMED = 16, 1024, 50304, 4, 10

@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4lab.numerics import BLOCK_SIZE, fake_quantize
-from fp4lab.numerics import kernels
+from fp4lab.numerics import BLOCK_SIZE, fake_quantize, kernels
 from fp4lab.numerics.attention import attention_entropy, max_attention_logits
 from fp4lab.numerics.quantize import finite_amax
 

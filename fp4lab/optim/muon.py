@@ -54,8 +54,7 @@ from collections.abc import Iterable
 
 import torch
 
-from fp4lab.numerics import BLOCK_SIZE
-from fp4lab.numerics import kernels
+from fp4lab.numerics import BLOCK_SIZE, kernels
 from fp4lab.optim.plumbing import closure_loss, dense_grads
 from fp4lab.optim.sharding import gather_whole, is_sharded, local, local_part
 

@@ -39,9 +39,9 @@ import tokenizers
 import torch
 from tokenizers import Tokenizer
 
+from fp4lab.train import config
 from fp4lab.train.atomic import write_atomic
 from fp4lab.train.bpe import train_tokenizer
-from fp4lab.train import config
 from fp4lab.train.config import DataConfig
 
 NAMED_SOURCES = ("shakespeare", "synthetic", "pycode")

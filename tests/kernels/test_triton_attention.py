@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
-import triton.language as tl
+import triton.language as tl  # noqa: E402 (after the skip: these need Triton)
 
-from fp4lab.numerics.attention import attention_entropy, max_attention_logits
-from fp4lab.numerics.kernels import attention as triton_attention
-from tests import interpreted
+from fp4lab.numerics.attention import attention_entropy, max_attention_logits  # noqa: E402
+from fp4lab.numerics.kernels import attention as triton_attention  # noqa: E402
+from tests import interpreted  # noqa: E402
 
 CPU_SHAPES = [(2, 4, 2, seq, head_dim) for seq in (1, 17, 40, 64) for head_dim in (16, 32)]  # B, H, H_kv, T, D
 GPU_SHAPES = [(2, 12, 4, 1024, 64), (4, 12, 4, 2048, 128), (2, 12, 4, 4096, 64), (3, 12, 4, 1537, 128)]

@@ -25,7 +25,7 @@ from scipy import stats as scipy_stats
 from fp4lab.lab.records.catalog import Catalog
 from fp4lab.lab.records.claims import claims_markdown
 from fp4lab.lab.records.ledger import COLUMN_DOCS, build_report, excess_pct
-from fp4lab.lab.records.plots import divergence_step, excess_curves, plot_figure
+from fp4lab.lab.records.plots import PER_LAYER_RUNS, divergence_step, excess_curves, plot_figure
 from fp4lab.lab.records.render import ledger_markdown, render_ledger, write_report
 from fp4lab.lab.records.run_metrics import RunMetrics, endpoint_train_loss
 
@@ -366,6 +366,37 @@ def test_probe_series_have_markers_every_probe_step_and_distinct_styles(tmp_path
             legend = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
             assert legend == ["recipe=bf16,seed=0", "recipe=mxfp4-rowsr-h32,seed=0", "recipe=nvfp4,seed=0",
                               "layer 0", "layer 1", "layer 2", "layer 3"]  # fmt: skip
+        finally:
+            pyplot.close(fig)
+
+
+def test_probe_plots_of_many_runs_draw_each_rows_worst_layer_averaged_over_its_seeds(tmp_path):
+    # Past PER_LAYER_RUNS runs a line per layer per run is unreadable (the 57-run ledger drew 684 lines).
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    recipes = ("bf16", "mxfp4", "nvfp4", "nvfp4-all")
+    for recipe, seed in ((r, s) for r in recipes for s in range(3)):
+        run_dir = _add_run(catalog, tmp_path, f"{recipe}-{seed}", recipe, seed, _noisy(3.0, recipe, steps=9), layers=4)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        for row in rows:
+            if "attn_entropy" in row:  # layer 0 lowest, layer 3 highest; each seed shifts every layer
+                row["attn_entropy"] = [[1.0 + 0.1 * layer + 0.2 * seed] for layer in range(4)]
+                row["attn_entropy_mean"] = [1.0 + 0.1 * layer + 0.2 * seed for layer in range(4)]
+                row["max_logit"] = [[2.0 + layer + seed] for layer in range(4)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert len(recipes) * 3 > PER_LAYER_RUNS
+    report = build_report(tmp_path / "sweep_catalog.json", "hand")
+    for which, expected in (("attn_entropy", 1.0 + 0.2), ("max_logit", 5.0 + 1)):  # mean of seeds 0, 1, 2
+        fig = plot_figure(report, which)
+        try:
+            lines = fig.axes[0].get_lines()
+            assert len(lines) == len(recipes)
+            assert len({(line.get_color(), line.get_linestyle()) for line in lines}) == len(recipes)
+            for line in lines:
+                assert list(line.get_xdata()) == [0, 2, 4, 6, 8]
+                assert list(line.get_ydata()) == pytest.approx([expected] * 5, rel=1e-12)
+            legend = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+            assert sorted(legend) == sorted(f"{r}, 3 seeds" for r in recipes)
+            assert ("lowest" if which == "attn_entropy" else "highest") in fig.axes[0].get_title()
         finally:
             pyplot.close(fig)
 

@@ -46,8 +46,8 @@ import math
 import os
 import random
 import shlex
-import subprocess
 import signal
+import subprocess
 import sys
 import tomllib
 from collections.abc import Callable
@@ -56,12 +56,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.ratchet.proposers import AgentError, Context, Proposal, ProposalError, apply_proposal, editable_files, make_proposer
 from fp4lab.lab import repo
 from fp4lab.lab.choices import RATCHET_EXECUTORS
+from fp4lab.lab.ratchet.proposers import (
+    AgentError,
+    Context,
+    Proposal,
+    ProposalError,
+    apply_proposal,
+    editable_files,
+    make_proposer,
+)
 from fp4lab.lab.records.catalog import Catalog, utc_now
-from fp4lab.lab.specs.program import Program, metric_from_output
 from fp4lab.lab.runs.sbatch import config_toml
+from fp4lab.lab.specs.program import Program, metric_from_output
 from fp4lab.lab.specs.sweep_spec import RunSpec
 from fp4lab.train.atomic import write_atomic
 from fp4lab.train.config import summary_value, toml_text

@@ -271,22 +271,32 @@ def _draw_loss_excess(ax, report: Report, records: dict[str, dict[str, Any]]) ->
     return drawn
 
 
+# Up to this many probed runs a probe plot draws every layer of every run; past it, one line per ledger row.
+PER_LAYER_RUNS = len(PALETTE)
+PROBE_LABELS = {"entropy": "attention entropy (mean over heads)", "max_logit": "max logit (max over heads)"}
+
+
 def _draw_probes(ax, report: Report, records: dict[str, dict[str, Any]], attr: str) -> tuple[bool, list]:
-    """A probe (`entropy` or `max_logit` of RunMetrics) per layer of every probed run: colour for the run,
-    line style and marker for the layer; (whether any was drawn, the legend's handles)."""
+    """A probe (`entropy` or `max_logit` of RunMetrics): every layer of every run for a few runs, else the
+    ledger rows' worst layer (`_draw_probe_rows`); (whether any was drawn, the legend's handles)."""
+    probed = [(run_id, getattr(m, attr)) for run_id, m in report.metrics.items() if getattr(m, attr)]
+    if len(probed) > PER_LAYER_RUNS:
+        return _draw_probe_rows(ax, report, records, attr)
+    return _draw_probe_layers(ax, report, records, attr, probed)
+
+
+def _draw_probe_layers(ax, report: Report, records: dict[str, dict[str, Any]], attr: str, probed) -> tuple[bool, list]:
+    """Colour for the run, line style and marker for the layer."""
     from matplotlib.lines import Line2D
 
-    drawn = False
-    probed = [(run_id, getattr(m, attr)) for run_id, m in report.metrics.items() if getattr(m, attr)]
     n_layers = max((len(v) for _, series in probed for _, v in series), default=0)
     handles = []
     for i, (run_id, series) in enumerate(probed):
-        colour = PALETTE[i % len(PALETTE)]
-        block = n_layers * (i // len(PALETTE))  # past ten runs the colours repeat with the next line styles
+        colour = PALETTE[i]
         for layer in range(max(len(v) for _, v in series)):
             pts = [(s, v[layer]) for s, v in series if layer < len(v)]
             xs, ys = [s for s, _ in pts], [y for _, y in pts]
-            ax.plot(xs, ys, color=colour, linestyle=_linestyle(block + layer), marker=MARKERS[layer % len(MARKERS)],
+            ax.plot(xs, ys, color=colour, linestyle=_linestyle(layer), marker=MARKERS[layer % len(MARKERS)],
                     markersize=5, linewidth=1)  # fmt: skip
             _mark_divergence(ax, records[run_id], xs, ys, colour, None)
         handles.append(Line2D([], [], color=colour, linewidth=2, label=run_label(report, run_id)))
@@ -295,12 +305,41 @@ def _draw_probes(ax, report: Report, records: dict[str, dict[str, Any]], attr: s
             label = f"{run_label(report, run_id)}: diverged@{diverged_at}"
             handles.append(Line2D([], [], color=colour, linestyle="none", marker="x", markersize=9,
                                   markeredgewidth=2, label=label))  # fmt: skip
-        drawn = True
     handles += [Line2D([], [], color="black", linestyle=_linestyle(layer), marker=MARKERS[layer % len(MARKERS)],
                        markersize=5, label=f"layer {layer}") for layer in range(n_layers)]  # fmt: skip
-    ylabel = "attention entropy (mean over heads)" if attr == "entropy" else "max logit (max over heads)"
-    ax.set(xlabel="step (markers: probe steps)", ylabel=ylabel, title=ylabel + " per layer")
-    return drawn, handles
+    ax.set(xlabel="step (markers: probe steps)", ylabel=PROBE_LABELS[attr], title=PROBE_LABELS[attr] + " per layer")
+    return bool(probed), handles
+
+
+def _draw_probe_rows(ax, report: Report, records: dict[str, dict[str, Any]], attr: str) -> tuple[bool, list]:
+    """One line per ledger row: at each probe step its worst layer (the lowest entropy, where collapse
+    shows first; the highest max logit), averaged over the row's seeds probed at that step."""
+    worst = min if attr == "entropy" else max
+    drawn, means = False, []
+    for index, run_ids in enumerate(report.groups):
+        per_run = {i: [(s, worst(v)) for s, v in getattr(report.metrics[i], attr) if v]
+                   for i in run_ids if i in report.metrics and getattr(report.metrics[i], attr)}  # fmt: skip
+        if not per_run:
+            continue
+        by_step: dict[int, list[float]] = {}
+        for series in per_run.values():
+            for step, value in series:
+                by_step.setdefault(step, []).append(value)
+        steps = sorted(by_step)
+        colour, linestyle = _style(index)
+        means.append([sum(by_step[s]) / len(by_step[s]) for s in steps])
+        ax.plot(steps, means[-1], color=colour, linestyle=linestyle,
+                marker=".", markersize=4, linewidth=1.2, label=group_label(report, index, len(per_run)))  # fmt: skip
+        for run_id, series in per_run.items():
+            _mark_divergence(ax, records[run_id], [s for s, _ in series], [v for _, v in series], colour,
+                             run_label(report, run_id))  # fmt: skip
+        drawn = True
+    if attr == "max_logit" and _spans_decades(means):
+        ax.set_yscale("log")  # runs whose logits grew a thousandfold would flatten every other line
+    which = "lowest" if attr == "entropy" else "highest"
+    ax.set(xlabel="step (markers: probe steps)", ylabel=PROBE_LABELS[attr],
+           title=f"{PROBE_LABELS[attr]}, {which} layer, mean over seeds")  # fmt: skip
+    return drawn, None
 
 
 def plot_png(report: Report, which: str) -> bytes | None:

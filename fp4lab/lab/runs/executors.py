@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+from fp4lab.lab.choices import SWEEP_EXECUTORS as EXECUTORS
 from fp4lab.lab.records.catalog import IN_FLIGHT_STATES, Catalog, this_owner, utc_now
 from fp4lab.lab.runs import slurm
-from fp4lab.lab.runs.job import SweepTask, finish_run, last_error_line, train_command
-from fp4lab.lab.runs.trials import TrialTask, orphaned_trials, trial_counts
 from fp4lab.lab.runs import sweep as sweep_plans
+from fp4lab.lab.runs.job import SweepTask, finish_run, last_error_line, train_command
 from fp4lab.lab.runs.sweep import SweepPlan, scan_thresholds
+from fp4lab.lab.runs.trials import TrialTask, orphaned_trials, trial_counts
 from fp4lab.lab.specs.sweep_spec import RunSpec, SpecError, SweepSpec
-from fp4lab.lab.choices import SWEEP_EXECUTORS as EXECUTORS
 
 
 @dataclass

@@ -35,9 +35,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.runs import slurm
 from fp4lab.lab.records.catalog import Catalog, live_owner, this_owner, utc_now
 from fp4lab.lab.records.logscan import ScanThresholds, scan
+from fp4lab.lab.runs import slurm
 from fp4lab.lab.specs.sweep_spec import RunSpec
 from fp4lab.train.config import TrainConfig, summary_value
 from fp4lab.train.jsonl import read_metrics_file

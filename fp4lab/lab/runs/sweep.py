@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.records.catalog import FAILED_STATES, IN_FLIGHT_STATES, TERMINAL_STATES, Catalog, live_owner, sweeps_of, utc_now
+from fp4lab.lab.records.catalog import (
+    FAILED_STATES,
+    IN_FLIGHT_STATES,
+    TERMINAL_STATES,
+    Catalog,
+    live_owner,
+    sweeps_of,
+    utc_now,
+)
 from fp4lab.lab.records.logscan import ScanThresholds, scan
 from fp4lab.lab.repo import git_state
 from fp4lab.lab.runs import slurm
@@ -27,6 +35,7 @@ from fp4lab.lab.runs.job import finish_run, tail_lines, thresholds_from_table
 from fp4lab.lab.runs.sbatch import write_scripts, write_trial_scripts
 from fp4lab.lab.specs.sweep_spec import RunSpec, SweepSpec, expand, load_spec
 from fp4lab.train.jsonl import metrics_records
+
 
 @dataclass
 class SweepPlan:

@@ -45,8 +45,19 @@ from typing import Any
 from fp4lab.lab.records.logscan import VERDICTS
 from fp4lab.lab.specs.search_space import SearchParam, probe_values, search_param
 from fp4lab.lab.specs.sweep_spec import SlurmSpec, slurm_table
-from fp4lab.validation import boolean, checked_table, choice, entry, integer, known_keys, list_of, number, string, table_of
 from fp4lab.train.config import ConfigError, DataConfig, TrainConfig
+from fp4lab.validation import (
+    boolean,
+    checked_table,
+    choice,
+    entry,
+    integer,
+    known_keys,
+    list_of,
+    number,
+    string,
+    table_of,
+)
 
 # metric names a kind = "fp4lab" program may give -> the summary.json key the run writes.
 FP4LAB_METRICS = {

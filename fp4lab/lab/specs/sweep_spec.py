@@ -30,8 +30,27 @@ from typing import Any
 
 from fp4lab.lab.records.logscan import ScanThresholds, threshold_value
 from fp4lab.lab.specs.search_space import SearchParam, probe_values, search_param
-from fp4lab.validation import Rule, checked_table, choice, entry, integer, is_int, known_keys, list_of, read_toml, string, table_of
-from fp4lab.train.config import HASHED_UNLESS_DEFAULT, RENAMED_SUMMARY_KEYS, RESULT_NEUTRAL, ConfigError, DataConfig, TrainConfig
+from fp4lab.train.config import (
+    HASHED_UNLESS_DEFAULT,
+    RENAMED_SUMMARY_KEYS,
+    RESULT_NEUTRAL,
+    ConfigError,
+    DataConfig,
+    TrainConfig,
+)
+from fp4lab.validation import (
+    Rule,
+    checked_table,
+    choice,
+    entry,
+    integer,
+    is_int,
+    known_keys,
+    list_of,
+    read_toml,
+    string,
+    table_of,
+)
 
 METHODS = ("grid", "random", "optuna")
 # Summary keys (train.loop's summary.json) an optuna objective may name.

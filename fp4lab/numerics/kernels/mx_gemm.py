@@ -75,7 +75,9 @@ import triton
 import triton.language as tl
 
 from fp4lab.numerics.mx_gemm import check_operands
-from fp4lab.numerics.mx_gemm import mxfp4_matmul_reference as mxfp4_matmul_reference  # the kernel's bits, re-exported beside it
+from fp4lab.numerics.mx_gemm import (
+    mxfp4_matmul_reference as mxfp4_matmul_reference,  # the kernel's bits, re-exported beside it
+)
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.scales import E8M0_NAN_BITS
 

@@ -22,9 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lab.numerics.tile_gemm import check_tile_operands
-from fp4lab.numerics.tile_gemm import tile_scaled_matmul_reference as tile_scaled_matmul_reference  # re-exported beside the kernel
 from fp4lab.numerics.kernels.mx_gemm import GROUP_ROWS, LAUNCH_OPTIONS, bf16_round, grouped_tile_rows
+from fp4lab.numerics.tile_gemm import check_tile_operands
+from fp4lab.numerics.tile_gemm import (
+    tile_scaled_matmul_reference as tile_scaled_matmul_reference,  # re-exported beside the kernel
+)
 
 # Triton's CPU interpreter (the tests) multiplies bf16 operands of tl.dot as integers (their bits), so
 # there the kernel upcasts them to fp32 first: the same exact products.
