@@ -109,7 +109,7 @@ MUTATIONS = [
       [KIMI_LOOP, W + "test_kimi_qk_clip_in_the_loop_changes_the_weights_and_counts_heads"]),
     m("qk-clip-before-step", "QK-Clip moved before the optimizer step",
       [(LOOP, STEP_CALL, "clip_hits = _apply_qk_clip(model, tau, bool(recipe.lora_svd_rank)) if qk_clip == \"kimi\" else 0\n"
-                         "            " + STEP_CALL),
+                         "    " + STEP_CALL),
        (LOOP, QK_CALL, "clipped = clip_hits")],
       [KIMI_LOOP]),
     m("qk-clip-stale-logits", "max logits recorded on probe steps only: QK-Clip reads a stale S_max",

@@ -1,9 +1,10 @@
 """scripts/mutate.py's deliberate breaks still apply to the code as it is: each edit's old text occurs
-exactly once in its file, and each named test exists. A refactor that moves a wire must move its
+exactly once in its file, the edited file still parses, and each named test exists. A refactor that moves a wire must move its
 break too, or `python scripts/mutate.py` would report an error instead of checking the wire."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import sys
 from pathlib import Path
@@ -19,13 +20,21 @@ def load_mutations():
     return module.MUTATIONS
 
 
-def test_every_break_applies_once_and_names_existing_tests():
+def test_every_break_applies_once_parses_and_names_existing_tests():
     mutations = load_mutations()
     assert len({m.name for m in mutations}) == len(mutations), "two breaks share a name"
     for mutation in mutations:
-        for path, old, _ in mutation.edits:
-            count = (ROOT / path).read_text().count(old)
+        edited: dict[str, str] = {}
+        for path, old, new in mutation.edits:
+            text = edited.get(path, (ROOT / path).read_text())
+            count = text.count(old)
             assert count == 1, f"{mutation.name}: its old text occurs {count} times in {path}"
+            edited[path] = text.replace(old, new)
+        for path, text in edited.items():
+            try:  # a break that no longer parses (an indent from before a refactor) is an error, not a catch
+                ast.parse(text, filename=path)
+            except SyntaxError as exc:
+                raise AssertionError(f"{mutation.name}: {path} no longer parses once edited: {exc}") from None
         for node in mutation.tests:
             file, _, name = node.partition("::")
             assert (ROOT / file).is_file(), f"{mutation.name}: no test file {file}"
