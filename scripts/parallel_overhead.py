@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from fp4lab.nn.model import preset
+from fp4lab.nn.model_config import preset
 from fp4lab.nn.recipe import load_recipe
 from fp4lab.train import distributed
 from fp4lab.train.build import build_training

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from fp4lab.nn.build import attention_generators, fp4_linears
-from fp4lab.nn.model import preset
+from fp4lab.nn.model_config import preset
 from fp4lab.nn.recipe import load_recipe
 from fp4lab.train import distributed, loop
 from fp4lab.train.build import build_training

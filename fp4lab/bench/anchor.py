@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4lab.nn.model import ModelConfig
+from fp4lab.nn.model_config import ModelConfig
 
 
 class _Block(nn.Module):

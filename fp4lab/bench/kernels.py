@@ -334,7 +334,7 @@ def _cuda_median_ms(fn, repeats: int) -> float:
 def training_gemm_shapes(model: str, batch_size: int, seq_len: int) -> list[tuple[str, int, int, int]]:
     """(label, m, n, k) of the largest linears' GEMMs in one training step of `model` at batch_size x
     seq_len tokens (C [m, n] = A [m, k] @ B [n, k]^T): w1's Fprop, Dgrad and Wgrad, and wq's Fprop."""
-    from fp4lab.nn.model import preset
+    from fp4lab.nn.model_config import preset
 
     config = preset(model, 32768, seq_len)
     tokens, dim, hidden = batch_size * seq_len, config.dim, config.ffn_hidden

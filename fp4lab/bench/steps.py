@@ -20,7 +20,7 @@ import torch
 
 from fp4lab.bench.anchor import anchor_step
 from fp4lab.nn.build import cuda_graph_blocker
-from fp4lab.nn.model import preset
+from fp4lab.nn.model_config import preset
 from fp4lab.nn.recipe import load_recipe
 from fp4lab.train import paths
 from fp4lab.train.build import build_training

@@ -110,7 +110,7 @@ def _model_shape_on_paths_that_run(target, model: str, batch_size: int, seq_len:
                                    mx_gemm: str, producer_fusion: str):
     """The model preset's shape, once the compute paths asked for are known to run on `target`: a path
     this device lacks is refused here, not after the anchor ran."""
-    from fp4lab.nn.model import preset
+    from fp4lab.nn.model_config import preset
     from fp4lab.train.config import ConfigError, TrainConfig
     from fp4lab.train.paths import resolve as resolve_paths
 

@@ -8,6 +8,7 @@ from typing import Literal
 
 from fp4lab.lab.choices import PROPOSERS, RATCHET_EXECUTORS, SWEEP_EXECUTORS
 from fp4lab.lab.records.logscan import PRESETS as LOG_PRESETS
+from fp4lab.nn.recipe import NS_POLYNOMIALS
 from fp4lab.numerics_choices import DISTRIBUTIONS
 from fp4lab.train.config import (
     ATTENTION_KERNELS,
@@ -20,7 +21,6 @@ from fp4lab.train.config import (
     LR_SCHEDULES,
     MODEL_PRESETS,
     MX_GEMMS,
-    NS_POLYNOMIALS,
     OPTIMIZERS,
     PARALLELS,
     PRODUCER_FUSIONS,

@@ -8,7 +8,8 @@ import torch
 
 from fp4lab.nn.attention import AttentionQuant
 from fp4lab.nn.fp4_linear import FP4Linear
-from fp4lab.nn.model import Llama, ModelConfig
+from fp4lab.nn.model import Llama
+from fp4lab.nn.model_config import ModelConfig
 from fp4lab.nn.recipe import Recipe
 
 

@@ -56,7 +56,7 @@ ATTENTION_FORMATS = ("bf16", "nvfp4", "mxfp4")
 OPTIMIZERS = ("adamw", "muon")
 QK_CLIPS = ("none", "kimi", "update_cap")
 NS_FORMATS = ("bf16", "nvfp4")
-NS_POLYNOMIALS = ("quintic", "cubic")  # optim.muon.NS_POLYNOMIALS
+NS_POLYNOMIALS = ("quintic", "cubic")  # the names; optim.muon.NS_POLYNOMIALS holds their coefficients
 ADAM_V_FORMATS = ("fp32", "nvfp4")
 
 

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from fp4lab.nn.build import build_model
-from fp4lab.nn.model import Llama, ModelConfig
+from fp4lab.nn.model import Llama
+from fp4lab.nn.model_config import ModelConfig
 from fp4lab.nn.recipe import Recipe
 from fp4lab.optim.build import OptimizerConfig, build_optimizer
 from fp4lab.optim.muon import NS_POLYNOMIALS

@@ -8,13 +8,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from fp4lab.nn.model_config import PRESETS
+from fp4lab.nn.recipe import NS_POLYNOMIALS
 from fp4lab.validation import Checks, read_toml
 
-MODEL_PRESETS = ("tiny", "125m", "350m", "1b")
+MODEL_PRESETS = tuple(PRESETS)
 OPTIMIZERS = ("muon", "adamw")
 LR_SCHEDULES = ("cosine", "constant", "wsd")
 QK_CLIPS = ("none", "kimi", "update_cap")
-NS_POLYNOMIALS = ("quintic", "cubic")  # optim.muon.NS_POLYNOMIALS
 LR_SCALINGS = ("original", "moonlight")
 DEVICES = ("cpu", "cuda", "auto")
 # "reference": fp32 activations and fp32 GEMMs on decoded operands (the exact emulation CI checks).

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 from fp4lab.nn.build import cuda_graph_blocker, fp4_linears
-from fp4lab.nn.model import Llama, count_parameters, preset
+from fp4lab.nn.model import Llama
+from fp4lab.nn.model_config import count_parameters, preset
 from fp4lab.nn.recipe import Recipe, load_recipe
 from fp4lab.optim.qk_clip import all_reduce_max_logits_, qk_clip_
 from fp4lab.train import distributed, paths

@@ -70,13 +70,14 @@ def test_every_offered_choice_is_accepted_by_the_code_that_acts_on_it():
     # The CLI offers each owner's own tuple; where the acting code names the values again (a preset
     # table, an if chain, a coefficient table), a value added on one side only is caught here.
     from fp4lab.lab.runs.executors import make_executor
-    from fp4lab.nn import model, recipe
+    from fp4lab.nn import model_config
     from fp4lab.numerics.survey import synthesize
     from fp4lab.optim import muon
     from fp4lab.train.gemm_error import candidates
 
-    assert MODEL_PRESETS == tuple(model.PRESETS)
-    assert NS_POLYNOMIALS == recipe.NS_POLYNOMIALS == tuple(muon.NS_POLYNOMIALS)
+    for name in MODEL_PRESETS:
+        model_config.preset(name, vocab_size=256, seq_len=64)  # raises ValueError for a name it does not know
+    assert NS_POLYNOMIALS == tuple(muon.NS_POLYNOMIALS)  # the names (torch-free) and muon's coefficients
     for dist in DISTRIBUTIONS:
         assert synthesize(dist, 2, 32, seed=0).shape == (2, 32)
     for executor in SWEEP_EXECUTORS:

@@ -388,7 +388,7 @@ def test_graphed_steps_keep_the_replayed_steps_max_logits_on_cuda():
     are that step's (what the compiled no-grad forward gives for the same batch), not the captured
     step's. Batches alternate between random tokens and one token repeated (a single q, k pair per
     head, rotated by RoPE), whose max logits are far apart: a stale tensor would not pass."""
-    from fp4lab.nn.model import preset
+    from fp4lab.nn.model_config import preset
     from fp4lab.nn.recipe import load_recipe
     from fp4lab.train.build import build_training
     from fp4lab.train.config import TrainConfig

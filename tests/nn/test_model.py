@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from fp4lab.nn.attention import AttentionQuant
-from fp4lab.nn.model import PRESETS, Llama, ModelConfig, count_parameters, preset, swiglu_hidden, tiny
+from fp4lab.nn.model import Llama
+from fp4lab.nn.model_config import PRESETS, ModelConfig, count_parameters, preset, swiglu_hidden, tiny
 
 VOCAB, SEQ = 64, 32
 # Parameters at vocab 32000 (untied embedding and head), as the preset table in fp4lab/nn/model.py states.

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from fp4lab.nn.build import build_model, fp4_linears
 from fp4lab.nn.fp4_linear import FP4Linear
-from fp4lab.nn.model import preset
+from fp4lab.nn.model_config import preset
 from fp4lab.nn.recipe import load_recipe
 from tests import interpreted
 

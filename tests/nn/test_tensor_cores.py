@@ -281,7 +281,7 @@ def test_philox_seeds_count_up_on_the_device_and_travel_with_the_extra_state(dev
 
 def test_graph_blockers_name_what_draws_from_a_generator():
     from fp4lab.nn.build import build_model, cuda_graph_blocker
-    from fp4lab.nn.model import preset
+    from fp4lab.nn.model_config import preset
 
     config = preset("tiny", 256, 64)
     for recipe, fragment in (("optitrain", "random Hadamard signs"), ("fullstack", "random Hadamard signs|FP4 attention|stochastically")):
@@ -301,7 +301,7 @@ def test_graph_blockers_name_what_draws_from_a_generator():
 
 def test_cuda_graphs_resolve_per_device_and_refuse_what_cannot_be_graphed(tmp_path):
     from fp4lab.nn.build import build_model, cuda_graph_blocker
-    from fp4lab.nn.model import preset
+    from fp4lab.nn.model_config import preset
     from fp4lab.train import paths
     from fp4lab.train.config import ConfigError, TrainConfig
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fp4lab.nn.build import build_model
-from fp4lab.nn.model import preset
+from fp4lab.nn.model_config import preset
 from fp4lab.nn.recipe import load_recipe
 from fp4lab.numerics import quantize
 from fp4lab.optim import CombinedOptimizer, Muon, OptimizerConfig, build_optimizer, newton_schulz

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4lab.nn.model import preset
+from fp4lab.nn.model_config import preset
 from fp4lab.nn.recipe import load_recipe
 from fp4lab.numerics import hadamard, hadamard_signs, quantize
 from fp4lab.train.build import build_training

@@ -96,7 +96,7 @@ def test_each_rank_takes_its_own_rows_of_the_global_batch():
 
 def test_ranks_other_than_0_draw_their_own_random_bits():
     from fp4lab.nn.build import attention_generators, build_model, fp4_linears
-    from fp4lab.nn.model import preset
+    from fp4lab.nn.model_config import preset
     from fp4lab.nn.recipe import load_recipe
     from fp4lab.train.distributed import offset_random_streams
 
@@ -236,7 +236,7 @@ def test_nproc_per_node_1_runs_one_rank_under_torchrun(tmp_path):
 
 
 def _compiled_parts(rank: int, world: int, parallel: str) -> tuple[bool, list[bool]]:
-    from fp4lab.nn.model import preset
+    from fp4lab.nn.model_config import preset
     from fp4lab.nn.recipe import load_recipe
     from fp4lab.train.build import build_training
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp4lab.nn.build import build_model, fp4_linears
-from fp4lab.nn.model import preset
+from fp4lab.nn.model_config import preset
 from fp4lab.nn.recipe import load_recipe
 from fp4lab.train import paths
 from fp4lab.train.build import build_training

@@ -41,7 +41,7 @@ VOCAB, SEQ = 64, 32  # the unit tests' model; SEQ is small()'s seq_len too
 
 def build(config: TrainConfig, rank: int = 0, world: int = 1, vocab: int = VOCAB):
     """build_training as rank `rank` of `world` builds it (one process for parallel none)."""
-    from fp4lab.nn.model import preset
+    from fp4lab.nn.model_config import preset
     from fp4lab.nn.recipe import load_recipe
     from fp4lab.train.build import build_training
     from fp4lab.train.distributed import Ranks
@@ -77,7 +77,7 @@ def _held(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_each_rank_holds_only_its_blocks_under_their_one_process_names():
-    from fp4lab.nn.model import count_parameters, preset
+    from fp4lab.nn.model_config import count_parameters, preset
 
     rank_0, rank_1 = run_gloo(_held)
     whole, _, _ = build(step_config())

@@ -184,7 +184,7 @@ def test_compute_and_compile_resolve_per_device_and_validate():
         TrainConfig(compute="turbo")
     with pytest.raises(ConfigError, match="compile='yes' is not supported"):
         TrainConfig(compile="yes")
-    from fp4lab.nn.model import preset
+    from fp4lab.nn.model_config import preset
     from fp4lab.nn.recipe import load_recipe
     from fp4lab.train.build import build_training
 
