@@ -49,7 +49,7 @@ def _root(
 
 
 for command in (numerics.numerics, train.train, bench.bench, sweep.scan, sweep.sweep, sweep.trial, sweep.status,
-                report.report, ratchet.ratchet):  # fmt: skip
+                sweep.forget, report.report, ratchet.ratchet):  # fmt: skip
     app.command()(command)
 app.add_typer(recipes.group, name="recipes")
 app.add_typer(data.group, name="data")

@@ -62,7 +62,7 @@ def scan(
 def sweep(
     spec: Annotated[Path, typer.Argument(help="A sweep spec, e.g. sweeps/quickstart.toml (docs/SWEEPS.md).")],
     executor: Annotated[SweepExecutor, typer.Option(help="local (this machine), slurm (submitit job arrays) or sbatch (plain sbatch of the written scripts).")] = "local",
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Write jobs/<sweep>/ and register the runs; start nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Write jobs/<sweep>/ (configs and SBATCH scripts) and print the plan; start nothing, record nothing in the catalog.")] = False,
     workers: Annotated[int, typer.Option(help="Local executor: runs at once; with at least that many GPUs (times ranks per run), each run gets GPUs of its own.")] = 1,
     retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Also rerun failed, cancelled and timed-out runs (they resume from their checkpoints; interrupted and preempted runs resume anyway).")] = False,
     jobs_dir: Annotated[Path, typer.Option(help="Where SBATCH scripts and run configs go.")] = Path("jobs"),
@@ -91,11 +91,12 @@ def sweep(
         runner = make_executor(executor, **({"workers": workers} if executor == "local" else {}))
         runs_catalog = Catalog(catalog)
         runs_catalog.records()  # a corrupt catalog fails here, before anything is written
-        plan = plan_sweep(spec, jobs_dir, catalog, runner.check)
+        plan = plan_sweep(spec, jobs_dir, catalog, runner.check, ask_slurm=executor != "local")
         problems = preflight(plan, executor)
         if problems and not dry_run:
             fail(f"sweep: {problems[0]}" + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""))
-        register_runs(plan, runs_catalog, runner.records_as)
+        if not dry_run:  # a dry run records nothing: the catalog holds only runs a sweep started
+            register_runs(plan, runs_catalog, runner.records_as)
         todo, skipped = needed_runs(plan, runs_catalog, retry_failed=retry_failed)
     except (SpecError, CatalogError, ValueError) as exc:
         fail(str(exc).splitlines()[0])
@@ -112,6 +113,8 @@ def sweep(
             console.print(f"  {script}")
         for problem in problems if dry_run else ():
             console.print(f"  [yellow]would fail:[/] {escape(problem)}")
+        if dry_run:
+            console.print(f"dry run: nothing started or recorded in {catalog}; the scripts are in {plan.sweep_dir}")
         _exit_on_failures(runs_catalog, plan)
         return
     if not runner.waits:
@@ -388,3 +391,39 @@ def _print_status(runs_catalog, sweep_name: str | None, watch: float = 0.0) -> N
             time.sleep(watch)
             view, active = table()
             live.update(view)
+
+
+def forget(
+    sweep_name: Annotated[str, typer.Argument(metavar="SWEEP", help="The sweep whose rows leave the catalog.")],
+    catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation (needed when stdin is not a terminal).")] = False,
+    delete_runs: Annotated[bool, typer.Option("--delete-runs", help="Also delete the run folders of the rows removed (checkpoints, logs, metrics).")] = False,
+) -> None:
+    """Forget a sweep: its runs leave the catalog; run folders stay unless --delete-runs.
+
+    A run another sweep shares stays, without this sweep's name; jobs/ is kept; a sweep with a run in
+    flight is refused."""
+    from fp4lab.lab.records.catalog import Catalog, CatalogError
+    from fp4lab.lab.runs.forget import SweepInFlight, forget, plan_forget
+
+    if not catalog.exists():
+        fail(f"forget: no catalog at {str(catalog)!r} (pass --catalog)")
+    try:
+        runs_catalog = Catalog(catalog)
+        forgetting = plan_forget(runs_catalog, sweep_name)
+    except (CatalogError, ValueError) as exc:
+        fail(f"forget: {str(exc).splitlines()[0]}")
+    folders = forgetting.run_dirs(runs_catalog) if delete_runs else []
+    what = (f"forget sweep {sweep_name}: {len(forgetting.removed)} run(s) leave {catalog}"
+            + (f", {len(forgetting.shared)} shared with other sweeps stay" if forgetting.shared else "")
+            + (f"; delete {len(folders)} run folder(s)" if delete_runs else "; run folders are kept"))
+    if not yes:
+        if not sys.stdin.isatty():
+            fail(f"forget: {what}: add --yes to confirm (stdin is not a terminal)")
+        typer.confirm(what + ". Go on?", abort=True, err=True)
+    try:
+        deleted = forget(runs_catalog, forgetting, delete_runs=delete_runs)
+    except (CatalogError, SweepInFlight) as exc:
+        fail(f"forget: {str(exc).splitlines()[0]}")
+    print(f"forgot sweep {sweep_name}: {len(forgetting.removed)} run(s) removed, {len(forgetting.shared)} shared kept"
+          + (f", {len(deleted)} run folder(s) deleted" if delete_runs else ""))

@@ -3,6 +3,7 @@ folder's checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -58,7 +59,7 @@ def train(
     max_minutes: Annotated[Optional[float], typer.Option(help="Stop cleanly (resumable) after this much wall time.")] = None,
     capture_steps: Annotated[Optional[str], typer.Option(help="Comma-separated steps at which to save the GEMM operands (x, W, dY) of --capture-layers to <out>/captures, for numerics --capture.")] = None,
     capture_layers: Annotated[Optional[str], typer.Option(help="Comma-separated fnmatch patterns of FP4 linear names whose operands --capture-steps saves, e.g. 'layers.0.attention.wq,layers.*.feed_forward.w2'.")] = None,
-    device: Annotated[Optional[Device], typer.Option(help="Where to train (default cpu).")] = None,
+    device: Annotated[Optional[Device], typer.Option(help="Where to train (default auto: the GPU when there is one, else the CPU).")] = None,
     compute: Annotated[Optional[Compute], typer.Option(help="fast (bf16 activations, tensor-core GEMMs, fused kernels), reference (fp32, exact emulation) or auto (default: fast on CUDA).")] = None,
     compile: Annotated[Optional[Compile], typer.Option(help="torch.compile (default auto: on CUDA).")] = None,
     cuda_graphs: Annotated[Optional[CudaGraphs], typer.Option(help="Replay steps from a CUDA graph (default auto: on CUDA where nothing draws from a torch.Generator).")] = None,
@@ -82,13 +83,15 @@ def train(
     if nproc_per_node is not None:
         _launch_ranks(train_config, nproc_per_node, fresh, config, catalog)
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 speaks
-    # Under torchrun rank 0 alone clears: the others cannot read the folder before joining the process
-    # group, which rank 0 joins only after clearing.
-    if main_rank and fresh:
-        _clear_run_folder(Path(train_config.out_dir))
-    elif main_rank and catalog is None:
-        _note_finished_run(train_config)
-    summary = _run(train_config, config, catalog)
+    # Rank 0 holds the run folder from here (the loop takes it again): a folder another trainer holds is
+    # refused before --fresh clears anything. Under torchrun rank 0 alone clears: the others cannot
+    # read the folder before joining the process group, which rank 0 joins only after clearing.
+    with _holding(Path(train_config.out_dir)) if main_rank else contextlib.nullcontext():
+        if main_rank and fresh:
+            _clear_run_folder(Path(train_config.out_dir))
+        elif main_rank and catalog is None:
+            _note_finished_run(train_config)
+        summary = _run(train_config, config, catalog)
     if summary["status"] == "interrupted" and main_rank:
         print(f"interrupted after step {summary['steps_completed']}: checkpoint written; run the same command to resume "
               f"({train_config.out_dir})", file=sys.stderr)
@@ -191,7 +194,8 @@ def _launch_ranks(train_config, nproc_per_node: int, fresh: bool, config: Path |
     if catalog is not None:  # the sweep run's own config: its name is the run id, its manifest lies next to it
         raise typer.Exit(subprocess.run(train_command(config, catalog, nproc=nproc_per_node), check=False).returncode)
     if fresh:  # before any rank starts; the ranks get the resolved config without --fresh
-        _clear_run_folder(Path(train_config.out_dir))
+        with _holding(Path(train_config.out_dir)):
+            _clear_run_folder(Path(train_config.out_dir))
     with tempfile.TemporaryDirectory(prefix="fp4lab-train-") as folder:
         resolved = Path(folder) / "train.toml"
         resolved.write_text(toml_text(train_config.to_dict(), ["fp4lab train --nproc-per-node: the resolved run"]))
@@ -211,7 +215,7 @@ def _comma_list(text: str | None, kind: type, option: str) -> list | None:
 def print_summary_block(summary: dict, out_dir, file=None) -> None:
     """The block ending a run's output; `fp4lab scan` reads its status from the worker logs."""
     print("---", file=file)
-    for key in ("status", "diverged_step", "steps_completed", "final_train_loss", "best_train_loss", "final_val_loss", "tokens_per_s", "train_seconds", "peak_memory_mb"):
+    for key in ("status", "diverged_step", "steps_completed", "final_train_loss", "best_train_loss", "final_val_loss", "tokens_per_s", "startup_seconds", "train_seconds", "peak_memory_mb"):
         value = summary.get(key)
         print(f"{key}: {value:.6g}" if isinstance(value, float) else f"{key}: {value}", file=file)
     print(f"out_dir: {out_dir}", file=file)
@@ -234,6 +238,21 @@ def _toml_keys(path: Path) -> set[str]:
     import tomllib
 
     return set(tomllib.loads(path.read_text()))
+
+
+@contextlib.contextmanager
+def _holding(folder: Path):
+    """This process holds the run folder (fp4lab.train.run_folder) while the block runs; a folder another
+    trainer holds is a one-line error."""
+    from fp4lab.train.run_folder import RunFolderBusy, hold
+
+    held = contextlib.ExitStack()
+    try:
+        held.enter_context(hold(folder))
+    except RunFolderBusy as exc:
+        fail(f"train: {exc}")
+    with held:
+        yield
 
 
 def _clear_run_folder(folder: Path) -> None:

@@ -80,17 +80,26 @@ def build_training(
     return model, optimizer, loss_fn
 
 
+def recipe_settings(config: TrainConfig, recipe: Recipe) -> dict[str, Any]:
+    """The config fields whose None means "what the recipe says", as this run has them."""
+    qk_clip, tau = qk_clip_setting(config, recipe)
+    opt = recipe.optimizer
+    return {"optimizer": config.optimizer or opt.name or "muon", "ns_polynomial": config.ns_polynomial or opt.ns_polynomial,
+            "qk_clip": qk_clip, "qk_clip_tau": tau}  # fmt: skip
+
+
 def optimizer_config(config: TrainConfig, recipe: Recipe, fused: bool) -> OptimizerConfig:
     """The optimizer settings of a run: the config's over the recipe's [optimizer] table."""
     opt = recipe.optimizer
-    cap = (opt.update_cap_alpha, opt.update_cap_alpha_qk) if qk_clip_setting(config, recipe)[0] == "update_cap" else None
+    settings = recipe_settings(config, recipe)
+    cap = (opt.update_cap_alpha, opt.update_cap_alpha_qk) if settings["qk_clip"] == "update_cap" else None
     return OptimizerConfig(
-        name=config.optimizer or opt.name or "muon",
+        name=settings["optimizer"],
         lr=config.lr,
         adam_lr=config.adam_lr,
         weight_decay=config.weight_decay,
         ns_steps=config.ns_steps,
-        ns_coefficients=NS_POLYNOMIALS[config.ns_polynomial or opt.ns_polynomial],
+        ns_coefficients=NS_POLYNOMIALS[settings["ns_polynomial"]],
         lr_scaling=config.lr_scaling,
         ns_format=opt.ns_format,
         adam_v_format=opt.adam_v_format,

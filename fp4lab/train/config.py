@@ -171,7 +171,7 @@ class TrainConfig:
     probe_every: int = 25
     checkpoint_every: int = 50
     out_dir: str = "runs/default"
-    device: str = "cpu"
+    device: str = "auto"  # the GPU when there is one
     compute: str = "auto"
     compile: str = "auto"
     cuda_graphs: str = "auto"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -76,3 +77,14 @@ def read_metrics_file(path: Path, counts: dict[str, int] | None = None) -> Itera
     """`metrics_records` of a whole file (undecodable bytes replaced, so they count as a skipped line)."""
     with open(path, errors="replace") as handle:
         yield from metrics_records(handle, counts)
+
+
+def steady_rate(throughput: Iterable[tuple[int, float]]) -> float | None:
+    """The median of per-step rates (step, value) over the second half of the steps recorded, None
+    without any: the pace once compiled and captured, which the few slow probe and evaluation steps do
+    not move. A run's summary.json and the report's ledger both take tokens/s this way."""
+    rates = list(throughput)
+    if not rates:
+        return None
+    last = rates[-1][0]
+    return statistics.median(value for step, value in rates if 2 * step >= last)

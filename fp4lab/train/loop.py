@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import sys
 import threading
@@ -42,8 +43,8 @@ from fp4lab.nn.model import Llama
 from fp4lab.nn.model_config import count_parameters, preset
 from fp4lab.nn.recipe import Recipe, load_recipe
 from fp4lab.optim.qk_clip import all_reduce_max_logits_, qk_clip_
-from fp4lab.train import distributed, paths
-from fp4lab.train.build import build_training, qk_clip_setting
+from fp4lab.train import distributed, paths, run_folder
+from fp4lab.train.build import build_training, qk_clip_setting, recipe_settings
 from fp4lab.train.capture import OperandCapture
 from fp4lab.train.checkpoint import MetricsLog, RunState, resume_run, save_run, write_json
 from fp4lab.train.config import ConfigError, TrainConfig
@@ -78,11 +79,13 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
     """
     recipe = load_recipe(config.recipe)
     distributed.check(config, distributed.env_world())
-    ranks, device = distributed.init(config, _device(config.device))
-    try:
-        return _run(config, recipe, ranks, device, progress, stop_after)
-    finally:
-        distributed.close(ranks)
+    # Rank 0 holds the run folder for the run's whole life: a second trainer on it is refused here.
+    with run_folder.hold(config.out_dir) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext():
+        ranks, device = distributed.init(config, _device(config.device))
+        try:
+            return _run(config, recipe, ranks, device, progress, stop_after)
+        finally:
+            distributed.close(ranks)
 
 
 @dataclass
@@ -173,14 +176,14 @@ def _start(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device
         warmup = distributed.DDP_GRAPH_WARMUP_STEPS if ranks.mode == "ddp" else GRAPH_WARMUP_STEPS
         train_step = TrainStep(model, loss_fn, chosen.cuda_graphs, warmup)
     if ranks.main:
-        print(chosen.describe(), file=sys.stderr, flush=True)
+        _say_how_it_runs(config, device, chosen)
     qk_clip, tau = qk_clip_setting(config, recipe)
     capture = None
     if config.capture_steps and ranks.main:  # rank 0's rows stand for the batch: one record per run
         capture = OperandCapture(config, model, recipe, model_config.n_layers, chosen.compile)
     state = resume_run(out, config, model, optimizer, ranks, loss_fn.whole_optimizer_order if ranks.mode == "pp" else None)
-    identity = {
-        "config": config.to_dict(),
+    identity = {  # the resolved run: the config's "auto" and "the recipe's" as this run has them
+        "config": config.to_dict() | recipe_settings(config, recipe) | {"device": str(device)},
         "recipe": {"name": recipe.name, "path": recipe.path, "source": recipe.source},
         "model": model_config.__dict__,
         "parameters": count_parameters(model_config),
@@ -201,6 +204,18 @@ def _start(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device
         qk_clip=qk_clip, tau=tau, capture=capture, state=state,
         metrics=MetricsLog(out / "metrics.jsonl", resume_step=state.step) if ranks.main else _Silent(),
     )
+
+
+def _say_how_it_runs(config: TrainConfig, device: torch.device, chosen: paths.ComputePaths) -> None:
+    """The run's first log lines: where it trains (and why, for device "auto"), its compute paths, and
+    that compiling makes the first steps slow, so a minute of silence is not mistaken for a hang."""
+    if config.device == "auto":
+        found = f"a GPU is here: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "no GPU here"
+        print(f"device auto: training on {device} ({found}; --device cpu or cuda chooses)", file=sys.stderr, flush=True)
+    print(chosen.describe(), file=sys.stderr, flush=True)
+    if chosen.compile:
+        print("compiling (torch.compile): the first steps take a while, about a minute on a fresh compile cache and "
+              "10-25 s with a warm one (an H200, 125m)", file=sys.stderr, flush=True)
 
 
 def _train_one_step(run: _Run, step: int) -> dict[str, Any]:

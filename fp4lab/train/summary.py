@@ -3,8 +3,10 @@ reader (catalog, report, ratchet) may look for is named here."""
 
 from __future__ import annotations
 
+import math
 import os
 import resource
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ import torch
 from fp4lab.nn.recipe import Recipe
 from fp4lab.train.checkpoint import RunState, finite_or_none
 from fp4lab.train.config import TrainConfig
+from fp4lab.train.jsonl import read_metrics_file, steady_rate
 from fp4lab.train.paths import ComputePaths
 
 
@@ -38,7 +41,7 @@ def run_summary(
         "final_val_loss": finite_or_none(state.last_val_loss),
         "best_val_loss": finite_or_none(state.best_val_loss),
         "tokens_seen": state.tokens_seen,
-        "tokens_per_s": state.tokens_seen / state.train_seconds if state.train_seconds else None,
+        **throughput(config, state),
         "train_seconds": state.train_seconds,
         "qk_clip_events": state.qk_clip_events,
         "peak_memory_mb": peak_mb,
@@ -53,3 +56,16 @@ def run_summary(
     if gather_bytes_per_step is not None:
         summary["gather_bytes_per_step"] = gather_bytes_per_step
     return summary
+
+
+def throughput(config: TrainConfig, state: RunState) -> dict[str, float | None]:
+    """tokens_per_s: the steady pace (`steady_rate` of the steps in metrics.jsonl, this run's whole
+    history); tokens_per_s_overall: tokens over training seconds, compilation and CUDA-graph capture
+    included; startup_seconds: the training seconds beyond what the steady pace would take (compiling,
+    capturing, the first steps' allocations)."""
+    metrics = Path(config.out_dir) / "metrics.jsonl"
+    rows = read_metrics_file(metrics) if metrics.exists() else ()
+    steady = steady_rate((row["step"], rate) for row in rows if type(rate := row.get("tokens_per_s")) in (int, float) and math.isfinite(rate))
+    overall = state.tokens_seen / state.train_seconds if state.train_seconds else None
+    startup = max(0.0, state.train_seconds - state.tokens_seen / steady) if steady else None
+    return {"tokens_per_s": steady, "tokens_per_s_overall": overall, "startup_seconds": startup}

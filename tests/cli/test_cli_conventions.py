@@ -43,7 +43,7 @@ from fp4lab.train.gemm_formats import FORMATS as GEMM_FORMATS
 from tests.lab.test_ratchet import make_repo
 from tests.lab.test_report import _add_run
 from tests.lab.test_report_ratchet import _iteration, _params
-from tests.lab.test_sweep import OPTUNA_SPEC, SPEC
+from tests.lab.test_sweep import OPTUNA_SPEC, SPEC, registered
 
 from .test_cli import cli_in_fresh_process
 
@@ -283,7 +283,7 @@ def test_sweep_dry_run_json_is_the_plan(run_cli, in_tmp):
         assert Path(run["script"]).is_file() and Path(run["config"]).is_file() and run["name"] == f"recipe={run['params']['recipe']}"
     assert set(plan["scripts"]) >= {run["script"] for run in plan["runs"]}
     # One run done, one failed: both skipped, with their reasons; a failed run makes the sweep exit 1.
-    catalog = Catalog(in_tmp / "sweep_catalog.json")
+    catalog = registered(in_tmp, "mini.toml")
     done, failed = (run["id"] for run in plan["runs"])
     catalog.update(done, state="completed")
     catalog.update(failed, state="failed", error="RuntimeError: boom")
@@ -321,7 +321,7 @@ def test_sweep_json_needs_dry_run(run_cli, in_tmp):
 
 def test_status_json(run_cli, in_tmp):
     (in_tmp / "mini.toml").write_text(SPEC)
-    assert run_cli("sweep", "mini.toml", "--dry-run").returncode == 0
+    registered(in_tmp, "mini.toml")
     out = run_cli("status", "mini", "--json")
     assert out.returncode == 0, out.stderr
     runs = strict_json(out.stdout)

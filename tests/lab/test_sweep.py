@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -36,17 +38,44 @@ def cli(run_cli, monkeypatch, tmp_path):
     return run_cli
 
 
-def test_dry_run_writes_scripts_and_registers_runs(cli, tmp_path):
+def registered(folder: Path, spec_file: str) -> Catalog:
+    """The spec's runs recorded as pending in folder/sweep_catalog.json, as a sweep records them before
+    starting any (a dry run records nothing)."""
+    from fp4lab.lab.runs.sweep import plan_sweep, register_runs
+
+    catalog = Catalog(folder / "sweep_catalog.json")
+    register_runs(plan_sweep(folder / spec_file, folder / "jobs", catalog.path, ask_slurm=False), catalog, "local")
+    return catalog
+
+
+def test_dry_run_writes_scripts_and_records_nothing(cli, tmp_path):
     (tmp_path / "mini.toml").write_text(SPEC)
     out = cli("sweep", "mini.toml", "--dry-run")
     assert out.returncode == 0, out.stderr
-    assert "2 runs, 2 to run" in out.stdout
+    assert "2 runs, 2 to run" in out.stdout and "dry run: nothing started or recorded" in out.stdout
     manifest = json.loads((tmp_path / "jobs" / "mini" / "manifest.json").read_text())
     ids = [r["id"] for r in manifest["runs"]]
     assert all((tmp_path / "jobs" / "mini" / f"{i}.sbatch").exists() for i in ids)
-    records = Catalog(tmp_path / "sweep_catalog.json").records(sweep="mini")
-    assert [r["id"] for r in records] == ids and {r["state"] for r in records} == {"pending"}
-    assert not (tmp_path / "runs").exists()  # nothing started
+    assert not (tmp_path / "sweep_catalog.json").exists() and not (tmp_path / "runs").exists()
+    # a catalog that exists stays byte for byte what it was
+    (tmp_path / "other.toml").write_text(SPEC.replace('name = "mini"', 'name = "other"').replace("nvfp4", "mxfp4"))
+    catalog = registered(tmp_path, "other.toml")
+    before = catalog.path.read_bytes()
+    assert cli("sweep", "mini.toml", "--dry-run").returncode == 0
+    assert catalog.path.read_bytes() == before
+
+
+def test_a_dry_runs_script_run_by_hand_records_its_run(cli, tmp_path):
+    """`sbatch jobs/<sweep>/<id>.sbatch` after a dry run: the job's `train --catalog` records the run
+    from the sweep's manifest, which names the catalog."""
+    (tmp_path / "mini.toml").write_text(SPEC)
+    assert cli("sweep", "mini.toml", "--dry-run").returncode == 0
+    run = json.loads((tmp_path / "jobs" / "mini" / "manifest.json").read_text())["runs"][0]
+    out = cli("train", "--config", f"jobs/mini/{run['id']}.toml", "--catalog", "sweep_catalog.json")
+    assert out.returncode == 0, out.stderr
+    (record,) = Catalog(tmp_path / "sweep_catalog.json").records()
+    assert (record["id"], record["sweep"], record["extra"]["name"]) == (run["id"], "mini", run["name"])
+    assert (record["state"], record["attempts"], record["verdict"]) == ("completed", 1, "converged")
 
 
 def test_local_sweep_runs_scans_records_and_skips_completed_runs(cli, tmp_path, monkeypatch):
@@ -160,8 +189,7 @@ def test_train_with_catalog_on_two_processes_records_once(cli, tmp_path):
     """`fp4lab train --config jobs/<sweep>/<id>.toml --catalog C --nproc-per-node 2`: torchrun runs the
     same command on each rank; rank 0 alone records the start and the end."""
     (tmp_path / "ranks.toml").write_text(RANKS_SPEC)
-    assert cli("sweep", "ranks.toml", "--dry-run").returncode == 0
-    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    catalog = registered(tmp_path, "ranks.toml")
     [record] = catalog.records()
     config = f"jobs/mini/{record['id']}.toml"
     out = cli("train", "--config", config, "--catalog", "sweep_catalog.json", "--nproc-per-node", "2")
@@ -252,9 +280,7 @@ def test_optuna_trial_that_diverges_is_told_fail(cli, tmp_path):
 
 def test_train_with_catalog_records_its_own_start_and_end(cli, tmp_path):
     (tmp_path / "mini.toml").write_text(SPEC)
-    planned = cli("sweep", "mini.toml", "--dry-run")
-    assert planned.returncode == 0, planned.stderr
-    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    catalog = registered(tmp_path, "mini.toml")
     first = catalog.records(sweep="mini")[0]
     config = tmp_path / "jobs" / "mini" / f"{first['id']}.toml"
     out = cli("train", "--config", str(config), "--catalog", "sweep_catalog.json")
@@ -287,3 +313,19 @@ def test_git_state_names_the_commit_inside_a_checkout_and_none_elsewhere(tmp_pat
     monkeypatch.chdir(Path(__file__).parent)
     monkeypatch.setitem(sys.modules, "git", None)  # gitpython missing: import raises ImportError
     assert git_state() == (None, None)
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs Slurm's client tools (scripts/local-slurm.sh installs them)")
+def test_a_local_sweep_never_waits_on_slurm(cli, tmp_path, monkeypatch):
+    """With Slurm's client tools but no controller (a laptop, a login node whose slurmctld is down),
+    `scontrol` retries for about 9 s; a local sweep has no need to ask it anything."""
+    (tmp_path / "slurm.conf").write_text(
+        "ClusterName=none\nSlurmctldHost=localhost\nSlurmctldPort=6999\nNodeName=localhost CPUs=1\nPartitionName=p Nodes=localhost\n"
+    )  # a controller port where nothing listens
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    (tmp_path / "mini.toml").write_text(SPEC)
+    started = time.monotonic()
+    out = cli("sweep", "mini.toml", "--dry-run")
+    took = time.monotonic() - started
+    assert out.returncode == 0, out.stderr
+    assert took < 2.0, f"a local dry run took {took:.1f} s: it waited on Slurm"

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from fp4lab.lab.records.catalog import Catalog
-from tests.lab.test_sweep import BASE_TABLES
+from tests.lab.test_sweep import BASE_TABLES, registered
 
 
 def spec(name: str, recipes: list[str], steps: int = 6, source: str = '"synthetic"') -> str:
@@ -58,14 +58,13 @@ def test_sweeps_share_a_run_and_each_reports_excess_against_it(cli, tmp_path):
 def test_a_second_spec_with_the_same_name_is_refused_and_touches_nothing(cli, tmp_path):
     (tmp_path / "a.toml").write_text(spec("same", ["bf16", "nvfp4"]))
     (tmp_path / "b.toml").write_text(spec("same", ["mxfp4", "nvfp4-all"]))
-    planned = cli("sweep", "a.toml", "--dry-run")
-    assert planned.returncode == 0, planned.stderr
+    catalog = registered(tmp_path, "a.toml")
     manifest = (tmp_path / "jobs" / "same" / "manifest.json").read_text()
-    catalog_text = (tmp_path / "sweep_catalog.json").read_text()
-    refused = cli("sweep", "b.toml", "--dry-run")
+    catalog_text = catalog.path.read_text()
+    refused = cli("sweep", "b.toml")
     assert refused.returncode == 2 and "is already the sweep of" in refused.stderr and "b.toml" in refused.stderr
     assert (tmp_path / "jobs" / "same" / "manifest.json").read_text() == manifest
-    assert (tmp_path / "sweep_catalog.json").read_text() == catalog_text
+    assert catalog.path.read_text() == catalog_text
 
 
 def test_an_edited_spec_leaves_no_stale_array_script(cli, tmp_path):
@@ -80,8 +79,7 @@ def test_an_edited_spec_leaves_no_stale_array_script(cli, tmp_path):
 
 def test_a_run_another_live_process_owns_is_left_to_it(cli, tmp_path):
     (tmp_path / "s.toml").write_text(spec("s", ["bf16"]))
-    cli("sweep", "s.toml", "--dry-run")
-    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    catalog = registered(tmp_path, "s.toml")
     (record,) = catalog.records()
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -218,8 +216,7 @@ def test_ctrl_c_during_start_up_leaves_the_run_interrupted_so_the_next_sweep_run
     from fp4lab.lab.runs.job import train_recorded
 
     (tmp_path / "s.toml").write_text(spec("s", ["bf16"]))
-    assert cli("sweep", "s.toml", "--dry-run").returncode == 0
-    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    catalog = registered(tmp_path, "s.toml")
     (record,) = catalog.records()
 
     def ctrl_c(*args, **kwargs):

@@ -101,7 +101,8 @@ class Summary(TypedDict, total=False):
     final_val_loss: float | None  # validation loss at the last evaluation
     best_val_loss: float | None  # lowest validation loss seen
     loss_at_steps: dict[str, float | None]  # train loss at matched steps, keyed by the step as a decimal string
-    tokens_per_s: float | None  # training throughput
+    tokens_per_s: float | None  # steady training throughput (median over the second half of the steps)
+    startup_seconds: float | None  # training time beyond the steady pace: compiling, CUDA-graph capture
     peak_memory_mb: float | None  # peak accelerator (or host) memory in MiB
 
 
@@ -150,6 +151,7 @@ _SUMMARY_FLOATS = (
     "final_val_loss",
     "best_val_loss",
     "tokens_per_s",
+    "startup_seconds",
     "peak_memory_mb",
 )
 _SUMMARY_KEYS = (*_SUMMARY_FLOATS, "loss_at_steps")

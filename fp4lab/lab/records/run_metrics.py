@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fp4lab.lab.records.values import finite_number, mean_or_nan
-from fp4lab.train.jsonl import read_metrics_file
+from fp4lab.train.jsonl import read_metrics_file, steady_rate
 
 
 @dataclass
@@ -84,10 +84,7 @@ def _per_layer(value: Any, reduce) -> list[float] | None:
 def steady_tokens_per_s(metrics: RunMetrics | None) -> float | None:
     """The median per-step throughput over the second half of a run's recorded steps (None without any):
     the pace once compiled, which probe and evaluation steps, the few slow ones, do not move."""
-    if metrics is None or not metrics.throughput:
-        return None
-    last = metrics.throughput[-1][0]
-    return statistics.median(v for step, v in metrics.throughput if 2 * step >= last)
+    return steady_rate(metrics.throughput) if metrics is not None else None
 
 
 def endpoint_train_loss(metrics: RunMetrics | None) -> float | None:

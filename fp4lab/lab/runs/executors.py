@@ -20,6 +20,7 @@ nothing and `fp4lab status` sees finished runs at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -27,7 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from fp4lab.lab.runs.job import SweepTask, finish_run, last_error_line, train_co
 from fp4lab.lab.runs.sweep import SweepPlan, scan_thresholds
 from fp4lab.lab.runs.trials import TrialTask, orphaned_trials, trial_counts
 from fp4lab.lab.specs.sweep_spec import RunSpec, SpecError, SweepSpec
+from fp4lab.train import run_folder
 
 
 @dataclass
@@ -161,7 +163,7 @@ def _run_local(
     recorded here as failed, with the last line of its log as the error, unless this sweep was stopping
     (Ctrl-C reached it in start-up): then interrupted. A run of several ranks is
     one torchrun --standalone (its agent passes signals on to the ranks; rank 0 records the run).
-    Ctrl-C (KeyboardInterrupt)
+    Ctrl-C (KeyboardInterrupt), SIGTERM or SIGHUP
     starts nothing more, passes one SIGINT to each training process (they run in their own session,
     so a terminal's Ctrl-C reaches them only this way, once), waits while they checkpoint, and raises
     SweepInterrupted.
@@ -173,7 +175,8 @@ def _run_local(
     pool = ThreadPoolExecutor(max_workers=max(1, workers))
     futures = [pool.submit(local.run, run) for run in runs]
     try:
-        return [record for record in (future.result() for future in futures) if record is not None]
+        with _terminations_interrupt():
+            return [record for record in (future.result() for future in futures) if record is not None]
     except KeyboardInterrupt:
         local.stop()
         pool.shutdown(wait=True, cancel_futures=True)
@@ -181,6 +184,31 @@ def _run_local(
         raise SweepInterrupted([r for r in done if r is not None and r["state"] == "interrupted"]) from None
     finally:
         pool.shutdown(wait=True)
+
+
+# Signals that end a sweep as Ctrl-C does: `kill`, `timeout`, a scheduler's stop (SIGTERM) and a
+# dropped ssh session or closed terminal (SIGHUP). The trainers run in their own sessions, so only
+# the sweep can pass the stop on; left alone they would outlive it.
+TERMINATIONS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _terminations_interrupt() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread (elsewhere
+    handlers cannot be installed, and a caller's thread keeps its own)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, _frame) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in TERMINATIONS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _gpu_queue(workers: int, ranks: int, runs: list[RunSpec]) -> queue.SimpleQueue | None:
@@ -218,6 +246,8 @@ class _LocalRuns:
         """Claim, train and record one run; None when the sweep stopped before it began."""
         if self.stopping.is_set():
             return None
+        if run_folder.holder(run.config["out_dir"]) is not None:
+            return self.catalog.get(run.id)  # its trainer outlived the sweep that started it: still running
         log = self.plan.log_path(run)
         log.parent.mkdir(parents=True, exist_ok=True)
         other = self.catalog.claim(run.id, self.owner, state="submitted", submitted_at=utc_now(), executor="local",
@@ -258,8 +288,8 @@ class _LocalRuns:
         """The run's record once its process ended: as the process wrote it, or, if it died before
         recording its end, interrupted (the sweep was stopping) or failed with its log's last error."""
         finished = self.catalog.get(run.id)
-        if finished["state"] not in IN_FLIGHT_STATES:
-            return finished
+        if finished["state"] not in IN_FLIGHT_STATES or run_folder.holder(run.config["out_dir"]) is not None:
+            return finished  # recorded by its process, or ours was refused: another trainer holds the folder
         if self.stopping.is_set():
             # Our SIGINT reached it before it could record anything (interpreter start-up, imports):
             # nothing broke, so the next sweep runs it again instead of skipping it as failed.

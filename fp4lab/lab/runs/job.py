@@ -39,6 +39,7 @@ from fp4lab.lab.records.catalog import Catalog, live_owner, this_owner, utc_now
 from fp4lab.lab.records.logscan import ScanThresholds, scan
 from fp4lab.lab.runs import slurm
 from fp4lab.lab.specs.sweep_spec import RunSpec
+from fp4lab.train import run_folder
 from fp4lab.train.config import TrainConfig, summary_value
 from fp4lab.train.jsonl import read_metrics_file
 
@@ -64,21 +65,56 @@ class RunInFlight(ValueError):
     """Another live process is training this run."""
 
 
-def record_start(catalog: Catalog, run_id: str) -> dict[str, Any]:
-    """Mark the run running with this process as its owner (a local sweep that launched this process
-    keeps ownership); refuse, before anything is written, a run another live process is training."""
+def pending_record(run: RunSpec, sweep: str, catalog: Catalog, executor: str, log: Path,
+                   git: tuple[str | None, bool | None]) -> dict[str, Any]:
+    """The catalog record of a run no process has started yet (`git`: the commit and whether the tree is dirty)."""
+    return {
+        "id": run.id, "sweep": sweep, "sweeps": [sweep], "config": run.config, "recipe": run.config["recipe"],
+        "git_commit": git[0], "git_dirty": git[1], "executor": executor,
+        "paths": {"run_dir": catalog.relative(run.config["out_dir"]), "log": catalog.relative(log)},
+        "extra": {"name": run.name, "params": run.params},
+    }  # fmt: skip
+
+
+def record_start(catalog: Catalog, run_id: str, config_path: Path | None = None) -> dict[str, Any]:
+    """Mark the run running with this trainer as its owner (it holds the run folder: run_folder.hold), so
+    a run outlives the sweep that launched it; refuse, before anything is written, a run another live
+    process is training (the launching sweep excepted: its claim hands the run over to us). A run the
+    catalog lacks is recorded first when `config_path`'s manifest lists it and names this catalog (the
+    scripts of `fp4lab sweep --dry-run`, submitted by hand)."""
     with catalog.transaction() as tx:
-        record = tx.get(run_id)
+        record = tx.get(run_id) or _listed_run(catalog, run_id, config_path)
         if record is None:
             raise ValueError(f"{catalog.path}: no run {run_id}; a catalog records the runs of sweeps "
                              f"(jobs/<sweep>/<id>.toml): run the sweep, or train without a catalog")
-        owner, parent = record.get("owner"), this_owner().rpartition(":")[0] + f":{_launcher_pid()}"
-        if live_owner(record, this_owner(), parent) is not None:
-            raise RunInFlight(f"run {run_id} is being trained by process {owner} (state {record['state']}); "
+        if tx.get(run_id) is None:
+            record = tx.upsert(record)
+        launcher = this_owner().rpartition(":")[0] + f":{_launcher_pid()}"
+        if live_owner(record, this_owner(), launcher) is not None:
+            raise RunInFlight(f"run {run_id} is being trained by process {record['owner']} (state {record['state']}); "
                               "wait for it (fp4lab status) or stop that process first")
         fields = {"state": "running", "started_at": utc_now(), "finished_at": None, "attempts": record["attempts"] + 1,
-                  "error": None, "owner": owner if owner == parent else this_owner()}
+                  "error": None, "owner": this_owner()}
         return tx.update(run_id, **fields, **slurm.identity())
+
+
+def _listed_run(catalog: Catalog, run_id: str, config_path: Path | None) -> dict[str, Any] | None:
+    """The pending record of a run its sweep's manifest lists, when that manifest names this catalog."""
+    from fp4lab.lab.repo import git_state
+
+    manifest_path = config_path.parent / "manifest.json" if config_path is not None else None
+    try:
+        manifest = json.loads(manifest_path.read_text()) if manifest_path is not None else {}
+    except (OSError, json.JSONDecodeError):
+        return None
+    listed = next((r for r in manifest.get("runs", []) if r.get("id") == run_id), None)
+    named = manifest.get("catalog")
+    if listed is None or not named or os.path.realpath(named) != os.path.realpath(catalog.path):
+        return None
+    config = TrainConfig.from_toml(config_path).to_dict()
+    run = RunSpec(run_id, listed.get("name", run_id), config, listed.get("params", {}))
+    log = config_path.parent / "logs" / f"{run_id}.local.log"
+    return pending_record(run, manifest["sweep"], catalog, "sbatch" if slurm.identity() else "local", log, git_state())
 
 
 def train_command(config_path: str | Path, catalog: str | Path | None = None, *, nproc: int | None = None) -> list[str]:
@@ -116,21 +152,22 @@ def train_recorded(config_path: Path, catalog: Catalog, *, progress: bool | None
     manifest_path = config_path.parent / "manifest.json"
     table = json.loads(manifest_path.read_text()).get("scan", {}) if manifest_path.exists() else {}
     thresholds = thresholds_from_table(table, str(manifest_path))
-    record = record_start(catalog, run_id)
-    spec = RunSpec(run_id, record["extra"].get("name", run_id), config.to_dict())
-    try:
-        summary = run(config, progress=progress)
-    except KeyboardInterrupt:
-        # Ctrl-C before the loop's own handler is in place (start-up: data, model, compilation) or a
-        # second Ctrl-C: nothing is broken, so the run is interrupted, and the next sweep resumes it
-        # from its last checkpoint (or from step 0) instead of skipping it as failed.
-        finish_run(spec, catalog, thresholds, returncode=130, state="interrupted")
-        raise
-    except BaseException as exc:
-        finish_run(spec, catalog, thresholds, returncode=1, error=error_line(exc))
-        raise
-    finish_run(spec, catalog, thresholds, returncode=0)
-    return summary
+    with run_folder.hold(config.out_dir):  # before the record: a refused second trainer writes nothing
+        record = record_start(catalog, run_id, config_path)
+        spec = RunSpec(run_id, record["extra"].get("name", run_id), config.to_dict())
+        try:
+            summary = run(config, progress=progress)
+        except KeyboardInterrupt:
+            # Ctrl-C before the loop's own handler is in place (start-up: data, model, compilation) or a
+            # second Ctrl-C: nothing is broken, so the run is interrupted, and the next sweep resumes it
+            # from its last checkpoint (or from step 0) instead of skipping it as failed.
+            finish_run(spec, catalog, thresholds, returncode=130, state="interrupted")
+            raise
+        except BaseException as exc:
+            finish_run(spec, catalog, thresholds, returncode=1, error=error_line(exc))
+            raise
+        finish_run(spec, catalog, thresholds, returncode=0)
+        return summary
 
 
 def error_line(exc: BaseException) -> str:
@@ -185,6 +222,7 @@ def finish_run(run: RunSpec, catalog: Catalog, thresholds: ScanThresholds, *, re
             "final_val_loss": summary.get("final_val_loss"),
             "best_val_loss": summary.get("best_val_loss"),
             "tokens_per_s": summary.get("tokens_per_s"),
+            "startup_seconds": summary.get("startup_seconds"),
             "peak_memory_mb": summary.get("peak_memory_mb"),
             "loss_at_steps": loss_at_steps(run_dir / "metrics.jsonl"),
         }

@@ -72,10 +72,12 @@ def write_scripts(
     workdir: str | Path | None = None,
     max_array_size: int | None = None,
     catalog: str | Path | None = None,
+    ask_slurm: bool = True,
 ) -> list[Path]:
     """Write configs, per-run scripts and array scripts into jobs_dir/<sweep>/; return the script paths
-    (per-run scripts in run order, then array scripts). Raises SpecError before writing anything if a
-    path cannot go into an #SBATCH line."""
+    (per-run scripts in run order, then array scripts). The arrays' size is `max_array_size`, else the
+    spec's, else the cluster's (asked only with `ask_slurm`: a local sweep never waits on Slurm), else
+    Slurm's default. Raises SpecError before writing anything if a path cannot go into an #SBATCH line."""
     if not runs:
         raise SpecError(f"{spec.path}: the sweep has no runs to write")
     sweep_dir = Path(os.path.abspath(Path(jobs_dir) / spec.name))
@@ -91,7 +93,7 @@ def write_scripts(
     if len({r.id for r in runs}) != len(runs):
         raise SpecError(f"{spec.path}: two runs share an id; remove the duplicate configs")
     _check_name_is_ours(spec, sweep_dir)
-    size = max_array_size or spec.slurm.max_array_size or slurm.max_array_size()
+    size = max_array_size or spec.slurm.max_array_size or _cluster_array_size(ask_slurm)
 
     files: dict[Path, str] = {}
     scripts: list[Path] = []
@@ -328,6 +330,10 @@ def _comment(text: str) -> str:
     return text if text.isprintable() else json.dumps(text)[1:-1]
 
 
+def _cluster_array_size(ask_slurm: bool) -> int:
+    return slurm.max_array_size() if ask_slurm else slurm.DEFAULT_MAX_ARRAY_SIZE
+
+
 def write_trial_scripts(
     spec: SweepSpec,
     jobs_dir: str | Path = "jobs",
@@ -336,6 +342,7 @@ def write_trial_scripts(
     python: str | Path = sys.executable,
     workdir: str | Path | None = None,
     max_array_size: int | None = None,
+    ask_slurm: bool = True,
 ) -> list[Path]:
     """Optuna sweeps: a copy of the spec (jobs/<sweep>/spec.toml, what the jobs read, so later edits of
     the original do not change a running sweep), the manifest, and `trials_<k>.sbatch` job arrays of
@@ -347,7 +354,7 @@ def write_trial_scripts(
                         "(spaces, quotes, %, $, ...); use a path of letters, digits and _ . / + , : = @ ~ -")
     workdir = Path(os.path.abspath(workdir if workdir is not None else Path.cwd()))
     catalog = Path(os.path.abspath(catalog))
-    size = max_array_size or spec.slurm.max_array_size or slurm.max_array_size()
+    size = max_array_size or spec.slurm.max_array_size or _cluster_array_size(ask_slurm)
     _check_name_is_ours(spec, sweep_dir)
     n = spec.optuna.n_trials
     files = {sweep_dir / "spec.toml": Path(spec.path).read_text()}

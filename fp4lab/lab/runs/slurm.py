@@ -77,9 +77,10 @@ def submit_script(script: Path) -> str:
 
 
 def max_array_size(default: int = DEFAULT_MAX_ARRAY_SIZE) -> int:
-    """MaxArraySize from `scontrol show config` (tasks per array: indices 0..MaxArraySize-1), else default."""
+    """MaxArraySize from `scontrol show config` (tasks per array: indices 0..MaxArraySize-1), else default.
+    One short try: scontrol retries a dead controller for seconds, and a live one answers at once."""
     try:
-        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=2)
     except (OSError, subprocess.TimeoutExpired):
         return default
     match = re.search(r"^\s*MaxArraySize\s*=\s*(\d+)", out.stdout, re.MULTILINE)

@@ -31,9 +31,10 @@ from fp4lab.lab.records.catalog import (
 from fp4lab.lab.records.logscan import ScanThresholds, scan
 from fp4lab.lab.repo import git_state
 from fp4lab.lab.runs import slurm
-from fp4lab.lab.runs.job import finish_run, tail_lines, thresholds_from_table
+from fp4lab.lab.runs.job import finish_run, pending_record, tail_lines, thresholds_from_table
 from fp4lab.lab.runs.sbatch import write_scripts, write_trial_scripts
 from fp4lab.lab.specs.sweep_spec import RunSpec, SweepSpec, expand, load_spec
+from fp4lab.train import run_folder
 from fp4lab.train.jsonl import metrics_records
 
 
@@ -54,20 +55,21 @@ class SweepPlan:
 
 
 def plan_sweep(spec_path: str | Path, jobs_dir: str | Path = "jobs", catalog: str | Path = "sweep_catalog.json",
-               check: Callable[[SweepSpec], None] | None = None) -> SweepPlan:
+               check: Callable[[SweepSpec], None] | None = None, *, ask_slurm: bool = True) -> SweepPlan:
     """Load and expand the spec and write jobs/<sweep>/. Optuna sweeps have no runs up front (each
     trial makes its own): they get trial-array scripts instead. A run the catalog already holds (the
     same config, asked for by another sweep or an earlier version of this one) keeps its run folder,
     so it is trained once and shared. `check(spec)` (the executor's) may refuse the spec before
-    anything is written."""
+    anything is written. `ask_slurm`: size the job arrays by the cluster's limit (a local sweep does not
+    ask; see write_scripts)."""
     spec = load_spec(spec_path)
     scan_thresholds(spec)  # fail on bad [scan] values before anything is written
     if check is not None:
         check(spec)
     if spec.method == "optuna":
-        return SweepPlan(spec, [], write_trial_scripts(spec, str(jobs_dir), catalog=catalog), Path(jobs_dir))
+        return SweepPlan(spec, [], write_trial_scripts(spec, str(jobs_dir), catalog=catalog, ask_slurm=ask_slurm), Path(jobs_dir))
     runs = [_shared_folder(run, Catalog(catalog)) for run in expand(spec)]
-    scripts = write_scripts(spec, runs, str(jobs_dir), catalog=catalog)
+    scripts = write_scripts(spec, runs, str(jobs_dir), catalog=catalog, ask_slurm=ask_slurm)
     return SweepPlan(spec, runs, scripts, Path(jobs_dir))
 
 
@@ -86,36 +88,35 @@ def scan_thresholds(spec: SweepSpec) -> ScanThresholds:
 def register_runs(plan: SweepPlan, catalog: Catalog, executor: str) -> None:
     """Insert a pending record for every run the catalog does not know yet, and make every run of the
     plan a member of this sweep (a run another sweep asked for first is shared, not copied)."""
-    commit, dirty = git_state()
+    git = git_state()
     name = plan.spec.name
     with catalog.transaction() as tx:
         for run in plan.runs:
             record = tx.get(run.id)
             if record is None:
-                tx.upsert({
-                    "id": run.id, "sweep": name, "sweeps": [name], "config": run.config, "recipe": run.config["recipe"],
-                    "git_commit": commit, "git_dirty": dirty, "executor": executor,
-                    "paths": {"run_dir": catalog.relative(run.config["out_dir"]), "log": catalog.relative(plan.log_path(run))},
-                    "extra": {"name": run.name, "params": run.params},
-                })  # fmt: skip
+                tx.upsert(pending_record(run, name, catalog, executor, plan.log_path(run), git))
             elif name not in sweeps_of(record):
                 tx.update(run.id, sweeps=[*sweeps_of(record), name])
 
 
-# Why a run is not started again (needed_runs), by state; "in flight" needs a live owner or a Slurm job.
+# Why a run is not started again (needed_runs), by state; "in flight" needs a live owner, a Slurm job
+# or a trainer holding the run folder.
 SKIP_REASONS = {"completed": "done", **dict.fromkeys(FAILED_STATES, "failed"), "in flight": "in flight"}
 
 
 def needed_runs(plan: SweepPlan, catalog: Catalog, *, retry_failed: bool) -> tuple[list[RunSpec], dict[str, list[RunSpec]]]:
     """(to run, skipped by reason). Completed runs are skipped ("done"); failed, cancelled and timed-out
     ones ("failed") only run again with `retry_failed`; runs another live process or a Slurm job is
-    driving are left to it ("in flight"). Interrupted and preempted runs, and runs whose local owner
+    driving, or whose folder a trainer holds, are left to it ("in flight"). Interrupted and preempted runs, and runs whose local owner
     died, resume from their checkpoint."""
     todo: list[RunSpec] = []
     skipped: dict[str, list[RunSpec]] = {}
     for run in plan.runs:
         record = catalog.get(run.id)
-        reason = _skip_reason(record, retry_failed) if record else None
+        if run_folder.holder(run.config["out_dir"]) is not None:
+            reason = "in flight"  # a trainer holds its folder (one whose sweep died, or started by hand)
+        else:
+            reason = _skip_reason(record, retry_failed) if record else None
         if reason is None:
             todo.append(run)
         else:
