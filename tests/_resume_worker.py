@@ -24,7 +24,7 @@ from fp4lab.nn.build import attention_generators, fp4_linears
 from fp4lab.nn.model_config import preset
 from fp4lab.nn.recipe import load_recipe
 from fp4lab.train import distributed, loop
-from fp4lab.train.build import build_training
+from fp4lab.train.build import build_training, resolve_device
 from fp4lab.train.checkpoint import resume_run
 from fp4lab.train.config import TrainConfig
 from fp4lab.train.data import load_dataset
@@ -60,7 +60,7 @@ def train(config: TrainConfig, stop_after: int, saved: Path) -> None:
 
 def load(config: TrainConfig, loaded: str) -> None:
     distributed.check(config, distributed.env_world())
-    ranks, device = distributed.init(config, torch.device(config.device))
+    ranks, device = distributed.init(config, resolve_device(config.device))
     try:
         data = load_dataset(config.data, progress=False)
         model_config = preset(config.model, data.vocab_size, config.seq_len)

@@ -86,11 +86,13 @@ def bench(
 
 def _device(device: str):
     """The torch device `--device` names (auto: CUDA if there is one)."""
-    import torch
+    from fp4lab.train.build import resolve_device
+    from fp4lab.train.config import ConfigError
 
-    if device == "cuda" and not torch.cuda.is_available():
+    try:
+        return resolve_device(device)
+    except ConfigError:
         fail("bench: --device cuda but CUDA is not available here; use --device cpu")
-    return torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
 
 
 def _recipe_names(recipes: str) -> list[str]:

@@ -22,12 +22,20 @@ def _plain_help(command, params: list) -> list:
 
     for item in (command, *params):
         if getattr(item, "help", None) and not getattr(item, "_fp4lab_plain_help", False):
-            item.help = escape(item.help)
+            item.help = escape(re.sub(r"(?<!\n)\n(?!\n)", " ", item.help))  # a paragraph reflows to the terminal
             item._fp4lab_plain_help = True
     for param in params:
         if getattr(param, "is_flag", False):
             param.metavar = ""
+        if getattr(param, "param_type_name", None) == "argument":  # usage reads "SPEC", "[SWEEP]", "LOGS...", not "{spec}"
+            param._usage_display_name = _usage_name(param)
     return params
+
+
+def _usage_name(param):
+    name = (param.metavar or param.name).upper()
+    shown = name if param.required else f"[{name}]"
+    return lambda: shown + ("..." if param.nargs != 1 else "")
 
 
 class Commands(TyperGroup):

@@ -54,6 +54,9 @@ def ratchet(
             summary = loop.run(iterations)
     except (ProgramError, RatchetError, GitError, CatalogError, ValueError) as exc:
         fail(f"ratchet: {str(exc).splitlines()[0]}")
+    except KeyboardInterrupt:
+        _say_interrupted(loop.summary("Ctrl-C"), view, program, catalog)
+        raise typer.Exit(130) from None
     if program_option is not None:  # said once it worked, so that an error stays one line
         print(f"fp4lab: note: ratchet --program is deprecated; pass the program as the argument: fp4lab ratchet {program}",
               file=sys.stderr)
@@ -68,8 +71,29 @@ def ratchet(
     )
 
 
+def _say_interrupted(summary: dict, view, program: Path, catalog: Path) -> None:
+    """What a Ctrl-C'd ratchet finished, what it left running, and the command that goes on from there."""
+    import shlex
+
+    running = ", ".join(str(n) for n in sorted(view.running)) or "none"
+    again = ["fp4lab", "ratchet", str(program), "--tag", summary["tag"]]
+    if catalog != Path("sweep_catalog.json"):
+        again += ["--catalog", str(catalog)]
+    print(f"ratchet {summary['tag']}: interrupted; {view.decided} iteration(s) decided in this call "
+          f"(kept in all: {', '.join(map(str, summary['kept'])) or 'none'}; best {_fmt(summary['best'])}); "
+          f"stopped while running iteration(s) {running}, which continue(s) from its checkpoint on resuming", file=sys.stderr)
+    print(f"resume with: {shlex.join(again)} (add the same --agent and options)", file=sys.stderr)
+
+
 def _fmt(value) -> str:
     return "-" if value is None else f"{value:.6g}"
+
+
+def decision_reason(extra: dict) -> str:
+    """Why an iteration was decided as it was (the loop records it: Ratchet._judge), with its note."""
+    reason = extra.get("reason") or ""
+    note = extra.get("note") or ""
+    return "; ".join(part for part in (reason, note if note not in reason else "") if part)
 
 
 class _RatchetView:
@@ -80,6 +104,7 @@ class _RatchetView:
 
     def __init__(self, console) -> None:
         self.console, self.rows, self.running, self.live = console, [], {}, None
+        self.decided = 0
 
     def __enter__(self):
         if self.console.is_terminal:
@@ -107,11 +132,14 @@ class _RatchetView:
             proposal = extra.get("proposal") or {}
             what = ("baseline" if extra["iteration"] == 0 else proposal.get("error") or
                     _describe_proposal(proposal.get("kind"), proposal.get("params") or {}, proposal.get("rationale") or ""))
-            self.rows.append((extra["iteration"], what, extra.get("metric"), extra.get("best_before"), extra["decision"], extra.get("note") or ""))
+            self.rows.append((extra["iteration"], what, extra.get("metric"), extra.get("compared_with"), extra.get("gain"),
+                              extra["decision"], decision_reason(extra)))
             self.running.pop(extra["iteration"], None)
+            self.decided += 1
             if self.live is None:
-                self.console.print(f"iteration {extra['iteration']}: {extra['decision']}  metric {_fmt(extra.get('metric'))}  "
-                                   f"best before {_fmt(extra.get('best_before'))}  {what}  {extra.get('note') or ''}".rstrip(), markup=False)
+                self.console.print(f"iteration {extra['iteration']}: {extra['decision']}  {what}  metric {_fmt(extra.get('metric'))}"
+                                   + (f" vs {_fmt(extra['compared_with'])}" if extra.get("compared_with") is not None else "")
+                                   + f": {decision_reason(extra)}", markup=False)
         if self.live is not None:
             self.live.update(self._render())
 
@@ -121,12 +149,12 @@ class _RatchetView:
         from rich.table import Table
 
         table = Table(title="fp4lab ratchet", expand=False)
-        for column in ("iter", "proposal", "metric", "best before", "decision", "note"):
-            table.add_column(column, overflow="fold")
-        for number, what, metric, best, decision, note in self.rows[-30:]:
+        for column in ("iter", "proposal", "metric", "compared\nwith", "gain", "decision", "why"):
+            table.add_column(column, overflow="fold", justify="right" if column in ("iter", "metric", "compared\nwith", "gain") else "left")
+        for number, what, metric, compared, gain, decision, why in self.rows[-30:]:
             style = self.STYLE.get(decision, "")
-            table.add_row(str(number), escape(what[:70]), _fmt(metric), _fmt(best), f"[{style}]{decision}[/]" if style else decision,
-                          escape(note[:50]))
+            table.add_row(str(number), escape(what[:70]), _fmt(metric), _fmt(compared), "" if gain is None else f"{gain:+.4g}",
+                          f"[{style}]{decision}[/]" if style else decision, escape(why))
         return Group(table, *(f"[bold]running[/] {escape(line)}" for _, line in sorted(self.running.items())))
 
 

@@ -16,22 +16,25 @@ from fp4lab.cli.train import print_summary_block
 
 
 def scan(
-    logs: Annotated[list[Path], typer.Argument(help="Run folders, metrics.jsonl files, fp4lab's jobs/<sweep>/logs/*.local.log, or text logs of other trainers.")],
+    logs: Annotated[Optional[list[Path]], typer.Argument(help="Run folders, metrics.jsonl files, fp4lab's jobs/<sweep>/logs/*.local.log, or text logs of other trainers (default: every run folder of the catalog).")] = None,
     preset: Annotated[Optional[LogPreset], typer.Option(help="Format of text logs (default: the preset matching the most lines).")] = None,
     regex: Annotated[Optional[str], typer.Option(help="Regex with named groups step and loss (optional grad_norm, val_loss).")] = None,
     threshold: Annotated[Optional[list[str]], typer.Option(help="NAME=VALUE threshold override, repeatable (e.g. spike_sigma=5).")] = None,
     running: Annotated[Optional[bool], typer.Option("--running/--not-running", help="Whether the job is alive (default: judge by the log's age).")] = None,
-    events: Annotated[bool, typer.Option("--events", help="Print every event under its run's line.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of one line per log.")] = False,
+    events: Annotated[bool, typer.Option("--events", help="Print every event under the table, by run.")] = False,
+    catalog: Annotated[Path, typer.Option(help="The results catalog: names the runs scanned, and its run folders are what a scan without LOGS reads.")] = Path("sweep_catalog.json"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """Scan logs for NaNs, loss spikes, a vanished loss, entropy collapse and large attention logits; print a verdict per log.
+    """Scan logs for NaNs, loss spikes, a vanished loss, entropy collapse and large attention logits; a verdict per log.
 
-    Exit code 0 when every verdict is converged or running (nothing wrong); 1 when any log raises an
-    alarm (diverged, entropy_collapse, loss_vanished, no_loss, unstable, crashed, timeout, stalled),
-    live jobs included; 2 on bad options or when a path cannot be scanned (each such path gets an
-    error line on stderr; the other paths are still scanned and printed).
+    A log of an fp4lab run the catalog knows is judged from its run folder's metrics.jsonl (every
+    step; the log prints some), so a run folder and its log get the same answer. Exit code 0 when every
+    verdict is converged or running (nothing wrong); 1 when any log raises an alarm (diverged,
+    entropy_collapse, loss_vanished, no_loss, unstable, crashed, timeout, interrupted, stalled), live
+    jobs included; 2 on bad options or when a path cannot be scanned (each such path gets an error
+    line on stderr; the other paths are still scanned and printed).
     """
-    from fp4lab.lab.records.logscan import HEALTHY_VERDICTS, LogFormat, ScanThresholds, format_result
+    from fp4lab.lab.records.logscan import HEALTHY_VERDICTS, LogFormat, ScanThresholds
     from fp4lab.lab.records.logscan import scan as scan_log
 
     try:
@@ -40,23 +43,100 @@ def scan(
             LogFormat.from_regex(regex)
     except ValueError as exc:
         fail(f"scan: {str(exc).splitlines()[0]}")
+    known = _catalog_runs(catalog)
+    if not logs:
+        logs = [Path(run_dir) for run_dir in known.run_dirs()]
+        if not logs:
+            fail(f"scan: nothing to scan: give run folders or logs (e.g. fp4lab scan runs/quickstart/*), or run a sweep "
+                 f"first ({'no runs in' if catalog.exists() else 'no catalog at'} {str(catalog)!r})")
     results, unreadable = [], 0
     for path in logs:
+        target = known.run_dir_of_log(path) or path
         try:
-            results.append(scan_log(path, thresholds, regex=regex, preset=preset, running=running))
+            results.append((path, target, scan_log(target, thresholds, regex=regex, preset=preset, running=running)))
         except (OSError, ValueError) as exc:
             unreadable += 1
             print(f"fp4lab: error: scan: {str(exc).splitlines()[0]}", file=sys.stderr)
     if as_json:
-        print_json([r.to_dict() for r in results])
-    else:
-        for result in results:
-            print(format_result(result))
-            for event in result.events if events else ():
-                print(f"    {event.kind}@{event.step}: {event.detail}")
+        print_json([result.to_dict() for _, _, result in results])
+    elif results:
+        _print_scan_table(results, known, events)
     if unreadable:
         raise typer.Exit(2)
-    raise typer.Exit(0 if all(r.status in HEALTHY_VERDICTS for r in results) else 1)
+    raise typer.Exit(0 if all(result.status in HEALTHY_VERDICTS for _, _, result in results) else 1)
+
+
+class _CatalogRuns:
+    """The catalog's records by run folder and by log, to name what `fp4lab scan` reads."""
+
+    def __init__(self, catalog, records: list[dict]) -> None:
+        self.by_folder, self.by_log = {}, {}
+        for record in records:
+            paths = record.get("paths") or {}
+            for key, index in (("run_dir", self.by_folder), ("log", self.by_log)):
+                resolved = catalog.resolve(paths.get(key)) if catalog is not None else None
+                if resolved is not None:
+                    index.setdefault(Path(resolved).resolve(), record)
+
+    def run_dirs(self) -> list[Path]:
+        return [folder for folder in self.by_folder if folder.is_dir()]
+
+    def record_of(self, path: Path) -> dict | None:
+        resolved = path.resolve()
+        return self.by_folder.get(resolved) or self.by_folder.get(resolved.parent if resolved.name == "metrics.jsonl" else resolved) \
+            or self.by_log.get(resolved)
+
+    def run_dir_of_log(self, path: Path) -> Path | None:
+        """The run folder of an fp4lab log the catalog knows, where its metrics are (None otherwise)."""
+        record = self.by_log.get(path.resolve())
+        folder = next((f for f, r in self.by_folder.items() if r is record), None) if record else None
+        return folder if folder is not None and (folder / "metrics.jsonl").exists() else None
+
+
+def _catalog_runs(catalog: Path) -> _CatalogRuns:
+    """The catalog's runs, or none where there is no readable catalog (scan works without one)."""
+    from fp4lab.lab.records.catalog import Catalog, CatalogError
+
+    if not catalog.exists():
+        return _CatalogRuns(None, [])
+    try:
+        runs_catalog = Catalog(catalog)
+        return _CatalogRuns(runs_catalog, runs_catalog.records())
+    except CatalogError:
+        return _CatalogRuns(None, [])
+
+
+def _print_scan_table(results: list, known: _CatalogRuns, events: bool) -> None:
+    """One row per log scanned (tables.runs_table): the run by name where the catalog knows it, else
+    by its folder's recipe or the file's name; then each run's events when asked."""
+    from fp4lab.lab.records.logscan import result_fields
+    from fp4lab.lab.records.tables import Column, run_names, runs_table
+
+    records = [known.record_of(path) for path, _, _ in results]
+    fallback = [(record or {}).get("extra", {}).get("name") or _folder_recipe(target) or path.name
+                for record, (path, target, _) in zip(records, results)]  # fmt: skip
+    header, names = run_names([(record or {}).get("extra", {}).get("params") for record in records], fallback)
+    rows = []
+    for name, (path, target, result) in zip(names, results):
+        fields = result_fields(result)
+        notes = fields["notes"] + ("" if target == path else f"; read from {target}/metrics.jsonl (the log prints some steps)")
+        rows.append([name, fields["verdict"], fields["step"], fields["loss"], fields["val"], notes, str(path)])
+    columns = [Column(header, identifies=True), Column("verdict", identifies=True), Column("step", right=True),
+               Column("loss", wraps=True), Column("val", right=True), Column("notes", wraps=True), Column("path", wraps=True)]  # fmt: skip
+    console = rich_console()
+    console.print(runs_table(f"fp4lab scan: {len(results)} log(s)", columns, rows, caption=["steps count from 0"]))
+    for name, (_, _, result) in zip(names, results):
+        for event in result.events if events else ():
+            console.print(f"  {name}: {event.kind}@{event.step}: {event.detail}", markup=False)
+
+
+def _folder_recipe(target: Path) -> str | None:
+    """The recipe of an fp4lab run folder (its config.json), for a run the catalog does not name."""
+    folder = target.parent if target.name == "metrics.jsonl" else target
+    try:
+        return json.loads((folder / "config.json").read_text())["config"]["recipe"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def sweep(
@@ -158,21 +238,22 @@ def _run_here(console, runner, plan, todo, runs_catalog, spec: Path) -> None:
     """Run the sweep on this machine (the local executor waits for its runs), a line as each run starts
     and ends; Ctrl-C stops the runs at a checkpoint and exits 130."""
     from fp4lab.lab.runs.executors import SweepInterrupted
+    from fp4lab.train.run_folder import has_checkpoint
 
     optuna = plan.spec.method == "optuna"
 
     def started(run) -> None:
-        if not console.is_terminal:
-            console.print(f"  {run.id}  {run.name}: started", markup=False)
+        if not console.is_terminal:  # a terminal has the live view instead
+            how = "resuming from its checkpoint" if has_checkpoint(run.config["out_dir"]) else "started"
+            console.print(f"  {run.id}  {run.name}: {how}", markup=False)
 
     def finished(record) -> None:
         if optuna:
-            console.print(f"  trial {record['extra'].get('trial')}  {record['id']}  {record['extra'].get('name')}: "
-                          f"{record['state']}, {record.get('verdict')}, {plan.spec.optuna.objective} {record['extra'].get('objective')}",
-                          markup=False)
+            objective = record["extra"].get("objective")
+            console.print(f"  trial {record['extra'].get('trial')}  {record['id']}  {record['extra'].get('name')}: {run_outcome(record)}"
+                          + ("" if objective is None else f", {plan.spec.optuna.objective} {objective:.4f}"), markup=False)
             return
-        line = f"  {record['id']}  {record['extra'].get('name')}: {record['state']}, {record.get('verdict')}, val {record['summary'].get('final_val_loss')}"
-        console.print(line + (f": {record['error']}" if record.get("error") else ""), markup=False)
+        console.print(f"  {record['id']}  {record['extra'].get('name')}: {run_outcome(record)}", markup=False)
 
     runner.on_start, runner.on_finish = started, finished
     try:
@@ -183,6 +264,23 @@ def _run_here(console, runner, plan, todo, runs_catalog, spec: Path) -> None:
         raise typer.Exit(130) from None
     if optuna and launched.started == 0:
         console.print("the study already holds every trial; raise [optuna].n_trials to run more", markup=False)
+
+
+def run_outcome(record: dict) -> str:
+    """How a run ended, for a line a person reads: "completed, converged, val 4.2310, resumed from step
+    18", "interrupted at step 18 (resumes from its checkpoint)", "failed, crashed: <error>"."""
+    summary = record.get("summary") or {}
+    state, verdict = record["state"], record.get("verdict")
+    parts = [state]
+    if state in ("interrupted", "preempted", "timeout") and summary.get("steps_completed") is not None:
+        parts = [f"{state} at step {summary['steps_completed']} (resumes from its checkpoint)"]
+    if verdict and verdict != state:
+        parts.append(verdict)
+    if summary.get("final_val_loss") is not None:
+        parts.append(f"val {summary['final_val_loss']:.4f}")
+    if summary.get("resumed_from_step"):
+        parts.append(f"resumed from step {summary['resumed_from_step']}")
+    return ", ".join(parts) + (f": {record['error']}" if record.get("error") else "")
 
 
 def _sweep_plan(plan, todo, skipped: dict, problems: list[str], runs_catalog) -> dict:
@@ -233,34 +331,37 @@ def _sweep_progress(console, runs_catalog, plan, todo):
     from datetime import UTC, datetime
 
     from rich.live import Live
-    from rich.table import Table
 
     from fp4lab.lab.runs.sweep import progress_of
 
     ids = {run.id for run in todo}
     began = time.monotonic()
 
-    def view() -> Table:
+    def view():
+        from fp4lab.lab.records.tables import Column, run_names, runs_table, short_ids
+
         records = [r for r in runs_catalog.records(sweep=plan.spec.name) if r["id"] in ids]
         counts = {k: sum(r["state"] == k for r in records) for k in ("completed", "running", "submitted")}
         done = len(records) - counts["running"] - counts["submitted"] - sum(r["state"] == "pending" for r in records)
-        table = Table(title=f"sweep {plan.spec.name}: {done} done, {counts['running']} running, {len(ids) - done - counts['running']} pending "
-                            f"({time.monotonic() - began:.0f} s)")
-        for column in ("id", "run", "step", "loss", "time left"):
-            table.add_column(column)
-        for record in records:
-            if record["state"] != "running":
-                continue
+        title = (f"sweep {plan.spec.name}: {done} done, {counts['running']} running, {len(ids) - done - counts['running']} pending "
+                 f"({time.monotonic() - began:.0f} s)")
+        running = [r for r in records if r["state"] == "running"]
+        header, names = run_names([r["extra"].get("params") for r in records], [r["extra"].get("name") or r["id"] for r in records])
+        name_of = dict(zip((r["id"] for r in records), names))
+        short = short_ids([r["id"] for r in records])
+        rows = []
+        for record in running:
             step, loss = progress_of(record, runs_catalog)
             steps = record["config"].get("steps")
             left = ""
-            if step and steps and record.get("started_at"):
+            if step is not None and steps and record.get("started_at"):
                 started = datetime.fromisoformat(record["started_at"].replace("Z", "+00:00"))
                 elapsed = (datetime.now(UTC) - started).total_seconds()
                 left = f"{elapsed / (step + 1) * (steps - step - 1):.0f} s"
-            table.add_row(record["id"], record["extra"].get("name", ""), f"{step}/{steps}" if step is not None else "",
-                          "" if loss is None else f"{loss:.4f}", left)
-        return table
+            rows.append([short[record["id"]], name_of[record["id"]], "" if step is None else f"{step}/{steps - 1}",
+                         "" if loss is None else f"{loss:.4f}", left])  # fmt: skip
+        columns = [Column("id"), Column(header, identifies=True), Column("step", right=True), Column("loss", right=True), Column("time left", right=True)]
+        return runs_table(title, columns, rows, fold_constant=False)
 
     return Live(get_renderable=view, console=console, refresh_per_second=1, transient=True)
 
@@ -329,8 +430,8 @@ def status(
 
 
 def _status_rows(runs_catalog, sweep_name: str | None) -> list[dict]:
-    """The runs of `sweep_name` (all sweeps but ratchets when None), refreshed from their run folders
-    and the scheduler: one dict per run, what `fp4lab status` shows."""
+    """The runs of `sweep_name` (all when None: sweeps, trials and ratchet iterations), refreshed from
+    their run folders and the scheduler: one dict per run, what `fp4lab status` shows."""
     from fp4lab.lab.records.catalog import TERMINAL_STATES
     from fp4lab.lab.records.logscan import ScanThresholds
     from fp4lab.lab.runs.sweep import progress_of, refresh
@@ -339,47 +440,52 @@ def _status_rows(runs_catalog, sweep_name: str | None) -> list[dict]:
         known = sorted({r["sweep"] for r in runs_catalog.records(per_sweep=True) if r["sweep"]})
         fail(f"status: no sweep {sweep_name!r} in {runs_catalog.path} (sweeps: {', '.join(known) or 'none'})")
     refresh(runs_catalog, ScanThresholds(), sweep_name)
-    records = runs_catalog.records(sweep=sweep_name, per_sweep=True)
-    if sweep_name is None:  # ratchet iterations have their own view: fp4lab report --ratchet TAG
-        records = [r for r in records if not (r["sweep"] or "").startswith("ratchet/")]
     rows = []
-    for record in records:
+    for record in runs_catalog.records(sweep=sweep_name, per_sweep=True):
         step, loss = progress_of(record, runs_catalog)
         if record["state"] in TERMINAL_STATES and record["summary"]:  # as the report shows it: the last finite loss
             loss = record["summary"].get("final_train_loss")
         rows.append({
-            "sweep": record["sweep"], "id": record["id"], "name": record["extra"].get("name"), "state": record["state"],
-            "step": step, "loss": loss, "val_loss": record["summary"].get("final_val_loss"), "verdict": record["verdict"],
+            "sweep": record["sweep"], "id": record["id"], "name": record["extra"].get("name"), "params": record["extra"].get("params"),
+            "state": record["state"], "step": step, "loss": loss, "val_loss": record["summary"].get("final_val_loss"),
+            "resumed_from_step": record["summary"].get("resumed_from_step"), "verdict": record["verdict"],
             "error": record.get("error"), "slurm_job_id": record["slurm_job_id"], "slurm_array_index": record["slurm_array_index"],
             "run_dir": (record.get("paths") or {}).get("run_dir"),
         })  # fmt: skip
     return rows
 
 
+def status_table(rows: list[dict], title: str):
+    """`fp4lab status` (and the end of `fp4lab sweep`): one line per run, at 80 columns too (tables.runs_table)."""
+    from fp4lab.lab.records.tables import Column, run_names, runs_table, short_ids
+    from fp4lab.lab.records.values import format_cell
+
+    header, names = run_names([r["params"] for r in rows], [r["name"] or r["id"] for r in rows])
+    ids = short_ids([r["id"] for r in rows])
+    columns = [Column("sweep", wraps=True), Column("id"), Column(header, identifies=True), Column("state", identifies=True),
+               Column("step", right=True), Column("loss", right=True), Column("val loss", right=True),
+               Column("verdict", wraps=True, identifies=True), Column("Slurm job")]  # fmt: skip
+    cells = []
+    for row in rows:
+        verdict = row["verdict"] or ""
+        if row["error"]:
+            verdict = f"{verdict + ': ' if verdict else ''}{row['error']}"
+        state = row["state"] + (f" (resumed from step {row['resumed_from_step']})" if row.get("resumed_from_step") else "")
+        job = "" if row["slurm_job_id"] is None else str(row["slurm_job_id"]) + ("" if row["slurm_array_index"] is None else f"_{row['slurm_array_index']}")
+        cells.append([row["sweep"] or "", ids[row["id"]], names.pop(0), state, format_cell(row["step"]),
+                      format_cell(row["loss"]), format_cell(row["val_loss"]), verdict, job])  # fmt: skip
+    return runs_table(title, columns, cells, caption=["steps count from 0: a 60-step run ends at step 59"] if rows else ())
+
+
 def _print_status(runs_catalog, sweep_name: str | None, watch: float = 0.0) -> None:
     import time
 
     from rich.live import Live
-    from rich.table import Table
 
-    def table() -> tuple[Table, bool]:
+    def table():
         rows = _status_rows(runs_catalog, sweep_name)
-        view = Table(title=f"runs{' of ' + sweep_name if sweep_name else ''} ({runs_catalog.path})")
-        for column in ("sweep", "id", "run", "state", "step", "loss", "val loss", "verdict", "job"):
-            view.add_column(column, no_wrap=column not in ("run", "verdict"))
-        for row in rows:
-            verdict = row["verdict"] or ""
-            if row["error"]:
-                verdict = f"{verdict + ': ' if verdict else ''}{row['error']}"
-            loss, val = row["loss"], row["val_loss"]
-            view.add_row(
-                row["sweep"] or "", row["id"], row["name"] or "", row["state"],
-                "" if row["step"] is None else str(row["step"]), "" if loss is None else f"{loss:.4f}",
-                "" if val is None else f"{val:.4f}", verdict,
-                str(row["slurm_job_id"] or "") + ("" if row["slurm_array_index"] is None else f"_{row['slurm_array_index']}"),
-            )
-        active = any(r["state"] in ("pending", "submitted", "running") for r in rows)
-        return view, active
+        view = status_table(rows, f"runs{' of ' + sweep_name if sweep_name else ''} ({runs_catalog.path})")
+        return view, any(r["state"] in ("pending", "submitted", "running") for r in rows)
 
     console = rich_console()
     view, active = table()

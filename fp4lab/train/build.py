@@ -15,9 +15,18 @@ from fp4lab.nn.recipe import Recipe
 from fp4lab.optim.build import OptimizerConfig, build_optimizer
 from fp4lab.optim.muon import NS_POLYNOMIALS
 from fp4lab.train import distributed
-from fp4lab.train.config import TrainConfig
+from fp4lab.train.config import ConfigError, TrainConfig
 from fp4lab.train.paths import ComputePaths, resolve
 from fp4lab.train.step import LossFn
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device a config's `device` names: "auto" is the GPU when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but CUDA is not available here; use device='cpu' (or 'auto')")
+    return torch.device(name)
 
 
 def build_training(

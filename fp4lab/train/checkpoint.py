@@ -19,6 +19,7 @@ from fp4lab.train import distributed
 from fp4lab.train.atomic import replace_atomically
 from fp4lab.train.config import RESULT_NEUTRAL, CheckpointMismatch, ConfigError, TrainConfig
 from fp4lab.train.jsonl import json_line, read_metrics_file
+from fp4lab.train.run_folder import CHECKPOINT, SHARDED_CHECKPOINT
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
@@ -188,12 +189,6 @@ def finite_or_none(value: float | None) -> float | None:
 
 
 # --- a run's checkpoints: which files, saving, and resuming on any number of ranks --------------------
-
-CHECKPOINT = "checkpoint.pt"
-
-# A run of several ranks (parallel != "none") checkpoints here instead: fp4lab.train.checkpoint.save_sharded.
-# Either resumes in the other kind of run, on any number of ranks (resume_run).
-SHARDED_CHECKPOINT = "checkpoint.dcp"
 
 # Config fields a resumed run may change besides the result-neutral ones: how the ranks share the
 # model (and into how many microbatches a pipeline cuts the batch) changes only summation order,

@@ -44,10 +44,10 @@ from fp4lab.nn.model_config import count_parameters, preset
 from fp4lab.nn.recipe import Recipe, load_recipe
 from fp4lab.optim.qk_clip import all_reduce_max_logits_, qk_clip_
 from fp4lab.train import distributed, paths, run_folder
-from fp4lab.train.build import build_training, qk_clip_setting, recipe_settings
+from fp4lab.train.build import build_training, qk_clip_setting, recipe_settings, resolve_device
 from fp4lab.train.capture import OperandCapture
 from fp4lab.train.checkpoint import MetricsLog, RunState, resume_run, save_run, write_json
-from fp4lab.train.config import ConfigError, TrainConfig
+from fp4lab.train.config import TrainConfig
 from fp4lab.train.data import BatchSampler, load_dataset, val_batches
 from fp4lab.train.step import GRAPH_WARMUP_STEPS, TrainStep, clip_and_step, evaluate
 from fp4lab.train.summary import run_summary
@@ -81,7 +81,7 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
     distributed.check(config, distributed.env_world())
     # Rank 0 holds the run folder for the run's whole life: a second trainer on it is refused here.
     with run_folder.hold(config.out_dir) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext():
-        ranks, device = distributed.init(config, _device(config.device))
+        ranks, device = distributed.init(config, resolve_device(config.device))
         try:
             return _run(config, recipe, ranks, device, progress, stop_after)
         finally:
@@ -113,6 +113,7 @@ class _Run:
 def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: torch.device, progress, stop_after) -> dict[str, Any]:
     run = _start(config, recipe, ranks, device, progress)
     state, status, diverged_step = run.state, "completed", None
+    resumed_from_step = state.step
     started = time.monotonic()
     steps_this_call = 0
     with _stop_signals() as stop_requested, _progress(_interactive(progress), config, state.step, ranks.main) as advance:
@@ -147,6 +148,7 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
         stop_signal=stop_requested[0] if status in ("preempted", "interrupted") else None,
         cuda_graph=run.train_step.graph is not None if isinstance(run.train_step, TrainStep) else False,
         gather_bytes_per_step=run.model.gather_bytes.per_step() if config.gather_weights == "encoded" else None,
+        resumed_from_step=resumed_from_step,
     )
     if ranks.main:
         write_json(Path(config.out_dir) / "summary.json", summary)
@@ -182,6 +184,8 @@ def _start(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device
     if config.capture_steps and ranks.main:  # rank 0's rows stand for the batch: one record per run
         capture = OperandCapture(config, model, recipe, model_config.n_layers, chosen.compile)
     state = resume_run(out, config, model, optimizer, ranks, loss_fn.whole_optimizer_order if ranks.mode == "pp" else None)
+    if ranks.main and state.step:
+        print(f"resumed from step {state.step} of {config.steps} (the checkpoint in {out})", file=sys.stderr, flush=True)
     identity = {  # the resolved run: the config's "auto" and "the recipe's" as this run has them
         "config": config.to_dict() | recipe_settings(config, recipe) | {"device": str(device)},
         "recipe": {"name": recipe.name, "path": recipe.path, "source": recipe.source},
@@ -312,14 +316,6 @@ class _Silent:
 
 
 # --- helpers ---------------------------------------------------------------------------------------
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' but CUDA is not available here; use device='cpu'")
-    return torch.device(name)
 
 
 def _interactive(progress: bool | None) -> bool:
@@ -489,10 +485,10 @@ def _progress(interactive: bool, config: TrainConfig, start: int, shown: bool = 
     every = max(1, config.steps // 20)
 
     def advance(record: dict) -> None:
-        step = record["step"] + 1
-        if step % every == 0 or step == config.steps or "val_loss" in record:
+        step = record["step"]  # as metrics.jsonl, status, scan and the plots count: from 0 to steps - 1
+        if (step + 1) % every == 0 or step == config.steps - 1 or "val_loss" in record:
             val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
-            print(f"step {step}/{config.steps} loss {record['loss']:.4f}{val} lr {record['lr']:.3g} tok/s {record['tokens_per_s']:.0f}", file=sys.stderr, flush=True)
+            print(f"step {step}/{config.steps - 1} loss {record['loss']:.4f}{val} lr {record['lr']:.3g} tok/s {record['tokens_per_s']:.0f}", file=sys.stderr, flush=True)
 
     yield advance
 

@@ -17,6 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 LOCK_NAME = "trainer.lock"
+CHECKPOINT = "checkpoint.pt"
+# A run of several ranks (parallel != "none") checkpoints here instead: fp4lab.train.checkpoint.save_sharded.
+# Either resumes in the other kind of run, on any number of ranks (checkpoint.resume_run).
+SHARDED_CHECKPOINT = "checkpoint.dcp"
 
 # Folders this process holds: folder -> (descriptor, depth). `fp4lab train --catalog` takes the lock
 # before it records the start, then the loop takes it again.
@@ -39,10 +43,11 @@ def hold(out_dir: str | os.PathLike[str]) -> Iterator[None]:
         finally:
             _held[folder][1] -= 1
         return
+    created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    if not _lock(descriptor):
-        os.close(descriptor)
+    path = folder / LOCK_NAME
+    descriptor = _lock(path)
+    if descriptor is None:
         raise RunFolderBusy(
             f"{folder} is being trained by process {holder(folder) or '(unknown)'}: one trainer per run "
             "folder; wait for it to finish (fp4lab status) or stop that process first"
@@ -54,20 +59,34 @@ def hold(out_dir: str | os.PathLike[str]) -> Iterator[None]:
         yield
     finally:
         del _held[folder]
-        os.ftruncate(descriptor, 0)  # the next reader sees no holder even before the kernel drops the lock
+        # Removed while still held (a process waiting on the old file sees it gone and opens the new
+        # one: _lock), so a finished run leaves no lock file, and a refused command no folder it made.
+        path.unlink(missing_ok=True)
+        if created and not any(folder.iterdir()):
+            folder.rmdir()
         os.close(descriptor)  # closing drops the lock
 
 
-def _lock(descriptor: int, attempts: int = 10) -> bool:
-    """Take the exclusive lock, retrying for about a second: `holder` takes a shared lock for an instant."""
+def _lock(path: Path, attempts: int = 10) -> int | None:
+    """A descriptor of `path` holding its exclusive lock, or None after about a second of trying (`holder`
+    takes a shared lock for an instant). A lock won on a file that was unlinked meanwhile (its holder
+    finished) does not count: the path's current file is tried again."""
     for attempt in range(attempts):
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
         except BlockingIOError:
+            os.close(descriptor)
             if attempt + 1 < attempts:
                 time.sleep(0.1)
-    return False
+            continue
+        try:
+            if os.stat(path).st_ino == os.fstat(descriptor).st_ino:
+                return descriptor
+        except FileNotFoundError:
+            pass
+        os.close(descriptor)
+    return None
 
 
 def holder(out_dir: str | os.PathLike[str]) -> str | None:
@@ -86,3 +105,8 @@ def holder(out_dir: str | os.PathLike[str]) -> str | None:
         return None
     finally:
         os.close(descriptor)
+
+
+def has_checkpoint(out_dir: str | Path) -> bool:
+    """Whether a run in `out_dir` resumes (a one-process checkpoint or a sharded one) rather than starts."""
+    return (Path(out_dir) / CHECKPOINT).exists() or (Path(out_dir) / SHARDED_CHECKPOINT).is_dir()

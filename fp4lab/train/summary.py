@@ -21,9 +21,10 @@ from fp4lab.train.paths import ComputePaths
 def run_summary(
     status: str, diverged_step: int | None, config: TrainConfig, state: RunState, recipe: Recipe, device: torch.device,
     paths: ComputePaths, *, world_size: int, stop_signal: str | None, cuda_graph: bool, gather_bytes_per_step: Any = None,
+    resumed_from_step: int = 0,
 ) -> dict[str, Any]:
     """The fields of one run segment's summary.json. `stop_signal`: the signal behind a "preempted" or
-    "interrupted" status; `cuda_graph`: whether this segment's steps replayed a captured graph;
+    "interrupted" status; `resumed_from_step`: where this segment began (0: a fresh run); `cuda_graph`: whether this segment's steps replayed a captured graph;
     `gather_bytes_per_step`: the all-gathers of gather_weights="encoded" (train.encoded_gather)."""
     if device.type == "cuda":
         peak_mb = torch.cuda.max_memory_allocated() / 2**20
@@ -33,6 +34,7 @@ def run_summary(
         "status": status,
         "diverged_step": diverged_step,
         "steps_completed": state.step,
+        "resumed_from_step": resumed_from_step,
         "steps": config.steps,
         "recipe": recipe.name,
         "model": config.model,

@@ -251,15 +251,17 @@ def test_max_logit_event(tmp_path):
     assert scan(run, ScanThresholds(unstable_kinds=("max_logit",)), now=OLD).verdict == "unstable"
 
 
-@pytest.mark.parametrize("status", ["time_limit", "preempted", "stopped", "interrupted"])
-def test_timeout_statuses(tmp_path, status):
-    # every status a stopped run's summary can hold (train.config.STOPPED_STATUSES); a fresh log is not "running"
+@pytest.mark.parametrize("status, verdict", [("time_limit", "timeout"), ("preempted", "interrupted"), ("stopped", "interrupted"),
+                                             ("interrupted", "interrupted")])
+def test_stopped_statuses(tmp_path, status, verdict):
+    """Every status a stopped run's summary can hold (train.config.STOPPED_STATUSES): "timeout" only when its
+    time ran out, "interrupted" for Ctrl-C, a terminated sweep or a preemption; a fresh log is not "running"."""
     from fp4lab.train.config import STOPPED_STATUSES
 
     assert status in STOPPED_STATUSES
     run = write_run(tmp_path / "r", curve(50), status=status)
-    assert scan(run, now=OLD).verdict == "timeout"
-    assert scan(run, now=(run / "metrics.jsonl").stat().st_mtime + 1).verdict == "timeout"
+    assert scan(run, now=OLD).verdict == verdict
+    assert scan(run, now=(run / "metrics.jsonl").stat().st_mtime + 1).verdict == verdict
 
 
 def test_running_crashed_and_stalled(tmp_path):
@@ -575,7 +577,7 @@ def test_fp4lab_local_worker_log(tmp_path):
         command = [sys.executable, "-m", "fp4lab.cli", "train", "--config", str(config), "--out", str(tmp_path / "run")]
         assert subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=300).returncode == 0, log.read_text()
     text = log.read_text()
-    assert "step 8/8 loss " in text and " val_loss " in text and "status: completed" in text
+    assert "step 7/7 loss " in text and " val_loss " in text and "status: completed" in text
     result = scan(log)  # fresh, but its summary block says it finished
     assert result.source == "fp4lab" and result.verdict == "converged" and not result.live
     assert result.last_step == 8 and result.final_val_loss is not None and result.summary_status == "completed"
@@ -604,9 +606,9 @@ def test_cli_scans_every_path_and_reports_the_missing_one(run_cli, tmp_path):
     out = run_cli("scan", str(nanogpt), str(missing), str(spiked), "--events")
     assert out.returncode == 2
     assert out.stderr.strip() == f"fp4lab: error: scan: no such run folder or log: {missing}"
-    lines = out.stdout.splitlines()
-    assert lines[0].startswith(f"{nanogpt}: running") and lines[1].startswith(f"{spiked}: unstable (live)")
-    assert lines[2].startswith("    loss_spike@2500: ")
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("│ nanogpt.log ", "│ megatron.out "))]
+    assert len(rows) == 2 and "running" in rows[0] and "unstable (live)" in rows[1]
+    assert any(line.startswith("  megatron.out: loss_spike@2500: ") for line in out.stdout.splitlines())
     assert run_cli("scan", str(spiked), "--not-running").returncode == 1
     assert run_cli("scan", str(nanogpt)).returncode == 0
     verdicts = json.loads(run_cli("scan", str(nanogpt), str(spiked), "--json").stdout)

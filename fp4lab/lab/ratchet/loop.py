@@ -263,23 +263,41 @@ class Ratchet:
     def _decide(self, number: int, proposal: Proposal | None, outcome: Outcome, tree: Path) -> None:
         best, best_values = self._best([r for r in self._records() if r["extra"]["iteration"] != number])
         sigma = (self._record(0) or {}).get("extra", {}).get("sigma") or 0.0
-        if number == 0:
-            decision = "baseline" if outcome.healthy else "crash"
-        elif not outcome.healthy or outcome.metric is None:
-            decision = "crash"
-        elif best is None:
-            decision = "keep"
-        elif self.program.noise.rule == "paired" and len(best_values) == len(outcome.values) > 1:
-            chance = self._paired_probability(outcome.values, best_values)
-            decision = "keep" if chance >= self.program.noise.confidence else "discard"
-        else:  # rule "sigma": the proposal's first-seed run against the best's run on that seed
-            reference = best_values[0] if best_values and best_values[0] is not None else best
-            gate = self.program.noise.k * sigma
-            decision = "keep" if self.program.improvement(outcome.values[0], reference) > gate else "discard"
+        decision, judged = self._judge(number, outcome, best, best_values, sigma)
         if decision == "keep" and tree != self.worktree and not self._land(number, tree):
             outcome.note = "stale: the branch moved and the change no longer gives the tree that was measured"
-            decision = "stale"
-        self._finish(number, proposal, outcome, decision, best=best, sigma=sigma)
+            decision, judged["reason"] = "stale", outcome.note
+        self._finish(number, proposal, outcome, decision, best=best, sigma=sigma, judged=judged)
+
+    def _judge(self, number: int, outcome: Outcome, best: float | None, best_values: list[float], sigma: float) -> tuple[str, dict[str, Any]]:
+        """(decision, how it was decided): the value the gate compared with, the gain over it (positive =
+        better, in metric units), the gate (rule "sigma": k * sigma; rule "paired": the bootstrap
+        probability against the confidence) and the reason in words, recorded and shown as decided."""
+        noise = self.program.noise
+        if number == 0:
+            healthy = outcome.healthy
+            return ("baseline" if healthy else "crash"), {"reason": "the unchanged tree" if healthy else f"baseline unhealthy: {_verdicts(outcome)}"}
+        if not outcome.healthy or outcome.metric is None:
+            return "crash", {"reason": f"unhealthy: {_verdicts(outcome)}"}
+        if best is None:
+            return "keep", {"reason": "no healthy result before it"}
+        if noise.rule == "paired" and len(best_values) == len(outcome.values) > 1:
+            reference = sum(best_values) / len(best_values)
+            chance = self._paired_probability(outcome.values, best_values)
+            keep = chance >= noise.confidence
+            return ("keep" if keep else "discard"), {
+                "rule": "paired", "compared_with": reference, "gain": self.program.improvement(outcome.metric, reference),
+                "probability": chance, "confidence": noise.confidence,
+                "reason": f"P(better) {chance:.3f} {'>=' if keep else '<'} confidence {noise.confidence:g} (paired over {len(best_values)} seeds)",
+            }  # fmt: skip
+        # rule "sigma": the proposal's first-seed run against the best's run on that seed (same init and batches)
+        reference = best_values[0] if best_values and best_values[0] is not None else best
+        gain, gate = self.program.improvement(outcome.values[0], reference), noise.k * sigma
+        keep = gain > gate
+        return ("keep" if keep else "discard"), {
+            "rule": "sigma", "compared_with": reference, "gain": gain, "gate": gate,
+            "reason": f"gain {gain:.4g} {'>' if keep else '<='} gate {noise.k:g} x sigma = {gate:.4g} (seed 0 against seed 0)",
+        }
 
     def _land(self, number: int, tree: Path) -> bool:
         """Put a worker's change on the branch head (the main worktree). True when the result is the very
@@ -301,12 +319,15 @@ class Ratchet:
         return True
 
     def _finish(self, number: int, proposal: Proposal | None, outcome: Outcome, decision: str, *,
-                best: float | None = None, sigma: float | None = None, record: dict[str, Any] | None = None) -> None:
-        """Record the decision in the catalog, then commit or revert, write results.tsv, mark done."""
+                best: float | None = None, sigma: float | None = None, record: dict[str, Any] | None = None,
+                judged: dict[str, Any] | None = None) -> None:
+        """Record the decision (and how it was judged: _judge) in the catalog, then commit or revert, write
+        results.tsv, mark done."""
         fields: dict[str, Any] = {
             "iteration": number, "phase": "decided", "decision": decision, "metric": outcome.metric,
             "values": outcome.values, "verdicts": outcome.verdicts, "healthy": outcome.healthy, "note": outcome.note,
             "best_before": best, "metric_name": self.program.metric, "direction": self.program.direction,
+            **({"reason": outcome.note} if decision == "duplicate" else {}), **(judged or {}),
         }
         if number == 0:
             finite = [v for v in outcome.values if v is not None]
@@ -375,7 +396,7 @@ class Ratchet:
         try:
             proposal = proposer.propose(context)
         except (ProposalError, AgentError) as exc:
-            self._finish(number, None, Outcome([], False, [], f"rejected proposal: {exc}"), "invalid",
+            self._finish(number, None, Outcome([], False, []), "invalid", judged={"reason": f"rejected proposal: {exc}"},
                          record={"base_commit": repo.git(self.worktree, "rev-parse", "HEAD"),
                                  "proposal": {"source": self.proposer_name, "error": str(exc)}})
             return None
@@ -635,23 +656,23 @@ class WorktreeCommand:
     def __call__(self) -> tuple[int | None, str]:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         header = f"$ {shlex.join(self.argv)}\n"
-        try:
-            done = subprocess.run(self.argv, cwd=self.cwd, env=os.environ | self.env, capture_output=True, text=True,
-                                  timeout=self.timeout_s, preexec_fn=_die_with_parent)
-        except subprocess.TimeoutExpired as exc:
-            output = _text(exc.stdout) + _text(exc.stderr)
-            self.log.write_text(header + output + "\n[timed out]\n")
-            return None, f"timed out after {self.timeout_s / 60:.3g} min"
-        except OSError as exc:
-            self.log.write_text(header + f"[cannot run: {exc.strerror}]\n")
-            return 127, f"cannot run {self.argv[0]!r}: {exc.strerror}"
-        output = done.stdout + done.stderr
-        self.log.write_text(header + output + f"\n[exit {done.returncode}]\n")
-        return done.returncode, output
-
-
-def _text(data: str | bytes | None) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+        # One stream, written as it comes: the log reads in the order the run printed (its progress lines
+        # on stderr before its summary on stdout) and can be followed while the experiment runs.
+        with open(self.log, "w") as log:
+            log.write(header)
+            log.flush()
+            try:
+                done = subprocess.run(self.argv, cwd=self.cwd, env=os.environ | self.env, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=self.timeout_s, preexec_fn=_die_with_parent)
+            except subprocess.TimeoutExpired:
+                log.write("\n[timed out]\n")
+                return None, f"timed out after {self.timeout_s / 60:.3g} min"
+            except OSError as exc:
+                log.write(f"[cannot run: {exc.strerror}]\n")
+                return 127, f"cannot run {self.argv[0]!r}: {exc.strerror}"
+            log.write(f"\n[exit {done.returncode}]\n")
+        output = self.log.read_text(errors="replace")[len(header):]
+        return done.returncode, output.removesuffix(f"\n[exit {done.returncode}]\n")
 
 
 def _die_with_parent() -> None:
@@ -691,6 +712,11 @@ def _history_row(record: dict[str, Any]) -> dict[str, Any]:
     return {"iteration": extra["iteration"], "decision": extra.get("decision"), "metric": extra.get("metric"),
             "kind": proposal.get("kind"), "params": proposal.get("params"), "rationale": proposal.get("rationale"),
             "note": extra.get("note")}
+
+
+def _verdicts(outcome: Outcome) -> str:
+    bad = [v for v in outcome.verdicts if v not in ("converged", "running")] or outcome.verdicts
+    return ", ".join(bad) + (f" ({outcome.note})" if outcome.note else "") if bad else outcome.note or "no metric"
 
 
 def _stdev(values: list[float]) -> float:

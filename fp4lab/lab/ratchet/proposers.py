@@ -28,6 +28,7 @@ Safety rules, enforced here whatever the proposer:
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
@@ -202,10 +203,13 @@ def _check_params(params: Any, program: Program) -> dict[str, Any]:
     if not isinstance(params, dict) or not params:
         raise ProposalError("params must be a non-empty object of search-space values")
     allowed = ", ".join(program.search_space) or "none ([search_space] is empty; propose a diff)"
+    unknown = [name for name in params if name not in program.search_space]
+    if unknown:
+        hints = "".join(f" (params.{name}: did you mean {close!r}?)" for name in unknown
+                        for close in difflib.get_close_matches(name, program.search_space, n=1))
+        raise ProposalError(f"params {', '.join(map(repr, unknown))}: not [search_space] key(s){hints}; allowed: {allowed}")
     checked = {}
     for name, value in params.items():
-        if name not in program.search_space:
-            raise ProposalError(f"params.{name}: not a [search_space] key; allowed: {allowed}")
         try:
             checked[name] = search_space.checked_value(f"params.{name}", value, program.search_space[name])
         except ValueError as exc:
@@ -356,8 +360,9 @@ class OptunaProposer:
         return self._proposal(number, {name: trials[0].params[name] for name in self.program.search_space})
 
     def _proposal(self, number: int, params: dict[str, Any]) -> Proposal:
-        return Proposal(kind="params", params=params, diff=None, rationale=f"optuna TPE trial {number}",
-                        source="optuna", trial=number)
+        # The study's trial number stays in the record (to resume it) but out of the text a person reads:
+        # trials count from 0 and iterations from 1 (0 is the baseline), so one numbering is shown.
+        return Proposal(kind="params", params=params, diff=None, rationale="optuna TPE", source="optuna", trial=number)
 
 
 class LLMProposer(StatelessProposer):

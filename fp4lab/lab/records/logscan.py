@@ -124,12 +124,13 @@ __all__ = [
     "ScanResult",
     "ScanThresholds",
     "format_result",
+    "result_fields",
     "scan",
 ]
 
 VERDICTS = (
     "converged", "diverged", "entropy_collapse", "loss_vanished", "no_loss", "unstable", "crashed", "timeout",
-    "stalled", "running",
+    "interrupted", "stalled", "running",
 )
 HEALTHY_VERDICTS = ("converged", "running")  # every other verdict is an alarm (`fp4lab scan` exits 1)
 EVENT_KINDS = ("nan", "loss_missing", "loss_spike", "loss_above_start", "grad_spike", "entropy_collapse", "max_logit", "stalled")
@@ -141,6 +142,9 @@ CRASH_MARKERS = re.compile(
     r"Traceback \(most recent call last\)|CUDA error|out of memory|OutOfMemoryError|Segmentation fault|NCCL error",
 )
 TIMEOUT_MARKERS = re.compile(r"DUE TO TIME LIMIT|DUE TO PREEMPTION")
+# A run stopped before its end: "timeout" when its time ran out (its budget, Slurm's time limit), else
+# "interrupted" (Ctrl-C, a terminated sweep, a preemption); either resumes from its checkpoint.
+TIME_LIMIT_STATUSES = ("time_limit",)
 # Colour codes (torchtitan colours every field) are removed before a line is matched.
 ANSI_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 TERMINAL_STATUSES = ENDED_STATUSES + STOPPED_STATUSES
@@ -502,7 +506,8 @@ def _verdict(evidence: _Evidence, th: ScanThresholds) -> tuple[str, int | None, 
     if text.crash is not None and text.timeout is None:
         return "crashed", None, f"crash marker in log: {text.crash!r}"
     if running is not True and (status in STOPPED_STATUSES or text.timeout is not None):
-        return "timeout", None, f"summary status {status}" if status else f"marker in log: {text.timeout!r}"
+        ran_out = status in TIME_LIMIT_STATUSES if status else "TIME LIMIT" in text.timeout
+        return "timeout" if ran_out else "interrupted", None, f"summary status {status}" if status else f"marker in log: {text.timeout}"
     if evidence.kind == "fp4lab" and not evidence.finished and not evidence.live:
         return "crashed", None, "no summary.json" + (" and running=False" if running is False else f" and log idle {age:.0f} s")
     if not detector.losses_seen:
@@ -560,38 +565,55 @@ def _no_loss_reason(counts: dict[str, int], source: str, live: bool) -> str:
     return where + ("; if the job just started, scan again after its first log interval" if live else "")
 
 
-def format_result(result: ScanResult) -> str:
-    """One line for a human: path, verdict (and "live" while the job runs), progress, losses, events,
-    skipped lines. A diverged run shows its last finite loss and the step it diverged at."""
-    parts = [f"{result.path}: {result.verdict}" + (" (live)" if result.live and result.status != "running" else "")]
-    if result.last_step is not None:
-        parts.append(f"step {result.last_step}")
+def result_fields(result: ScanResult) -> dict[str, str]:
+    """A scan result as a person reads it, field by field (format_result's line, `fp4lab scan`'s table):
+    verdict (and "live" while the job runs), step, loss (a diverged run: its last finite loss and the step
+    it diverged at), val, and notes (events, skipped lines, why no loss was found)."""
+    fields = {"verdict": result.verdict + (" (live)" if result.live and result.status != "running" else ""),
+              "step": "" if result.last_step is None else str(result.last_step), "loss": "", "val": "", "notes": ""}
     if result.status in ("diverged", "loss_vanished"):
         what = "diverged" if result.status == "diverged" else "loss missing from"
         if result.last_finite_loss is not None:
-            parts.append(f"last finite loss {result.last_finite_loss:.4f} at step {result.last_finite_step}, {what} step {result.verdict_step}")
+            fields["loss"] = f"last finite loss {result.last_finite_loss:.4f} at step {result.last_finite_step}, {what} step {result.verdict_step}"
         else:
-            parts.append(f"no finite loss; {what} step {result.verdict_step}")
+            fields["loss"] = f"no finite loss; {what} step {result.verdict_step}"
     elif result.final_train_loss is not None:
         best = f" (best {result.best_train_loss:.4f})" if result.best_train_loss is not None and result.best_train_loss != result.final_train_loss else ""
-        parts.append(f"loss {result.final_train_loss:.4f}{best}")
+        fields["loss"] = f"{result.final_train_loss:.4f}{best}"
     elif result.best_train_loss is not None:
-        parts.append(f"best loss {result.best_train_loss:.4f}")
+        fields["loss"] = f"best {result.best_train_loss:.4f}"
     if result.final_val_loss is not None:
-        parts.append(f"val {result.final_val_loss:.4f}")
+        fields["val"] = f"{result.final_val_loss:.4f}"
+    notes = []
     if result.events:
         summary = []
         for kind in EVENT_KINDS:
             if kind in result.first_step:
                 n = sum(1 for e in result.events if e.kind == kind)
                 summary.append(f"{kind}@{result.first_step[kind]}" + (f" x{n}" if n > 1 else ""))
-        parts.append("events: " + ", ".join(summary))
+        notes.append("events: " + ", ".join(summary))
     else:
-        parts.append("no events")
+        notes.append("no events")
     if result.status == "no_loss":
-        parts.append(result.reasons[0])
+        notes.append(result.reasons[0])
     if result.counts.get("skipped_lines"):
-        parts.append(f"{result.counts['skipped_lines']} bad lines skipped")
+        notes.append(f"{result.counts['skipped_lines']} bad lines skipped")
+    fields["notes"] = "; ".join(notes)
+    return fields
+
+
+def format_result(result: ScanResult) -> str:
+    """One line for a human: path, verdict, progress, losses, events, skipped lines (result_fields)."""
+    fields = result_fields(result)
+    parts = [f"{result.path}: {fields['verdict']}"]
+    if fields["step"]:
+        parts.append(f"step {fields['step']}")
+    loss = fields["loss"]
+    if loss:
+        parts.append(f"best loss {loss[5:]}" if loss.startswith("best ") else loss if loss.startswith(("last finite", "no finite")) else f"loss {loss}")
+    if fields["val"]:
+        parts.append(f"val {fields['val']}")
+    parts += fields["notes"].split("; ")
     return " | ".join(parts)
 
 

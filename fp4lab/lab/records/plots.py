@@ -33,8 +33,12 @@ PLOT_CAPTIONS = {
     "line style and marker: layer. An x marks a run's divergence.",
 }
 
-PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
-           "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan")  # fmt: skip
+# One colour per recipe in every figure of every report: bf16 black (the reference, as the excess plot's 0
+# line), each built-in recipe its own colour by its place among them, another recipe one chosen by its name.
+BASELINE_COLOUR = "black"
+PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+           "tab:cyan", "navy", "darkgoldenrod", "teal", "crimson", "indigo", "saddlebrown", "olivedrab", "deeppink",
+           "slategray")  # fmt: skip
 LINESTYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")
 
@@ -57,13 +61,39 @@ def png_bytes(fig) -> bytes:
     return buffer.getvalue()
 
 
+def recipe_colour(recipe: str) -> str:
+    """The recipe's colour, the same in every figure and every report (PALETTE)."""
+    import hashlib
+
+    from fp4lab.nn.recipe import list_recipes
+
+    if recipe == BASELINE:
+        return BASELINE_COLOUR
+    builtin = [name for name in list_recipes() if name != BASELINE]
+    index = builtin.index(recipe) if recipe in builtin else int(hashlib.sha1(recipe.encode()).hexdigest(), 16)
+    return PALETTE[index % len(PALETTE)]
+
+
+def row_style(report: Report, index: int) -> tuple[str, Any]:
+    """(colour, line style) of ledger row `index`: its recipe's colour; rows of one recipe (other configs
+    or sweeps) differ in line style."""
+    recipes = list(report.ledger["recipe"])
+    return recipe_colour(recipes[index]), _linestyle(recipes[:index].count(recipes[index]))
+
+
+def _row_of(report: Report, run_id: str) -> int | None:
+    return next((index for index, run_ids in enumerate(report.groups) if run_id in run_ids), None)
+
+
 def run_label(report: Report, run_id: str) -> str:
-    """A run's name as the sweep gave it, else its id."""
-    for r in report.records:
-        if r["id"] == run_id:
-            name = (r.get("extra") or {}).get("name")
-            return str(name or run_id)
-    return run_id
+    """A run as the figures name it: its ledger row's label, and its seed where the row has several."""
+    index = _row_of(report, run_id)
+    if index is None:
+        return run_id
+    record = next((r for r in report.records if r["id"] == run_id), {})
+    seed = (record.get("config") or {}).get("seed")
+    several = len(report.groups[index]) > 1
+    return group_label(report, index, 1) + (f", seed {seed}" if several and seed is not None else "")
 
 
 def group_label(report: Report, index: int, seeds: int | None = None) -> str:
@@ -84,11 +114,6 @@ def _linestyle(index: int) -> Any:
     if index < len(LINESTYLES):
         return LINESTYLES[index]
     return (0, (3 + index - len(LINESTYLES), 1.5, 1, 1.5))
-
-
-def _style(index: int) -> tuple[str, Any]:
-    """(colour, line style) of series `index`: the ten colours, then again with the next line style."""
-    return PALETTE[index % len(PALETTE)], _linestyle(index // len(PALETTE))
 
 
 def divergence_step(record: dict[str, Any], last_step: int | None = None) -> int | None:
@@ -127,6 +152,7 @@ class ExcessCurve:
     """One ledger row's loss excess vs bf16 as plotted: smoothed, with its seed-noise band."""
 
     label: str
+    index: int  # its ledger row
     run_ids: list[str]
     steps: list[int]
     smoothed: list[float]  # mean over the row's seeds of each seed's smoothed excess (%)
@@ -182,13 +208,13 @@ def excess_curves(report: Report) -> list[ExcessCurve]:
                 variance = variance + variance_of_mean(frame)
                 sides.append(f"{len(ids)} {side} seeds")
             band = variance.pow(0.5)
-            band_label = f"seed noise, ±1 s.e. ({'; '.join(sides)})"
+            band_label = f"±1 s.e. of seeds ({'; '.join(sides)})"
         else:
             raw = excess(members[0], ref).sort_index()
             band = (raw - curve).rolling(window, center=True, min_periods=2).std()
-            band_label = "step-to-step noise of the raw excess, ±1 std (one seed each)"
+            band_label = "±1 std of step-to-step noise (one seed each)"
         curves.append(ExcessCurve(
-            label=group_label(report, index, len(members)), run_ids=members, steps=[int(s) for s in curve.index],
+            label=group_label(report, index, len(members)), index=index, run_ids=members, steps=[int(s) for s in curve.index],
             smoothed=curve.tolist(), band=band.reindex(curve.index).tolist(), band_label=band_label,
             per_run={i: ([int(s) for s in runs[i].dropna().index], runs[i].dropna().tolist()) for i in members},
         ))  # fmt: skip
@@ -230,19 +256,25 @@ def plot_figure(report: Report, which: str):
 
 def _draw_loss_curves(ax, report: Report, records: dict[str, dict[str, Any]]) -> bool:
     """Every run's train loss and validation losses, one colour and line style per ledger row."""
-    drawn = False
+    drawn = val_drawn = False
     for index, run_ids in enumerate(report.groups):
-        colour, linestyle = _style(index)
+        colour, linestyle = row_style(report, index)
         label = group_label(report, index)
         for seed_index, run_id in enumerate(i for i in run_ids if i in report.metrics):
             m = report.metrics[run_id]
             ax.plot(m.steps, m.loss, color=colour, linestyle=linestyle, linewidth=1,
                     label=label if seed_index == 0 else "_nolegend_")  # fmt: skip
-            if m.val:
-                ax.plot([s for s, _ in m.val], [v for _, v in m.val], "o", color=colour, markersize=4)
+            if m.val:  # large, white-edged diamonds over the curve: seen apart from the train line
+                ax.plot([s for s, _ in m.val], [v for _, v in m.val], linestyle="none", marker="D", markersize=7,
+                        markerfacecolor=colour, markeredgecolor="white", markeredgewidth=1.2, zorder=3,
+                        label="_nolegend_")  # fmt: skip
+                val_drawn = True
             _mark_divergence(ax, records[run_id], m.steps, m.loss, colour, run_label(report, run_id))
             drawn = True
-    ax.set(xlabel="step", ylabel="train loss (o: val loss)", title="loss curves")
+    if val_drawn:
+        ax.plot([], [], linestyle="none", marker="D", markersize=7, markerfacecolor="grey", markeredgecolor="white",
+                label="validation loss (its row's colour)")  # fmt: skip
+    ax.set(xlabel="step", ylabel="loss (lines: train, diamonds: validation)", title="loss curves")
     if _spans_decades(report.metrics[i].loss for ids in report.groups for i in ids if i in report.metrics):
         ax.set_yscale("log")  # a run that blew up to thousands would flatten every other curve
     return drawn
@@ -251,28 +283,28 @@ def _draw_loss_curves(ax, report: Report, records: dict[str, dict[str, Any]]) ->
 def _draw_loss_excess(ax, report: Report, records: dict[str, dict[str, Any]]) -> bool:
     """Each non-bf16 row's smoothed excess over its bf16 reference, with its noise band (`excess_curves`)."""
     drawn = False
-    for index, curve in enumerate(excess_curves(report)):
-        colour, linestyle = _style(index)
+    for curve in excess_curves(report):
+        colour, linestyle = row_style(report, curve.index)
         ax.plot(curve.steps, curve.smoothed, color=colour, linestyle=linestyle, linewidth=1.5,
-                label=f"{curve.label} (smoothed)")  # fmt: skip
+                label=f"{curve.label}\n  band: {curve.band_label}")  # fmt: skip
         known = [math.isfinite(b) for b in curve.band]
         width = [b if k else 0.0 for b, k in zip(curve.band, known)]
         low = [c - b for c, b in zip(curve.smoothed, width)]
         high = [c + b for c, b in zip(curve.smoothed, width)]
-        ax.fill_between(curve.steps, low, high, where=known, color=colour, alpha=0.18, linewidth=0,
-                        label=f"{curve.label}: {curve.band_label}")  # fmt: skip
+        ax.fill_between(curve.steps, low, high, where=known, color=colour, alpha=0.18, linewidth=0, label="_nolegend_")
         for run_id, (steps, values) in curve.per_run.items():
             _mark_divergence(ax, records[run_id], steps, values, colour, run_label(report, run_id))
         drawn = True
     if drawn:
-        ax.axhline(0, color="black", linewidth=0.8, label="bf16 reference (0 %)")
+        ax.axhline(0, color=BASELINE_COLOUR, linewidth=0.8, label="bf16 (the reference, 0 %)")
     ax.set(xlabel="step", ylabel="train loss excess vs bf16 (%)",
            title=f"loss excess vs bf16, centered rolling mean over {smoothing_window(report)} logged steps")
     return drawn
 
 
-# Up to this many probed runs a probe plot draws every layer of every run; past it, one line per ledger row.
-PER_LAYER_RUNS = len(PALETTE)
+# Up to this many probed runs, one per ledger row, a probe plot draws every layer of every run; otherwise
+# one line per ledger row (so a colour always means one recipe).
+PER_LAYER_RUNS = 10
 PROBE_LABELS = {"entropy": "attention entropy (mean over heads)", "max_logit": "max logit (max over heads)"}
 
 
@@ -280,7 +312,8 @@ def _draw_probes(ax, report: Report, records: dict[str, dict[str, Any]], attr: s
     """A probe (`entropy` or `max_logit` of RunMetrics): every layer of every run for a few runs, else the
     ledger rows' worst layer (`_draw_probe_rows`); (whether any was drawn, the legend's handles)."""
     probed = [(run_id, getattr(m, attr)) for run_id, m in report.metrics.items() if getattr(m, attr)]
-    if len(probed) > PER_LAYER_RUNS:
+    rows = [_row_of(report, run_id) for run_id, _ in probed]
+    if len(probed) > PER_LAYER_RUNS or len(set(rows)) < len(rows):
         return _draw_probe_rows(ax, report, records, attr)
     return _draw_probe_layers(ax, report, records, attr, probed)
 
@@ -291,8 +324,9 @@ def _draw_probe_layers(ax, report: Report, records: dict[str, dict[str, Any]], a
 
     n_layers = max((len(v) for _, series in probed for _, v in series), default=0)
     handles = []
-    for i, (run_id, series) in enumerate(probed):
-        colour = PALETTE[i]
+    for run_id, series in probed:
+        index = _row_of(report, run_id)
+        colour = row_style(report, index)[0] if index is not None else "grey"
         for layer in range(max(len(v) for _, v in series)):
             pts = [(s, v[layer]) for s, v in series if layer < len(v)]
             xs, ys = [s for s, _ in pts], [y for _, y in pts]
@@ -326,7 +360,7 @@ def _draw_probe_rows(ax, report: Report, records: dict[str, dict[str, Any]], att
             for step, value in series:
                 by_step.setdefault(step, []).append(value)
         steps = sorted(by_step)
-        colour, linestyle = _style(index)
+        colour, linestyle = row_style(report, index)
         means.append([sum(by_step[s]) / len(by_step[s]) for s in steps])
         ax.plot(steps, means[-1], color=colour, linestyle=linestyle,
                 marker=".", markersize=4, linewidth=1.2, label=group_label(report, index, len(per_run)))  # fmt: skip

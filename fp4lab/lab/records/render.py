@@ -45,11 +45,15 @@ def _full_rows(report: Report) -> list[list[str]]:
             for _, row in report.ledger.iterrows()]  # fmt: skip
 
 
-_CONSOLE_COLUMNS = (  # header, right-aligned, may wrap
-    ("sweep", False, True), ("recipe", False, False), ("config", False, True), ("seeds", True, False),
-    ("val loss", True, False), ("excess %", True, False), ("val loss\nvs bf16", True, False),
-    ("steady\ntok/s", True, False), ("verdicts", False, True),
-)  # fmt: skip
+def _console_columns(report: Report):
+    from fp4lab.lab.records.tables import Column
+
+    return [
+        Column("sweep", wraps=True), Column("recipe", identifies=True), Column("config", wraps=True), Column("seeds", right=True),
+        Column("val excess %\n(+ = worse)", right=True, identifies=True), Column("vs bf16\n(95 % CI)", wraps=True),
+        Column("val loss", right=True), Column("train excess %\n(mean, steps)", right=True), Column("steady\ntok/s", right=True),
+        Column("verdicts", wraps=True, identifies=True),
+    ]  # fmt: skip
 
 
 def _console_rows(report: Report) -> list[list[str]]:
@@ -57,13 +61,20 @@ def _console_rows(report: Report) -> list[list[str]]:
     for _, row in report.ledger.iterrows():
         val_std = format_cell(row["final_val_loss_std"], 4)
         excess_std = format_cell(row["excess_pct_std"], 2)
+        val_excess_std = format_cell(row["val_excess_pct_std"], 2)
         first_bad = row["first_bad_event"]
         verdicts = row["verdicts"].removesuffix(" x1") if row["n_seeds"] == 1 else row["verdicts"]
-        versus = "\n".join(format_cell(row[c]) for c in ("vs_bf16", "val_excess_ci95") if format_cell(row[c]))
+        val_excess = signed_cell(row["val_excess_pct_mean"])
+        if val_excess and int(row["n_completed"]) == 1:
+            val_excess += "\n1 seed"  # one value, no spread: what the CI column cannot judge yet
+        elif val_excess_std:
+            val_excess += f"\n±{val_excess_std}"
+        versus = row["vs_bf16"] if row["vs_bf16"] != "n/a" or not val_excess else "needs 2 seeds"
+        versus = "\n".join(v for v in (format_cell(versus), format_cell(row["val_excess_ci95"])) if v)
         rows.append([
-            row["sweep"], row["recipe"], row["config"], _seed_count(row),
+            row["sweep"], row["recipe"], row["config"], _seed_count(row), val_excess, versus,
             format_cell(row["final_val_loss_mean"], 4) + (f"\n±{val_std}" if val_std else ""),
-            signed_cell(row["excess_pct_mean"]) + (f"\n±{excess_std}" if excess_std else ""), versus,
+            signed_cell(row["excess_pct_mean"]) + (f"\n±{excess_std}" if excess_std else ""),
             format_cell(row["steady_tokens_per_s_mean"], 0), verdicts + (f"\nfirst: {first_bad}" if first_bad else ""),
         ])  # fmt: skip
     return rows
@@ -76,31 +87,26 @@ def _seed_count(row) -> str:
 
 
 def render_ledger(report: Report):
-    """The ledger as a rich Table that reads in a 100-column terminal: the columns that decide between
-    recipes (val loss, train-loss excess, whether the val loss differs from bf16 beyond seed noise, with
-    its 95 % interval), a seed spread on a second line, recipe names never wrapped or cut (the config,
-    sweep and verdict columns wrap instead; config only when the rows differ in it). The full table is in
-    ledger.csv, ledger.md and report.html."""
-    from rich.table import Table
+    """The ledger as a rich Table that reads in an 80-column terminal (tables.runs_table): it leads with
+    the validation-loss excess over bf16 (positive = worse, as every excess fp4lab shows), whether that
+    differs from bf16 beyond seed noise (with its 95 % interval; one seed says so), then the val loss,
+    the train-loss excess labelled as such, steady tokens/s and verdicts; a seed spread on a second line.
+    The full table is in ledger.csv, ledger.md and report.html."""
+    from fp4lab.lab.records.tables import runs_table
 
     title = f"recipe ledger{' of ' + report.sweep if report.sweep else ''} ({report.catalog_path})"
     caption = [
         *report.notes,
-        "excess %: train-loss excess over bf16, mean over steps, ± std over seeds",
-        "val loss vs bf16: 95 % CI of the difference of means, in % of bf16 (paired by seed, else Welch's)",
-        "train loss, last-step excess, bf16 runs, run ids: ledger.csv, ledger.md, report.html",
+        "excess: 100 x (run - bf16) / bf16; positive = worse than bf16",
+        "val excess %: final val loss; train excess %: train loss, mean over steps; ± std over seeds",
+        "vs bf16: 95 % CI of the val-loss difference of means (paired by seed, else Welch's)",
+        "everything else: ledger.csv, ledger.md, report.html",
     ]
-    table = Table(title=title, caption="\n".join(caption))
-    hidden = set() if report.sweep is None else {"sweep"}
-    if (report.ledger["config"] == "default").all():  # one config: the column would repeat "default"
-        hidden.add("config")
-    shown = [i for i, (header, _, _) in enumerate(_CONSOLE_COLUMNS) if header not in hidden]
-    for i in shown:
-        header, right, wraps = _CONSOLE_COLUMNS[i]
-        table.add_column(header, justify="right" if right else "left", no_wrap=not wraps, overflow="fold")
-    for row in _console_rows(report):
-        table.add_row(*(row[i] for i in shown))
-    return table
+    columns = _console_columns(report)
+    rows = _console_rows(report)
+    if report.sweep is not None:  # a report of one sweep: its name is in the title
+        columns, rows = columns[1:], [row[1:] for row in rows]
+    return runs_table(title, columns, rows, caption=caption)
 
 
 def _excess_method(report: Report) -> str:

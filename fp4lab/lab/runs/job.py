@@ -214,7 +214,7 @@ def finish_run(run: RunSpec, catalog: Catalog, thresholds: ScanThresholds, *, re
         fields["verdict"] = result.verdict
         fields["events"] = result.to_dict()["events"]
     else:
-        fields["verdict"] = None if state == "interrupted" else "crashed"
+        fields["verdict"] = "interrupted" if state in ("interrupted", "preempted") else "crashed"
     if summary:
         fields["summary"] = {
             "final_train_loss": summary_value(summary, "final_train_loss"),
@@ -223,10 +223,12 @@ def finish_run(run: RunSpec, catalog: Catalog, thresholds: ScanThresholds, *, re
             "best_val_loss": summary.get("best_val_loss"),
             "tokens_per_s": summary.get("tokens_per_s"),
             "startup_seconds": summary.get("startup_seconds"),
+            "resumed_from_step": summary.get("resumed_from_step"),
+            "steps_completed": summary.get("steps_completed"),
             "peak_memory_mb": summary.get("peak_memory_mb"),
             "loss_at_steps": loss_at_steps(run_dir / "metrics.jsonl"),
         }
-        fields["paths"] = {"checkpoint": catalog.relative(run_dir / "checkpoint.pt")}
+        fields["paths"] = {"checkpoint": catalog.relative(run_dir / run_folder.CHECKPOINT)}
     return catalog.update(run.id, **fields)
 
 
