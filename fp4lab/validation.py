@@ -86,7 +86,7 @@ class Rule:
             if value in self.allowed:
                 return value
             shown = ", ".join(repr(a) if self.quote else str(a) for a in self.allowed)
-            raise fail(place, f"{value!r} is not supported; allowed: {shown}")
+            raise fail(place, f"{value!r} is not supported{did_you_mean(value, self.allowed)}; allowed: {shown}")
         if not self.accepts(value):
             raise fail(place, f"{value!r} must be {self.wants}")
         if self.items is not None:
@@ -230,6 +230,15 @@ def read_toml(path: Path, error: Callable[[str], Exception], what: str) -> dict[
         raise error(f"{path}: not UTF-8 text: {exc}") from None
 
 
+def did_you_mean(word: Any, candidates: Iterable[Any]) -> str:
+    """" (did you mean 'batch_size'?)" when one of `candidates` is close to `word` (difflib), else ""."""
+    import difflib
+
+    names = {str(c): c for c in candidates}
+    close = difflib.get_close_matches(str(word), list(names), n=1, cutoff=0.6)
+    return f" (did you mean {names[close[0]]!r}?)" if close else ""
+
+
 def known_keys(table: Mapping[str, Any], allowed: Iterable[str], where: str, fail: Fail) -> None:
     """Raise fail(place, message) for the first key of `table` not in `allowed`; `where` names the table
     (`base`, `[stop]`; "" at the top level) and `place` the key in it (`base.stepz`)."""
@@ -237,4 +246,4 @@ def known_keys(table: Mapping[str, Any], allowed: Iterable[str], where: str, fai
     for key in table:
         if key not in allowed:
             place = f"{where}.{key}" if where else key
-            raise fail(place, f"unknown key; allowed{' in ' + where if where else ''}: {', '.join(allowed)}")
+            raise fail(place, f"unknown key{did_you_mean(key, allowed)}; allowed{' in ' + where if where else ''}: {', '.join(allowed)}")

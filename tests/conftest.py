@@ -1,11 +1,13 @@
 """Shared test fixtures, and the markers that skip tests needing what this machine may lack:
 
 - `cuda`: an NVIDIA GPU;
-- `slurm`: the local single-node Slurm cluster (`sudo scripts/local-slurm.sh start`; CI starts it).
+- `slurm`: the local single-node Slurm cluster (`sudo scripts/local-slurm.sh start`; CI starts it);
+- `tmux`: the tmux terminal multiplexer (Debian package tmux; CI installs it).
 
-Both are decided once per session and applied to each marked test, so `pytest -rs` lists every
+Each is decided once per session and applied to each marked test, so `pytest -rs` lists every
 skipped test on its own line and the summary counts them all (a module-level skip would count a whole
-module as one)."""
+module as one). With FP4LAB_REQUIRE_TOOLS=1 (CI sets it) a missing Slurm or tmux fails those tests
+instead of skipping them: CI always runs them."""
 
 import os
 import shutil
@@ -22,6 +24,7 @@ SLURM_COMMANDS = ("sinfo", "sbatch", "squeue", "scontrol", "scancel")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slurm: needs the local Slurm cluster (scripts/local-slurm.sh); skipped without it")
+    config.addinivalue_line("markers", "tmux: needs tmux (a real terminal for the CLI); skipped without it")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         # `pytest -n N`: each worker gets its share of the cores; N workers of all-core OpenMP pools
@@ -64,12 +67,30 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
-    needs_slurm = [item for item in items if item.get_closest_marker("slurm") is not None]
-    reason = slurm_unavailable() if needs_slurm else None
-    if reason is not None:
-        skip = pytest.mark.skip(reason=f"needs the local Slurm cluster: {reason}; run `sudo scripts/local-slurm.sh start`")
-        for item in needs_slurm:
+    for marker, why in (("slurm", slurm_unavailable), ("tmux", tmux_unavailable)):
+        needing = [item for item in items if item.get_closest_marker(marker) is not None]
+        reason = why() if needing else None
+        if reason is None:
+            continue
+        if os.environ.get("FP4LAB_REQUIRE_TOOLS") == "1":  # CI: what it installed must be there
+            for item in needing:
+                item.missing_tool = reason
+                item.add_marker(pytest.mark.usefixtures("fail_for_missing_tool"))
+            continue
+        hint = "run `sudo scripts/local-slurm.sh start`" if marker == "slurm" else "install tmux (apt-get install tmux)"
+        skip = pytest.mark.skip(reason=f"needs {'the local Slurm cluster' if marker == 'slurm' else 'tmux'}: {reason}; {hint}")
+        for item in needing:
             item.add_marker(skip)
+
+
+def tmux_unavailable() -> str | None:
+    return None if shutil.which("tmux") else "tmux is not installed (no tmux on PATH)"
+
+
+@pytest.fixture
+def fail_for_missing_tool(request):
+    """FP4LAB_REQUIRE_TOOLS=1 and a tool this test needs is missing: a failure, not a skip."""
+    pytest.fail(f"FP4LAB_REQUIRE_TOOLS=1 but {request.node.missing_tool}")
 
 
 @pytest.fixture

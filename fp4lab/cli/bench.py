@@ -24,11 +24,13 @@ from fp4lab.cli.numerics import parse_shape
 
 # (model, batch, seq, timed steps, warmup, kernel shape) when not given: a GPU-sized run on CUDA, a
 # smoke-sized one on the CPU.
+SUITES = ("kernels", "gemm", "attention", "fusion", "steps")  # in the order `all` runs them
+DEFAULT_SUITES = ("kernels", "steps")
 BENCH_DEFAULTS = {"cuda": ("125m", 16, 1024, 20, 5, "8192x8192"), "cpu": ("tiny", 8, 128, 10, 2, "1024x1024")}
 
 
 def bench(
-    what: Annotated[BenchWhat, typer.Argument(help="kernels (quantizers vs a copy), steps (training steps vs the plain PyTorch loop), gemm (the MXFP4 GEMM on FP8 tensor cores vs bf16 cuBLAS, the 125m and 350m GEMMs at --batch-size x --seq-len), attention (Triton flash attention with the fused probes vs SDPA, fwd + bwd, head dims 64 and 128, seq 1024-8192), fusion (each fused FP4 producer vs its torch ops, eager and compiled, at the --model's widths and --batch-size x --seq-len tokens) or all. gemm, attention and fusion need CUDA.")] = "all",
+    what: Annotated[Optional[BenchWhat], typer.Argument(help="What to time (default: kernels and steps): kernels (quantizers vs a copy), steps (training steps vs the plain PyTorch loop), gemm (the MXFP4 GEMM on FP8 tensor cores vs bf16 cuBLAS, the 125m and 350m GEMMs at --batch-size x --seq-len), attention (Triton flash attention with the fused probes vs SDPA, fwd + bwd, head dims 64 and 128, seq 1024-8192), fusion (each fused FP4 producer vs its torch ops, eager and compiled, at the --model's widths and --batch-size x --seq-len tokens) or all (the five). gemm, attention and fusion need CUDA. Each table prints as its suite ends.")] = None,
     recipes: Annotated[str, typer.Option(help="Comma-separated recipes to time beside the anchor.")] = "bf16,nvfp4,nvfp4-all,mxfp4-rowsr-h32",
     model: Annotated[Optional[ModelPreset], typer.Option(help="Model preset (default 125m on CUDA, tiny on the CPU).")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Sequences per step (default 16 on CUDA, 8 on the CPU).")] = None,
@@ -47,7 +49,8 @@ def bench(
     profile: Annotated[Optional[Path], typer.Option(help="Also profile 3 steps of each run; kernel tables into this folder.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")] = False,
 ) -> None:
-    """Time fp4lab against its anchors: quantizers vs a copy, training steps vs a plain PyTorch loop."""
+    """Time fp4lab against its anchors: quantizers vs a copy, training steps vs a plain PyTorch loop (and,
+    asked by name or with `all`, the GEMM, attention and fused-producer kernels)."""
     import torch
     from rich.console import Console
 
@@ -62,26 +65,29 @@ def bench(
     if threads is not None:
         torch.set_num_threads(threads)
     console = Console(stderr=True, quiet=as_json)
+    tables = Console()
+    chosen = DEFAULT_SUITES if what is None else SUITES if what == "all" else (what,)
     report: dict = {"device": torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu", "torch": torch.__version__}
-    if what in ("all", "kernels"):
-        report["kernels"] = _time_quantizers(rows, cols, target, console, report["device"])
-    if what in ("all", "gemm"):
-        report["gemm"], report["tile_gemm"] = _time_gemms(batch_size, seq_len, target, console, report["device"])
-    if what in ("all", "attention"):
-        report["attention"] = _time_attention(target, console, report["device"])
-    if what in ("all", "fusion"):
-        report["fusion"] = _time_producer_fusion(model, model_shape, batch_size * seq_len, target, console, report["device"])
-    if what in ("all", "steps"):
-        console.print(f"training steps: {model}, {batch_size} x {seq_len}, {steps} timed after {warmup} warm-up")
-        report["steps"], report["ratios"] = _time_steps(
-            names, console, model=model, batch_size=batch_size, seq_len=seq_len, device=target, steps=steps, warmup=warmup,
-            compile=compile, cuda_graphs=cuda_graphs, attention_kernel=attention_kernel, mx_gemm=mx_gemm,
-            producer_fusion=producer_fusion, optimizer=optimizer, profile_dir=profile,
-        )
+    for suite in (s for s in SUITES if s in chosen):  # each table as soon as its suite ends: an interrupt keeps them
+        if suite == "kernels":
+            report["kernels"] = _time_quantizers(rows, cols, target, console, report["device"])
+        elif suite == "gemm":
+            report["gemm"], report["tile_gemm"] = _time_gemms(batch_size, seq_len, target, console, report["device"])
+        elif suite == "attention":
+            report["attention"] = _time_attention(target, console, report["device"])
+        elif suite == "fusion":
+            report["fusion"] = _time_producer_fusion(model, model_shape, batch_size * seq_len, target, console, report["device"])
+        else:
+            console.print(f"training steps: {model}, {batch_size} x {seq_len}, {steps} timed after {warmup} warm-up")
+            report["steps"], report["ratios"] = _time_steps(
+                names, console, model=model, batch_size=batch_size, seq_len=seq_len, device=target, steps=steps, warmup=warmup,
+                compile=compile, cuda_graphs=cuda_graphs, attention_kernel=attention_kernel, mx_gemm=mx_gemm,
+                producer_fusion=producer_fusion, optimizer=optimizer, profile_dir=profile,
+            )
+        if not as_json:
+            _print_suite(report, suite, tables)
     if as_json:
         print_json(report)
-        return
-    _print_bench(report)
 
 
 def _device(device: str):
@@ -201,14 +207,13 @@ def _bench_ratios(results) -> dict:
     return ratios
 
 
-def _print_bench(report: dict) -> None:
-    from rich.console import Console
+def _print_suite(report: dict, suite: str, console) -> None:
+    """The table of one suite of `report`, once it has run."""
     from rich.table import Table
 
     from fp4lab.bench.fusion import PRODUCERS
 
-    console = Console()
-    if "kernels" in report:
+    if suite == "kernels" and "kernels" in report:
         table = Table(title=f"Quantizers vs a device-to-device copy ({report['device']})")
         for column in ("case", "implementation", "shape", "ms", "GB/s", "copy GB/s", "fraction of copy"):
             table.add_column(column, justify="left" if column in ("case", "implementation") else "right")
@@ -217,7 +222,7 @@ def _print_bench(report: dict) -> None:
                           f"{k['copy_gb_per_s']:,.3g}", f"{k['fraction_of_copy']:.2f}")
         console.print(table)
     for key, title in (("gemm", "MXFP4 GEMM on FP8 tensor cores"), ("tile_gemm", "Chunk-scaled GEMM of CTA-local 2D weights")):
-        if not report.get(key):
+        if suite != "gemm" or not report.get(key):
             continue
         table = Table(title=f"{title} vs bf16 cuBLAS ({report['device']})")
         for column in ("GEMM", "m x n x k", "ms", "TFLOP/s", "bf16 ms", "bf16 TFLOP/s", "throughput vs bf16"):
@@ -226,7 +231,7 @@ def _print_bench(report: dict) -> None:
             table.add_row(g["case"], f"{g['m']}x{g['n']}x{g['k']}", f"{g['ms']:.3f}", f"{g['tflops']:,.0f}", f"{g['bf16_ms']:.3f}",
                           f"{g['bf16_tflops']:,.0f}", f"{g['throughput_vs_bf16']:.2f}")
         console.print(table)
-    if report.get("attention"):
+    if suite == "attention" and report.get("attention"):
         table = Table(title=f"Attention fwd + bwd, bf16, causal GQA ({report['device']})")
         for column in ("B x H/Hkv x T x D", "SDPA ms", "fused ms", "fused / SDPA", "poly exp2 / SDPA", "SDPA + probes ms"):
             table.add_column(column, justify="left" if column.startswith("B") else "right")
@@ -234,7 +239,7 @@ def _print_bench(report: dict) -> None:
             table.add_row(f"{a['batch']} x {a['heads']}/{a['kv_heads']} x {a['seq']} x {a['head_dim']}", f"{a['sdpa_ms']:.3f}",
                           f"{a['fused_ms']:.3f}", f"{a['fused_vs_sdpa']:.2f}", f"{a['fused_poly_vs_sdpa']:.2f}", f"{a['sdpa_with_probes_ms']:.3f}")
         console.print(table)
-    if report.get("fusion"):
+    if suite == "fusion" and report.get("fusion"):
         table = Table(title=f"Fused FP4 producers vs their torch ops ({report['device']})")
         for column in ("producer", "format", "tokens x features", "eager ms", "compiled ms", "fused ms", "eager / fused", "compiled / fused"):
             table.add_column(column, justify="left" if column in ("producer", "format") else "right")
@@ -245,7 +250,7 @@ def _print_bench(report: dict) -> None:
                     table.add_row(name, bench["fmt"], f"{bench['tokens']} x {bench['features']}", f"{t['unfused_ms']:.3f}", f"{t['compiled_ms']:.3f}",
                                   f"{t['fused_ms']:.3f}", f"{t['gain']:.2f}", f"{t['gain_over_compiled']:.2f}")
         console.print(table)
-    if "steps" in report:
+    if suite == "steps" and "steps" in report:
         steps = report["steps"]
         first = steps[0]
         table = Table(title=f"Training steps, {first['model']} {first['batch_size']} x {first['seq_len']} ({report['device']})")

@@ -3,6 +3,7 @@ the catalog's runs, `scan` judges logs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -119,15 +120,24 @@ def _print_scan_table(results: list, known: _CatalogRuns, events: bool) -> None:
     rows = []
     for name, (path, target, result) in zip(names, results):
         fields = result_fields(result)
-        notes = fields["notes"] + ("" if target == path else f"; read from {target}/metrics.jsonl (the log prints some steps)")
-        rows.append([name, fields["verdict"], fields["step"], fields["loss"], fields["val"], notes, str(path)])
+        notes = fields["notes"].removeprefix("no events").removeprefix("; ").removeprefix("events: ")
+        notes += "" if target == path else f"{'; ' if notes else ''}read from {_shown_path(target)}/metrics.jsonl (the log prints some steps)"
+        rows.append([name, fields["verdict"], fields["step"], fields["loss"], fields["val"], notes, _shown_path(path)])
     columns = [Column(header, identifies=True), Column("verdict", identifies=True), Column("step", right=True),
-               Column("loss", wraps=True), Column("val", right=True), Column("notes", wraps=True), Column("path", wraps=True)]  # fmt: skip
+               Column("loss", wraps=True), Column("val", right=True), Column("events", wraps=True), Column("path", wraps=True)]  # fmt: skip
     console = rich_console()
     console.print(runs_table(f"fp4lab scan: {len(results)} log(s)", columns, rows, caption=["steps count from 0"]))
     for name, (_, _, result) in zip(names, results):
         for event in result.events if events else ():
             console.print(f"  {name}: {event.kind}@{event.step}: {event.detail}", markup=False)
+
+
+def _shown_path(path: Path) -> str:
+    """`path` relative to the current folder where it lies under it (a table cell at 80 columns)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def _folder_recipe(target: Path) -> str | None:
@@ -322,12 +332,14 @@ def _exit_on_failures(runs_catalog, plan) -> None:
 
 def _sweep_progress(console, runs_catalog, plan, todo):
     """On a terminal, a live view of the sweep while it runs: runs done / running / pending, each running
-    run's step, loss and time left. Elsewhere nothing (lines are printed as runs start and end)."""
-    import contextlib
+    run's step, loss and time left. Elsewhere (a pipe, a log file) a line per running run every
+    PIPED_PROGRESS_S seconds, besides the lines printed as runs start and end."""
     import time
 
-    if not console.is_terminal or not todo:
+    if not todo:
         return contextlib.nullcontext()
+    if not console.is_terminal:
+        return _progress_lines(console, runs_catalog, plan, {run.id for run in todo})
     from datetime import UTC, datetime
 
     from rich.live import Live
@@ -364,6 +376,39 @@ def _sweep_progress(console, runs_catalog, plan, todo):
         return runs_table(title, columns, rows, fold_constant=False)
 
     return Live(get_renderable=view, console=console, refresh_per_second=1, transient=True)
+
+
+PIPED_PROGRESS_S = 30.0
+
+
+@contextlib.contextmanager
+def _progress_lines(console, runs_catalog, plan, ids: set[str], every: float | None = None):
+    """While the block runs, every `every` seconds (PIPED_PROGRESS_S) one line per running run of `ids`:
+    "  <id>  <name>: step 30/59, loss 4.1234"."""
+    import threading
+
+    from fp4lab.lab.runs.sweep import progress_of
+
+    stop = threading.Event()
+
+    def report() -> None:
+        while not stop.wait(PIPED_PROGRESS_S if every is None else every):
+            for record in runs_catalog.records(sweep=plan.spec.name):
+                if record["id"] not in ids or record["state"] != "running":
+                    continue
+                step, loss = progress_of(record, runs_catalog)
+                if step is not None:
+                    steps = record["config"].get("steps")
+                    console.print(f"  {record['id']}  {record['extra'].get('name')}: step {step}/{steps - 1}"
+                                  + ("" if loss is None else f", loss {loss:.4f}"), markup=False)
+
+    thread = threading.Thread(target=report, name="fp4lab-sweep-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def trial(
@@ -447,7 +492,7 @@ def _status_rows(runs_catalog, sweep_name: str | None) -> list[dict]:
             loss = record["summary"].get("final_train_loss")
         rows.append({
             "sweep": record["sweep"], "id": record["id"], "name": record["extra"].get("name"), "params": record["extra"].get("params"),
-            "state": record["state"], "step": step, "loss": loss, "val_loss": record["summary"].get("final_val_loss"),
+            "state": record["state"], "step": step, "steps": (record.get("config") or {}).get("steps"), "loss": loss, "val_loss": record["summary"].get("final_val_loss"),
             "resumed_from_step": record["summary"].get("resumed_from_step"), "verdict": record["verdict"],
             "error": record.get("error"), "slurm_job_id": record["slurm_job_id"], "slurm_array_index": record["slurm_array_index"],
             "run_dir": (record.get("paths") or {}).get("run_dir"),
@@ -474,7 +519,13 @@ def status_table(rows: list[dict], title: str):
         job = "" if row["slurm_job_id"] is None else str(row["slurm_job_id"]) + ("" if row["slurm_array_index"] is None else f"_{row['slurm_array_index']}")
         cells.append([row["sweep"] or "", ids[row["id"]], names.pop(0), state, format_cell(row["step"]),
                       format_cell(row["loss"]), format_cell(row["val_loss"]), verdict, job])  # fmt: skip
-    return runs_table(title, columns, cells, caption=["steps count from 0: a 60-step run ends at step 59"] if rows else ())
+    return runs_table(title, columns, cells, caption=[_step_numbering({row.get("steps") for row in rows})] if rows else ())
+
+
+def _step_numbering(steps: set) -> str:
+    """How steps are counted, in the words of the runs shown: "steps count from 0: a 40-step run ends at step 39"."""
+    n = steps.pop() if len(steps) == 1 and isinstance(next(iter(steps)), int) else 60
+    return f"steps count from 0: a {n}-step run ends at step {n - 1}"
 
 
 def _print_status(runs_catalog, sweep_name: str | None, watch: float = 0.0) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from fp4lab.validation import Checks, read_toml
+from fp4lab.validation import Checks, did_you_mean, read_toml
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -254,7 +254,7 @@ def _locate(name_or_path: str, referrer: Path | None = None) -> Path:
     if not builtin.is_file():
         where = f" (extends in {referrer})" if referrer else ""
         raise RecipeError(
-            f"unknown recipe {name_or_path!r}{where}; built-in recipes: {', '.join(list_recipes())}; "
+            f"unknown recipe {name_or_path!r}{where}{did_you_mean(name_or_path, list_recipes())}; built-in recipes: {', '.join(list_recipes())}; "
             "or pass a path to a .toml file"
         )
     return builtin

@@ -225,7 +225,17 @@ def test_bench_on_the_cpu_times_kernels_and_steps_beside_the_anchor(run_cli, tmp
     ratios = report["ratios"]
     assert ratios["bf16_tokens_per_s_vs_anchor"] == steps["bf16"]["tokens_per_s"] / steps["anchor"]["tokens_per_s"]
     assert ratios["nvfp4_step_time_vs_bf16"] == steps["nvfp4"]["step_ms"] / steps["bf16"]["step_ms"]
-    assert report["gemm"] == report["tile_gemm"] == report["attention"] == report["fusion"] == []  # CUDA-only kernels
+    assert not {"gemm", "tile_gemm", "attention", "fusion"} & set(report)  # no argument: kernels and steps, as the README says
+    every = json.loads(run_cli("bench", "all", "--device", "cpu", "--recipes", "bf16", "--steps", "1", "--warmup", "0",
+                               "--batch-size", "2", "--seq-len", "64", "--shape", "256x256", "--json").stdout)
+    assert every["gemm"] == every["tile_gemm"] == every["attention"] == every["fusion"] == []  # CUDA-only kernels
+    # Each suite's table as it ends: the quantizers' before the steps suite starts (stdout and stderr as one stream).
+    tables = subprocess.run([sys.executable, "-m", "fp4lab.cli", "bench", "--device", "cpu", "--recipes", "bf16", "--steps", "1",
+                             "--warmup", "0", "--batch-size", "2", "--seq-len", "64", "--shape", "256x256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)  # fmt: skip
+    assert tables.returncode == 0, tables.stdout
+    text = tables.stdout
+    assert 0 <= text.index("Quantizers vs a device-to-device copy") < text.index("training steps:") < text.index("Training steps")
     text = run_cli("bench", "gemm", "--device", "cpu")
     assert text.returncode == 0 and "skipped: the GEMM kernels need CUDA and Triton" in text.stderr, text.stderr
     text = run_cli("bench", "fusion", "--device", "cpu")

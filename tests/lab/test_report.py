@@ -25,9 +25,10 @@ from scipy import stats as scipy_stats
 from fp4lab.lab.records.catalog import Catalog
 from fp4lab.lab.records.claims import claims_markdown
 from fp4lab.lab.records.ledger import COLUMN_DOCS, build_report, excess_pct
-from fp4lab.lab.records.plots import PER_LAYER_RUNS, divergence_step, excess_curves, plot_figure
+from fp4lab.lab.records.plots import PER_LAYER_RUNS, PLOTS, divergence_step, excess_curves, plot_figure, recipe_colour
 from fp4lab.lab.records.render import ledger_markdown, render_ledger, write_report
 from fp4lab.lab.records.run_metrics import RunMetrics, endpoint_train_loss
+from fp4lab.nn.recipe import list_recipes
 
 from .test_sweep import SPEC
 
@@ -268,7 +269,7 @@ def recipes_catalog(tmp_path) -> Path:
     return tmp_path / "sweep_catalog.json"
 
 
-@pytest.mark.parametrize("width", [100, 140])
+@pytest.mark.parametrize("width", [80, 100, 140])
 @pytest.mark.parametrize("sweep", ["hand", None])
 def test_console_ledger_keeps_recipe_names_whole(recipes_catalog, width, sweep):
     report = build_report(recipes_catalog, sweep=sweep)
@@ -277,9 +278,39 @@ def test_console_ledger_keeps_recipe_names_whole(recipes_catalog, width, sweep):
     assert not any("…" in line for line in lines)
     cells = [cell.strip() for line in lines for cell in line.split("│")]
     assert {"bf16", "mxfp4-rowsr-h32", "nvfp4-last4-bf16", "nvfp4"} <= set(cells)
-    row = next(line for line in lines if "mxfp4-rowsr-h32" in line)
-    assert "3" in [cell.strip() for cell in row.split("│")]  # the seed count
+    row = lines.index(next(line for line in lines if "mxfp4-rowsr-h32" in line))
+    assert "3 seeds" in [cell.strip() for cell in lines[row + 1].split("│")]  # the seed count, under the recipe
     assert any("loss_spike@12" in line for line in lines)  # the first bad event, not folded
+
+
+def test_each_recipe_has_one_colour_and_one_label_in_every_figure(recipes_catalog):
+    """A palette keyed by recipe: the same colour for a recipe in all four figures (and in any other
+    report: recipe_colour), distinct recipes distinct colours, legends naming recipes without `key=`,
+    validation losses as large diamonds apart from their line's colour."""
+    from matplotlib.colors import to_hex
+
+    report = build_report(recipes_catalog, "hand")
+    recipes = ("bf16", "mxfp4-rowsr-h32", "nvfp4-last4-bf16", "nvfp4")
+    seen: dict[str, set[str]] = {}
+    for which in PLOTS:
+        fig = plot_figure(report, which)
+        try:
+            legend = fig.axes[0].get_legend()
+            for handle, text in zip(legend.legend_handles, legend.get_texts()):
+                label = text.get_text()
+                assert "recipe=" not in label and "seed=" not in label, label
+                recipe = next((r for r in sorted(recipes, key=len, reverse=True) if label.startswith(r)), None)
+                if recipe is not None and hasattr(handle, "get_color"):
+                    seen.setdefault(recipe, set()).add(to_hex(handle.get_color()))
+            if which == "loss_curves":
+                diamonds = [line for line in fig.axes[0].get_lines() if line.get_marker() == "D" and len(line.get_xdata())]
+                assert diamonds and all(line.get_markersize() >= 6 and line.get_markeredgecolor() == "white" for line in diamonds)
+        finally:
+            pyplot.close(fig)
+    assert set(seen) == set(recipes)
+    assert all(len(colours) == 1 for colours in seen.values()), seen
+    assert {r: colours.pop() for r, colours in seen.items()} == {r: to_hex(recipe_colour(r)) for r in recipes}
+    assert len({to_hex(recipe_colour(r)) for r in list_recipes()}) == len(list_recipes())  # every built-in its own
 
 
 def test_cli_report_piped_output_keeps_recipe_names_whole(run_cli, recipes_catalog, tmp_path):
@@ -364,8 +395,7 @@ def test_probe_series_have_markers_every_probe_step_and_distinct_styles(tmp_path
             assert all(line.get_marker() not in (None, "None", "", ".", ",") for line in lines)
             assert all(list(line.get_xdata()) == [*range(0, 61, 2)] for line in lines)  # the last step (60) too
             legend = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
-            assert legend == ["recipe=bf16,seed=0", "recipe=mxfp4-rowsr-h32,seed=0", "recipe=nvfp4,seed=0",
-                              "layer 0", "layer 1", "layer 2", "layer 3"]  # fmt: skip
+            assert legend == ["bf16", "mxfp4-rowsr-h32", "nvfp4", "layer 0", "layer 1", "layer 2", "layer 3"]  # by recipe
         finally:
             pyplot.close(fig)
 

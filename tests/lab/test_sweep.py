@@ -329,3 +329,11 @@ def test_a_local_sweep_never_waits_on_slurm(cli, tmp_path, monkeypatch):
     took = time.monotonic() - started
     assert out.returncode == 0, out.stderr
     assert took < 2.0, f"a local dry run took {took:.1f} s: it waited on Slurm"
+    catalog = registered(tmp_path, "mini.toml")
+    for record in catalog.records(sweep="mini"):  # every run done: the sweep has nothing left to do
+        catalog.update(record["id"], state="completed", verdict="converged")
+    started = time.monotonic()
+    out = cli("sweep", "mini.toml")
+    took = time.monotonic() - started
+    assert out.returncode == 0, out.stderr
+    assert "0 to run" in out.stdout and took < 2.0, f"a no-op local sweep took {took:.1f} s"

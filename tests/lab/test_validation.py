@@ -69,7 +69,10 @@ def test_checks_say_the_words_of_the_rules():
         (lambda: check.choice("model", "huge", ("tiny", "125m")), "model='huge' is not supported; allowed: tiny, 125m"),
         (lambda: check.integer("steps", 0, minimum=1), "steps=0 must be an integer >= 1"),
         (lambda: check.number("lr", -1, positive=True), "lr=-1 must be a finite number > 0"),  # as written
-        (lambda: check.known_keys({"stepz": 3}, ("steps",), "base"), "base.stepz: unknown key; allowed in base: steps"),
+        (lambda: check.known_keys({"stepz": 3}, ("steps",), "base"), "base.stepz: unknown key (did you mean 'steps'?); allowed in base: steps"),
+        (lambda: check.known_keys({"batchsize": 3}, ("batch_size", "steps"), "base"),
+         "base.batchsize: unknown key (did you mean 'batch_size'?); allowed in base: batch_size, steps"),
+        (lambda: check.choice("model", "125", ("tiny", "125m")), "model='125' is not supported (did you mean '125m'?); allowed: tiny, 125m"),
         (lambda: Checks(Bad, quote_choices=True).choice("fmt", "fp8", ("bf16",)), "fmt='fp8' is not supported; allowed: 'bf16'"),
     ]
     for call, expected in cases:

@@ -28,7 +28,6 @@ Safety rules, enforced here whatever the proposer:
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import math
@@ -45,6 +44,7 @@ from fp4lab.lab import repo
 from fp4lab.lab.choices import PROPOSERS
 from fp4lab.lab.specs import search_space
 from fp4lab.lab.specs.program import Program, safe_relative_path
+from fp4lab.validation import did_you_mean
 
 MAX_DIFF_BYTES = 200 * 1024
 MAX_FILES_BYTES = 100_000
@@ -205,8 +205,7 @@ def _check_params(params: Any, program: Program) -> dict[str, Any]:
     allowed = ", ".join(program.search_space) or "none ([search_space] is empty; propose a diff)"
     unknown = [name for name in params if name not in program.search_space]
     if unknown:
-        hints = "".join(f" (params.{name}: did you mean {close!r}?)" for name in unknown
-                        for close in difflib.get_close_matches(name, program.search_space, n=1))
+        hints = "".join(did_you_mean(name, program.search_space) for name in unknown)
         raise ProposalError(f"params {', '.join(map(repr, unknown))}: not [search_space] key(s){hints}; allowed: {allowed}")
     checked = {}
     for name, value in params.items():

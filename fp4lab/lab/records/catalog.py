@@ -154,7 +154,8 @@ _SUMMARY_FLOATS = (
     "startup_seconds",
     "peak_memory_mb",
 )
-_SUMMARY_KEYS = (*_SUMMARY_FLOATS, "loss_at_steps")
+_SUMMARY_STEPS = ("steps_completed", "resumed_from_step")  # where the run stopped; where its last segment began
+_SUMMARY_KEYS = (*_SUMMARY_FLOATS, *_SUMMARY_STEPS, "loss_at_steps")
 _PATH_KEYS = ("run_dir", "log", "checkpoint")
 _TIMESTAMPS = ("created_at", "submitted_at", "started_at", "finished_at", "updated_at")
 _OPTIONAL_STRINGS = ("sweep", "recipe", "git_commit", "slurm_job_id", "verdict", "owner", "error")
@@ -334,6 +335,10 @@ def _validate_summary(run_id: str, value: Any) -> dict[str, Any]:
     for key, item in value.items():
         if key in _SUMMARY_FLOATS:
             out[key] = _number(item, f"{where}.{key}")
+        elif key in _SUMMARY_STEPS:
+            if item is not None and (isinstance(item, bool) or not isinstance(item, int) or item < 0):
+                raise RecordError(f"{where}.{key} must be a non-negative integer or null, got {item!r}")
+            out[key] = item
         elif key == "loss_at_steps":
             if not isinstance(item, Mapping):
                 raise RecordError(f"{where}.loss_at_steps must be a dict step -> loss")

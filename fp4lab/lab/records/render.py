@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fp4lab.lab.records.ledger import COLUMN_DOCS, COLUMNS, Report, config_label
+from fp4lab.lab.records.ledger import BASELINE, COLUMN_DOCS, COLUMNS, Report, config_label
 from fp4lab.lab.records.plots import PLOT_CAPTIONS, PLOTS, group_label, plot_png, run_label, smoothing_window
 from fp4lab.lab.records.values import format_cell, signed_cell
 from fp4lab.train.atomic import write_atomic
@@ -49,9 +49,9 @@ def _console_columns(report: Report):
     from fp4lab.lab.records.tables import Column
 
     return [
-        Column("sweep", wraps=True), Column("recipe", identifies=True), Column("config", wraps=True), Column("seeds", right=True),
-        Column("val excess %\n(+ = worse)", right=True, identifies=True), Column("vs bf16\n(95 % CI)", wraps=True),
-        Column("val loss", right=True), Column("train excess %\n(mean, steps)", right=True), Column("steady\ntok/s", right=True),
+        Column("sweep", wraps=True), Column("recipe", identifies=True), Column("config", wraps=True),
+        Column("val\nexcess %", right=True, identifies=True), Column("vs bf16\n(95 % CI)", wraps=True),
+        Column("val loss", right=True), Column("train\nexcess %", right=True), Column("steady\ntok/s", right=True),
         Column("verdicts", wraps=True, identifies=True),
     ]  # fmt: skip
 
@@ -64,26 +64,29 @@ def _console_rows(report: Report) -> list[list[str]]:
         val_excess_std = format_cell(row["val_excess_pct_std"], 2)
         first_bad = row["first_bad_event"]
         verdicts = row["verdicts"].removesuffix(" x1") if row["n_seeds"] == 1 else row["verdicts"]
+        reference = row["recipe"] == BASELINE  # the row the excess is measured against
         val_excess = signed_cell(row["val_excess_pct_mean"])
-        if val_excess and int(row["n_completed"]) == 1:
+        if reference:
+            val_excess = "ref"
+        elif val_excess and int(row["n_completed"]) == 1:
             val_excess += "\n1 seed"  # one value, no spread: what the CI column cannot judge yet
         elif val_excess_std:
             val_excess += f"\n±{val_excess_std}"
         versus = row["vs_bf16"] if row["vs_bf16"] != "n/a" or not val_excess else "needs 2 seeds"
         versus = "\n".join(v for v in (format_cell(versus), format_cell(row["val_excess_ci95"])) if v)
         rows.append([
-            row["sweep"], row["recipe"], row["config"], _seed_count(row), val_excess, versus,
+            row["sweep"], row["recipe"] + (f"\n{_seed_count(row)}" if int(row["n_seeds"]) > 1 else ""), row["config"], val_excess, versus,
             format_cell(row["final_val_loss_mean"], 4) + (f"\n±{val_std}" if val_std else ""),
-            signed_cell(row["excess_pct_mean"]) + (f"\n±{excess_std}" if excess_std else ""),
+            "ref" if reference else signed_cell(row["excess_pct_mean"]) + (f"\n±{excess_std}" if excess_std else ""),
             format_cell(row["steady_tokens_per_s_mean"], 0), verdicts + (f"\nfirst: {first_bad}" if first_bad else ""),
         ])  # fmt: skip
     return rows
 
 
 def _seed_count(row) -> str:
-    """"3", or "1 of 3" while some of the row's runs have not completed."""
+    """"3 seeds", or "1 of 3 seeds" while some of the row's runs have not completed."""
     done, total = int(row["n_completed"]), int(row["n_seeds"])
-    return str(total) if done == total else f"{done} of {total}"
+    return (f"{total} seed" if done == total else f"{done} of {total} seed") + ("s" if total > 1 else "")
 
 
 def render_ledger(report: Report):
@@ -94,10 +97,10 @@ def render_ledger(report: Report):
     The full table is in ledger.csv, ledger.md and report.html."""
     from fp4lab.lab.records.tables import runs_table
 
-    title = f"recipe ledger{' of ' + report.sweep if report.sweep else ''} ({report.catalog_path})"
+    title = f"recipe ledger{' of ' + report.sweep if report.sweep else ''} ({report.catalog_path}); excess: + = worse than bf16"
     caption = [
         *report.notes,
-        "excess: 100 x (run - bf16) / bf16; positive = worse than bf16",
+        "excess %: 100 x (run - bf16) / bf16; positive = worse than bf16 (ref)",
         "val excess %: final val loss; train excess %: train loss, mean over steps; ± std over seeds",
         "vs bf16: 95 % CI of the val-loss difference of means (paired by seed, else Welch's)",
         "everything else: ledger.csv, ledger.md, report.html",

@@ -23,7 +23,7 @@ class Column:
     header: str
     right: bool = False  # numbers, aligned on the right
     wraps: bool = False  # long free text (errors, configs) may wrap onto more lines
-    identifies: bool = False  # names a run or its outcome: kept when constant, never shrunk below its longest word
+    identifies: bool = False  # names a run or its outcome: kept when constant
 
 
 def short_ids(ids: Sequence[str]) -> dict[str, str]:
@@ -68,12 +68,10 @@ def _text(value: Any) -> str:
 
 
 def runs_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]], caption: Sequence[str] = (),
-               fold_constant: bool = True):
-    """A rich Table of `rows` (cells as text, one per column): empty columns dropped, constant ones
-    (over two rows or more, unless they identify the run; where `fold_constant`: a live view keeps its
-    columns still) named once in the caption, identifying
-    columns as wide as their longest word so rich never squeezes them to nothing."""
-    from rich.table import Table
+               fold_constant: bool = True) -> "FittedTable":
+    """A table of `rows` (cells as text, one per column) for rich to print: empty columns dropped, constant
+    ones (over two rows or more, unless they identify the run; where `fold_constant`: a live view keeps
+    its columns still) named once in the caption, and laid out at print time for the console's width."""
     from rich.text import Text
 
     plain = [[Text.from_markup(cell).plain if "[" in cell else cell for cell in row] for row in rows]  # cells may carry markup
@@ -87,13 +85,53 @@ def runs_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[st
             continue
         shown.append(i)
     notes = ([f"all rows: {', '.join(constant)}"] if constant else []) + list(caption)
-    table = Table(title=title, caption="\n".join(notes) or None)
-    for i in shown:
-        column = columns[i]
-        longest_word = max((len(w) for row in plain for w in row[i].split()), default=0)
-        table.add_column(column.header, justify="right" if column.right else "left",
-                         no_wrap=not (column.wraps or column.identifies), overflow="fold",
-                         min_width=min(longest_word, 24) if column.identifies else None)  # fmt: skip
-    for row in rows:
-        table.add_row(*(row[i] for i in shown))
-    return table
+    return FittedTable(title, [columns[i] for i in shown], [[row[i] for i in shown] for row in rows],
+                       [[row[i] for i in shown] for row in plain], "\n".join(notes) or None)
+
+
+@dataclass
+class FittedTable:
+    """A rich renderable that sizes its columns for the width it is printed at: every column as wide as
+    its longest line where that fits; otherwise the wrapping columns give up width (down to their
+    longest word) in proportion to what they can spare, and the others keep theirs, so a run's name
+    and verdict never shrink to nothing while a note column keeps its room."""
+
+    title: str
+    columns: list[Column]
+    rows: list[list[str]]
+    plain: list[list[str]]
+    caption: str | None
+
+    def widths(self, available: int) -> tuple[list[int | None], bool]:
+        """(each column's content width at `available` characters in all, None for rich's own; whether
+        every column may wrap at its words, where the wrapping columns alone cannot make it fit)."""
+        natural, longest_word = [], []
+        for i, column in enumerate(self.columns):
+            lines = [line for row in self.plain for line in row[i].splitlines()] + column.header.splitlines()
+            natural.append(max((len(line) for line in lines), default=1))
+            longest_word.append(max([len(word) for line in lines for word in line.split()] or [1]))
+        room = available - 3 * len(self.columns) - 1  # a border and a space either side of each cell
+        least = [w if column.wraps else n for column, n, w in zip(self.columns, natural, longest_word)]
+        every_column_wraps = sum(least) > room
+        if every_column_wraps:
+            least = longest_word
+        if sum(natural) <= room or sum(least) > room:
+            return [None] * len(self.columns), every_column_wraps
+        spare = [n - m for n, m in zip(natural, least)]
+        cut = sum(natural) - room
+        shares = [cut * s // sum(spare) for s in spare]
+        for i in sorted(range(len(spare)), key=lambda i: -spare[i])[: cut - sum(shares)]:  # the remainder, widest first
+            shares[i] += 1
+        return [n - share for n, share in zip(natural, shares)], every_column_wraps
+
+    def __rich_console__(self, console, options):
+        from rich.table import Table
+
+        table = Table(title=self.title, caption=self.caption)
+        widths, every_column_wraps = self.widths(options.max_width)
+        for column, width in zip(self.columns, widths):
+            table.add_column(column.header, justify="right" if column.right else "left",
+                             no_wrap=not (column.wraps or every_column_wraps), overflow="fold", width=width)  # fmt: skip
+        for row in self.rows:
+            table.add_row(*row)
+        yield table

@@ -1,0 +1,125 @@
+"""The ratchet's noise gate, as decided and as shown: under each rule an improvement smaller than the
+gate is discarded and a larger one kept, the record holds what was compared (the value, the gain, the
+gate or the bootstrap probability) and the reason, and the CLI prints that reason on each iteration's
+line. A real git project, the real `fp4lab ratchet` command, a command target whose per-seed scores are
+fixed by a table, and the command proposer answering a fixed list."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fp4lab.lab.records.catalog import Catalog
+
+# score per seed for each x (the baseline has no parameters: x = 1.0). Under rule sigma (2 seeds) the
+# baseline's sigma is 0.01 / sqrt 2, so its gate (k = 2) is 0.01414.
+SCORES = {"1.0": [1.00, 1.01, 0.99], "0.99": [0.99, 1.00, 0.98], "0.98": [0.97, 1.03, 0.98], "0.5": [0.50, 0.51, 0.49]}
+
+SCORE = textwrap.dedent("""
+    import json, os
+    table = json.loads({table!r})
+    x = json.loads(os.environ["FP4LAB_PARAMS"]).get("x", 1.0)
+    print("score:", table[str(x)][int(os.environ["FP4LAB_SEED"])])
+""")
+
+PROPOSER = textwrap.dedent("""
+    import json, sys
+    context = json.load(sys.stdin)
+    done = len([h for h in context["history"] if h["iteration"] > 0])
+    print(json.dumps({{"params": {{"x": {answers!r}[done]}}, "rationale": "from the list"}}))
+""")
+
+PROGRAM = textwrap.dedent("""
+    # Minimise the score
+
+    ```toml ratchet
+    metric = "score"
+    direction = "minimize"
+
+    [run]
+    kind = "command"
+    command = ["{python}", "score.py"]
+    metric_regex = '^score: ([-+0-9.eE]+)'
+    timeout_minutes = 2
+
+    [search_space]
+    x = {{ type = "float", low = 0.0, high = 2.0 }}
+
+    [noise]
+    seeds = {seeds}
+    rule = "{rule}"
+    k = 2.0
+    confidence = 0.95
+    ```
+""")
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def project(tmp_path: Path, rule: str, seeds: int, answers: list[float]) -> Path:
+    root = tmp_path / "project"
+    root.mkdir()
+    git(root, "init", "-q", "-b", "main")
+    git(root, "config", "user.name", "Test User")
+    git(root, "config", "user.email", "test@example.invalid")
+    (root / "score.py").write_text(SCORE.format(table=json.dumps(SCORES)))
+    (root / "program.md").write_text(PROGRAM.format(python=sys.executable, seeds=seeds, rule=rule))
+    (root / ".gitignore").write_text("sweep_catalog.json*\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "initial")
+    (tmp_path / "propose.py").write_text(PROPOSER.format(answers=answers))
+    return root
+
+
+def ratchet(run_cli, monkeypatch, root: Path, tmp_path: Path, tag: str, iterations: int):
+    monkeypatch.chdir(root)
+    out = run_cli("ratchet", "program.md", "--tag", tag, "--agent", "command", "--command",
+                  f"{sys.executable} {tmp_path / 'propose.py'}", "--iterations", str(iterations))
+    assert out.returncode in (0, None), out.stderr
+    records = Catalog(root / "sweep_catalog.json").records(sweep=f"ratchet/{tag}")
+    return out.stdout, [r["extra"] for r in sorted(records, key=lambda r: r["extra"]["iteration"])]
+
+
+def line_of(stdout: str, iteration: int) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith(f"iteration {iteration}: "))
+
+
+def test_rule_sigma_discards_a_gain_under_k_sigma_and_keeps_one_over_it(run_cli, monkeypatch, tmp_path):
+    root = project(tmp_path, "sigma", 2, [0.99, 0.5])
+    stdout, (baseline, small, large) = ratchet(run_cli, monkeypatch, root, tmp_path, "sigma", 2)
+    gate = 2 * baseline["sigma"]
+    assert baseline["sigma"] == pytest.approx(0.01 / 2**0.5) and baseline["metric"] == pytest.approx(1.005)
+    # Compared with the baseline's seed-0 run (1.00), the one the proposal ran on, not the mean (1.005).
+    assert small["compared_with"] == pytest.approx(1.00) and small["gain"] == pytest.approx(0.01)
+    assert small["gate"] == pytest.approx(gate) and small["gain"] < gate and small["decision"] == "discard"
+    assert large["compared_with"] == pytest.approx(1.00) and large["gain"] == pytest.approx(0.5) and large["decision"] == "keep"
+    assert small["reason"] == f"gain 0.01 <= gate 2 x sigma = {gate:.4g} (seed 0 against seed 0)"
+    assert large["reason"].startswith("gain 0.5 > gate 2 x sigma")
+    # The line a person reads says what was compared and why.
+    assert line_of(stdout, 1) == f"iteration 1: discard  x=0.99  metric 0.99 vs 1: {small['reason']}"
+    assert line_of(stdout, 2).startswith("iteration 2: keep  x=0.5  metric 0.5 vs 1: gain 0.5 > gate")
+
+
+def test_rule_paired_discards_a_gain_below_the_confidence_and_keeps_one_above(run_cli, monkeypatch, tmp_path):
+    root = project(tmp_path, "paired", 3, [0.98, 0.5])
+    stdout, (baseline, small, large) = ratchet(run_cli, monkeypatch, root, tmp_path, "paired", 2)
+    # x = 0.98 is better on average (gains 0.03, -0.02, 0.01 per seed) but not on enough resamples.
+    assert small["rule"] == "paired" and small["compared_with"] == pytest.approx(1.0) and small["gain"] == pytest.approx(0.02 / 3)
+    assert small["probability"] < 0.95 and small["decision"] == "discard"
+    assert large["probability"] == 1.0 and large["decision"] == "keep"
+    assert small["reason"] == f"P(better) {small['probability']:.3f} < confidence 0.95 (paired over 3 seeds)"
+    assert large["reason"] == "P(better) 1.000 >= confidence 0.95 (paired over 3 seeds)"
+    assert small["reason"] in line_of(stdout, 1) and "discard" in line_of(stdout, 1)
+    assert large["reason"] in line_of(stdout, 2) and "keep" in line_of(stdout, 2)
+    # The report shows the same comparison: compared with, gain, gate, reason.
+    report = run_cli("report", "--ratchet", "paired", "--out", str(tmp_path / "report"))
+    assert report.returncode in (0, None), report.stderr
+    markdown = (tmp_path / "report" / "iterations.md").read_text()
+    assert f"P {small['probability']:.3f} vs 0.95" in markdown and small["reason"] in markdown
