@@ -89,13 +89,6 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.6g}"
 
 
-def decision_reason(extra: dict) -> str:
-    """Why an iteration was decided as it was (the loop records it: Ratchet._judge), with its note."""
-    reason = extra.get("reason") or ""
-    note = extra.get("note") or ""
-    return "; ".join(part for part in (reason, note if note not in reason else "") if part)
-
-
 class _RatchetView:
     """The ratchet's live view: a table of decided iterations under a line for the one running."""
 
@@ -119,6 +112,8 @@ class _RatchetView:
             self.live.__exit__(*exc)
 
     def event(self, kind: str, data: dict) -> None:
+        from fp4lab.lab.ratchet.report import decision_reason
+
         if kind == "note":
             self.console.print(data["message"], style="dim", markup=False)
         elif kind == "start":

@@ -507,7 +507,7 @@ def status_table(rows: list[dict], title: str):
 
     header, names = run_names([r["params"] for r in rows], [r["name"] or r["id"] for r in rows])
     ids = short_ids([r["id"] for r in rows])
-    columns = [Column("sweep", wraps=True), Column("id"), Column(header, identifies=True), Column("state", identifies=True),
+    columns = [Column("sweep", wraps=True), Column("id"), Column(header, identifies=True), Column("state", wraps=True, identifies=True),
                Column("step", right=True), Column("loss", right=True), Column("val loss", right=True),
                Column("verdict", wraps=True, identifies=True), Column("Slurm job")]  # fmt: skip
     cells = []

@@ -4,6 +4,7 @@ the pane (`tmux capture-pane`), not the program's internals."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -137,7 +138,20 @@ def test_a_sweep_interrupted_and_resumed_reads_right_at_80_columns(terminal, tmp
 
     code, reported = terminal.run(f"fp4lab report term --out {shlex.quote(str(tmp_path / 'report'))}")
     assert code == 0 and "None" not in reported
-    assert "val excess %" in reported and "(+ = worse)" in reported and "positive = worse than bf16" in reported
+    assert "excess: + = worse than bf16" in reported and "positive = worse than bf16" in reported  # one sign, said
+    header = [line for line in reported.splitlines() if "┃" in line]
+    assert any("val" in line for line in header) and any("excess %" in line for line in header)
     nvfp4_row = rows_naming(reported, " nvfp4 ")
     assert nvfp4_row and re.search(r"[+-]\d+\.\d\d", nvfp4_row[0]), reported  # its val excess, signed
     assert "1 seed" in reported  # one seed: a value marked as such, not "n/a"
+
+    # One answer for a run, read from its folder or from its log (the log prints some steps; the
+    # catalog leads the scan to the folder's every-step metrics).
+    logs = sorted((tmp_path / "jobs" / "term" / "logs").glob("*.local.log"))
+    assert len(logs) == 2
+    for log in logs:
+        folder = tmp_path / "runs" / "term" / log.name.split(".")[0]
+        both = subprocess.run([sys.executable, "-m", "fp4lab.cli", "scan", "--json", str(folder), str(log)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        by_folder, by_log = json.loads(both.stdout)
+        assert by_folder == by_log and by_folder["last_step"] == 39, both.stderr

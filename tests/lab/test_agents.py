@@ -128,7 +128,9 @@ def test_params_accepted(program, repo):
 
 
 @pytest.mark.parametrize("raw, expected", [
-    ({"params": {"width": 3}}, "params.width: not a [search_space] key; allowed: lr, ns_steps, recipe, flag"),
+    ({"params": {"width": 3}}, "params 'width': not [search_space] key(s); allowed: lr, ns_steps, recipe, flag"),
+    ({"params": {"nssteps": 3, "width": 1}},
+     "params 'nssteps', 'width': not [search_space] key(s) (did you mean 'ns_steps'?); allowed: lr, ns_steps, recipe, flag"),
     ({"params": {"lr": 5.0}}, "params.lr: 5.0 is outside [0.005, 2]"),
     ({"params": {"lr": math.nan}}, "params.lr: nan is outside"),
     ({"params": {"ns_steps": 7}}, "params.ns_steps: 7 is outside [3, 6]"),

@@ -580,7 +580,7 @@ def test_fp4lab_local_worker_log(tmp_path):
     assert "step 7/7 loss " in text and " val_loss " in text and "status: completed" in text
     result = scan(log)  # fresh, but its summary block says it finished
     assert result.source == "fp4lab" and result.verdict == "converged" and not result.live
-    assert result.last_step == 8 and result.final_val_loss is not None and result.summary_status == "completed"
+    assert result.last_step == 7 and result.final_val_loss is not None and result.summary_status == "completed"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert result.final_train_loss == pytest.approx(summary["final_train_loss"], abs=1e-4)
 
@@ -591,7 +591,7 @@ def test_fp4lab_local_worker_log(tmp_path):
     assert diverged.verdict == "diverged@57" and diverged.last_finite_step == 57
     assert "last finite loss 3.8600 at step 57, diverged step 57" in format_result(diverged)
     log.write_text(progress + block.format("preempted", "None"))
-    assert scan(log, now=OLD).verdict == "timeout"
+    assert scan(log, now=OLD).verdict == "interrupted"  # stopped by a preemption, not out of time
     log.write_text(progress + block.format("preempted", "None") + "step 60/60 loss 3.8000 lr 0.02 tok/s 14694\n")
     assert scan(log).verdict == "running"  # the resumed segment's lines follow the old block
 

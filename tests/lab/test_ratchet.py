@@ -276,7 +276,7 @@ def test_command_proposer_diffs_are_validated_applied_and_committed(repo, tmp_pa
     loop.run(iterations=4)
     records = Catalog(catalog).records(sweep="ratchet/cmd")
     assert [r["extra"]["decision"] for r in records] == ["baseline", "keep", "invalid", "invalid", "keep"]
-    assert "score.py" in records[2]["extra"]["note"] and "offset.txt" in records[2]["extra"]["note"]
+    assert "score.py" in records[2]["extra"]["reason"] and "offset.txt" in records[2]["extra"]["reason"]
     worktree = Path(loop.worktree)
     assert (worktree / "offset.txt").read_text() == "0.1\n"  # the kept diff
     assert not (worktree / "PWNED").exists() and not (repo / "PWNED").exists()

@@ -127,7 +127,7 @@ def test_real_sweep_ledger_and_exports(real_sweep, tmp_path):
     assert html.count('src="data:image/png;base64,') == 4
     assert not list((tmp_path / "out").glob(".*.tmp"))  # atomic writes leave no temps
     table = render_ledger(report)
-    assert table.row_count == 2 and table.columns[0].header == "recipe"  # no sweep column for one sweep
+    assert len(table.rows) == 2 and table.columns[0].header == "recipe"  # no sweep column for one sweep
 
 
 def test_default_out_dir_is_reports_sweep(real_sweep, tmp_path, monkeypatch):
@@ -136,7 +136,8 @@ def test_default_out_dir_is_reports_sweep(real_sweep, tmp_path, monkeypatch):
     written = write_report(report)
     assert written["csv"] == Path("reports/all/ledger.csv") and written["csv"].exists()
     assert report.ledger["sweep"].tolist() == ["mini", "mini"]
-    assert [c.header for c in render_ledger(report).columns][:2] == ["sweep", "recipe"]
+    table = render_ledger(report)  # all sweeps: one here, named once in the caption instead of on every row
+    assert table.columns[0].header == "recipe" and "all rows: sweep mini" in table.caption
     assert build_report(real_sweep, "mini").default_out_dir == Path("reports/mini")
 
 
@@ -352,16 +353,16 @@ def test_excess_is_smoothed_with_a_band_of_seed_noise(tmp_path):
         for r, b in zip(zip(*per_seed), zip(*per_bf16))
     ]
     assert curve.band == pytest.approx(expected_band, rel=1e-9)
-    assert curve.band_label == "seed noise, ±1 s.e. (3 nvfp4 seeds; 2 bf16 seeds)"
+    assert curve.band_label == "±1 s.e. of seeds (3 nvfp4 seeds; 2 bf16 seeds)"
 
     fig = plot_figure(report, "loss_excess")
     try:
         ax = fig.axes[0]
         assert "centered rolling mean over 5 logged steps" in ax.get_title()
-        (line,) = [line for line in ax.get_lines() if line.get_label() == "nvfp4, 3 seeds (smoothed)"]
+        (line,) = [line for line in ax.get_lines() if line.get_label() == "nvfp4, 3 seeds\n  band: ±1 s.e. of seeds (3 nvfp4 seeds; 2 bf16 seeds)"]
         assert list(line.get_ydata()) == pytest.approx(curve.smoothed, rel=1e-9)
         legend = [text.get_text() for text in ax.get_legend().get_texts()]
-        assert "nvfp4, 3 seeds: seed noise, ±1 s.e. (3 nvfp4 seeds; 2 bf16 seeds)" in legend
+        assert "nvfp4, 3 seeds\n  band: ±1 s.e. of seeds (3 nvfp4 seeds; 2 bf16 seeds)" in legend  # one entry per row
         (band,) = ax.collections
         top = band.get_paths()[0].vertices[:, 1].max()
         assert top == pytest.approx(max(c + b for c, b in zip(curve.smoothed, curve.band)), rel=1e-6)
@@ -378,7 +379,7 @@ def test_excess_band_with_one_seed_is_the_step_noise_and_says_so(tmp_path):
     raw = _excess(nvfp4, bf16)
     residual = [r - s for r, s in zip(raw, _centered_mean(raw, 5))]
     assert curve.band[20] == pytest.approx(statistics.stdev(residual[18:23]), rel=1e-9)
-    assert curve.band_label == "step-to-step noise of the raw excess, ±1 std (one seed each)"
+    assert curve.band_label == "±1 std of step-to-step noise (one seed each)"
 
 
 def test_probe_series_have_markers_every_probe_step_and_distinct_styles(tmp_path):
@@ -448,7 +449,7 @@ def test_divergence_is_marked_with_an_x_and_named_in_the_legend(tmp_path):
             if height is not None:
                 assert list(crosses[0].get_ydata()) == [pytest.approx(height)]
             legend = [text.get_text() for text in ax.get_legend().get_texts()]
-            assert "recipe=nvfp4,seed=0: diverged@8" in legend
+            assert "nvfp4: diverged@8" in legend
         finally:
             pyplot.close(fig)
 
@@ -471,7 +472,7 @@ def test_html_page_stands_on_its_own(recipes_catalog, tmp_path):
         if column != "sweep":
             assert COLUMN_DOCS[column] in text and f"<code>{column}</code>" in page
     assert "100 × (train loss of the run − bf16 reference) / bf16 reference" in text
-    assert "mxfp4-rowsr-h32, 3 seeds: b0 (recipe=bf16,seed=0)" in text  # which bf16 runs each row is compared with
+    assert "mxfp4-rowsr-h32, 3 seeds: b0 (bf16)" in text  # which bf16 runs each row is compared with
     runs = re.search(r"<h2>Runs</h2>.*", page, re.S).group(0)
     assert runs.count("<tr>") == 1 + len(report.records)
     assert '<code title="0123456789abcdef0123">0123456789ab</code>' in runs and "fedcba9876" in runs
@@ -651,7 +652,8 @@ def test_seed_noise_columns_in_every_export_and_the_markdown_is_reproducible(see
     row = report.ledger.set_index("recipe").loc["nvfp4"]
     assert f"{row['excess_pct_mean']:+.2f}" in first and f"±{row['excess_pct_std']:.2f}" in second
     assert "above" in first and "+4.99..+7.91" in second
-    assert any(line.strip("│ ").startswith("val loss vs bf16: 95 % CI of the difference of means") for line in lines)
+    assert f"{row['val_excess_pct_mean']:+.2f}" in first  # the table leads with the validation excess
+    assert any(line.strip().startswith("vs bf16: 95 % CI of the val-loss difference of means") for line in lines)
 
 
 CLAIMS = """

@@ -56,25 +56,26 @@ def test_table_csv_md_png_and_frontier(catalog_path, tmp_path):
     assert written == {"csv": tmp_path / "out/iterations.csv", "md": tmp_path / "out/iterations.md",
                        "png": tmp_path / "out/metric.png"}  # fmt: skip
     rows = _csv(written["csv"])
-    assert list(rows[0]) == ["iteration", "decision", "metric", "best_so_far", "improvement_pct", "healthy",
-                             "kept_commit", "proposal"]  # fmt: skip
+    assert list(rows[0]) == ["iteration", "decision", "metric", "compared_with", "gain", "gate", "excess_pct", "best_so_far",
+                             "healthy", "kept_commit", "proposal", "reason"]  # fmt: skip
     assert [r["iteration"] for r in rows] == ["0", "1", "2", "3", "4", "5", "6"]
     assert [r["decision"] for r in rows] == ["baseline", "keep", "discard", "crash", "keep", "invalid", ""]
     assert [r["metric"] for r in rows] == ["4.0", "3.8", "3.9", "", "3.5", "", ""]
     assert [float(r["best_so_far"]) for r in rows] == [4.0, 3.8, 3.8, 3.8, 3.5, 3.5, 3.5]
-    assert float(rows[1]["improvement_pct"]) == pytest.approx(5.0)  # lower is better: 3.8 vs 4.0
-    assert float(rows[2]["improvement_pct"]) == pytest.approx(2.5) and rows[3]["improvement_pct"] == ""
+    # + = worse than the baseline, as the ledger's excess: lower is better here, so 3.8 vs 4.0 is -5 %
+    assert float(rows[1]["excess_pct"]) == pytest.approx(-5.0)
+    assert float(rows[2]["excess_pct"]) == pytest.approx(-2.5) and rows[3]["excess_pct"] == ""
     assert [r["kept_commit"] for r in rows[:5]] == ["", "abcdef0", "", "", "1234567"]
     assert rows[1]["proposal"] == "lr=0.01235, warmup=10"
-    assert rows[4]["proposal"] == "diff: scale the init" and "bad patch" in rows[5]["proposal"]
-    assert rows[0]["healthy"] == "True" and rows[3]["healthy"] == "False"
+    assert rows[4]["proposal"] == "diff: scale the init" and rows[5]["proposal"] == "(rejected)" and "bad patch" in rows[5]["reason"]
+    assert rows[0]["healthy"] == "yes" and rows[3]["healthy"] == "no" and rows[3]["reason"] == "exit 1"
     md = written["md"].read_text()
     assert md.startswith("# fp4lab ratchet t1") and md.count("\n| ") == 8 and "| keep |" in md
     data = written["png"].read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 1000
     assert not list((tmp_path / "out").glob(".*.tmp"))
-    assert table.row_count == 7 and [c.header for c in table.columns][:3] == ["iteration", "decision", "metric"]
-    assert "[green]keep[/]" in list(table.columns[1].cells)
+    assert len(table.rows) == 7 and [c.header for c in table.columns][:3] == ["iter", "decision", "metric"]
+    assert "[green]keep[/]" in [row[1] for row in table.rows]
 
 
 def test_metric_name_maximise_and_only_crashes(tmp_path):
@@ -84,7 +85,7 @@ def test_metric_name_maximise_and_only_crashes(tmp_path):
     _iteration(catalog, "up", 1, "keep", 0.6, best_before=0.5, metric_name="accuracy")
     table, written = ratchet_report(path, "up", tmp_path / "a")
     assert table.columns[2].header == "accuracy" and "| accuracy |" in written["md"].read_text()
-    assert float(_csv(written["csv"])[1]["improvement_pct"]) == pytest.approx(20.0)  # higher is better here
+    assert float(_csv(written["csv"])[1]["excess_pct"]) == pytest.approx(-20.0)  # higher is better here: -20 % is better
     # no metric at all (crashed baseline, no sigma): the plot is still written
     _iteration(catalog, "dead", 0, "crash", None, healthy=False)
     _iteration(catalog, "dead", 1, "invalid", None, proposal={"source": "x", "error": "no"})

@@ -227,7 +227,7 @@ def test_ctrl_c_during_start_up_leaves_the_run_interrupted_so_the_next_sweep_run
         with pytest.raises(KeyboardInterrupt):
             train_recorded(tmp_path / "jobs" / "s" / f"{record['id']}.toml", catalog)
     stopped = catalog.get(record["id"])
-    assert (stopped["state"], stopped["verdict"], stopped["owner"]) == ("interrupted", None, None)
+    assert (stopped["state"], stopped["verdict"], stopped["owner"]) == ("interrupted", "interrupted", None)
     again = cli("sweep", "s.toml")
     assert again.returncode == 0 and "1 runs, 1 to run" in again.stdout, again.stdout
     assert catalog.get(record["id"])["state"] == "completed"
@@ -255,7 +255,7 @@ def test_ctrl_c_while_a_training_process_starts_up_leaves_its_run_interrupted(tm
     out, err = sweep.communicate(timeout=120)
     assert sweep.returncode == 130, err
     (record,) = Catalog(tmp_path / "sweep_catalog.json").records()
-    assert (record["state"], record["verdict"], record["owner"]) == ("interrupted", None, None), record
+    assert (record["state"], record["verdict"], record["owner"]) == ("interrupted", "interrupted", None), record
     assert "interrupted: 1 run(s) stopped" in out
 
 
@@ -266,7 +266,7 @@ def test_ctrl_c_stops_train_with_a_checkpoint_and_exit_130(tmp_path):
     _wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists() and (tmp_path / "run" / "metrics.jsonl").stat().st_size > 0)
     train.send_signal(signal.SIGINT)
     out, err = train.communicate(timeout=120)
-    assert train.returncode == 130 and "run the same command to resume" in err
+    assert train.returncode == 130 and "the same command resumes from step" in err
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["stop_signal"] == "SIGINT"
     assert (tmp_path / "run" / "checkpoint.pt").exists() and "status: interrupted" in out
@@ -317,7 +317,7 @@ def test_the_live_sweep_view_shows_counts_step_loss_and_time_left(tmp_path):
 
     from rich.console import Console
 
-    from fp4lab.cli.sweep import _sweep_progress
+    from fp4lab.cli.sweep import _progress_lines, _sweep_progress
 
     catalog = Catalog(tmp_path / "c.json")
     run_dir = tmp_path / "runs" / "a"
@@ -330,12 +330,20 @@ def test_the_live_sweep_view_shows_counts_step_loss_and_time_left(tmp_path):
     plan = SimpleNamespace(spec=SimpleNamespace(name="s"))
     todo = [SimpleNamespace(id=i) for i in "abc"]
     console = Console(file=io.StringIO(), force_terminal=True, width=120)
-    assert _sweep_progress(Console(file=io.StringIO(), width=120), catalog, plan, todo).__class__.__name__ == "nullcontext"
     live = _sweep_progress(console, catalog, plan, todo)
     console.print(live.get_renderable())
     text = console.file.getvalue()
-    assert "1 done, 1 running, 1 pending" in text and "recipe=nvfp4" in text and "9/20" in text and "3.2500" in text
+    assert "1 done, 1 running, 1 pending" in text and "9/19" in text and "3.2500" in text  # steps from 0: the last is 19
+    assert "nvfp4" in text and "recipe=" not in text  # the run named by its value, no key= on every row
     assert " s" in text.split("3.2500")[1]  # a time left in seconds
+    # Piped (a log file, CI): no live view, but a line per running run every PIPED_PROGRESS_S seconds.
+    piped = Console(file=io.StringIO(), width=120)
+    with _progress_lines(piped, catalog, plan, {"a", "b", "c"}, every=0.05):
+        deadline = time.monotonic() + 10
+        while "step 9/19" not in piped.file.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert "  a  recipe=nvfp4: step 9/19, loss 3.2500\n" in piped.file.getvalue()
+    assert " b " not in piped.file.getvalue() and " c " not in piped.file.getvalue()  # ended and pending runs: no line
 
 
 def test_status_rescan_judges_ended_runs_again_with_the_current_scanner(cli, tmp_path):

@@ -121,7 +121,7 @@ def _ratchet_rows(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
             "metric": metric, "compared_with": finite_number(e.get("compared_with")), "gain": finite_number(e.get("gain")),
             "gate": _gate_text(e), "gate_value": finite_number(e.get("gate")), "excess_pct": excess, "best_so_far": best,
             "healthy": {True: "yes", False: "no"}.get(e.get("healthy"), ""), "kept_commit": str(e.get("kept_commit") or "")[:7],
-            "proposal": _proposal_summary(e.get("proposal")), "reason": _reason(e),
+            "proposal": _proposal_summary(e.get("proposal")), "reason": decision_reason(e),
         })  # fmt: skip
     name = next((str(e["metric_name"]) for e in extras if e.get("metric_name")), "metric")
     return rows, name
@@ -134,9 +134,12 @@ def _gate_text(extra: dict[str, Any]) -> str:
     return "" if gate is None else f"{gate:.4g}"
 
 
-def _reason(extra: dict[str, Any]) -> str:
+def decision_reason(extra: dict[str, Any]) -> str:
+    """Why the iteration was decided so (recorded since the gate is; an older record: its note or the
+    proposal's error)."""
     reason, note = extra.get("reason") or "", extra.get("note") or ""
-    return "; ".join(part for part in (reason, note if note not in reason else "") if part)
+    error = (extra.get("proposal") or {}).get("error") if isinstance(extra.get("proposal"), dict) else None
+    return "; ".join(part for part in (reason, note if note not in reason else "", error if not reason and error else "") if part)
 
 
 def _iterations_table(title: str, headers: list[str], shown: list[list[str]]):
