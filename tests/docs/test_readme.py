@@ -87,3 +87,29 @@ def test_python_examples_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for block in blocks:
         exec(compile(block, page, "exec"), {})
+
+
+def test_readme_counts_and_command_list_are_the_programs():
+    """What the README counts, it counts right: the built-in recipes, and every command `fp4lab --help`
+    lists is named in it (as `fp4lab COMMAND`)."""
+    import typer
+
+    from fp4lab.cli import app
+    from fp4lab.nn.recipe import list_recipes
+
+    text = README.read_text()
+    counts = {int(n) for n in re.findall(r"(\d+) (?:named|built-in) recipes|all (\d+) recipes", text) for n in n if n}
+    assert counts == {len(list_recipes())}, f"the README counts {counts} recipes; there are {len(list_recipes())}"
+    commands = sorted(typer.main.get_command(app).commands)
+    missing = [c for c in commands if not re.search(rf"`fp4lab {c}\b", text)]
+    assert not missing, f"the README does not name the command(s) {missing}"
+
+
+def test_quickstart_time_is_one_measured_figure():
+    """The quickstart's time, measured (wall clock of `fp4lab sweep sweeps/quickstart.toml`), is said the same in the README and in
+    the spec's own comment."""
+    spec = (REPO / "sweeps" / "quickstart.toml").read_text()
+    said = re.search(r"trains them on this machine \(about (\d+) minutes on 2 cores", " ".join(README.read_text().split()))
+    comment = " ".join(line.lstrip("# ") for line in spec.splitlines() if line.startswith("#"))
+    commented = re.search(r"in about (\d+) minutes on 2 cores", comment)
+    assert said and commented and said.group(1) == commented.group(1), "README and sweeps/quickstart.toml disagree on its time"
