@@ -7,9 +7,12 @@ fixed by a table, and the command proposer answering a fixed list."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +126,39 @@ def test_rule_paired_discards_a_gain_below_the_confidence_and_keeps_one_above(ru
     assert report.returncode in (0, None), report.stderr
     markdown = (tmp_path / "report" / "iterations.md").read_text()
     assert f"P {small['probability']:.3f} vs 0.95" in markdown and small["reason"] in markdown
+
+
+def test_ctrl_c_says_what_the_ratchet_finished_and_how_to_resume(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) while an iteration runs: the ratchet says what it
+    decided, what it was running, and the command that goes on; exit 130."""
+    root = project(tmp_path, "sigma", 2, [0.99, 0.5])
+    slow = (root / "score.py").read_text().replace("import json, os", "import json, os, time\nif json.loads(os.environ['FP4LAB_PARAMS']).get('x') == 0.99: time.sleep(60)")
+    (root / "score.py").write_text(slow)
+    git(root, "commit", "-qam", "slow on x = 0.99")
+    command = [sys.executable, "-m", "fp4lab.cli", "ratchet", "program.md", "--tag", "cc", "--agent", "command",
+               "--command", f"{sys.executable} {tmp_path / 'propose.py'}", "--iterations", "2"]
+    ratchet_process = subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       start_new_session=True)  # fmt: skip
+    log = root / ".fp4lab" / "ratchet" / "cc" / "logs" / "iter-0001-s0.log"
+    deadline = time.monotonic() + 120
+    while not log.exists():  # iteration 1 is running (the baseline is decided)
+        assert time.monotonic() < deadline and ratchet_process.poll() is None, ratchet_process.communicate()
+        time.sleep(0.1)
+    os.killpg(ratchet_process.pid, signal.SIGINT)
+    out, err = ratchet_process.communicate(timeout=60)
+    assert ratchet_process.returncode == 130, err
+    assert "ratchet cc: interrupted; 1 iteration(s) decided in this call" in err
+    assert "stopped while running iteration(s) 1" in err
+    assert "resume with: fp4lab ratchet program.md --tag cc" in err
+
+
+def test_an_experiments_log_reads_in_the_order_it_printed(tmp_path):
+    """stdout and stderr go into the iteration's log as one stream, as written (a trainer's progress on
+    stderr, then its summary on stdout), not stdout's block first."""
+    from fp4lab.lab.ratchet.loop import WorktreeCommand
+
+    script = "import sys; print('step 0', file=sys.stderr, flush=True); print('summary', flush=True); print('step 1', file=sys.stderr)"
+    log = tmp_path / "logs" / "iter.log"
+    code, output = WorktreeCommand([sys.executable, "-c", script], tmp_path, {}, log, timeout_s=60)()
+    assert code == 0 and output.split() == ["step", "0", "summary", "step", "1"]
+    assert log.read_text().splitlines()[1:] == ["step 0", "summary", "step 1", "", "[exit 0]"]
