@@ -100,7 +100,7 @@ def test_a_second_trainer_on_a_held_folder_is_refused_and_touches_nothing(tmp_pa
     assert run_folder.holder(folder) is None
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_a_terminated_sweep_stops_its_trainer_at_a_checkpoint_and_records_it_interrupted(tmp_path, stop):
     (tmp_path / "s.toml").write_text(spec("s", ["bf16"], steps=2000))
     sweep = subprocess.Popen([sys.executable, "-m", "fp4lab.cli", "sweep", "s.toml"], cwd=tmp_path, env=ENV,
@@ -117,7 +117,7 @@ def test_a_terminated_sweep_stops_its_trainer_at_a_checkpoint_and_records_it_int
     with pytest.raises(ProcessLookupError):
         os.kill(int(trainer.rpartition(":")[2]), 0)
     (record,) = Catalog(tmp_path / "sweep_catalog.json").records()
-    assert (record["state"], record["owner"]) == ("interrupted", None)
+    assert (record["state"], record["verdict"], record["owner"]) == ("interrupted", "interrupted", None)
     stopped_at = json.loads((run_dir / "summary.json").read_text())["steps_completed"]
     assert 0 < stopped_at < 2000 and (run_dir / "checkpoint.pt").exists()
 
@@ -144,4 +144,4 @@ def test_a_sweep_started_while_a_dead_sweeps_trainer_runs_leaves_the_run_to_it(t
         os.kill(pid, signal.SIGINT)  # the orphaned trainer checkpoints and records itself
         _wait_for(lambda: run_folder.holder(run_dir) is None)
     record = Catalog(tmp_path / "sweep_catalog.json").records()[0]
-    assert (record["state"], record["owner"]) == ("interrupted", None)
+    assert (record["state"], record["verdict"], record["owner"]) == ("interrupted", "interrupted", None)
