@@ -493,6 +493,7 @@ def _status_rows(runs_catalog, sweep_name: str | None) -> list[dict]:
         rows.append({
             "sweep": record["sweep"], "id": record["id"], "name": record["extra"].get("name"), "params": record["extra"].get("params"),
             "state": record["state"], "step": step, "steps": (record.get("config") or {}).get("steps"), "loss": loss, "val_loss": record["summary"].get("final_val_loss"),
+            "tokens_per_s": record["summary"].get("tokens_per_s"),
             "resumed_from_step": record["summary"].get("resumed_from_step"), "verdict": record["verdict"],
             "error": record.get("error"), "slurm_job_id": record["slurm_job_id"], "slurm_array_index": record["slurm_array_index"],
             "run_dir": (record.get("paths") or {}).get("run_dir"),
@@ -508,7 +509,7 @@ def status_table(rows: list[dict], title: str):
     header, names = run_names([r["params"] for r in rows], [r["name"] or r["id"] for r in rows])
     ids = short_ids([r["id"] for r in rows])
     columns = [Column("sweep", wraps=True), Column("id"), Column(header, identifies=True), Column("state", wraps=True, identifies=True),
-               Column("step", right=True), Column("loss", right=True), Column("val loss", right=True),
+               Column("step", right=True), Column("loss", right=True), Column("val loss", right=True), Column("tok/s", right=True),
                Column("verdict", wraps=True, identifies=True), Column("Slurm job")]  # fmt: skip
     cells = []
     for row in rows:
@@ -518,7 +519,8 @@ def status_table(rows: list[dict], title: str):
         state = row["state"] + (f" (resumed from step {row['resumed_from_step']})" if row.get("resumed_from_step") else "")
         job = "" if row["slurm_job_id"] is None else str(row["slurm_job_id"]) + ("" if row["slurm_array_index"] is None else f"_{row['slurm_array_index']}")
         cells.append([row["sweep"] or "", ids[row["id"]], names.pop(0), state, format_cell(row["step"]),
-                      format_cell(row["loss"]), format_cell(row["val_loss"]), verdict, job])  # fmt: skip
+                      format_cell(row["loss"]), format_cell(row["val_loss"]),
+                      "" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}", verdict, job])  # fmt: skip
     return runs_table(title, columns, cells, caption=[_step_numbering({row.get("steps") for row in rows})] if rows else ())
 
 
