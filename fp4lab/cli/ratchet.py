@@ -14,19 +14,19 @@ from fp4lab.cli.conventions import fail, print_json, rich_console
 
 def ratchet(
     program: Annotated[Optional[Path], typer.Argument(help="The goal, metric, budget, health rules and search space (default: program.md).")] = None,
-    program_option: Annotated[Optional[Path], typer.Option("--program", hidden=True, help="Deprecated: pass PROGRAM as the argument.")] = None,
-    iterations: Annotated[Optional[int], typer.Option(help="Proposals to decide in all for this tag (default: [stop].iterations).")] = None,
-    tag: Annotated[Optional[str], typer.Option(help="Names the branch ratchet/<TAG> and its state; the same tag resumes (default: program file name).")] = None,
-    agent: Annotated[Proposer, typer.Option(help="Proposer: optuna (TPE, no network), llm (OpenAI-compatible endpoint) or command (an executable).")] = "optuna",
-    command: Annotated[Optional[str], typer.Option(help="--agent command: the executable and its arguments (split like a shell, never run by one).")] = None,
-    base_url: Annotated[Optional[str], typer.Option(help="--agent llm: endpoint (default $FP4LAB_LLM_BASE_URL, $OPENAI_BASE_URL, http://127.0.0.1:8000/v1).")] = None,
-    model: Annotated[Optional[str], typer.Option(help="--agent llm: model name (default $FP4LAB_LLM_MODEL). The key comes from $FP4LAB_LLM_API_KEY or $OPENAI_API_KEY only.")] = None,
-    timeout: Annotated[Optional[float], typer.Option(help="--agent llm/command: seconds per proposal (default 60 / 300).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the optuna sampler and the paired bootstrap.")] = 0,
-    executor: Annotated[RatchetExecutor, typer.Option(help="local (this machine) or slurm (each experiment a submitit job, as the program's [slurm] table asks).")] = "local",
-    workers: Annotated[int, typer.Option(help="Proposals in flight at once, each in its own worktree.")] = 1,
-    catalog: Annotated[Path, typer.Option(help="The results catalog (one record per iteration, sweep ratchet/<TAG>).")] = Path("sweep_catalog.json"),
-    as_json: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON (the iterations go to stderr).")] = False,
+    program_option: Annotated[Optional[Path], typer.Option("--program", hidden=True, help="Deprecated: pass PROGRAM as the argument.", rich_help_panel="What it runs")] = None,
+    iterations: Annotated[Optional[int], typer.Option(help="Proposals to decide in all for this tag (default: [stop].iterations).", rich_help_panel="What it runs")] = None,
+    tag: Annotated[Optional[str], typer.Option(help="Names the branch ratchet/<TAG> and its state; the same tag resumes (default: program file name).", rich_help_panel="What it runs")] = None,
+    agent: Annotated[Proposer, typer.Option(help="Proposer: optuna (TPE, no network), llm (OpenAI-compatible endpoint) or command (an executable).", rich_help_panel="Proposer")] = "optuna",
+    command: Annotated[Optional[str], typer.Option(help="--agent command: the executable and its arguments (split like a shell, never run by one).", rich_help_panel="Proposer")] = None,
+    base_url: Annotated[Optional[str], typer.Option(help="--agent llm: endpoint (default $FP4LAB_LLM_BASE_URL, $OPENAI_BASE_URL, http://127.0.0.1:8000/v1).", rich_help_panel="Proposer")] = None,
+    model: Annotated[Optional[str], typer.Option(help="--agent llm: model name (default $FP4LAB_LLM_MODEL). The key comes from $FP4LAB_LLM_API_KEY or $OPENAI_API_KEY only.", rich_help_panel="Proposer")] = None,
+    timeout: Annotated[Optional[float], typer.Option(help="--agent llm/command: seconds per proposal (default 60 / 300).", rich_help_panel="Proposer")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the optuna sampler and the paired bootstrap.", rich_help_panel="What it runs")] = 0,
+    executor: Annotated[RatchetExecutor, typer.Option(help="local (this machine) or slurm (each experiment a submitit job, as the program's [slurm] table asks).", rich_help_panel="Where it runs")] = "local",
+    workers: Annotated[int, typer.Option(help="Proposals in flight at once, each in its own worktree.", rich_help_panel="Where it runs")] = 1,
+    catalog: Annotated[Path, typer.Option(help="The results catalog (one record per iteration, sweep ratchet/<TAG>).", rich_help_panel="What it runs")] = Path("sweep_catalog.json"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON (the iterations go to stderr).", rich_help_panel="Output")] = False,
 ) -> None:
     """Propose a change, run a capped experiment, keep it (git commit) only if the metric strictly improves
     and the run is healthy, otherwise revert; every iteration recorded. Works in its own git worktree.

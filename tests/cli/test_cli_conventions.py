@@ -408,3 +408,21 @@ def test_sweep_dry_run_shows_problems_as_written(run_cli, in_tmp):
     out = run_cli("sweep", "tokens.toml", "--dry-run")
     assert out.returncode == 0, out.stderr
     assert "would fail: " in out.stdout and "data/[train]/tokens.bin" in out.stdout
+
+
+@pytest.mark.parametrize("command", ["train", "bench", "ratchet"])
+def test_long_helps_group_their_options_in_panels(run_cli, monkeypatch, command):
+    """A long --help reads in groups (typer's rich_help_panel): no panel holds more than 12 options."""
+    monkeypatch.setenv("COLUMNS", "80")
+    text = run_cli(command, "--help").stdout
+    panels = re.findall(r"╭─ ([^─]+) ─", text)
+    assert len(panels) >= 4, panels
+    sizes = [len(re.findall(r"^│ +--", body, re.M)) for body in re.split(r"╭─ [^─]+ ─+╮", text)[1:]]
+    assert max(sizes) <= 12, dict(zip(panels, sizes))
+
+
+def test_usage_lines_name_arguments_in_capitals(run_cli, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    for command, usage in (("sweep", "fp4lab sweep [OPTIONS] SPEC"), ("scan", "fp4lab scan [OPTIONS] [LOGS]..."),
+                           ("status", "fp4lab status [OPTIONS] [SWEEP]"), ("forget", "fp4lab forget [OPTIONS] SWEEP")):
+        assert usage in run_cli(command, "--help").stdout

@@ -108,6 +108,9 @@ def test_rule_sigma_discards_a_gain_under_k_sigma_and_keeps_one_over_it(run_cli,
     # The line a person reads says what was compared and why.
     assert line_of(stdout, 1) == f"iteration 1: discard  x=0.99  metric 0.99 vs 1: {small['reason']}"
     assert line_of(stdout, 2).startswith("iteration 2: keep  x=0.5  metric 0.5 vs 1: gain 0.5 > gate")
+    # `fp4lab status` lists ratchet iterations (a catalog holding only them is not an empty table).
+    listed = json.loads(run_cli("status", "--json").stdout)
+    assert [row["sweep"] for row in listed] == ["ratchet/sigma"] * 3
 
 
 def test_rule_paired_discards_a_gain_below_the_confidence_and_keeps_one_above(run_cli, monkeypatch, tmp_path):
