@@ -120,7 +120,7 @@ def test_user_recipe_extends_a_builtin(tmp_path):
 @pytest.mark.parametrize(
     "text, fragment",
     [
-        ('[linear.all]\nformat = "fp6"\n', "linear.fprop_x.format='fp6' is not supported; allowed: bf16, fp32, mxfp4, nvfp4, nvfp4_cta, fp8"),
+        ('[linear.all]\nformat = "fp6"\n', "linear.fprop_x.format='fp6' is not supported (did you mean 'fp8'?); allowed: bf16, fp32, mxfp4, nvfp4, nvfp4_cta, fp8"),
         ('[linear.all]\nformat = "fp8"\nelement = "e3m4"\n', "linear.fprop_x.element='e3m4' is not supported; allowed: e4m3, e5m2"),
         ('[linear.all]\nformat = "fp8"\nscaling = "block"\n', "linear.fprop_x.scaling='block' is not supported; allowed: tensor, row"),
         ('[linear.all]\nformat = "fp8"\nrounding = "sr"\n', "linear.fprop_x is fp8; rounding, scale_mode, tile, adaptive and cta_tile apply to FP4"),
@@ -146,7 +146,7 @@ def test_user_recipe_extends_a_builtin(tmp_path):
         ('[[blocks]]\nlast = 1\nrecipe = "nope"\n', "unknown recipe 'nope'"),
         ('[optimizer]\nqk_clip = "always"\n', "optimizer.qk_clip='always' is not supported; allowed: none, kimi, update_cap"),
         ('[optimizer]\nqk_clip_tau = -1\n', "optimizer.qk_clip_tau=-1 must be a finite number > 0"),
-        ('[model]\nhead = "nvfp4"\n', "model.head='nvfp4' is not supported; allowed: bf16, fp32, fp4"),
+        ('[model]\nhead = "nvfp4"\n', "model.head='nvfp4' is not supported (did you mean 'fp4'?); allowed: bf16, fp32, fp4"),
         ('extends = "nope"\n', "unknown recipe 'nope'"),
         ('colour = "red"\n', "colour: unknown key; allowed: name,"),
         ("[linear\n", "not valid TOML"),
