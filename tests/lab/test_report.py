@@ -848,3 +848,17 @@ def test_loss_curves_go_on_a_log_axis_when_a_run_blew_up_by_decades(tmp_path):
             assert fig.axes[0].get_yscale() == scale
         finally:
             pyplot.close(fig)
+
+
+def test_rows_whose_bands_are_of_one_kind_say_it_once_in_the_legend(tmp_path):
+    """One legend line per row (the ledger's 18 rows took more than the figure's height with the band
+    named on each), the band's kind said once."""
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    for run_id, recipe in (("b0", "bf16"), ("m0", "mxfp4-rowsr-h32"), ("n0", "nvfp4")):
+        _add_run(catalog, tmp_path, run_id, recipe, 0, _noisy(3.0, run_id))
+    fig = plot_figure(build_report(tmp_path / "sweep_catalog.json", "hand"), "loss_excess")
+    try:
+        legend = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+        assert legend == ["mxfp4-rowsr-h32", "nvfp4", "bands: ±1 std of step-to-step noise, each row's own", "bf16 (the reference, 0 %)"]
+    finally:
+        pyplot.close(fig)

@@ -36,9 +36,10 @@ PLOT_CAPTIONS = {
 # One colour per recipe in every figure of every report: bf16 black (the reference, as the excess plot's 0
 # line), each built-in recipe its own colour by its place among them, another recipe one chosen by its name.
 BASELINE_COLOUR = "black"
+# None is near black (bf16's); the built-in names take them in sorted order (nvfp4: crimson).
 PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
-           "tab:cyan", "navy", "darkgoldenrod", "teal", "crimson", "indigo", "saddlebrown", "olivedrab", "deeppink",
-           "slategray")  # fmt: skip
+           "tab:cyan", "crimson", "teal", "gold", "limegreen", "magenta", "sienna", "slateblue", "darkgoldenrod",
+           "deepskyblue")  # fmt: skip
 LINESTYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")
 
@@ -283,10 +284,14 @@ def _draw_loss_curves(ax, report: Report, records: dict[str, dict[str, Any]]) ->
 def _draw_loss_excess(ax, report: Report, records: dict[str, dict[str, Any]]) -> bool:
     """Each non-bf16 row's smoothed excess over its bf16 reference, with its noise band (`excess_curves`)."""
     drawn = False
-    for curve in excess_curves(report):
+    curves = excess_curves(report)
+    # Rows whose bands are of one kind (all over seeds, or all step noise) say it once, not on every row.
+    kinds = {curve.band_label.split(" (")[0] for curve in curves}
+    shared_band = len(curves) > 1 and len(kinds) == 1
+    for curve in curves:
         colour, linestyle = row_style(report, curve.index)
         ax.plot(curve.steps, curve.smoothed, color=colour, linestyle=linestyle, linewidth=1.5,
-                label=f"{curve.label}\n  band: {curve.band_label}")  # fmt: skip
+                label=curve.label if shared_band else f"{curve.label}\n  band: {curve.band_label}")  # fmt: skip
         known = [math.isfinite(b) for b in curve.band]
         width = [b if k else 0.0 for b, k in zip(curve.band, known)]
         low = [c - b for c, b in zip(curve.smoothed, width)]
@@ -295,6 +300,8 @@ def _draw_loss_excess(ax, report: Report, records: dict[str, dict[str, Any]]) ->
         for run_id, (steps, values) in curve.per_run.items():
             _mark_divergence(ax, records[run_id], steps, values, colour, run_label(report, run_id))
         drawn = True
+    if shared_band:
+        ax.fill_between([], [], [], color="grey", alpha=0.3, linewidth=0, label=f"bands: {kinds.pop()}, each row's own")
     if drawn:
         ax.axhline(0, color=BASELINE_COLOUR, linewidth=0.8, label="bf16 (the reference, 0 %)")
     ax.set(xlabel="step", ylabel="train loss excess vs bf16 (%)",
