@@ -26,7 +26,7 @@ app = typer.Typer(
     cls=Commands,
     help="Find which FP4 training recipe trains a language model stably and fast.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
 )
 

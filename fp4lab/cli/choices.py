@@ -53,3 +53,31 @@ RatchetExecutor = Literal[RATCHET_EXECUTORS]
 Proposer = Literal[PROPOSERS]
 BenchWhat = Literal[BENCH_WHAT]
 Corpus = Literal[CORPORA]
+
+
+# Shell completion (`fp4lab --install-completion`) of the values that are names rather than choices.
+
+
+def complete_recipe(incomplete: str) -> list[str]:
+    """Built-in recipe names starting with what was typed; none (the shell then completes file names)
+    for a path to a recipe .toml."""
+    from fp4lab.nn.recipe import list_recipes
+
+    return [name for name in list_recipes() if name.startswith(incomplete)]
+
+
+def complete_sweep(ctx, incomplete: str) -> list[str]:
+    """The names of the sweeps in the catalog (the command's --catalog, else ./sweep_catalog.json)
+    starting with what was typed; none where there is no readable catalog."""
+    from pathlib import Path
+
+    from fp4lab.lab.records.catalog import Catalog, CatalogError, sweeps_of
+
+    path = Path(ctx.params.get("catalog") or "sweep_catalog.json")
+    if not path.is_file():
+        return []
+    try:
+        names = {name for record in Catalog(path).records() for name in sweeps_of(record)}
+    except (CatalogError, OSError):
+        return []
+    return sorted(name for name in names if name and name.startswith(incomplete))

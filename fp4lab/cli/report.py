@@ -8,11 +8,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from fp4lab.cli.choices import complete_sweep
 from fp4lab.cli.conventions import fail, print_json, rich_console
 
 
 def report(
-    sweep_name: Annotated[Optional[str], typer.Argument(metavar="SWEEP", help="Only this sweep (default: all).")] = None,
+    sweep_name: Annotated[Optional[str], typer.Argument(metavar="SWEEP", help="Only this sweep (default: all).", autocompletion=complete_sweep)] = None,
     out: Annotated[Optional[Path], typer.Option(help="Output folder (default: reports/<SWEEP or all>/, reports/ratchet-<TAG>/).")] = None,
     catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
     ratchet: Annotated[Optional[str], typer.Option(help="Report a ratchet run instead: its TAG (metric vs iteration).")] = None,

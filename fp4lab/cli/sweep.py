@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fp4lab.cli.choices import LogPreset, SweepExecutor
+from fp4lab.cli.choices import LogPreset, SweepExecutor, complete_sweep
 from fp4lab.cli.conventions import fail, print_json, rich_console
 from fp4lab.cli.train import print_summary_block
 
@@ -157,6 +157,7 @@ def sweep(
     retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Also rerun failed, cancelled and timed-out runs (they resume from their checkpoints; interrupted and preempted runs resume anyway).")] = False,
     jobs_dir: Annotated[Path, typer.Option(help="Where SBATCH scripts and run configs go.")] = Path("jobs"),
     catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
+    after: Annotated[Optional[str], typer.Option("--after", metavar="SWEEP", autocompletion=complete_sweep, help="Slurm executors: start these jobs only once every queued or running job of sweep SWEEP (as the catalog knows it) has ended, whatever its outcome (sbatch --dependency=afterany).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: print the plan (runs, skipped runs, problems) as JSON.")] = False,
 ) -> None:
     """Expand a sweep spec into runs, write their SBATCH scripts, run what is still needed, record every run.
@@ -176,11 +177,16 @@ def sweep(
         fail(f"sweep: --workers must be >= 1, got {workers}")
     if as_json and not dry_run:
         fail("sweep: --json prints the plan of --dry-run; add --dry-run (the runs of a sweep as JSON: fp4lab status SWEEP --json)")
+    if after is not None and executor == "local":
+        fail("sweep: --after chains Slurm jobs; add --executor slurm or --executor sbatch (on this machine, "
+             "run the sweeps one after the other)")
     console = rich_console()
     try:
-        runner = make_executor(executor, **({"workers": workers} if executor == "local" else {}))
         runs_catalog = Catalog(catalog)
         runs_catalog.records()  # a corrupt catalog fails here, before anything is written
+        dependency = _after_dependency(runs_catalog, after, spec) if after is not None else None
+        options = {"workers": workers} if executor == "local" else {"dependency": dependency}
+        runner = make_executor(executor, **options)
         plan = plan_sweep(spec, jobs_dir, catalog, runner.check, ask_slurm=executor != "local")
         problems = preflight(plan, executor)
         if problems and not dry_run:
@@ -195,6 +201,10 @@ def sweep(
         _exit_on_failures(runs_catalog, plan)
         return
     _print_sweep_heading(console, plan, todo, skipped, runs_catalog)
+    if after is not None:
+        console.print(f"after sweep {after}: " + (f"the jobs wait for its Slurm jobs {dependency.removeprefix('afterany:').replace(':', ', ')} "
+                      "to end (--dependency=afterany)" if dependency else "none of its jobs is queued or running; nothing to wait for"),
+                      markup=False)
     optuna = plan.spec.method == "optuna"
     if dry_run or (not todo and not optuna):
         for run in todo:
@@ -218,6 +228,25 @@ def sweep(
     _run_here(console, runner, plan, todo, runs_catalog, spec)
     _print_status(runs_catalog, plan.spec.name)
     _exit_on_failures(runs_catalog, plan)
+
+
+def _after_dependency(runs_catalog, name: str, spec: Path) -> str | None:
+    """The --dependency that waits for sweep `name`'s jobs (fp4lab.lab.runs.slurm.after_sweep); a
+    one-line error when the catalog has no such sweep, or the spec sets a dependency of its own."""
+    from fp4lab.lab.records.catalog import sweeps_of
+    from fp4lab.lab.runs.slurm import after_sweep
+    from fp4lab.lab.specs.sweep_spec import load_spec
+    from fp4lab.validation import did_you_mean
+
+    if "dependency" in load_spec(spec).slurm.extra_options():
+        fail(f"sweep: --after {name} and [slurm].extra.dependency in {spec} both set the job dependency; keep one")
+
+    records = runs_catalog.records(sweep=name)
+    if not records:
+        known = sorted({member for record in runs_catalog.records() for member in sweeps_of(record)})
+        fail(f"sweep: --after {name}: the catalog {str(runs_catalog.path)!r} has no sweep of that name{did_you_mean(name, known)}"
+             f"; {'its sweeps: ' + ', '.join(known) if known else 'submit that sweep first'}")
+    return after_sweep(records, name)
 
 
 def _print_sweep_heading(console, plan, todo, skipped: dict, runs_catalog) -> None:
@@ -445,7 +474,7 @@ def trial(
 
 
 def status(
-    sweep_name: Annotated[Optional[str], typer.Argument(metavar="SWEEP", help="Only this sweep (default: all).")] = None,
+    sweep_name: Annotated[Optional[str], typer.Argument(metavar="SWEEP", help="Only this sweep (default: all).", autocompletion=complete_sweep)] = None,
     catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
     watch: Annotated[float, typer.Option(help="Refresh every N seconds until every run has ended (0: once).")] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the runs as a JSON list instead of a table.")] = False,
@@ -553,7 +582,7 @@ def _print_status(runs_catalog, sweep_name: str | None, watch: float = 0.0) -> N
 
 
 def forget(
-    sweep_name: Annotated[str, typer.Argument(metavar="SWEEP", help="The sweep whose rows leave the catalog.")],
+    sweep_name: Annotated[str, typer.Argument(metavar="SWEEP", help="The sweep whose rows leave the catalog.", autocompletion=complete_sweep)],
     catalog: Annotated[Path, typer.Option(help="The results catalog.")] = Path("sweep_catalog.json"),
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation (needed when stdin is not a terminal).")] = False,
     delete_runs: Annotated[bool, typer.Option("--delete-runs", help="Also delete the run folders of the rows removed (checkpoints, logs, metrics).")] = False,

@@ -28,12 +28,13 @@ from fp4lab.cli.choices import (
     ProducerFusion,
     QkClip,
     TokenDtype,
+    complete_recipe,
 )
 from fp4lab.cli.conventions import fail
 
 
 def train(
-    recipe: Annotated[Optional[str], typer.Option(help="Recipe name (fp4lab recipes) or path to a recipe .toml.", rich_help_panel="Recipe, model and data")] = None,
+    recipe: Annotated[Optional[str], typer.Option(help="Recipe name (fp4lab recipes) or path to a recipe .toml.", autocompletion=complete_recipe, rich_help_panel="Recipe, model and data")] = None,
     model: Annotated[Optional[ModelPreset], typer.Option(help="Model preset (default tiny).", rich_help_panel="Recipe, model and data")] = None,
     data: Annotated[Optional[str], typer.Option(help="shakespeare (embedded) | synthetic | pycode (after fp4lab data build pycode) | path to a .bin token file.", rich_help_panel="Recipe, model and data")] = None,
     val_data: Annotated[Optional[str], typer.Option(help="Validation .bin file (default: hold out the tail of --data).", rich_help_panel="Recipe, model and data")] = None,

@@ -123,6 +123,28 @@ def test_sbatch_lines_cover_every_slurm_field(tmp_path):
     assert "fp4lab.cli train --config" in text
 
 
+EXTRA = """[slurm.extra]
+        gres = "gpu:h100:1"
+        mail_type = "END,FAIL"
+        exclusive = true
+        nice = 5
+        comment = "two words # $(touch PWNED) `id`; 'q'"
+        """
+
+
+def test_extra_options_are_written_verbatim_and_quoted_only_where_needed(tmp_path):
+    spec = load_spec(spec_file(tmp_path, "cpus_per_task = 1\n" + EXTRA))
+    scripts = write_scripts(spec, expand(spec), tmp_path / "jobs", workdir=tmp_path, max_array_size=100)
+    for script in (scripts[0], scripts[-1]):  # one run's script and the array's
+        text = script.read_text()
+        assert ('#SBATCH --gres=gpu:h100:1\n#SBATCH --mail-type=END,FAIL\n#SBATCH --exclusive\n#SBATCH --nice=5\n'
+                '#SBATCH --comment="two words # $(touch PWNED) `id`; \'q\'"\n') in text
+        head = text.split("\n\n")[0]  # sbatch reads #SBATCH lines up to the first command only
+        assert head.index("--cpus-per-task=1") < head.index("--gres=") and "--exclusive" in head
+        assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    assert not list(tmp_path.rglob("PWNED"))
+
+
 def test_arrays_split_at_max_array_size(tmp_path):
     spec = load_spec(ROOT / "sweeps" / "muon_qkclip.toml")
     runs = expand(spec)

@@ -267,3 +267,36 @@ def test_refresh_goes_by_the_run_folders_when_slurm_does_not_answer(planned, fak
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     refresh(catalog, scan_thresholds(planned[0].spec), "mini")
     assert [catalog.get(r["id"])["state"] for r in (a, b, c)] == ["completed", "running", "submitted"]
+
+
+# ----------------------------------------------------------------------------------- chained sweeps
+
+
+def test_after_sweep_waits_for_the_jobs_slurm_still_lists(fake_slurm):
+    records = [{**record("120", 0), "state": "running"}, {**record("120", 1), "state": "submitted"},
+               {**record("9", None), "state": "submitted"}, {**record("15", None), "state": "running"},
+               {**record("7", None), "state": "completed"}, {**record(None, None), "state": "pending"}]
+    fake_slurm.answer("squeue", "120_0 RUNNING\n120_1 PENDING\n15 REQUEUED\n9 COMPLETED\n")
+    assert slurm.after_sweep(records, "first") == "afterany:15:120"  # numeric order; the ended job 9 is left out
+    (argv,) = fake_slurm.calls("squeue")
+    assert jobs_asked(argv) == {"120", "9", "15"}  # ended records are not asked about
+
+
+def test_after_sweep_needs_no_dependency_when_nothing_is_queued(fake_slurm):
+    fake_slurm.answer("squeue", "5 COMPLETED\n")
+    assert slurm.after_sweep([{**record("5", None), "state": "running"}], "first") is None
+    assert slurm.after_sweep([{**record("8", None), "state": "completed"}], "first") is None
+
+
+def test_after_sweep_keeps_every_queued_job_when_squeue_cannot_answer(no_slurm):
+    records = [{**record("31", None), "state": "submitted"}, {**record("4", 2), "state": "running"}]
+    assert slurm.after_sweep(records, "first") == "afterany:4:31"
+
+
+def test_sbatch_executor_passes_the_dependency_to_every_submission(planned, fake_slurm):
+    plan, catalog = planned
+    fake_slurm.answer("sbatch", "601\n", "602\n")
+    first, _, third = plan.runs
+    make_executor("sbatch", dependency="afterany:40:41").launch(plan, [first, third], catalog)
+    assert fake_slurm.calls("sbatch") == [["--parsable", "--dependency=afterany:40:41", str(plan.sweep_dir / f"{run.id}.sbatch")]
+                                          for run in (first, third)]

@@ -164,10 +164,37 @@ def test_recipe_path_is_accepted(tmp_path):
         ("nodes = 0", "slurm.nodes"),
         ("gpus_per_node = 'two'", "slurm.gpus_per_node"),
         ("time = 2\nsignal_before_timeout_s = 300", "slurm.signal_before_timeout_s"),
+        ("extra = 'gres'", "slurm.extra"),
+        ("extra = { Gres = 'gpu:1' }", "slurm.extra.Gres"),
+        ("extra = { '--gres' = 'gpu:1' }", "slurm.extra.--gres"),
+        ("extra = { 'gres=gpu:1 --wrap' = true }", "slurm.extra.gres=gpu:1 --wrap"),
+        ("extra = { comment = 'a\"b' }", "slurm.extra.comment"),
+        ("extra = { comment = 'a\\\\b' }", "slurm.extra.comment"),
+        ('extra = { comment = "line\\nbreak" }', "slurm.extra.comment"),
+        ("extra = { comment = '' }", "slurm.extra.comment"),
+        ("extra = { exclusive = false }", "slurm.extra.exclusive"),
+        ("extra = { nice = 1.5 }", "slurm.extra.nice"),
+        ("extra = { job_name = 'x' }", "slurm.extra.job_name"),
+        ("extra = { output = '/tmp/x' }", "slurm.extra.output"),
+        ("extra = { time = '01:00:00' }", "slurm.extra.time"),
+        ("extra = { gpus-per-node = 2 }", "slurm.extra.gpus-per-node"),
+        ("extra = { mail_type = 'END', mail-type = 'BEGIN' }", "slurm.extra.mail-type"),
     ],
 )
 def test_bad_slurm_values(tmp_path, slurm, key):
     assert f": {key}:" in error(tmp_path, BASE + "[slurm]\n" + slurm + "\n")
+
+
+def test_slurm_extra_names_the_option_fp4lab_sets_itself(tmp_path):
+    assert "fp4lab sets --time itself: set [slurm].time" in error(tmp_path, BASE + "[slurm]\nextra = { time = 5 }\n")
+    assert "fp4lab sets --job-name itself" in error(tmp_path, BASE + "[slurm]\nextra = { job_name = 'x' }\n")
+
+
+def test_slurm_extra_keeps_the_spec_order_under_sbatch_names(tmp_path):
+    spec = load_spec(write(tmp_path, BASE + "[slurm.extra]\nmail_type = 'END'\ngres = 'gpu:h100:1'\nexclusive = true\n"
+                                          "nice = 5\ncomment = 'two words'\n"))
+    assert spec.slurm.extra_options() == {"mail-type": "END", "gres": "gpu:h100:1", "exclusive": True, "nice": 5,
+                                          "comment": "two words"}
 
 
 def test_bad_scan_and_method(tmp_path):

@@ -337,3 +337,24 @@ def test_a_local_sweep_never_waits_on_slurm(cli, tmp_path, monkeypatch):
     took = time.monotonic() - started
     assert out.returncode == 0, out.stderr
     assert "0 to run" in out.stdout and took < 2.0, f"a no-op local sweep took {took:.1f} s"
+
+
+def test_after_names_a_sweep_of_the_catalog_and_needs_slurm(cli, tmp_path, monkeypatch):
+    (tmp_path / "mini.toml").write_text(SPEC)
+    registered(tmp_path, "mini.toml")  # sweep "mini": pending, no job in Slurm's queue
+    (tmp_path / "next.toml").write_text(SPEC.replace('name = "mini"', 'name = "next"'))
+    before = (tmp_path / "sweep_catalog.json").read_bytes()
+    out = cli("sweep", "next.toml", "--after", "mini")
+    assert out.returncode == 2 and "--after chains Slurm jobs; add --executor slurm" in out.stderr
+    out = cli("sweep", "next.toml", "--executor", "sbatch", "--after", "mnii", "--dry-run")
+    assert out.returncode == 2 and "has no sweep of that name (did you mean 'mini'?)" in out.stderr
+    assert "\n" not in out.stderr.strip()
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))  # nothing of "mini" is queued: no squeue needed
+    out = cli("sweep", "next.toml", "--executor", "sbatch", "--after", "mini", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "after sweep mini: none of its jobs is queued or running; nothing to wait for" in out.stdout
+    (tmp_path / "both.toml").write_text(SPEC.replace('name = "mini"', 'name = "both"') + "[slurm.extra]\ndependency = 'afterok:1'\n")
+    out = cli("sweep", "both.toml", "--executor", "sbatch", "--after", "mini", "--dry-run")
+    assert out.returncode == 2 and "both set the job dependency; keep one" in out.stderr
+    assert not (tmp_path / "jobs" / "both").exists()  # refused before anything was written
+    assert (tmp_path / "sweep_catalog.json").read_bytes() == before

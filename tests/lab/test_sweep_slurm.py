@@ -104,3 +104,35 @@ def test_optuna_trials_run_as_a_slurm_array_through_submitit(cli, tmp_path):  # 
     from tests.lab.test_sweep import _study
 
     assert [t.state.name for t in _study(tmp_path).get_trials()] == ["COMPLETE", "COMPLETE"]
+
+
+def _job(job_id: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True).stdout
+
+
+def test_extra_options_reach_slurm_and_a_chained_sweep_waits_for_the_first(cli, tmp_path):  # noqa: F811
+    # The first sweep, through plain sbatch: its extra options as Slurm itself read them.
+    extra = "\n[slurm.extra]\ncomment = \"two words # $(touch PWNED) `id`; 'q'\"\nnice = 5\ncontiguous = true\n"
+    (tmp_path / "first.toml").write_text(LONG.replace('name = "mini"', 'name = "first"') + SLURM + extra)
+    out = cli("sweep", "first.toml", "--executor", "sbatch")
+    assert out.returncode == 0, out.stderr
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    (first,) = catalog.records(sweep="first")
+    job = _job(first["slurm_job_id"])
+    assert "Comment=two words # $(touch PWNED) `id`; 'q'" in job and "Nice=5" in job and "Contiguous=1" in job, job
+    assert not list(tmp_path.rglob("PWNED"))
+    # The second, through submitit, after the first: its jobs wait while the first runs, then run.
+    (tmp_path / "second.toml").write_text(SPEC.replace('name = "mini"', 'name = "second"') + SLURM
+                                          + "\n[slurm.extra]\ncomment = \"second sweep\"\n")
+    out = cli("sweep", "second.toml", "--executor", "slurm", "--after", "first")
+    assert out.returncode == 0, out.stderr
+    assert f"after sweep first: the jobs wait for its Slurm jobs {first['slurm_job_id']} to end" in out.stdout
+    second = catalog.records(sweep="second")
+    for job_id in {r["slurm_job_id"] for r in second}:
+        job = _job(job_id)
+        assert f"Dependency=afterany:{first['slurm_job_id']}" in job and "Comment=second sweep" in job, job
+    time.sleep(3)
+    assert all(r["state"] == "submitted" for r in catalog.records(sweep="second"))  # still held back
+    subprocess.run(["scancel", first["slurm_job_id"]], check=True)
+    done = wait_for(catalog, lambda rs: all(r["state"] == "completed" for r in rs if "second" in r["sweeps"] + [r["sweep"]]))
+    assert sum(r["sweep"] == "second" for r in done) == 2

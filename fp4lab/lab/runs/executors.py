@@ -68,13 +68,14 @@ class Executor(Protocol):
 
 
 def make_executor(name: str, **options: Any) -> Executor:
-    """The executor called `name` (EXECUTORS); options go to LocalExecutor (workers, on_start, on_finish)."""
+    """The executor called `name` (EXECUTORS); options go to LocalExecutor (workers, on_start, on_finish)
+    or to the Slurm executors (dependency: a --dependency for every job they submit)."""
     if name == "local":
         return LocalExecutor(**options)
     if name == "slurm":
-        return SubmititExecutor()
+        return SubmititExecutor(**options)
     if name == "sbatch":
-        return SbatchExecutor()
+        return SbatchExecutor(**options)
     raise ValueError(f"executor {name!r} is not supported; allowed: {', '.join(EXECUTORS)}")
 
 
@@ -117,6 +118,9 @@ class SubmititExecutor:
     records_as = "slurm"
     waits = False
 
+    def __init__(self, dependency: str | None = None) -> None:
+        self.dependency = dependency
+
     def check(self, spec: SweepSpec) -> None:
         # A submitit job runs the task in one process per node (tasks_per_node = 1): no torchrun.
         if spec.slurm.ranks > 1:
@@ -125,7 +129,7 @@ class SubmititExecutor:
 
     def launch(self, plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> Launched:
         try:
-            job_ids = _submit_submitit(plan, runs, catalog)
+            job_ids = _submit_submitit(plan, runs, catalog, self.dependency)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # how submitit reports a missing or refusing Slurm
             text = str(exc).strip()
             raise slurm.SubmissionError(f"submitit: {text.splitlines()[-1] if text else type(exc).__name__}") from exc
@@ -139,11 +143,14 @@ class SbatchExecutor:
     records_as = "slurm"
     waits = False
 
+    def __init__(self, dependency: str | None = None) -> None:
+        self.dependency = dependency
+
     def check(self, spec: SweepSpec) -> None:
         pass
 
     def launch(self, plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> Launched:
-        return Launched(len(runs), [], _submit_sbatch(plan, runs, catalog))
+        return Launched(len(runs), [], _submit_sbatch(plan, runs, catalog, self.dependency))
 
 
 def _run_local(
@@ -385,13 +392,13 @@ def _run_trials_local(
     return Launched(len(launches), records, [])
 
 
-def _submit_sbatch(plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> list[str]:
+def _submit_sbatch(plan: SweepPlan, runs: list[RunSpec], catalog: Catalog, dependency: str | None = None) -> list[str]:
     """Submit with plain `sbatch` the scripts written into jobs/<sweep>/ (the same ones a user can
     resubmit by hand): the job arrays when every run is needed, else one script per run. Records
     each run's job id and state "submitted"; returns the job ids."""
     manifest = json.loads((plan.sweep_dir / "manifest.json").read_text())
     if plan.spec.method == "optuna":
-        return [slurm.submit_script(plan.sweep_dir / a["script"]) for a in manifest["arrays"]]
+        return [slurm.submit_script(plan.sweep_dir / a["script"], dependency) for a in manifest["arrays"]]
     ids = {run.id for run in runs}
     submissions: list[tuple[Path, list[str]]]
     if manifest["arrays"] and ids == {run.id for run in plan.runs}:
@@ -400,7 +407,7 @@ def _submit_sbatch(plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> li
         submissions = [(plan.sweep_dir / f"{run.id}.sbatch", [run.id]) for run in runs]
     job_ids = []
     for script, run_ids in submissions:
-        job_id = slurm.submit_script(script)
+        job_id = slurm.submit_script(script, dependency)
         job_ids.append(job_id)
         with catalog.transaction() as tx:
             for index, run_id in enumerate(run_ids):
@@ -410,13 +417,14 @@ def _submit_sbatch(plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> li
     return job_ids
 
 
-def _submit_submitit(plan: SweepPlan, runs: list[RunSpec], catalog: Catalog) -> list[str]:
+def _submit_submitit(plan: SweepPlan, runs: list[RunSpec], catalog: Catalog, dependency: str | None = None) -> list[str]:
     """Submit through submitit: job arrays (split at MaxArraySize) of `job.SweepTask` (grid/random) or
     `trials.TrialTask` (optuna) with --signal before the time limit and requeue on preemption and
     timeout. Records each run's job id; returns the array job ids."""
     manifest = json.loads((plan.sweep_dir / "manifest.json").read_text())
     size = int(manifest["max_array_size"])
-    executor = slurm.submitit_executor(plan.spec.slurm, f"fp4lab-{plan.spec.name}", plan.sweep_dir.absolute() / "submitit")
+    executor = slurm.submitit_executor(plan.spec.slurm, f"fp4lab-{plan.spec.name}", plan.sweep_dir.absolute() / "submitit",
+                                       dependency)
     catalog_path = Path(catalog.path).absolute()
     if plan.spec.method == "optuna":
         counts = trial_counts(plan.spec, plan.jobs_dir)

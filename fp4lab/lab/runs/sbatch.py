@@ -25,7 +25,9 @@ SIGTERM (scancel, preemption) is forwarded without requeueing. FP4LAB_NO_REQUEUE
 Quoting rule: every value written into the shell body (paths, the interpreter, ids) is passed
 through shlex.quote. #SBATCH lines are parsed by sbatch, not bash; their values are validated
 (sweep_spec.SBATCH_PATTERNS, and the path check here) so they contain no whitespace, quotes, `$`, `#`,
-backticks, `;`, newlines or NUL, and are written bare. Comments carry only printable text (values
+backticks, `;`, newlines or NUL, and are written bare. [slurm].extra values (any further sbatch
+option) are printable and hold no `"` or `\\`: bare when they keep to SBATCH_BARE_VALUE, else in
+double quotes, which sbatch's parser takes whole (spaces, `#` and `$` included, nothing expanded). Comments carry only printable text (values
 JSON-escaped). [slurm].setup lines are shell commands by design and are written verbatim, one entry
 per line; entries with newlines, CR or NUL are rejected when the spec loads.
 
@@ -54,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from fp4lab.lab.runs import slurm
-from fp4lab.lab.specs.sweep_spec import RunSpec, SpecError, SweepSpec
+from fp4lab.lab.specs.sweep_spec import SBATCH_BARE_VALUE, RunSpec, SpecError, SweepSpec
 from fp4lab.train.atomic import write_atomic
 from fp4lab.train.config import toml_text
 
@@ -227,10 +229,23 @@ def _sbatch_lines(spec: SweepSpec, job_name: str, log_stem: Path, array: str | N
             lines.append(f"#SBATCH --{key}")
             continue
         text = str(value)
-        if not re.fullmatch(r"[A-Za-z0-9_./+,:=@~%&|*!()\[\]-]+", text):
+        if not SBATCH_BARE_VALUE.fullmatch(text):
             raise SpecError(f"{spec.path}: slurm.{key}: {text!r} cannot go into an #SBATCH line")
         lines.append(f"#SBATCH --{key}={text}")
+    if s.extra:
+        lines.append("# [slurm].extra")
+    lines += [sbatch_option_line(key, value) for key, value in s.extra_options().items()]
     return lines
+
+
+def sbatch_option_line(key: str, value: str | int | bool) -> str:
+    """One `#SBATCH --key[=value]` line of [slurm].extra (validated by sweep_spec.slurm_table): true is a
+    flag; a value outside SBATCH_BARE_VALUE is double-quoted, as sbatch's parser reads it (the value
+    holds no `"`, `\\`, newline or NUL)."""
+    if value is True:
+        return f"#SBATCH --{key}"
+    text = str(value)
+    return f"#SBATCH --{key}={text}" if SBATCH_BARE_VALUE.fullmatch(text) else f'#SBATCH --{key}="{text}"'
 
 
 def _body(spec: SweepSpec, catalog: Path | None, command: str | None = None) -> list[str]:

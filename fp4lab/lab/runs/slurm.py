@@ -3,6 +3,7 @@
     job_states(records)         one `squeue` call: each record's job state ("123" or "123_4")
     STATE_OF_SLURM, ACTIVE      what an ended or waiting job state means for a catalog record
     submit_script(path)         `sbatch --parsable`: the job id, or SubmissionError with sbatch's reason
+    after_sweep(records, name)  the --dependency that starts a sweep once another sweep's jobs have ended
     max_array_size()            MaxArraySize from `scontrol show config`
     submitit_executor(...)      a submitit executor set from a [slurm] table
     identity() / task_key()     inside a job: its id, array index and restart count, from SLURM_* env
@@ -62,10 +63,11 @@ def job_states(records: list[dict[str, Any]]) -> dict[str, str]:
     return states
 
 
-def submit_script(script: Path) -> str:
-    """Submit one SBATCH script; its job id."""
+def submit_script(script: Path, dependency: str | None = None) -> str:
+    """Submit one SBATCH script (with a --dependency, for a chained sweep); its job id."""
+    command = ["sbatch", "--parsable", *([f"--dependency={dependency}"] if dependency else []), str(script)]
     try:
-        done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
         raise SubmissionError("sbatch is not on PATH: run on a Slurm login node, or run the sweep locally") from None
     except subprocess.TimeoutExpired:
@@ -74,6 +76,18 @@ def submit_script(script: Path) -> str:
         reason = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit code {done.returncode}"
         raise SubmissionError(f"sbatch {script}: {reason}")
     return done.stdout.strip().split(";")[0]
+
+
+def after_sweep(records: list[dict[str, Any]], name: str) -> str | None:
+    """`afterany:<job>:<job>...`: wait until every job of sweep `name` still in Slurm's queue has ended,
+    whatever its outcome (a diverged run must not hold the next sweep forever). `records` are the
+    catalog's records of that sweep; their jobs that Slurm no longer lists (or that never reached it)
+    are left out, since sbatch refuses a dependency on a job it has forgotten. None when nothing of
+    the sweep is queued or running: the next sweep need not wait."""
+    queued = [r for r in records if r.get("slurm_job_id") and r.get("state") in ("submitted", "running")]
+    states = job_states(queued)
+    jobs = sorted({str(r["slurm_job_id"]) for r in queued if not states or states.get(job_key(r)) in ACTIVE}, key=int)
+    return f"afterany:{':'.join(jobs)}" if jobs else None
 
 
 def max_array_size(default: int = DEFAULT_MAX_ARRAY_SIZE) -> int:
@@ -87,9 +101,9 @@ def max_array_size(default: int = DEFAULT_MAX_ARRAY_SIZE) -> int:
     return int(match.group(1)) if out.returncode == 0 and match and int(match.group(1)) > 0 else default
 
 
-def submitit_executor(s: SlurmSpec, name: str, folder: Path):
-    """A submitit SlurmExecutor set from a [slurm] table. submitit needs a time limit to tell a timeout
-    from a preemption: [slurm].time, else 60 minutes."""
+def submitit_executor(s: SlurmSpec, name: str, folder: Path, dependency: str | None = None):
+    """A submitit SlurmExecutor set from a [slurm] table (and a --dependency, for a chained sweep).
+    submitit needs a time limit to tell a timeout from a preemption: [slurm].time, else 60 minutes."""
     import submitit
 
     limit = time_limit_seconds(s.time)
@@ -106,6 +120,11 @@ def submitit_executor(s: SlurmSpec, name: str, folder: Path):
             params[f"slurm_{key}"] = getattr(s, key)
     if s.setup:
         params["slurm_setup"] = list(s.setup)
+    additional = s.extra_options()  # submitit quotes each value (shlex) and writes true as a bare flag
+    if dependency:
+        additional["dependency"] = dependency
+    if additional:
+        params["slurm_additional_parameters"] = additional
     executor.update_parameters(**params)
     return executor
 

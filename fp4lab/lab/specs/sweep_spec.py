@@ -71,6 +71,32 @@ SBATCH_PATTERNS = {
     "constraint": (r"[A-Za-z0-9_.,:&|*!()\[\]-]+", "features joined by & | , with no spaces, e.g. h100&ib"),
     "exclude": (r"[A-Za-z0-9_.,\[\]-]+", "a node list such as node[01-04],gpu7"),
 }
+# [slurm].extra: any further sbatch option by its long name (`mail_type` or `mail-type`).
+SBATCH_EXTRA_NAME = re.compile(r"[a-z][a-z0-9_-]*")
+# A value needs no quotes when made of these; otherwise it is written --name="value", which sbatch's own
+# parser reads (it ends an unquoted value at whitespace or `#`, and takes `\` as an escape).
+SBATCH_BARE_VALUE = re.compile(r"[A-Za-z0-9_./+,:=@~%&|*!()\[\]-]+")
+# Options fp4lab writes itself, or through a [slurm] key of its own: extra may not set them.
+SBATCH_OWN_OPTIONS = {
+    "job-name": "fp4lab names each job after its sweep and run",
+    "array": "fp4lab writes the job arrays ([slurm].max_array_size, array_parallelism)",
+    "output": "fp4lab writes the logs into jobs/<sweep>/logs/",
+    "error": "fp4lab writes the logs into jobs/<sweep>/logs/",
+    "open-mode": "a requeued run appends to its log",
+    "signal": "set [slurm].signal_before_timeout_s",
+    "requeue": "set [slurm].max_requeues",
+    "no-requeue": "set [slurm].max_requeues = 0",
+    "wrap": "the script is fp4lab's",
+    "parsable": "fp4lab reads the job id",
+    **{name.replace("_", "-"): f"set [slurm].{name}" for name in (
+        "partition", "account", "qos", "gpus_per_node", "nodes", "ntasks_per_node", "cpus_per_task", "mem", "time",
+        "constraint", "exclude")},
+}
+
+
+def _extra_value(value: Any) -> bool:
+    return value is True or is_int(value) or (isinstance(value, str) and value != "" and value.isprintable()
+                                              and '"' not in value and "\\" not in value)
 
 
 class SpecError(ValueError):
@@ -124,6 +150,13 @@ class SlurmSpec:
     setup: tuple[str, ...] = entry(list_of(string()), ())
     max_array_size: int | None = entry(integer(minimum=1), None)
     max_requeues: int = entry(integer(minimum=0), 3)
+    extra: dict[str, str | int | bool] = entry(table_of(Rule(
+        "printable text without double quotes or backslashes, an integer, or true (a flag without a value)",
+        _extra_value)), {})
+
+    def extra_options(self) -> dict[str, str | int | bool]:
+        """`extra` by sbatch's own option names (`mail_type` -> `mail-type`), in the spec's order."""
+        return {name.replace("_", "-"): value for name, value in self.extra.items()}
 
     @property
     def ranks_per_node(self) -> int:
@@ -318,6 +351,17 @@ def slurm_table(table: Any, fail, where: str = "slurm") -> SlurmSpec:
     if limit is not None and slurm.signal_before_timeout_s >= limit:
         raise fail(f"{where}.signal_before_timeout_s",
                    f"{slurm.signal_before_timeout_s} s must be shorter than the time limit ({limit} s)")
+    seen: dict[str, str] = {}
+    for name in slurm.extra:
+        option = name.replace("_", "-")
+        if not SBATCH_EXTRA_NAME.fullmatch(name):
+            raise fail(f"{where}.extra.{name}", "is not an sbatch option name: use its long name in lower case, "
+                       "e.g. gres, mail_type, reservation")
+        if option in SBATCH_OWN_OPTIONS:
+            raise fail(f"{where}.extra.{name}", f"fp4lab sets --{option} itself: {SBATCH_OWN_OPTIONS[option]}")
+        if option in seen:
+            raise fail(f"{where}.extra.{name}", f"--{option} is also given as {seen[option]!r}; keep one")
+        seen[option] = name
     for i, line in enumerate(slurm.setup):
         if any(ch in line for ch in "\n\r\0") or not line.strip():
             raise fail(f"{where}.setup[{i}]", "each entry is one shell command on one line: no newlines or NUL, not empty; "
