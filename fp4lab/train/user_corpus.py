@@ -169,13 +169,16 @@ def hf_inputs(dataset: str, column: str = "text") -> Inputs:
 
 
 def _load_hf_dataset(datasets, name: str, split: str | None, given: str):
-    offline = ("with no network it must be in the local Hugging Face cache "
-               f"({_hf_cache()}): load it once where there is network and copy that cache, or save it with "
-               "Dataset.save_to_disk and pass that folder")
+    local = Path(name).is_dir()
+    if local:
+        fix = "pass a folder written by Dataset.save_to_disk or DatasetDict.save_to_disk"
+    else:
+        fix = (f"with no network it must be in the local Hugging Face cache ({_hf_cache()}): load it once where "
+               "there is network and copy that cache, or save it with Dataset.save_to_disk and pass that folder")
     try:
-        loaded = datasets.load_from_disk(name) if Path(name).is_dir() else datasets.load_dataset(name, split=split or "train")
+        loaded = datasets.load_from_disk(name) if local else datasets.load_dataset(name, split=split or "train")
     except (OSError, ValueError) as exc:
-        raise CorpusError(f"--hf {given}: cannot load it ({_first_line(exc)}); {offline}") from None
+        raise CorpusError(f"--hf {given}: cannot load it ({_first_line(exc)}); {fix}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if (split or "train") not in loaded:
             raise CorpusError(f"--hf {given}: no split {split or 'train'!r}; it has {', '.join(loaded)}: "

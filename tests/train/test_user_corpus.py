@@ -174,6 +174,9 @@ def test_a_saved_dataset_builds_the_same_tokens_as_the_same_text_files(bpe_built
         build(tmp_path / "cache", "numbers", user_corpus.hf_inputs(str(tmp_path / "rows"), "number"), f"bpe:{VOCAB}")
     with pytest.raises(CorpusError, match=r"one dataset without splits; leave out ':train'"):
         user_corpus.hf_inputs(f"{tmp_path / 'rows'}:train")
+    (tmp_path / "not-saved").mkdir()
+    with pytest.raises(CorpusError, match=r"not-saved: cannot load it \(.*\); pass a folder written by Dataset.save_to_disk"):
+        user_corpus.hf_inputs(str(tmp_path / "not-saved"))
 
 
 def save_hf_tokenizer(tokenizer: Tokenizer, folder: Path, **special) -> Path:
