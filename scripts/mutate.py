@@ -78,6 +78,8 @@ RECIPE = "fp4lab/nn/recipe.py"
 OPT = "fp4lab/optim/build.py"
 MUON = "fp4lab/optim/muon.py"
 CAPTURE = "fp4lab/train/capture.py"
+USER_CORPUS = "fp4lab/train/user_corpus.py"
+OWN = "tests/train/test_user_corpus.py::"
 GEMM_ERROR = "fp4lab/train/gemm_error.py"
 CAPTURE_FILES = "tests/train/test_capture.py::test_capture_writes_the_chosen_steps_and_layers_only"
 CAPTURE_REAL = "tests/train/test_capture.py::test_captured_tensors_are_the_step_s_real_operands"
@@ -556,6 +558,34 @@ MUTATIONS = [
     m("mx-gemm-scales-row-major", "the kernel reads the scale bytes row-major, not block-major",
       (MX_GEMM, "a.scales.T.contiguous(), e4m3_values(b.data), b.scales.T.contiguous()",
        "a.scales.contiguous(), e4m3_values(b.data), b.scales.contiguous()"), [MX_INTERPRETED]),
+    m("own-corpus-split-inverted", "the corpus of your own holds out the documents it should train on",
+      (USER_CORPUS, "(document_key(d) <= split.val_threshold) == validation", "(document_key(d) > split.val_threshold) == validation"),
+      [f"{OWN}test_a_bpe_build_holds_the_split_documents_and_its_manifest_matches_the_files"]),
+    m("own-corpus-split-fraction", "the corpus of your own holds out one document whatever the fraction",
+      (USER_CORPUS, "max(1, round(distinct.size * VAL_FRACTION))", "1"),
+      [f"{OWN}test_a_bpe_build_holds_the_split_documents_and_its_manifest_matches_the_files"]),
+    m("own-corpus-overwrite-unchecked", "another build under the same name is taken for the corpus already built",
+      (USER_CORPUS, "        if _identity(built) == identity:\n", "        if True:\n"),
+      [f"{OWN}test_another_build_under_the_same_name_is_refused_with_nothing_changed",
+       "tests/cli/test_data.py::test_build_refuse_train_and_sweep_on_your_own_corpus"]),
+    m("own-corpus-no-resume", "an interrupted build's staging folder is always emptied",
+      ("fp4lab/train/corpus.py", "    if key is None or _staged_identity(folder) != key:", "    if True:"),
+      [f"{OWN}test_an_interrupted_build_continues_from_what_it_finished"]),
+    m("own-corpus-resume-any-build", "a staging folder of another build is continued",
+      ("fp4lab/train/corpus.py", "    if key is None or _staged_identity(folder) != key:", "    if key is None:"),
+      [f"{OWN}test_a_staging_folder_of_another_build_is_not_reused"]),
+    m("own-corpus-always-uint16", "a vocabulary over 65536 ids is stored as uint16",
+      ("fp4lab/train/corpus.py", 'return "uint16" if vocab_size <= 1 << 16 else "uint32"', 'return "uint16"'),
+      [f"{OWN}test_a_vocabulary_over_65536_is_stored_as_uint32"]),
+    m("own-corpus-hf-truncates", "a Hugging Face tokenizer's truncation is kept, cutting long documents short",
+      (USER_CORPUS, "    tokenizer.no_truncation()  #", "    pass  #"),
+      [f"{OWN}test_an_hf_tokenizer_from_a_folder_gives_the_tokens_of_the_same_bpe_never_truncated"]),
+    m("own-corpus-not-a-source", "a corpus name is read as a path to a token file",
+      ("fp4lab/train/data.py", "    if is_corpus_name(cfg.source):\n        return load_own_corpus", "    if False:\n        return load_own_corpus"),
+      [f"{OWN}test_a_built_corpus_is_a_data_source_by_its_name", "tests/cli/test_data.py::test_build_refuse_train_and_sweep_on_your_own_corpus"]),
+    m("own-corpus-preflight-blind", "a sweep naming a corpus that is not built is not stopped before it runs",
+      ("fp4lab/lab/runs/sweep.py", "            if problem:\n                problems[f\"corpus:{source}\"]", "            if False:\n                problems[f\"corpus:{source}\"]"),
+      ["tests/cli/test_data.py::test_build_refuse_train_and_sweep_on_your_own_corpus"]),
 ]
 
 

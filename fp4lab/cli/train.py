@@ -36,7 +36,7 @@ from fp4lab.cli.conventions import fail
 def train(
     recipe: Annotated[Optional[str], typer.Option(help="Recipe name (fp4lab recipes) or path to a recipe .toml.", autocompletion=complete_recipe, rich_help_panel="Recipe, model and data")] = None,
     model: Annotated[Optional[ModelPreset], typer.Option(help="Model preset (default tiny).", rich_help_panel="Recipe, model and data")] = None,
-    data: Annotated[Optional[str], typer.Option(help="shakespeare (embedded) | synthetic | pycode (after fp4lab data build pycode) | path to a .bin token file.", rich_help_panel="Recipe, model and data")] = None,
+    data: Annotated[Optional[str], typer.Option(help="shakespeare (embedded) | synthetic | pycode (after fp4lab data build pycode) | NAME of your own corpus (after fp4lab data build NAME ...) | path to a .bin token file.", rich_help_panel="Recipe, model and data")] = None,
     val_data: Annotated[Optional[str], typer.Option(help="Validation .bin file (default: hold out the tail of --data).", rich_help_panel="Recipe, model and data")] = None,
     token_dtype: Annotated[Optional[TokenDtype], typer.Option(help="Id width of .bin files (default uint16).", rich_help_panel="Recipe, model and data")] = None,
     vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary size (BPE size for shakespeare).", rich_help_panel="Recipe, model and data")] = None,

@@ -1,10 +1,15 @@
-"""The byte-level BPE tokenizer every corpus trains (shakespeare in data.py, pycode in pycode.py)."""
+"""The byte-level BPE tokenizer every corpus trains (shakespeare in data.py, pycode in pycode.py, your
+own corpora in user_corpus.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+# The special token that ends every document of pycode and of a corpus of your own trained with bpe:SIZE
+# (id 0: special tokens come first).
+END_OF_TEXT = "<|endoftext|>"
 
 
 def train_tokenizer(pieces: Iterable[str], vocab_size: int, special_tokens: Sequence[str] = ()) -> Tokenizer:

@@ -3,6 +3,7 @@ JSON/TOML. Torch-free: the orchestrator validates run configs without importing 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -62,15 +63,36 @@ GATHER_WEIGHTS = ("dense", "encoded")
 # DataConfig.token_dtype: the id width of .bin token files (fp4lab.train.data reads them little-endian).
 TOKEN_DTYPES = ("uint16", "uint32")
 # The corpus fp4lab.train.pycode builds once into the cache (`fp4lab data build pycode`), then a
-# DataConfig.source by that name; CORPORA: every corpus `fp4lab data build` makes.
+# DataConfig.source by that name; CORPORA: the built-in corpora `fp4lab data build` makes (and `fp4lab
+# data pack` packs). Any other name it builds is a corpus of your own (fp4lab.train.user_corpus).
 PYCODE = "pycode"
 CORPORA = (PYCODE,)
+# The DataConfig.source names fp4lab knows; any other source is a path to a .bin token file or the name
+# of a corpus of your own (fp4lab.train.user_corpus), which CORPUS_NAME matches: lowercase letters,
+# digits, "-" and "_", first a letter. With no "." or "/" it never reads as a path.
+BUILTIN_SOURCES = ("shakespeare", "synthetic", PYCODE)
+CORPUS_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 # A run's summary.json "status": it ended as designed, or it stopped early with a checkpoint to
 # resume from (time budget, Slurm's preemption signals, Ctrl-C, a `stop_after` call).
 ENDED_STATUSES = ("completed", "diverged")
 STOPPED_STATUSES = ("time_limit", "preempted", "stopped", "interrupted")
 # summary.json keys under their earlier names, still read from runs written before the rename.
 RENAMED_SUMMARY_KEYS = {"final_loss": "final_train_loss", "best_loss": "best_train_loss"}
+
+
+def corpus_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a corpus of your own; None when it can."""
+    if name in BUILTIN_SOURCES:
+        return f"{name!r} is a built-in data source; choose another name"
+    if not CORPUS_NAME.fullmatch(name):
+        return (f"{name!r} is not a corpus name: use up to 64 lowercase letters, digits, '-' and '_', "
+                "starting with a letter (no '.' or '/': those make a path)")
+    return None
+
+
+def is_corpus_name(source: object) -> bool:
+    """Whether a DataConfig.source names a corpus of your own (built with `fp4lab data build NAME`)."""
+    return isinstance(source, str) and corpus_name_problem(source) is None
 
 
 def summary_value(summary: dict[str, Any], key: str) -> Any:
@@ -121,13 +143,14 @@ class CheckpointMismatch(ConfigError):
 class DataConfig:
     """What to train on.
 
-    source: "shakespeare", "synthetic", "pycode" (built once: `fp4lab data build pycode`), or a path to
-        a .bin token file.
+    source: "shakespeare", "synthetic", "pycode" (built once: `fp4lab data build pycode`), the name of a
+        corpus of your own (built once: `fp4lab data build NAME --text ... --tokenizer ...`), or a path
+        to a .bin token file.
     val_source: a .bin validation file (only with a .bin source); without it the last `val_fraction`
         of the source is held out.
     token_dtype: "uint16" or "uint32", the id width of .bin files.
-    vocab_size: the model's vocabulary. Shakespeare: the BPE size (default 4096, 257..65536); pycode:
-        its built BPE's (32768), leave it unset;
+    vocab_size: the model's vocabulary. Shakespeare: the BPE size (default 4096, 257..65536); pycode
+        and your own corpora: their tokenizer's (pycode 32768), leave it unset;
         synthetic: default 256; .bin: default max id + 1 over train and val, which is smaller than the
         tokenizer's vocabulary when its top ids never occur, so pass it when you know it.
     seed: generates the synthetic task (the loop may pass it to BatchSampler too).

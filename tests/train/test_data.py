@@ -337,7 +337,9 @@ def test_file_shorter_than_one_sequence(tmp_path):
 @pytest.mark.parametrize(
     "config, message",
     [
-        (DataConfig(source="shakspeare"), r"DataConfig\.source='shakspeare' is not valid: use 'shakespeare', "),
+        (DataConfig(source="Shakespeare.txt"), r"DataConfig\.source='Shakespeare.txt' is not valid: use 'shakespeare', "),
+        (DataConfig(source="shakspeare"), r"DataConfig\.source='shakspeare' \(did you mean 'shakespeare'\?\): no corpus "
+                                          r"'shakspeare' is built in .*; build it: `fp4lab data build shakspeare --text"),
         (DataConfig(val_source="val.bin"), r"DataConfig\.val_source='val.bin' .* needs a .bin source"),
         (DataConfig(source="a.bin", val_source="val.txt"), r"DataConfig\.val_source='val.txt'"),
         (DataConfig(val_fraction=0.0), r"DataConfig\.val_fraction=0\.0 .* strictly between 0 and 1"),

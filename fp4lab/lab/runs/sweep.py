@@ -35,6 +35,7 @@ from fp4lab.lab.runs.job import finish_run, pending_record, tail_lines, threshol
 from fp4lab.lab.runs.sbatch import write_scripts, write_trial_scripts
 from fp4lab.lab.specs.sweep_spec import RunSpec, SweepSpec, expand, load_spec
 from fp4lab.train import run_folder
+from fp4lab.train.config import BUILTIN_SOURCES, PYCODE, is_corpus_name
 from fp4lab.train.jsonl import metrics_records
 
 
@@ -201,17 +202,14 @@ def preflight(plan: SweepPlan, executor: str) -> list[str]:
     ranks = plan.spec.slurm.ranks
     for run in plan.runs:
         data = run.config.get("data") or {}
-        if data.get("source") == "pycode" and "pycode" not in problems:
-            from fp4lab.train import pycode
-            from fp4lab.train.data import cache_dir
-
-            try:
-                pycode.load(cache_dir())
-            except pycode.CorpusError as exc:
-                problems["pycode"] = f"run {run.id} ({run.name}): {exc}"
+        source = data.get("source")
+        if (source == PYCODE or is_corpus_name(source)) and f"corpus:{source}" not in problems:
+            problem = _unbuilt_corpus(source)
+            if problem:
+                problems[f"corpus:{source}"] = f"run {run.id} ({run.name}): {problem}"
         for key in ("source", "val_source"):
             path = data.get(key)
-            if path and path not in ("shakespeare", "synthetic", "pycode") and not Path(path).is_file():
+            if path and path not in BUILTIN_SOURCES and not is_corpus_name(path) and not Path(path).is_file():
                 problems.setdefault(f"data.{key}:{path}", f"run {run.id} ({run.name}): data.{key} {path!r} is not a file; "
                                                           "fix the path in the spec or create the token file")
         if executor == "local" and str(run.config.get("device", "")).startswith("cuda") and cuda_devices() < ranks:
@@ -220,6 +218,19 @@ def preflight(plan: SweepPlan, executor: str) -> list[str]:
                                         f"this machine has {have}; set device = \"cpu\" in the spec, ask [slurm] for fewer "
                                         "ranks, or submit the sweep to Slurm")
     return list(problems.values())
+
+
+def _unbuilt_corpus(source: str) -> str | None:
+    """Why the built corpus `source` (pycode or one of your own) cannot be loaded from this machine's
+    cache; None when it can."""
+    from fp4lab.train import pycode
+    from fp4lab.train.corpus import CorpusError, cache_dir, load_own
+
+    try:
+        pycode.load(cache_dir()) if source == PYCODE else load_own(cache_dir(), source)
+    except CorpusError as exc:
+        return str(exc)
+    return None
 
 
 def cuda_devices() -> int:
