@@ -2,12 +2,13 @@
 
 - `cuda`: an NVIDIA GPU;
 - `slurm`: the local single-node Slurm cluster (`sudo scripts/local-slurm.sh start`; CI starts it);
-- `tmux`: the tmux terminal multiplexer (Debian package tmux; CI installs it).
+- `tmux`: the tmux terminal multiplexer (Debian package tmux; CI installs it);
+- `browser`: headless Chromium (Debian package chromium; CI installs it), for pages checked as a reader sees them.
 
 Each is decided once per session and applied to each marked test, so `pytest -rs` lists every
 skipped test on its own line and the summary counts them all (a module-level skip would count a whole
-module as one). With FP4LAB_REQUIRE_TOOLS=1 (CI sets it) a missing Slurm or tmux fails those tests
-instead of skipping them: CI always runs them."""
+module as one). With FP4LAB_REQUIRE_TOOLS=1 (CI sets it) a missing Slurm, tmux or Chromium fails those
+tests instead of skipping them: CI always runs them."""
 
 import os
 import shutil
@@ -18,6 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.browser import chromium_unavailable
+
 SLURM_UP_STATES = {"idle", "mixed", "allocated", "completing"}  # node states in which jobs can run
 SLURM_COMMANDS = ("sinfo", "sbatch", "squeue", "scontrol", "scancel")
 
@@ -25,6 +28,7 @@ SLURM_COMMANDS = ("sinfo", "sbatch", "squeue", "scontrol", "scancel")
 def pytest_configure(config):
     config.addinivalue_line("markers", "slurm: needs the local Slurm cluster (scripts/local-slurm.sh); skipped without it")
     config.addinivalue_line("markers", "tmux: needs tmux (a real terminal for the CLI); skipped without it")
+    config.addinivalue_line("markers", "browser: needs Chromium (pages checked in a real browser); skipped without it")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         # `pytest -n N`: each worker gets its share of the cores; N workers of all-core OpenMP pools
@@ -60,14 +64,14 @@ def slurm_unavailable() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` need an NVIDIA GPU, tests marked `slurm` the local cluster: without them
-    each such test is reported as skipped, with the reason."""
+    """Tests marked `cuda` need an NVIDIA GPU, tests marked with a tool of TOOLS (`slurm`, `tmux`, `browser`)
+    that tool: without it each such test is reported as skipped, with the reason."""
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA (an NVIDIA GPU)")
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
-    for marker, why in (("slurm", slurm_unavailable), ("tmux", tmux_unavailable)):
+    for marker, (needs, why, hint) in TOOLS.items():
         needing = [item for item in items if item.get_closest_marker(marker) is not None]
         reason = why() if needing else None
         if reason is None:
@@ -75,10 +79,8 @@ def pytest_collection_modifyitems(config, items):
         if os.environ.get("FP4LAB_REQUIRE_TOOLS") == "1":  # CI: what it installed must be there
             for item in needing:
                 item.missing_tool = reason
-                item.add_marker(pytest.mark.usefixtures("fail_for_missing_tool"))
             continue
-        hint = "run `sudo scripts/local-slurm.sh start`" if marker == "slurm" else "install tmux (apt-get install tmux)"
-        skip = pytest.mark.skip(reason=f"needs {'the local Slurm cluster' if marker == 'slurm' else 'tmux'}: {reason}; {hint}")
+        skip = pytest.mark.skip(reason=f"needs {needs}: {reason}; {hint}")
         for item in needing:
             item.add_marker(skip)
 
@@ -87,10 +89,20 @@ def tmux_unavailable() -> str | None:
     return None if shutil.which("tmux") else "tmux is not installed (no tmux on PATH)"
 
 
-@pytest.fixture
-def fail_for_missing_tool(request):
-    """FP4LAB_REQUIRE_TOOLS=1 and a tool this test needs is missing: a failure, not a skip."""
-    pytest.fail(f"FP4LAB_REQUIRE_TOOLS=1 but {request.node.missing_tool}")
+TOOLS = {  # marker -> (what its tests need, why this machine lacks it (None: it has it), how to get it)
+    "slurm": ("the local Slurm cluster", slurm_unavailable, "run `sudo scripts/local-slurm.sh start`"),
+    "tmux": ("tmux", tmux_unavailable, "install tmux (apt-get install tmux)"),
+    "browser": ("Chromium", chromium_unavailable, "install Chromium (apt-get install chromium)"),
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """FP4LAB_REQUIRE_TOOLS=1 and a tool this test needs is missing: a failure, not a skip, before any of the
+    test's fixtures (a module's fixture may start the very tool) runs."""
+    missing = getattr(item, "missing_tool", None)
+    if missing is not None:
+        pytest.fail(f"FP4LAB_REQUIRE_TOOLS=1 but {missing}")
 
 
 @pytest.fixture

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from fp4lab.lab.records.catalog import Catalog
+from tests.browser import check_page
+
 REPO = Path(__file__).resolve().parents[2]
 LEDGER = REPO / "docs" / "ledger"
 REPORTS = {  # committed report folder -> (sweep, extra report options)
@@ -82,3 +85,19 @@ def test_the_ledger_table_in_LEDGER_md_rounds_the_committed_report():
     assert table == [_condensed_row(r) for r in rows], (
         "docs/LEDGER.md's ledger table differs from docs/ledger/ledger/ledger.csv: write each row as _condensed_row does"
     )
+
+
+@pytest.mark.browser
+def test_the_published_ledgers_page_reads_whole_and_offline_in_a_browser(ledger_copy, run_cli, monkeypatch, tmp_path):
+    """report.html of the published ledger, checked as the small sweep's in tests/lab/test_report_page.py."""
+    sweep, options = REPORTS["ledger"]
+    monkeypatch.chdir(ledger_copy)
+    result = run_cli("report", sweep, "--catalog", "docs/ledger/sweep_catalog.json", "--out", str(tmp_path), *options)
+    assert result.returncode == 0, result.stderr
+    found = check_page(tmp_path / "report.html")
+    assert found.problems == []
+    plots = sorted(p.stem for p in (LEDGER / "ledger").glob("*.png"))
+    assert sorted(image["name"] for image in found.images) == plots and len(plots) == 4
+    rows = list(csv.DictReader((LEDGER / "ledger" / "ledger.csv").open()))
+    runs = Catalog(ledger_copy / "docs" / "ledger" / "sweep_catalog.json").records(sweep=sweep)
+    assert [(t["name"], t["filledRows"]) for t in found.tables] == [("Recipe ledger", len(rows)), ("Runs", len(runs))]

@@ -8,7 +8,6 @@ import html
 import io
 import json
 import math
-import os
 import random
 import re
 import statistics
@@ -30,25 +29,8 @@ from fp4lab.lab.records.render import ledger_markdown, render_ledger, write_repo
 from fp4lab.lab.records.run_metrics import RunMetrics, endpoint_train_loss
 from fp4lab.nn.recipe import list_recipes
 
-from .test_sweep import SPEC
-
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def real_sweep(tmp_path_factory) -> Path:
-    """A real 6-step bf16 + nvfp4 sweep (fp4lab sweep, local executor); returns the catalog path."""
-    folder = tmp_path_factory.mktemp("sweep")
-    (folder / "mini.toml").write_text(SPEC)
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env["OMP_NUM_THREADS"] = "1"  # two workers of tiny tensors: spinning OpenMP threads made it several times slower
-    done = subprocess.run(
-        [sys.executable, "-m", "fp4lab.cli", "sweep", "mini.toml", "--workers", "2"],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return folder / "sweep_catalog.json"
 
 
 def _metrics_lines(losses: list[float], layers: int = 2, heads: int = 2) -> str:
