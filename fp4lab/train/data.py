@@ -45,6 +45,8 @@ from fp4lab.train.bpe import train_tokenizer
 from fp4lab.train.config import DataConfig
 
 NAMED_SOURCES = ("shakespeare", "synthetic", "pycode")
+# The sources whose tokenizer fp4lab trains (bpe.py); the others are ids only.
+TOKENIZED_SOURCES = ("shakespeare", "pycode")
 # Little-endian ids, as the .bin files hold them, under the names DataConfig.token_dtype accepts.
 TOKEN_DTYPES = dict(zip(config.TOKEN_DTYPES, (np.dtype("<u2"), np.dtype("<u4")), strict=True))
 DEFAULT_SHAKESPEARE_VOCAB = 4096

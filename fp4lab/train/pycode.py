@@ -50,7 +50,7 @@ import numpy as np
 import tokenizers
 from tokenizers import Tokenizer
 
-from fp4lab.train.atomic import replace_atomically
+from fp4lab.train.atomic import replace_atomically, replace_folder
 from fp4lab.train.bpe import train_tokenizer
 from fp4lab.train.config import PYCODE as NAME
 
@@ -260,7 +260,7 @@ def build(cache: Path, *, packages: Sequence[Sdist] = PACKAGES, vocab_size: int 
         }
         (folder / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
-    _replace_folder(corpus_dir(cache), write)
+    replace_folder(corpus_dir(cache), write)
     return manifest
 
 
@@ -302,7 +302,7 @@ def unpack(cache: Path, bundle: Path, *, status: Status = lambda message: None) 
                 raise CorpusError(f"{bundle}: {name} differs from the manifest's SHA-256; the bundle is damaged "
                                   "or not of this manifest: copy it again")
 
-    _replace_folder(corpus_dir(cache), write)
+    replace_folder(corpus_dir(cache), write)
     return manifest
 
 
@@ -336,21 +336,3 @@ def _read_manifest(folder: Path) -> dict:
                           f"not {NAME!r} format {FORMAT_VERSION}; build it again with this fp4lab: "
                           f"fp4lab data build {NAME} --force")
     return manifest
-
-
-def _replace_folder(target: Path, write: Callable[[Path], None]) -> None:
-    """Run `write` on a fresh hidden folder beside `target`, then put it in target's place."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.building")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        write(staging)
-        old = target.with_name(f".{target.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if target.exists():
-            os.replace(target, old)
-        os.replace(staging, target)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
