@@ -101,6 +101,10 @@ LINEAR_EXACT = "tests/nn/test_fp4_linear.py::test_mxfp4_rowsr_h32_gemms_are_bit_
 LINEAR_1D = "tests/nn/test_fp4_linear.py::test_nvfp4_with_one_d_weights_requantizes_w_transposed_for_dgrad"
 GEMMS_EXACT = "tests/nn/test_recipe_gemms.py::test_each_gemm_is_the_bit_exact_emulation_of_its_recipe"
 
+EXPORT = "fp4lab/train/export.py"
+EXPORTED = "tests/train/test_export.py::"
+EXPORT_LOGITS = EXPORTED + "test_transformers_loads_the_export_and_its_logits_match_fp4lab"
+
 QK_CALL = "clipped = _apply_qk_clip(model, tau, bool(recipe.lora_svd_rank))"
 STEP_CALL = 'grad_norm = clip_and_step(model, optimizer, config.grad_clip, keep_grads=train_step.graphed, pipelined=ranks.mode == "pp")'
 
@@ -593,6 +597,34 @@ MUTATIONS = [
     m("own-corpus-preflight-blind", "a sweep naming a corpus that is not built is not stopped before it runs",
       ("fp4lab/lab/runs/sweep.py", "            if problem:\n                problems[f\"corpus:{source}\"]", "            if False:\n                problems[f\"corpus:{source}\"]"),
       ["tests/cli/test_data.py::test_build_refuse_train_and_sweep_on_your_own_corpus"]),
+    # --- fp4lab export --format hf (issue 38) ---------------------------------------------------------
+    m("export-no-rotary-permutation", "wq and wk exported in fp4lab's interleaved RoPE layout, not HF's halves",
+      (EXPORT, "return weight.reshape(n_heads, rows // n_heads // 2, 2, columns).transpose(1, 2).reshape(rows, columns)",
+       "return weight"),
+      [EXPORT_LOGITS, EXPORTED + "test_rotate_half_rows_turns_fp4lab_rope_into_hf_rope"]),
+    m("export-wk-not-rotated", "only wq is permuted for HF's RoPE, wk stays interleaved",
+      (EXPORT, "tensor = rotate_half_rows(tensor, config.n_kv_heads)", "tensor = tensor"), [EXPORT_LOGITS]),
+    m("export-gate-up-swapped", "w1 exported as up_proj and w3 as gate_proj",
+      (EXPORT, '"feed_forward.w1.weight": "mlp.gate_proj.weight",\n    "feed_forward.w3.weight": "mlp.up_proj.weight",',
+       '"feed_forward.w1.weight": "mlp.up_proj.weight",\n    "feed_forward.w3.weight": "mlp.gate_proj.weight",'),
+      [EXPORT_LOGITS]),
+    m("export-norm-eps-dropped", "config.json misses rms_norm_eps: HF's Llama takes its default 1e-6",
+      (EXPORT, '"norm_eps": "rms_norm_eps",', '"norm_eps": "norm_eps",'), [EXPORT_LOGITS]),
+    m("export-lora-factors-unknown", "the LoRA-SVD factors are not known as a split of W: a fullstack run is refused",
+      (EXPORT, 'LEFT_OUT = ("lora_u", "lora_v")', "LEFT_OUT = ()"),
+      [EXPORTED + "test_an_fp4_run_exports_its_master_weights_and_names_its_recipe"]),
+    m("export-model-field-ignored", "a ModelConfig field LlamaConfig cannot express is exported silently",
+      (EXPORT, "unknown = [name for name in model if name not in LLAMA_KEYS]", "unknown = []"),
+      [EXPORTED + "test_what_cannot_be_exported_right_is_refused_and_nothing_is_written[model-field]"]),
+    m("export-out-overwritten", "a non-empty OUT is replaced without --force",
+      (EXPORT, "if out.is_dir() and any(out.iterdir()) and not force:", "if False:"),
+      [EXPORTED + "test_out_must_be_new_or_empty_unless_forced_and_never_holds_the_run"]),
+    m("export-tokenizer-unchecked", "a tokenizer rebuilt with other token counts than the run's is exported as the run's",
+      (EXPORT, "if trained_on != len(dataset.train):", "if False:"),
+      [EXPORTED + "test_what_cannot_be_exported_right_is_refused_and_nothing_is_written[other-tokenizer]"]),
+    m("saved-model-dcp-names", "a sharded checkpoint's tensors are read under DCP's flattened names (model. in front)",
+      ("fp4lab/train/checkpoint.py", 'key.removeprefix("model."): torch.empty', "key: torch.empty"),
+      [EXPORTED + "test_a_sharded_checkpoint_exports_the_same_weights"]),
 ]
 
 

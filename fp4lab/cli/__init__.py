@@ -8,7 +8,7 @@ there; help text is plain text (brackets such as `[slurm]` are shown as written)
 1 a scan or a run found a problem, 2 a usage or input error (one line on stderr), 130 interrupted.
 
 One module per command group: numerics, train, bench, sweep (sweep, trial, status, scan), report,
-ratchet, recipes, data.
+export, ratchet, recipes, data.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fp4lab.cli import bench, data, numerics, ratchet, recipes, report, sweep, train
+from fp4lab.cli import bench, data, export, numerics, ratchet, recipes, report, sweep, train
 from fp4lab.cli.conventions import Commands, UserError, choice_error
 
 app = typer.Typer(
@@ -49,7 +49,7 @@ def _root(
 
 
 for command in (numerics.numerics, train.train, bench.bench, sweep.scan, sweep.sweep, sweep.trial, sweep.status,
-                sweep.forget, report.report, ratchet.ratchet):  # fmt: skip
+                sweep.forget, report.report, export.export, ratchet.ratchet):  # fmt: skip
     app.command()(command)
 app.add_typer(recipes.group, name="recipes")
 app.add_typer(data.group, name="data")

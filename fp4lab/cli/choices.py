@@ -17,6 +17,8 @@ from fp4lab.train.config import (
     CORPORA,
     CUDA_GRAPHS,
     DEVICES,
+    EXPORT_DTYPES,
+    EXPORT_FORMATS,
     GATHER_WEIGHTS,
     LR_SCHEDULES,
     MODEL_PRESETS,
@@ -53,6 +55,8 @@ RatchetExecutor = Literal[RATCHET_EXECUTORS]
 Proposer = Literal[PROPOSERS]
 BenchWhat = Literal[BENCH_WHAT]
 Corpus = Literal[CORPORA]
+ExportFormat = Literal[EXPORT_FORMATS]
+ExportDtype = Literal[EXPORT_DTYPES]
 
 
 # Shell completion (`fp4lab --install-completion`) of the values that are names rather than choices.

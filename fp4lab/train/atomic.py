@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -53,6 +54,41 @@ def write_atomic(path: Path, data: bytes | str, *, executable: bool = False) -> 
     """Write `data` (text is UTF-8 encoded) to `path` atomically."""
     payload = data.encode() if isinstance(data, str) else data
     replace_atomically(path, lambda handle: handle.write(payload), executable=executable)
+
+
+def replace_folder(target: Path, write: Callable[[Path], object]) -> None:
+    """Call `write` on a fresh hidden folder beside `target`, fsync what it wrote, then put it in target's
+    place: never a partial folder at target, and a failed `write` leaves target as it was and no folder
+    behind. Replacing an existing folder takes two renames (the old one aside, the new one in): between
+    them target is missing for an instant, and a crash there leaves the old one as `.<name>.<random>.old`."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(8)
+    staging = target.with_name(f"{temp_prefix(target)}{token}{TEMP_SUFFIX}")
+    old = target.with_name(f"{temp_prefix(target)}{token}.old")
+    staging.mkdir()
+    try:
+        write(staging)
+        for folder, _, files in os.walk(staging):
+            for name in files:
+                with open(Path(folder) / name, "rb") as handle:
+                    os.fsync(handle.fileno())
+            _fsync_dir(Path(folder))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    swap_folder(staging, target, old)
+
+
+def swap_folder(built: Path, target: Path, old: Path) -> None:
+    """Put the finished folder `built` in `target`'s place (the old one aside at `old`, then removed),
+    durably: the one way a folder built beside its target replaces it (exports, corpora)."""
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(built, target)
+    _fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -1,6 +1,7 @@
 """Checkpoints: atomic files (checkpoints, JSON summaries, the metrics log a resumed run continues), a
 run's checkpoint names (`checkpoint.pt`, or `checkpoint.dcp/` of a run on several ranks), saving one
-(`save_run`) and resuming the newest on any number of ranks (`resume_run`)."""
+(`save_run`), resuming the newest on any number of ranks (`resume_run`), and reading the newest's model
+tensors on the CPU, whichever kind it is (`saved_model`, what `fp4lab export` reads)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,34 @@ def newest_checkpoint(one_process: Path, sharded: Path) -> Path | None:
     # mmap: only the run state is read, not the tensors.
     one_process_step = torch.load(one_process, map_location="cpu", weights_only=True, mmap=True)["state"]["step"]
     return one_process if one_process_step > int(step_folder.name.removeprefix(STEP_PREFIX)) else step_folder
+
+
+def saved_model(out: Path) -> tuple[dict[str, torch.Tensor], int, Path]:
+    """The model tensors of the run folder's newest checkpoint, whole and on the CPU, whichever kind
+    wrote it; with the step it was saved after and the file or step folder read. No model and no
+    process group are needed: a sharded checkpoint's tensors are read by their global shapes. None of
+    the random streams (`_extra_state`) come with them. FileNotFoundError when there is no checkpoint."""
+    source = newest_checkpoint(out / CHECKPOINT, out / SHARDED_CHECKPOINT)
+    if source is None:
+        raise FileNotFoundError(f"{out} holds no checkpoint ({CHECKPOINT} or {SHARDED_CHECKPOINT}/)")
+    if source.name == CHECKPOINT:
+        # mmap: the optimizer state is never read, and each tensor only when its caller reads it.
+        checkpoint = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+        return _tensors_only(checkpoint["model"]), checkpoint["state"]["step"], source
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = dcp.FileSystemReader(source).read_metadata().state_dict_metadata
+    model = {
+        key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in saved.items() if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # loading in one process without a process group is the intent here
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load({"model": model}, checkpoint_id=source, no_dist=True)
+    return model, load_checkpoint(source / "rank-0.pt")["state"]["step"], source
 
 
 def remove_checkpoint(path: Path) -> None:

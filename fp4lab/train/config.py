@@ -72,6 +72,10 @@ CORPORA = (PYCODE,)
 # digits, "-" and "_", first a letter. With no "." or "/" it never reads as a path.
 BUILTIN_SOURCES = ("shakespeare", "synthetic", PYCODE)
 CORPUS_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+# `fp4lab export` (fp4lab.train.export): the checkpoint formats it writes, and the dtypes it stores the
+# master weights in ("float32" keeps them bit for bit; "bfloat16" rounds each one, halving the files).
+EXPORT_FORMATS = ("hf",)
+EXPORT_DTYPES = ("float32", "bfloat16")
 # A run's summary.json "status": it ended as designed, or it stopped early with a checkpoint to
 # resume from (time budget, Slurm's preemption signals, Ctrl-C, a `stop_after` call).
 ENDED_STATUSES = ("completed", "diverged")

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO, Protocol
 import numpy as np
 from tokenizers import Tokenizer
 
-from fp4lab.train.atomic import TEMP_SUFFIX, replace_atomically, write_atomic
+from fp4lab.train.atomic import TEMP_SUFFIX, replace_atomically, swap_folder, write_atomic
 from fp4lab.train.config import BUILTIN_SOURCES
 from fp4lab.validation import did_you_mean
 
@@ -180,12 +180,7 @@ def staging(target: Path, identity: dict | None = None) -> Iterator[Path]:
     try:
         yield folder
         (folder / _IDENTITY).unlink(missing_ok=True)
-        old = target.with_name(f".{target.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if target.exists():
-            os.replace(target, old)
-        os.replace(folder, target)
-        shutil.rmtree(old, ignore_errors=True)
+        swap_folder(folder, target, target.with_name(f".{target.name}.old"))
     finally:
         if key is None:
             shutil.rmtree(folder, ignore_errors=True)

@@ -46,6 +46,8 @@ from fp4lab.train.bpe import train_tokenizer
 from fp4lab.train.config import BUILTIN_SOURCES, DataConfig, is_corpus_name
 from fp4lab.train.corpus import cache_dir, load_own, status_line
 
+# The sources whose tokenizer fp4lab trains (bpe.py); the others are ids only.
+TOKENIZED_SOURCES = ("shakespeare", "pycode")
 # Little-endian ids, as the .bin files hold them, under the names DataConfig.token_dtype accepts.
 TOKEN_DTYPES = dict(zip(config.TOKEN_DTYPES, (np.dtype("<u2"), np.dtype("<u4")), strict=True))
 DEFAULT_SHAKESPEARE_VOCAB = 4096

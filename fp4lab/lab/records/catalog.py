@@ -619,6 +619,11 @@ class Catalog:
         path = Path(path)
         return path if path.is_absolute() else self.path.parent / path
 
+    def run_dir(self, run_id: str) -> Path | None:
+        """The run folder of `run_id` as its record names it, or None (no such run, or no folder recorded)."""
+        record = self.get(run_id)
+        return self.resolve((record.get("paths") or {}).get("run_dir")) if record is not None else None
+
     def relative(self, path: str | os.PathLike[str]) -> str:
         """How a record stores `path` (relative to the current folder): relative to the catalog's folder."""
         return os.path.relpath(os.path.abspath(path), os.path.abspath(self.path.parent))
