@@ -102,6 +102,8 @@ LINEAR_1D = "tests/nn/test_fp4_linear.py::test_nvfp4_with_one_d_weights_requanti
 GEMMS_EXACT = "tests/nn/test_recipe_gemms.py::test_each_gemm_is_the_bit_exact_emulation_of_its_recipe"
 
 EXPORT = "fp4lab/train/export.py"
+TRACKERS = "fp4lab/train/trackers.py"
+TRACKED = "tests/train/test_trackers.py::"
 EXPORTED = "tests/train/test_export.py::"
 EXPORT_LOGITS = EXPORTED + "test_transformers_loads_the_export_and_its_logits_match_fp4lab"
 
@@ -625,6 +627,19 @@ MUTATIONS = [
     m("saved-model-dcp-names", "a sharded checkpoint's tensors are read under DCP's flattened names (model. in front)",
       ("fp4lab/train/checkpoint.py", 'key.removeprefix("model."): torch.empty', "key: torch.empty"),
       [EXPORTED + "test_a_sharded_checkpoint_exports_the_same_weights"]),
+    # --- trackers (issue 38) ---------------------------------------------------------------------------
+    m("tracker-no-purge", "a resumed run's TensorBoard events keep the steps logged after its last checkpoint",
+      (TRACKERS, "SummaryWriter(str(out), purge_step=resume_step or None)", "SummaryWriter(str(out))"),
+      [TRACKED + "test_a_stopped_and_resumed_run_is_one_tracker_run"]),
+    m("tracker-new-mlflow-run-on-resume", "a resumed run opens a new MLflow run instead of its own",
+      (TRACKERS, '        if kept.get("run_id"):', "        if False:"),
+      [TRACKED + "test_a_stopped_and_resumed_run_is_one_tracker_run"]),
+    m("tracker-sweep-group-unset", "a sweep's runs are not filed under the sweep's name and their ids",
+      ("fp4lab/lab/specs/sweep_spec.py", '    if config.get("log_to"):  # trackers', '    if False:  # trackers'),
+      [TRACKED + "test_a_sweep_files_its_runs_in_each_tracker_by_sweep_and_id"]),
+    m("tracker-failure-stops-nothing", "a tracker that fails is kept and fails again at every record",
+      (TRACKERS, "            self.trackers.pop(name)\n", ""),
+      [TRACKED + "test_a_tracker_that_breaks_mid_run_is_reported_once_and_the_run_goes_on"]),
 ]
 
 

@@ -74,6 +74,7 @@ def train(
     out: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<recipe>-<model>-s<seed>).", rich_help_panel="Run folder and records")] = None,
     config: Annotated[Optional[Path], typer.Option(help="A TOML file of train settings; flags override it.", rich_help_panel="Run folder and records")] = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Delete this run folder's checkpoint and logs first instead of resuming.", rich_help_panel="Run folder and records")] = False,
+    log_to: Annotated[Optional[str], typer.Option(metavar="TRACKERS", help="Also log the metrics and the config to these trackers, comma-separated: tensorboard, wandb, mlflow (docs/TRACKERS.md; pip install 'fp4lab[trackers]').", rich_help_panel="Run folder and records")] = None,
     catalog: Annotated[Optional[Path], typer.Option(help="Record this sweep run's start and end in this catalog (sweep jobs pass it; needs --config jobs/<sweep>/<id>.toml and no other flag but --nproc-per-node; rank 0 records).", rich_help_panel="Run folder and records")] = None,
 ) -> None:
     """Train a small Llama-style model with one FP4 recipe; resumes from the run folder's checkpoint."""
@@ -107,7 +108,7 @@ RUN_OPTIONS = ("out", "config", "fresh", "catalog", "nproc_per_node")
 # The options that set TrainConfig.data, and the DataConfig field each sets.
 DATA_OPTIONS = {"data": "source", "val_data": "val_source", "token_dtype": "token_dtype", "vocab_size": "vocab_size"}
 # Comma-separated on the command line, lists in the config: the type of each item.
-LIST_OPTIONS = {"capture_steps": int, "capture_layers": str}
+LIST_OPTIONS = {"capture_steps": int, "capture_layers": str, "log_to": str}
 
 
 def _config_options(options: dict) -> tuple[dict, dict]:

@@ -209,7 +209,7 @@ class MetricsLog:
         self._handle.write(json_line(record) + "\n")
         self._handle.flush()
 
-    def close(self) -> None:
+    def close(self, summary: dict[str, Any] | None = None) -> None:
         self._handle.close()
 
 

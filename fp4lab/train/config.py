@@ -62,6 +62,8 @@ PP_MICROBATCHES = 4
 GATHER_WEIGHTS = ("dense", "encoded")
 # DataConfig.token_dtype: the id width of .bin token files (fp4lab.train.data reads them little-endian).
 TOKEN_DTYPES = ("uint16", "uint32")
+# Experiment trackers a run can also log to (fp4lab.train.trackers); metrics.jsonl is always written.
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 # The corpus fp4lab.train.pycode builds once into the cache (`fp4lab data build pycode`), then a
 # DataConfig.source by that name; CORPORA: the built-in corpora `fp4lab data build` makes (and `fp4lab
 # data pack` packs). Any other name it builds is a corpus of your own (fp4lab.train.user_corpus).
@@ -111,7 +113,7 @@ def summary_value(summary: dict[str, Any], key: str) -> Any:
 # Capturing GEMM operands only copies tensors a step already made (fp4lab.train.capture).
 RESULT_NEUTRAL = (
     "out_dir", "device", "max_minutes", "checkpoint_every", "compile", "cuda_graphs", "capture_steps", "capture_layers",
-    "gather_weights", "attention_kernel", "mx_gemm", "producer_fusion",
+    "gather_weights", "attention_kernel", "mx_gemm", "producer_fusion", "log_to", "tracker_group", "tracker_run",
 )
 
 # Fields added after catalogs already held runs, with the value every earlier run had: a run id leaves
@@ -217,6 +219,12 @@ class TrainConfig:
     # fnmatch patterns `capture_layers`, at the steps `capture_steps`, for `fp4lab numerics --capture`.
     capture_steps: list[int] = field(default_factory=list)
     capture_layers: list[str] = field(default_factory=list)
+    # Trackers the metrics also go to (TRACKERS), and how they file the run: the group is a W&B group,
+    # an MLflow experiment and a TensorBoard folder (a sweep sets its name), the run is the tracker
+    # run's name (a sweep sets the run id; default: the run folder's name).
+    log_to: list[str] = field(default_factory=list)
+    tracker_group: str | None = None
+    tracker_run: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.data, dict):
@@ -260,6 +268,7 @@ class TrainConfig:
         if not isinstance(self.recipe, str) or not self.recipe:
             raise ConfigError(f"recipe={self.recipe!r} must be a recipe name or a path to a .toml file")
         self._check_capture()
+        self._check_trackers()
         if self.gather_weights == "encoded" and self.capture_steps:
             raise ConfigError("capture_steps reads each layer's weight, which gather_weights='encoded' does not gather; use gather_weights='dense' to capture")
 
@@ -279,6 +288,19 @@ class TrainConfig:
         if bool(self.capture_steps) != bool(self.capture_layers):
             given, missing = ("capture_steps", "capture_layers") if self.capture_steps else ("capture_layers", "capture_steps")
             raise ConfigError(f"{given} is set but {missing} is empty; set both to capture GEMM operands (or neither)")
+
+    def _check_trackers(self) -> None:
+        if not isinstance(self.log_to, (list, tuple)):
+            raise ConfigError(f"log_to={self.log_to!r} must be a list of trackers, e.g. [\"tensorboard\", \"mlflow\"]")
+        self.log_to = list(self.log_to)
+        for index, tracker in enumerate(self.log_to):
+            _check.choice(f"log_to[{index}]", tracker, TRACKERS)
+        if len(set(self.log_to)) != len(self.log_to):
+            raise ConfigError(f"log_to={self.log_to!r} names a tracker twice; name each once")
+        for name in ("tracker_group", "tracker_run"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.strip() and value.isprintable() and "/" not in value):
+                raise ConfigError(f"{name}={value!r} must be a non-empty name of printable characters without '/'")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -51,6 +51,7 @@ from fp4lab.train.config import TrainConfig
 from fp4lab.train.data import BatchSampler, load_dataset, val_batches
 from fp4lab.train.step import GRAPH_WARMUP_STEPS, TrainStep, clip_and_step, evaluate
 from fp4lab.train.summary import run_summary
+from fp4lab.train.trackers import check_installed, open_run_log
 
 
 def lr_factor(config: TrainConfig, step: int) -> float:
@@ -78,6 +79,7 @@ def run(config: TrainConfig, *, progress: bool | None = None, stop_after: int | 
     as a preemption would; for drills and tests.
     """
     recipe = load_recipe(config.recipe)
+    check_installed(config.log_to)
     distributed.check(config, distributed.env_world())
     # Rank 0 holds the run folder for the run's whole life: a second trainer on it is refused here.
     with run_folder.hold(config.out_dir) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext():
@@ -112,6 +114,15 @@ class _Run:
 
 def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: torch.device, progress, stop_after) -> dict[str, Any]:
     run = _start(config, recipe, ranks, device, progress)
+    try:
+        return _train(run, config, recipe, ranks, device, progress, stop_after)
+    except BaseException:  # the trackers hear of a crash too: their run is marked failed, not left running
+        run.metrics.close({"status": "failed"})
+        raise
+
+
+def _train(run: _Run, config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: torch.device, progress,
+           stop_after) -> dict[str, Any]:
     state, status, diverged_step = run.state, "completed", None
     resumed_from_step = state.step
     started = time.monotonic()
@@ -142,7 +153,6 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
                     status = reason
                     save_run(Path(config.out_dir), config, run.model, run.optimizer, state, ranks)
                     break
-    run.metrics.close()
     summary = run_summary(
         status, diverged_step, config, state, recipe, device, run.paths, world_size=ranks.world,
         stop_signal=stop_requested[0] if status in ("preempted", "interrupted") else None,
@@ -150,6 +160,7 @@ def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: 
         gather_bytes_per_step=run.model.gather_bytes.per_step() if config.gather_weights == "encoded" else None,
         resumed_from_step=resumed_from_step,
     )
+    run.metrics.close(summary)
     if ranks.main:
         write_json(Path(config.out_dir) / "summary.json", summary)
     return summary
@@ -206,7 +217,8 @@ def _start(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device
         sampler=BatchSampler(data.train, config.batch_size, config.seq_len, config.seed),
         evaluation=val_batches(data.val, config.batch_size, config.seq_len, config.eval_batches),
         qk_clip=qk_clip, tau=tau, capture=capture, state=state,
-        metrics=MetricsLog(out / "metrics.jsonl", resume_step=state.step) if ranks.main else _Silent(),
+        metrics=open_run_log(config, identity, out, state.step, MetricsLog(out / "metrics.jsonl", resume_step=state.step))
+        if ranks.main else _Silent(),
     )
 
 
@@ -287,32 +299,8 @@ class _Silent:
     def write(self, record: dict[str, Any]) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, summary: dict[str, Any] | None = None) -> None:
         pass
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -320,10 +308,6 @@ class _Silent:
 
 def _interactive(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
-
-
-
-
 
 
 def _set_probes(model: Llama, probing: bool, record_max_logits: bool) -> None:
@@ -379,26 +363,6 @@ def _realign_low_rank(model: Llama) -> None:
     for linear in fp4_linears(model).values():
         if linear.lora_rank:
             linear.realign_low_rank()
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _stop_reason(config, started, stop_requested, stop_after, steps_this_call) -> str | None:

@@ -59,6 +59,7 @@ DIRECTIONS = ("minimize", "maximize")
 SEARCH_SPACE_WANTS = ("a non-empty table: name = {type = ..., low, high} or "
                       "{type = \"categorical\", choices = [...]}")
 TOP_KEYS = ("name", "description", "base", "axes", "method", "samples", "seed", "optuna", "slurm", "scan")
+SET_BY_THE_SWEEP = ("tracker_group", "tracker_run")  # with out_dir: a run config's fields a spec may not give
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # #SBATCH values: sbatch (not bash) parses these lines, so they may only hold characters that need no
 # quoting anywhere: no whitespace, quotes, `#`, `$`, backticks, `;`, newlines or NUL.
@@ -257,6 +258,9 @@ def _base(base: Any, fail) -> tuple[dict[str, Any], dict[str, Any]]:
         known_keys(base["data"], data_fields, "base.data", fail)
     if "out_dir" in base:
         raise fail("base.out_dir", "is set by the sweep to runs/<sweep>/<id>; remove it")
+    for key in SET_BY_THE_SWEEP:
+        if key in base:
+            raise fail(f"base.{key}", "is set by the sweep: trackers file each run under the sweep's name, by its id; remove it")
     _check_recipe(base.get("recipe"), "base.recipe", fail)
     return base, _validate_config(_merge(base, {}), "base", fail)
 
@@ -467,6 +471,8 @@ def make_run(spec: SweepSpec, params: dict[str, Any]) -> RunSpec:
                               lambda where, message: SpecError(f"{spec.path}: {where}: {message}"))
     rid = run_id(config)
     config["out_dir"] = f"runs/{spec.name}/{rid}"
+    if config.get("log_to"):  # trackers file the run under the sweep, by its id
+        config["tracker_group"], config["tracker_run"] = spec.name, rid
     return RunSpec(id=rid, name=_describe(params) or "base", config=config, params=dict(params))
 
 
@@ -538,10 +544,10 @@ def _check_axis_name(name: str, train_fields, data_fields, where: str, fail) -> 
         return
     if name == "data":
         raise fail(where, "sweep data fields one at a time: data.source, data.vocab_size, ...")
-    if name == "out_dir":
-        raise fail(where, "out_dir is set by the sweep to runs/<sweep>/<id>; remove this axis")
+    if name in ("out_dir", *SET_BY_THE_SWEEP):
+        raise fail(where, f"{name} is set by the sweep (runs/<sweep>/<id>, the sweep's name, the run id); remove this axis")
     if name not in train_fields:
-        allowed = [f for f in train_fields if f not in ("data", "out_dir")] + [f"data.{f}" for f in data_fields]
+        allowed = [f for f in train_fields if f not in ("data", "out_dir", *SET_BY_THE_SWEEP)] + [f"data.{f}" for f in data_fields]
         raise fail(where, f"unknown field {name!r}; allowed: {', '.join(allowed)}")
 
 
