@@ -640,6 +640,9 @@ MUTATIONS = [
     m("tracker-failure-stops-nothing", "a tracker that fails is kept and fails again at every record",
       (TRACKERS, "            self.trackers.pop(name)\n", ""),
       [TRACKED + "test_a_tracker_that_breaks_mid_run_is_reported_once_and_the_run_goes_on"]),
+    m("environment-mix-unflagged", "a ledger row whose runs came from two environments is not flagged",
+      ("fp4lab/lab/records/ledger.py", 'if len(used) > 1 and members[0].get("recipe") != BASELINE:', "if False:"),
+      ["tests/train/test_environment.py::test_the_report_names_each_environment_and_flags_a_mixed_comparison"]),
 ]
 
 

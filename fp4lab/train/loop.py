@@ -49,6 +49,7 @@ from fp4lab.train.capture import OperandCapture
 from fp4lab.train.checkpoint import MetricsLog, RunState, resume_run, save_run, write_json
 from fp4lab.train.config import TrainConfig
 from fp4lab.train.data import BatchSampler, load_dataset, val_batches
+from fp4lab.train.environment import environment
 from fp4lab.train.step import GRAPH_WARMUP_STEPS, TrainStep, clip_and_step, evaluate
 from fp4lab.train.summary import run_summary
 from fp4lab.train.trackers import check_installed, open_run_log
@@ -206,6 +207,7 @@ def _start(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device
         "optimizer": {"qk_clip": qk_clip, "qk_clip_tau": tau},
     }
     identity["world_size"] = ranks.world  # this segment's: a resumed run may run on another number of ranks
+    identity["environment"] = environment(device)
     if ranks.mode == "pp":
         from fp4lab.train.pipeline import schedule_name
 

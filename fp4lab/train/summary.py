@@ -14,6 +14,7 @@ import torch
 from fp4lab.nn.recipe import Recipe
 from fp4lab.train.checkpoint import RunState, finite_or_none
 from fp4lab.train.config import TrainConfig
+from fp4lab.train.environment import environment
 from fp4lab.train.jsonl import read_metrics_file, steady_rate
 from fp4lab.train.paths import ComputePaths
 
@@ -54,6 +55,7 @@ def run_summary(
         "stop_signal": stop_signal,
         "world_size": world_size,
         "cuda_graph": cuda_graph,
+        "environment": environment(device),  # this segment's (a resumed run may move machines)
     }
     if gather_bytes_per_step is not None:
         summary["gather_bytes_per_step"] = gather_bytes_per_step

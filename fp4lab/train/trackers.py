@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import netrc
-import logging
 import os
 import secrets
 import sys

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp4lab.train.jsonl import read_metrics_file
 from fp4lab.train.loop import run
@@ -104,6 +105,7 @@ def test_a_sweep_files_its_runs_in_each_tracker_by_sweep_and_id(cli, tmp_path, l
         assert [(m.step, m.value) for m in history] == written
         assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.tags["fp4lab.status"] == "completed"
         assert mlflow_run.data.params["config.recipe"] == spec_run.config["recipe"]
+        assert mlflow_run.data.params["environment.torch"] == torch.__version__  # the environment on record
         assert mlflow_run.data.metrics["summary/final_val_loss"] == pytest.approx(jsonl(folder, "val_loss")[-1][1])
         # W&B offline: group = sweep, name = run id
         (run_file,) = folder.glob("wandb/offline-run-*/run-*.wandb")
@@ -112,6 +114,12 @@ def test_a_sweep_files_its_runs_in_each_tracker_by_sweep_and_id(cli, tmp_path, l
         assert header["run_group"] == "mini" and header["display_name"] == spec_run.id and header["project"] == "fp4lab"
         assert header["config"]["update"]["config"]["recipe"] == spec_run.config["recipe"]
         close(wandb_history(records, "loss"), written)
+    from fp4lab.lab.records.catalog import Catalog
+    from fp4lab.lab.records.ledger import build_report
+
+    assert all(r["extra"]["environment"]["torch"] == torch.__version__ for r in Catalog(tmp_path / "sweep_catalog.json").records())
+    (line,) = [n for n in build_report(tmp_path / "sweep_catalog.json", "mini").notes if n.startswith("environment")]
+    assert line.startswith(f"environment 1: torch {torch.__version__}") and line.endswith("CPU (2 runs)")
     nvfp4 = next(r for r in runs if r.config["recipe"] == "nvfp4")
     folder = tmp_path / "runs" / "mini" / nvfp4.id
     quant = [key for key in scalars(next(read_metrics_file(folder / "metrics.jsonl"))) if key.startswith("quant/")]

@@ -43,6 +43,7 @@ from fp4lab.lab.records.logscan import EVENT_KINDS
 from fp4lab.lab.records.run_metrics import RunMetrics, read_metrics, steady_tokens_per_s
 from fp4lab.lab.records.values import finite_number, mean_or_nan, sample_std, signed_cell
 from fp4lab.train.config import RESULT_NEUTRAL
+from fp4lab.train.environment import COMPARED
 
 BASELINE = "bf16"
 RUN_SPECIFIC = ("seed", *RESULT_NEUTRAL)
@@ -272,7 +273,49 @@ def build_report(catalog_path: str | os.PathLike[str], sweep: str | None = None,
     ledger["excess_last_step"] = ledger["excess_last_step"].astype("Int64")
     default = Path(out_dir) if out_dir is not None else Path("reports") / (sweep or "all")
     groups = [[r["id"] for r in members] for members in grouped.values()]
+    notes += environment_notes(records, list(grouped.values()), baseline_of)
     return Report(sweep, catalog_path, ledger, records, metrics, notes, bool(baselines), default, groups, baseline_of)
+
+
+def _environment(record: dict[str, Any]) -> tuple | None:
+    found = (record.get("extra") or {}).get("environment")
+    return tuple(found.get(key) for key in COMPARED) if isinstance(found, dict) else None
+
+
+def environment_text(environment: tuple) -> str:
+    """One environment in a line: "torch 2.13.0+cpu, Python 3.11.7, fp4lab 0.1.0 @52c29f4, CPU"."""
+    values = dict(zip(COMPARED, environment))
+    commit = f" @{str(values['fp4lab_commit'])[:7]}{'+dirty' if str(values['fp4lab_commit']).endswith('+dirty') else ''}" \
+        if values["fp4lab_commit"] else ""
+    parts = [f"torch {values['torch']}", f"CUDA {values['cuda']}" if values["cuda"] else None,
+             f"Triton {values['triton']}" if values["triton"] else None, f"Python {values['python']}",
+             f"fp4lab {values['fp4lab']}{commit}",
+             f"{values['gpu_count']} x {values['gpu']}, driver {values['driver']}" if values["gpu"] else "CPU"]
+    return ", ".join(p for p in parts if p)
+
+
+def environment_notes(records: list[dict[str, Any]], groups: list[list[dict[str, Any]]],
+                      baseline_of: dict[str, list[str]]) -> list[str]:
+    """A line per distinct environment the runs came from, and a warning for each ledger row whose runs
+    and bf16 reference came from more than one (its comparison mixes machines or software)."""
+    seen: dict[tuple, list[str]] = {}
+    for record in records:
+        environment = _environment(record)
+        if environment is not None:
+            seen.setdefault(environment, []).append(record["id"])
+    notes = [f"environment {k}: {environment_text(env)} ({len(ids)} run{'s' if len(ids) != 1 else ''})"
+             for k, (env, ids) in enumerate(seen.items(), 1)] if seen else []
+    if len(seen) < 2:
+        return notes
+    number = {env: k for k, env in enumerate(seen, 1)}
+    by_id = {r["id"]: r for r in records}
+    for members in groups:
+        compared = members + [by_id[i] for i in baseline_of.get(members[0]["id"], []) if i in by_id]
+        used = sorted({number[e] for e in map(_environment, compared) if e is not None})
+        if len(used) > 1 and members[0].get("recipe") != BASELINE:
+            notes.append(f"{members[0].get('recipe')} ({config_label(members[0])}) and its bf16 reference ran in environments "
+                         f"{', '.join(map(str, used))}: the comparison mixes them")
+    return notes
 
 
 def _read_records(catalog_path: Path, sweep: str | None) -> tuple[Any, list[dict[str, Any]]]:

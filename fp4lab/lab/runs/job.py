@@ -229,6 +229,8 @@ def finish_run(run: RunSpec, catalog: Catalog, thresholds: ScanThresholds, *, re
             "loss_at_steps": loss_at_steps(run_dir / "metrics.jsonl"),
         }
         fields["paths"] = {"checkpoint": catalog.relative(run_dir / run_folder.CHECKPOINT)}
+        if summary.get("environment"):  # what the run ran on: the report tells runs of different ones apart
+            fields["extra"] = {"environment": summary["environment"]}
     return catalog.update(run.id, **fields)
 
 
