@@ -19,7 +19,7 @@ from fp4lab.lab.records.ledger import BASELINE, Report, mean_curve
 PLOTS = ("loss_curves", "loss_excess", "attn_entropy", "max_logit")
 
 PLOT_CAPTIONS = {
-    "loss_curves": "Train loss at every logged step and validation loss (dots); one colour and line style per "
+    "loss_curves": "Train loss at every logged step and validation loss (diamonds); one colour and line style per "
     "ledger row, every seed drawn. An x marks the step at which a run diverged (its scan verdict), where its "
     "curve stops.",
     "loss_excess": "Train-loss excess over the bf16 reference per logged step (definition above), smoothed by a "
