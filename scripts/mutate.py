@@ -47,6 +47,7 @@ def m(name: str, what: str, edits, tests) -> Mutation:
 
 
 LOOP = "fp4lab/train/loop.py"
+PRUNING = "tests/lab/test_pruning.py::"
 TRAIN_BUILD = "fp4lab/train/build.py"
 ATTN = "fp4lab/nn/attention.py"
 MX_GEMM = "fp4lab/numerics/kernels/mx_gemm.py"
@@ -643,6 +644,36 @@ MUTATIONS = [
     m("environment-mix-unflagged", "a ledger row whose runs came from two environments is not flagged",
       ("fp4lab/lab/records/ledger.py", 'if len(used) > 1 and members[0].get("recipe") != BASELINE:', "if False:"),
       ["tests/train/test_environment.py::test_the_report_names_each_environment_and_flags_a_mixed_comparison"]),
+    # --- early stopping of Optuna trials (issue 38) -------------------------------------------------------
+    m("pruner-ignored", "the loop asks the pruner but trains on when it says stop",
+      (LOOP, "    if pruned:\n        return \"pruned\"\n", ""),
+      [PRUNING + "test_a_run_reports_each_eval_and_stops_cleanly_when_its_pruner_says"]),
+    m("pruner-never-asked", "the loop never reports a validation loss to its trial",
+      (LOOP, 'pruned = run.trial is not None and "val_loss" in record', 'pruned = run.trial is not None and "no_such_key" in record'),
+      [PRUNING + "test_a_run_reports_each_eval_and_stops_cleanly_when_its_pruner_says"]),
+    m("pruner-reports-twice", "a resumed run reports again the evals its earlier segment reported",
+      ("fp4lab/train/pruning.py", "        if step not in self._storage.get_trial(self._trial_id).intermediate_values:\n",
+       "        if True:\n"),
+      [PRUNING + "test_a_run_its_pruner_keeps_trains_to_the_end_and_reports_every_eval_once_across_a_resume"]),
+    m("pruned-recorded-completed", "a pruned run is recorded as completed in the catalog",
+      ("fp4lab/lab/runs/job.py", '    "pruned": "pruned",  # its', '    "pruned": "completed",  # its'),
+      [PRUNING + "test_an_optuna_sweep_prunes_trials_records_them_pruned_and_never_runs_them_again"]),
+    m("pruned-trial-told-fail", "a sweep's pruned trial is told FAIL instead of PRUNED",
+      ("fp4lab/lab/runs/trials.py", "study.tell(number, state=TrialState.PRUNED)", "study.tell(number, state=TrialState.FAIL)"),
+      [PRUNING + "test_an_optuna_sweep_prunes_trials_records_them_pruned_and_never_runs_them_again"]),
+    m("pruned-run-retried", "--retry-failed starts a pruned run again",
+      ("fp4lab/lab/runs/sweep.py", 'SKIP_REASONS = {"completed": "done", "pruned": "pruned", ', 'SKIP_REASONS = {"completed": "done", "pruned": "failed", '),
+      [PRUNING + "test_a_pruned_run_is_not_started_again_even_when_retrying_failed_runs"]),
+    m("ratchet-pruned-told-complete", "the ratchet tells a pruned trial COMPLETE with its early loss",
+      ("fp4lab/lab/ratchet/proposers.py", "        if pruned:\n            self.study.tell(number, state=TrialState.PRUNED, skip_if_finished=True)\n        elif",
+       "        if"),
+      [PRUNING + "test_the_ratchets_optuna_proposer_prunes_a_trial_and_records_it"]),
+    m("ratchet-pruned-runs-every-seed", "the ratchet runs a pruned proposal's other seeds",
+      ("fp4lab/lab/ratchet/loop.py", "            if verdict == PRUNED:  # the trial is over", "            if False:  # the trial is over"),
+      [PRUNING + "test_the_ratchets_optuna_proposer_prunes_a_trial_and_records_it"]),
+    m("catalog-migration-skipped", "an older catalog's records are read without their migration",
+      ("fp4lab/lab/records/catalog.py", "            MIGRATIONS[step](record)", "            pass"),
+      ["tests/lab/test_catalog.py::test_an_older_catalog_is_carried_over_without_loss_and_written_back_at_the_current_version"]),
 ]
 
 

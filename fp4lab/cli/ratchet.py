@@ -93,7 +93,7 @@ class _RatchetView:
     """The ratchet's live view: a table of decided iterations under a line for the one running."""
 
     STYLE = {"keep": "bold green", "discard": "yellow", "crash": "red", "invalid": "red", "duplicate": "dim", "stale": "dim",
-             "baseline": "cyan"}
+             "baseline": "cyan", "pruned": "magenta"}
 
     def __init__(self, console) -> None:
         self.console, self.rows, self.running, self.live = console, [], {}, None

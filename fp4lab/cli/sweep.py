@@ -307,13 +307,16 @@ def _run_here(console, runner, plan, todo, runs_catalog, spec: Path) -> None:
 
 def run_outcome(record: dict) -> str:
     """How a run ended, for a line a person reads: "completed, converged, val 4.2310, resumed from step
-    18", "interrupted at step 18 (resumes from its checkpoint)", "failed, crashed: <error>"."""
+    18", "interrupted at step 18 (resumes from its checkpoint)", "pruned after 10 steps (...)", "failed,
+    crashed: <error>"."""
     summary = record.get("summary") or {}
     state, verdict = record["state"], record.get("verdict")
     parts = [state]
     if state in ("interrupted", "preempted", "timeout") and summary.get("steps_completed") is not None:
         parts = [f"{state} at step {summary['steps_completed']} (resumes from its checkpoint)"]
-    if verdict and verdict != state:
+    if state == "pruned" and summary.get("steps_completed") is not None:
+        parts = [f"pruned after {summary['steps_completed']} steps (its Optuna pruner stopped it)"]
+    if verdict and verdict != state and not (state == "pruned" and verdict == "converged"):
         parts.append(verdict)
     if summary.get("final_val_loss") is not None:
         parts.append(f"val {summary['final_val_loss']:.4f}")

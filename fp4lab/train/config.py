@@ -11,6 +11,7 @@ from typing import Any
 
 from fp4lab.nn.model_config import PRESETS
 from fp4lab.nn.recipe import NS_POLYNOMIALS
+from fp4lab.train.pruning import check_trial_link
 from fp4lab.validation import Checks, read_toml
 
 MODEL_PRESETS = tuple(PRESETS)
@@ -78,9 +79,9 @@ CORPUS_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 # master weights in ("float32" keeps them bit for bit; "bfloat16" rounds each one, halving the files).
 EXPORT_FORMATS = ("hf",)
 EXPORT_DTYPES = ("float32", "bfloat16")
-# A run's summary.json "status": it ended as designed, or it stopped early with a checkpoint to
-# resume from (time budget, Slurm's preemption signals, Ctrl-C, a `stop_after` call).
-ENDED_STATUSES = ("completed", "diverged")
+# A run's summary.json "status": it ended as designed (its steps done, a NaN, or its Optuna trial pruned),
+# or it stopped early with a checkpoint to resume from (time budget, Slurm's preemption signals, Ctrl-C, a `stop_after` call).
+ENDED_STATUSES = ("completed", "diverged", "pruned")
 STOPPED_STATUSES = ("time_limit", "preempted", "stopped", "interrupted")
 # summary.json keys under their earlier names, still read from runs written before the rename.
 RENAMED_SUMMARY_KEYS = {"final_loss": "final_train_loss", "best_loss": "best_train_loss"}
@@ -114,6 +115,7 @@ def summary_value(summary: dict[str, Any], key: str) -> Any:
 RESULT_NEUTRAL = (
     "out_dir", "device", "max_minutes", "checkpoint_every", "compile", "cuda_graphs", "capture_steps", "capture_layers",
     "gather_weights", "attention_kernel", "mx_gemm", "producer_fusion", "log_to", "tracker_group", "tracker_run",
+    "optuna_trial",
 )
 
 # Fields added after catalogs already held runs, with the value every earlier run had: a run id leaves
@@ -225,6 +227,10 @@ class TrainConfig:
     log_to: list[str] = field(default_factory=list)
     tracker_group: str | None = None
     tracker_run: str | None = None
+    # The Optuna trial this run is (an Optuna sweep or the ratchet sets it): the run reports its
+    # validation loss to the trial at each eval and stops as "pruned" when the pruner says so
+    # (fp4lab.train.pruning). {storage = journal file, study, trial = number, pruner = settings}.
+    optuna_trial: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.data, dict):
@@ -269,6 +275,8 @@ class TrainConfig:
             raise ConfigError(f"recipe={self.recipe!r} must be a recipe name or a path to a .toml file")
         self._check_capture()
         self._check_trackers()
+        if self.optuna_trial is not None:
+            self.optuna_trial = check_trial_link(self.optuna_trial, lambda place, message: ConfigError(f"{place}: {message}"))
         if self.gather_weights == "encoded" and self.capture_steps:
             raise ConfigError("capture_steps reads each layer's weight, which gather_weights='encoded' does not gather; use gather_weights='dense' to capture")
 

@@ -11,7 +11,7 @@ orchestrator reads into `config.out_dir`:
                     number of ranks or in one process: _resume)
     captures/       step-<n>/<layer>.pt: the GEMM operands of the capture_steps and capture_layers
                     (fp4lab.train.capture), for `fp4lab numerics --capture`
-    summary.json    status (completed | diverged | time_limit | preempted | interrupted | stopped), the
+    summary.json    status (completed | diverged | pruned | time_limit | preempted | interrupted | stopped), the
                     step a divergence happened, final and best losses, throughput, peak memory
 
 A NaN or Inf loss or gradient norm ends the run with status "diverged" (no traceback). SIGTERM, SIGUSR1
@@ -19,7 +19,9 @@ and SIGUSR2 (what Slurm, our SBATCH scripts and submitit send before preemption 
 checkpoint after the current step and end with status "preempted"; summary.json names the signal
 (`stop_signal`), so the caller can tell a scancel (TERM) from a request to requeue (USR1/USR2).
 Ctrl-C (SIGINT) stops the same way with status "interrupted"; a second Ctrl-C aborts at once
-(KeyboardInterrupt, no checkpoint of the step in progress). Running `run` again resumes.
+(KeyboardInterrupt, no checkpoint of the step in progress). Running `run` again resumes. A run that is an
+Optuna trial (`optuna_trial`) reports each validation loss to it; when the pruner says stop, it
+checkpoints and ends with status "pruned" (fp4lab.train.pruning).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from fp4lab.train.checkpoint import MetricsLog, RunState, resume_run, save_run, 
 from fp4lab.train.config import TrainConfig
 from fp4lab.train.data import BatchSampler, load_dataset, val_batches
 from fp4lab.train.environment import environment
+from fp4lab.train.pruning import TrialReporter
 from fp4lab.train.step import GRAPH_WARMUP_STEPS, TrainStep, clip_and_step, evaluate
 from fp4lab.train.summary import run_summary
 from fp4lab.train.trackers import check_installed, open_run_log
@@ -111,6 +114,7 @@ class _Run:
     capture: OperandCapture | None
     state: RunState
     metrics: Any
+    trial: TrialReporter | None  # rank 0's line to its Optuna trial, when the run is one
 
 
 def _run(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device: torch.device, progress, stop_after) -> dict[str, Any]:
@@ -146,8 +150,10 @@ def _train(run: _Run, config: TrainConfig, recipe: Recipe, ranks: distributed.Ra
                 break
             if state.step % config.checkpoint_every == 0 or state.step == config.steps:
                 save_run(Path(config.out_dir), config, run.model, run.optimizer, state, ranks)
+            # Every eval goes to the trial (the last one too: optuna-dashboard draws the whole curve).
+            pruned = run.trial is not None and "val_loss" in record and run.trial.should_stop(state.step, record["val_loss"])
             if state.step < config.steps:
-                reason = _stop_reason(config, started, stop_requested, stop_after, steps_this_call)
+                reason = _stop_reason(config, started, stop_requested, stop_after, steps_this_call, pruned)
                 if ranks.world > 1:
                     reason = _agreed_stop(ranks, reason, stop_requested)
                 if reason:
@@ -221,6 +227,7 @@ def _start(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device
         qk_clip=qk_clip, tau=tau, capture=capture, state=state,
         metrics=open_run_log(config, identity, out, state.step, MetricsLog(out / "metrics.jsonl", resume_step=state.step))
         if ranks.main else _Silent(),
+        trial=TrialReporter(config.optuna_trial) if config.optuna_trial and ranks.main else None,
     )
 
 
@@ -367,9 +374,11 @@ def _realign_low_rank(model: Llama) -> None:
             linear.realign_low_rank()
 
 
-def _stop_reason(config, started, stop_requested, stop_after, steps_this_call) -> str | None:
+def _stop_reason(config, started, stop_requested, stop_after, steps_this_call, pruned=False) -> str | None:
     if stop_requested:
         return "interrupted" if stop_requested[0] == "SIGINT" else "preempted"
+    if pruned:
+        return "pruned"
     if config.max_minutes is not None and time.monotonic() - started > 60 * config.max_minutes:
         return "time_limit"
     if stop_after is not None and steps_this_call >= stop_after:
@@ -378,8 +387,10 @@ def _stop_reason(config, started, stop_requested, stop_after, steps_this_call) -
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
-# What ranks agree on after each step, by precedence (the largest wins): a signal, the time limit, stop_after.
-_STOP_CODES = (None, "stopped", "time_limit", *(s.name for s in STOP_SIGNALS))
+# What ranks agree on after each step, by precedence (the largest wins): a signal, rank 0's pruner, the
+# time limit, stop_after.
+_SIGNAL_NAMES = tuple(s.name for s in STOP_SIGNALS)
+_STOP_CODES = (None, "stopped", "time_limit", "pruned", *_SIGNAL_NAMES)
 
 
 def _agreed_stop(ranks: distributed.Ranks, reason: str | None, stop_requested: list[str]) -> str | None:
@@ -387,7 +398,7 @@ def _agreed_stop(ranks: distributed.Ranks, reason: str | None, stop_requested: l
     one process first) or one rank's clock passing max_minutes stops all of them after the same step."""
     code = _STOP_CODES.index(stop_requested[0] if stop_requested else reason)
     agreed = _STOP_CODES[ranks.agree(code)]
-    if agreed in _STOP_CODES[3:]:
+    if agreed in _SIGNAL_NAMES:
         if not stop_requested:
             stop_requested.append(agreed)
         return "interrupted" if agreed == "SIGINT" else "preempted"

@@ -34,7 +34,10 @@ def complete(line: str, cwd: Path, env: dict[str, str]) -> list[str]:
 def installed(tmp_path_factory) -> dict[str, str]:
     home = tmp_path_factory.mktemp("home")
     env = {**os.environ, "HOME": str(home), "SHELL": "/bin/bash", "PATH": f"{FP4LAB.parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run([str(FP4LAB), "--install-completion", "bash"], env=env, capture_output=True, text=True, timeout=60)
+    # Typer finds the shell among the process's ancestors (shellingham), so the installer runs under bash
+    # itself, not exec'd by it (hence the `; exit`): under a runner whose ancestry has no shell it would find
+    # none ("Shell None is not supported").
+    done = subprocess.run(["bash", "-c", '"$0" --install-completion; exit $?', str(FP4LAB)], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "source" in (home / ".bashrc").read_text() and (home / ".bash_completions" / "fp4lab.sh").is_file()
     return env

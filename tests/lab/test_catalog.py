@@ -103,7 +103,7 @@ def test_round_trip_through_the_file(cat):
     assert stored["updated_at"] is not None
 
     data = load(cat.path)
-    assert data["schema_version"] == SCHEMA_VERSION == 2
+    assert data["schema_version"] == SCHEMA_VERSION == 3
     assert list(data["runs"]) == [FULL["id"]]
     again = Catalog(cat.path)  # a fresh reader
     assert again.get(FULL["id"]) == stored == data["runs"][FULL["id"]]
@@ -265,7 +265,8 @@ def test_existing_file_mode_is_kept(cat):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"schema_version": 3, "runs": {}}', "schema_version 3, newer than the 2 this fp4lab reads.*upgrade fp4lab"),
+        ('{"schema_version": 4, "runs": {}}', "schema_version 4, newer than the 3 this fp4lab reads.*upgrade fp4lab"),
+        ('{"schema_version": 2, "runs": {"a": {"id": "a", "state": "pruned"}}}', "record under 'a' is malformed"),
         ('{"schema_version": 1, "runs": {"a": {"id": "a", "st', "is not valid JSON"),
         ("", "is not valid JSON"),
         ("[]", "is not a sweep catalog"),
@@ -529,15 +530,29 @@ def test_threads_and_second_instances_in_one_process(cat, tmp_path):
     assert cat.get("shared")["attempts"] == 80
 
 
-def test_a_version_1_catalog_reads_with_the_new_fields_defaulted_and_is_written_back_as_version_2(tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_catalog_is_carried_over_without_loss_and_written_back_at_the_current_version(tmp_path, version):
     path = tmp_path / "sweep_catalog.json"
-    path.write_text('{"schema_version": 1, "runs": {"a": {"id": "a", "sweep": "s1", "state": "completed"}}}\n')
+    older = {"id": "a", "sweep": "s1", "state": "interrupted", "summary": {"final_val_loss": 2.5}, "extra": {"trial": 3}}
+    if version == 2:
+        older |= {"sweeps": ["s1", "s0"], "owner": None, "error": None}
+    path.write_text(json.dumps({"schema_version": version, "runs": {"a": older}}) + "\n")
     cat = Catalog(path)
     record = cat.get("a")
-    assert (record["sweeps"], record["owner"], record["error"]) == ([], None, None)
+    assert record["sweeps"] == ([] if version == 1 else ["s1", "s0"]) and (record["owner"], record["error"]) == (None, None)
+    assert (record["state"], record["summary"], record["extra"]) == ("interrupted", {"final_val_loss": 2.5}, {"trial": 3})
     assert [r["id"] for r in cat.records(sweep="s1")] == ["a"]
-    cat.update("a", sweeps=["s1", "s2"])
-    assert json.loads(path.read_text())["schema_version"] == 2
+    cat.update("a", state="pruned")  # the state version 3 added, on a carried-over record
+    written = json.loads(path.read_text())
+    assert written["schema_version"] == SCHEMA_VERSION == 3
+    assert written["runs"]["a"]["state"] == "pruned" and written["runs"]["a"]["summary"] == {"final_val_loss": 2.5}
+    assert Catalog(path).get("a")["extra"] == {"trial": 3}
+
+
+def test_every_older_version_has_a_migration_step():
+    from fp4lab.lab.records.catalog import MIGRATIONS, STATES_OF_VERSION
+
+    assert sorted(MIGRATIONS) == sorted(STATES_OF_VERSION) == list(range(1, SCHEMA_VERSION))
 
 
 def test_a_run_shared_by_sweeps_is_selected_for_each_as_a_run_of_that_sweep(tmp_path):

@@ -136,3 +136,23 @@ def test_extra_options_reach_slurm_and_a_chained_sweep_waits_for_the_first(cli, 
     subprocess.run(["scancel", first["slurm_job_id"]], check=True)
     done = wait_for(catalog, lambda rs: all(r["state"] == "completed" for r in rs if "second" in r["sweeps"] + [r["sweep"]]))
     assert sum(r["sweep"] == "second" for r in done) == 2
+
+
+def test_optuna_trials_in_slurm_jobs_ask_the_pruner_through_the_journal(cli, tmp_path):  # noqa: F811
+    import optuna
+
+    spec = OPTUNA_SPEC.replace('objective = "final_val_loss"', 'objective = "final_val_loss"\npruner = { type = "median", n_startup_trials = 1 }')
+    (tmp_path / "opt.toml").write_text(spec + SLURM)
+    from tests.lab.test_sweep import _study
+
+    # A finished trial whose loss no run reaches: each job's trial falls behind its median at the first eval.
+    study = _study(tmp_path)
+    space = {"lr": optuna.distributions.FloatDistribution(0.005, 0.05, log=True), "ns_steps": optuna.distributions.IntDistribution(3, 6)}
+    study.add_trial(optuna.trial.create_trial(params={"lr": 0.01, "ns_steps": 4}, distributions=space, value=0.0,
+                                              intermediate_values={3: 0.0, 6: 0.0}))
+    out = cli("sweep", "opt.toml", "--executor", "slurm")
+    assert out.returncode == 0, out.stderr
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    records = wait_for(catalog, lambda rs: len(rs) == 2 and all(r["state"] == "pruned" for r in rs))
+    assert all(r["executor"] == "slurm" and r["slurm_job_id"] and r["summary"]["steps_completed"] == 3 for r in records)
+    assert sorted(t.state.name for t in _study(tmp_path).get_trials()) == ["COMPLETE", "PRUNED", "PRUNED"]

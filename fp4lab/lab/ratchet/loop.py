@@ -72,9 +72,10 @@ from fp4lab.lab.runs.sbatch import config_toml
 from fp4lab.lab.specs.program import Program, metric_from_output
 from fp4lab.lab.specs.sweep_spec import RunSpec
 from fp4lab.train.atomic import write_atomic
-from fp4lab.train.config import summary_value, toml_text
+from fp4lab.train.config import ENDED_STATUSES, summary_value, toml_text
 
 PARAMS_FILE = "ratchet.toml"
+PRUNED = "pruned"  # a run's summary status, an iteration's verdict and decision when the pruner stopped it
 TSV_COLUMNS = ("iteration", "commit", "metric", "best", "status", "healthy", "source", "fingerprint", "description")
 
 
@@ -90,6 +91,7 @@ class Outcome:
     healthy: bool
     verdicts: list[str]
     note: str = ""
+    pruned: bool = False  # the first seed's run was stopped by the optuna proposer's pruner
 
     @property
     def metric(self) -> float | None:
@@ -258,6 +260,8 @@ class Ratchet:
             healthy = healthy and ok
             if note:
                 notes.append(note)
+            if verdict == PRUNED:  # the trial is over: its other seeds are not run
+                return Outcome(values, False, verdicts, note, pruned=True)
         return Outcome(values, healthy and all(v is not None for v in values), verdicts, "; ".join(notes))
 
     def _decide(self, number: int, proposal: Proposal | None, outcome: Outcome, tree: Path) -> None:
@@ -277,6 +281,8 @@ class Ratchet:
         if number == 0:
             healthy = outcome.healthy
             return ("baseline" if healthy else "crash"), {"reason": "the unchanged tree" if healthy else f"baseline unhealthy: {_verdicts(outcome)}"}
+        if outcome.pruned:
+            return PRUNED, {"reason": outcome.note}
         if not outcome.healthy or outcome.metric is None:
             return "crash", {"reason": f"unhealthy: {_verdicts(outcome)}"}
         if best is None:
@@ -337,7 +343,7 @@ class Ratchet:
         if record is not None:
             fields |= {k: v for k, v in record.items() if k not in fields}
         record_id = self._record_id(number)
-        state = "completed" if decision in ("keep", "discard", "baseline", "stale") else "failed"
+        state = "completed" if decision in ("keep", "discard", "baseline", "stale") else PRUNED if decision == PRUNED else "failed"
         if self.catalog.get(record_id) is None:
             self.catalog.upsert({"id": record_id, "sweep": self.sweep, "state": state, "finished_at": utc_now(),
                                  "executor": self.executor, "extra": fields})
@@ -346,7 +352,7 @@ class Ratchet:
                                 verdict=outcome.verdicts[0] if outcome.verdicts else None, extra=fields)
         self._complete(number)
         if proposal is not None and self._proposer is not None:
-            self._proposer.observe(proposal, outcome.metric, outcome.healthy)
+            self._proposer.observe(proposal, outcome.metric, outcome.healthy, pruned=decision == PRUNED)
         self.on_event("decided", self.catalog.get(record_id))
 
     def _complete(self, number: int) -> None:
@@ -440,6 +446,12 @@ class Ratchet:
         if run.minutes is not None:
             config["max_minutes"] = run.minutes
         config["out_dir"] = str(self.state_dir / "runs" / f"iter-{number:04d}-s{seed_index}")
+        trial = ((self._record(number) or {}).get("extra", {}).get("proposal") or {}).get("trial")
+        if trial is not None and seed_index == 0 and self.proposer_name == "optuna":
+            # The first seed's run reports its validation losses to the trial; the pruner may stop it.
+            config["optuna_trial"] = {"storage": str(self.proposer().study_path.resolve()),
+                                      "study": self.proposer().study.study_name, "trial": trial,
+                                      "pruner": self.program.pruner}
         return config
 
     def _run_once(self, number: int, seed_index: int, tree: Path) -> tuple[float | None, str, bool, str]:
@@ -459,7 +471,7 @@ class Ratchet:
         config_path.write_text(config_toml(run))
         summary_path = out / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-        if summary is None or summary.get("status") not in ("completed", "diverged"):
+        if summary is None or summary.get("status") not in ENDED_STATUSES:
             # The worktree's own fp4lab runs (cwd and PYTHONPATH), so a diff to its code takes effect.
             pythonpath = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
             minutes = self.program.run.minutes
@@ -470,6 +482,10 @@ class Ratchet:
             if returncode != 0 or not summary_path.exists():
                 return None, "crashed", False, f"training exited with {returncode} (log {command.log})"
             summary = json.loads(summary_path.read_text())
+        if summary.get("status") == PRUNED:
+            value = summary_value(summary, self.program.metric)
+            return (value if isinstance(value, (int, float)) and math.isfinite(value) else None, PRUNED, False,
+                    f"pruned after {summary.get('steps_completed')} steps by the {self.program.pruner['type']} pruner")
         health = self.program.health
         overrides = {k: v for k, v in (("entropy_floor", health.entropy_floor), ("max_logit_tau", health.max_logit)) if v is not None}
         result = scan(out, ScanThresholds().with_overrides(overrides), running=False)
@@ -579,7 +595,8 @@ class Ratchet:
                 self._complete(extra["iteration"])
                 trial = (extra.get("proposal") or {}).get("trial")
                 if trial is not None:  # the tell may not have happened
-                    self.proposer().observe_again(trial, extra.get("metric"), bool(extra.get("healthy")))
+                    self.proposer().observe_again(trial, extra.get("metric"), bool(extra.get("healthy")),
+                                                  pruned=extra["decision"] == PRUNED)
         running = [r["extra"] for r in self._records() if r["extra"].get("phase") == "running"]
         name = f"iter-{running[0]['iteration']:04d}.interrupted.patch" if running else "stray-before-start.patch"
         repo.save_and_reset(self.worktree, self.state_dir / "patches" / name)

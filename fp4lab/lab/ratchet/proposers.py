@@ -276,12 +276,12 @@ class Proposer(Protocol):
 
     def propose(self, context: Context) -> Proposal: ...
 
-    def observe(self, proposal: Proposal, value: float | None, healthy: bool) -> None: ...
+    def observe(self, proposal: Proposal, value: float | None, healthy: bool, pruned: bool = False) -> None: ...
 
     def unrecorded(self, recorded_trials: set[int]) -> Proposal | None:
         """A proposal made before a crash that no iteration records (to run now), if any."""
 
-    def observe_again(self, trial: int, value: float | None, healthy: bool) -> None:
+    def observe_again(self, trial: int, value: float | None, healthy: bool, pruned: bool = False) -> None:
         """Repeat the outcome of an iteration whose telling a crash may have cut off (idempotent)."""
 
 
@@ -291,10 +291,10 @@ class StatelessProposer:
     def unrecorded(self, recorded_trials: set[int]) -> Proposal | None:
         return None
 
-    def observe_again(self, trial: int, value: float | None, healthy: bool) -> None:
+    def observe_again(self, trial: int, value: float | None, healthy: bool, pruned: bool = False) -> None:
         pass
 
-    def observe(self, proposal: Proposal, value: float | None, healthy: bool) -> None:
+    def observe(self, proposal: Proposal, value: float | None, healthy: bool, pruned: bool = False) -> None:
         """Nothing to learn here: the history reaches the proposer through the context."""
 
 
@@ -305,8 +305,9 @@ class OptunaProposer:
         if not program.search_space:
             raise ValueError(f"{program.path}: the optuna proposer needs a [search_space]; "
                              "add one or use another proposer")
-        self.program, self.seed = program, seed
-        self.study = search_space.open_study(study_name, storage_path, direction=program.direction, seed=seed)
+        self.program, self.seed, self.study_path = program, seed, Path(storage_path)
+        self.study = search_space.open_study(study_name, storage_path, direction=program.direction, seed=seed,
+                                             pruner=program.pruner)
 
     def propose(self, context: Context) -> Proposal:
         # A fresh process would replay the seeded sampler from its first draw and propose the same
@@ -316,23 +317,26 @@ class OptunaProposer:
         params = search_space.suggest(trial, self.program.search_space)
         return self._proposal(trial.number, params)
 
-    def observe(self, proposal: Proposal, value: float | None, healthy: bool) -> None:
+    def observe(self, proposal: Proposal, value: float | None, healthy: bool, pruned: bool = False) -> None:
         if proposal.trial is not None:
-            self.tell_trial(proposal.trial, value, healthy)
+            self.tell_trial(proposal.trial, value, healthy, pruned)
 
     def unrecorded(self, recorded_trials: set[int]) -> Proposal | None:
         orphan = self.pending_trial(in_flight=recorded_trials)
         return None if orphan is None else self.resume_trial(orphan)
 
-    def observe_again(self, trial: int, value: float | None, healthy: bool) -> None:
-        self.tell_trial(trial, value, healthy)
+    def observe_again(self, trial: int, value: float | None, healthy: bool, pruned: bool = False) -> None:
+        self.tell_trial(trial, value, healthy, pruned)
 
-    def tell_trial(self, number: int, value: float | None, healthy: bool) -> None:
-        """Complete trial `number` with `value`, or fail it (unhealthy, crashed, NaN). Telling a finished
-        trial again is a no-op, so a resumed loop may repeat its last tell."""
+    def tell_trial(self, number: int, value: float | None, healthy: bool, pruned: bool = False) -> None:
+        """Complete trial `number` with `value`, prune it (its run stopped by the pruner), or fail it
+        (unhealthy, crashed, NaN). Telling a finished trial again is a no-op, so a resumed loop may
+        repeat its last tell."""
         from optuna.trial import TrialState
 
-        if healthy and value is not None and math.isfinite(value):
+        if pruned:
+            self.study.tell(number, state=TrialState.PRUNED, skip_if_finished=True)
+        elif healthy and value is not None and math.isfinite(value):
             self.study.tell(number, value, skip_if_finished=True)
         else:
             self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)

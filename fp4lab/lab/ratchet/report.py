@@ -29,6 +29,7 @@ HEADERS = {
 SHOWN = ("iteration", "decision", "metric", "compared_with", "gain", "gate", "excess_pct", "kept_commit", "proposal", "reason")
 DECISION_STYLES = {
     "baseline": "blue", "keep": "green", "discard": "grey50", "crash": "red", "invalid": "red", "duplicate": "yellow",
+    "pruned": "magenta",
 }  # fmt: skip
 
 
@@ -115,7 +116,9 @@ def _ratchet_rows(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
         metric = finite_number(e.get("metric"))
         if e.get("decision") in ("baseline", "keep") and metric is not None:
             best = metric  # the ratchet keeps only strict improvements: the latest kept metric is the frontier
-        excess = sign * 100.0 * (metric - base) / abs(base) + 0.0 if metric is not None and base else None
+        # a pruned iteration's metric is from the step it stopped at: no excess against a full-length run
+        comparable = metric is not None and base and e.get("decision") != "pruned"
+        excess = sign * 100.0 * (metric - base) / abs(base) + 0.0 if comparable else None
         rows.append({
             "iteration": e.get("iteration"), "decision": e.get("decision") or e.get("phase") or "",
             "metric": metric, "compared_with": finite_number(e.get("compared_with")), "gain": finite_number(e.get("gain")),
@@ -187,6 +190,10 @@ def _ratchet_png(rows: list[dict[str, Any]], tag: str, metric_name: str) -> byte
         if unmeasured:  # no metric: a red x at the bottom of the axes (x in data, y in axes coordinates)
             ax.scatter(unmeasured, [0.03] * len(unmeasured), color="red", marker="x", zorder=3, clip_on=False,
                        transform=ax.get_xaxis_transform(), label="crash / invalid (no metric)")  # fmt: skip
+        pruned = [r["iteration"] for r in points if r["decision"] == "pruned"]
+        if pruned:  # stopped early: its metric is from an earlier step than the others', so not on the scale
+            ax.scatter(pruned, [0.03] * len(pruned), color="tab:purple", marker="v", zorder=3, clip_on=False,
+                       transform=ax.get_xaxis_transform(), label="pruned (stopped early)")  # fmt: skip
         frontier = [(r["iteration"], r["best_so_far"]) for r in points if r["best_so_far"] is not None]
         if frontier:
             ax.step(*zip(*frontier), where="post", color="tab:green", linewidth=1.2, label="best so far (mean over seeds)")

@@ -10,8 +10,8 @@ makes every write a locked read-modify-write that replaces the file atomically:
    `flush` + `fsync` it, `os.replace` it over the catalog, and `fsync` the directory;
 5. release the lock.
 
-The file is `{"schema_version": 2, "runs": {id: record, ...}}` (version 1 files, without `sweeps`,
-`owner` and `error`, are read with defaults), strict JSON (non-finite numbers are
+The file is `{"schema_version": 3, "runs": {id: record, ...}}` (older files are carried over on
+reading: `MIGRATIONS`), strict JSON (non-finite numbers are
 stored as null), one run per line so `grep` and `diff` work on it. Runs keep their insertion order.
 
 A reader (`get`, `records`) takes no lock: `os.replace` swaps the name from the old complete file to
@@ -71,26 +71,30 @@ from typing import Any, Literal, TypedDict
 
 from fp4lab.train.atomic import TEMP_SUFFIX, replace_atomically, temp_prefix
 
-SCHEMA_VERSION = 2
-"""Version of the file layout this module reads and writes. Bump it (and add a migration) whenever a
-field changes meaning; readers refuse files with a newer version instead of silently dropping fields.
-Version 2 added the fields `sweeps`, `owner` and `error` and the state `interrupted`; a version 1 file
-reads as is (the new fields take their defaults) and is written back as version 2."""
+SCHEMA_VERSION = 3
+"""Version of the file layout this module reads and writes. Bump it (and add a migration to MIGRATIONS)
+whenever a field or state is added or changes meaning; readers refuse files with a newer version instead
+of silently dropping fields or failing on a state they do not know. Version 2 added the fields `sweeps`,
+`owner` and `error` and the state `interrupted`; version 3 the state `pruned`. An older file is carried
+over record by record on reading and written back at this version by the next write."""
 
-STATES = ("pending", "submitted", "running", "completed", "failed", "cancelled", "timeout", "preempted", "interrupted")
+STATES = ("pending", "submitted", "running", "completed", "pruned", "failed", "cancelled", "timeout", "preempted",
+          "interrupted")
 """Run states, in lifecycle order. `pending`: recorded, not yet handed to an executor; `submitted`: handed
 to Slurm or the local executor, not started; `running`: the trainer has started; `completed`: finished its
-steps (it may still have diverged: see `verdict`); `failed`: crashed or exited non-zero (see `error`);
+steps (it may still have diverged: see `verdict`); `pruned`: an Optuna trial its pruner stopped early (ended
+as designed: never retried); `failed`: crashed or exited non-zero (see `error`);
 `cancelled`: cancelled by a user or `scancel`; `timeout`: hit its wall-clock limit; `preempted`: stopped by
 preemption (and possibly requeued: see `requeues`); `interrupted`: stopped by Ctrl-C (SIGINT) after a
 checkpoint, resumed by the next `fp4lab sweep`."""
 
-TERMINAL_STATES = frozenset({"completed", "failed", "cancelled", "timeout", "preempted", "interrupted"})
+TERMINAL_STATES = frozenset({"completed", "pruned", "failed", "cancelled", "timeout", "preempted", "interrupted"})
 IN_FLIGHT_STATES = frozenset({"submitted", "running"})
 FAILED_STATES = frozenset({"failed", "cancelled", "timeout"})  # ended without a result: a re-run skips them unless asked
 EXECUTORS = ("local", "slurm")
 
-RunState = Literal["pending", "submitted", "running", "completed", "failed", "cancelled", "timeout", "preempted", "interrupted"]
+RunState = Literal["pending", "submitted", "running", "completed", "pruned", "failed", "cancelled", "timeout", "preempted",
+                   "interrupted"]
 
 
 class Summary(TypedDict, total=False):
@@ -430,18 +434,34 @@ def _parse(path: Path, text: str) -> dict[str, dict[str, Any]]:
     runs = data["runs"]
     if not isinstance(runs, dict):
         raise CatalogFormatError(f"catalog {path}: 'runs' must be an object keyed by run id. {_fix_hint(path)}")
+    states = STATES_OF_VERSION.get(version, STATES)
     for run_id, record in runs.items():
-        if not isinstance(record, dict) or record.get("id") != run_id or record.get("state") not in STATES:
+        if not isinstance(record, dict) or record.get("id") != run_id or record.get("state") not in states:
             raise CatalogFormatError(
                 f"catalog {path}: the record under {run_id!r} is malformed (it must be an object whose 'id' is "
-                f"{run_id!r} and whose 'state' is one of {', '.join(STATES)}). {_fix_hint(path)}"
+                f"{run_id!r} and whose 'state' is one of {', '.join(states)}). {_fix_hint(path)}"
             )
-        for field, default in _ADDED_IN_VERSION_2.items():  # an older file: the new fields' defaults
-            record.setdefault(field, copy.copy(default))
+        for step in range(version, SCHEMA_VERSION):
+            MIGRATIONS[step](record)
     return runs
 
 
-_ADDED_IN_VERSION_2 = {"sweeps": [], "owner": None, "error": None}
+def _version_1_to_2(record: dict[str, Any]) -> None:
+    """Version 2 added `sweeps`, `owner` and `error`: a record from before has their defaults."""
+    for field, default in {"sweeps": [], "owner": None, "error": None}.items():
+        record.setdefault(field, copy.copy(default))
+
+
+def _version_2_to_3(record: dict[str, Any]) -> None:
+    """Version 3 added the state `pruned`: a record from before keeps its state; an Optuna trial that
+    version 2 told FAIL was never stopped by a pruner (version 2 had none), so nothing becomes pruned."""
+
+
+# MIGRATIONS[v] carries a record of version v over to version v + 1, in place.
+MIGRATIONS = {1: _version_1_to_2, 2: _version_2_to_3}
+# The states a file of an older version may hold (a `pruned` record in a version 2 file was not written
+# by fp4lab).
+STATES_OF_VERSION = dict.fromkeys((1, 2), tuple(state for state in STATES if state != "pruned"))
 
 
 def _read(path: Path) -> dict[str, dict[str, Any]]:

@@ -435,10 +435,13 @@ def _excess_cells(ended: list[dict[str, Any]], baselines: list[dict[str, Any]]) 
 
 
 def _scan_cells(members: list[dict[str, Any]]) -> dict[str, str]:
-    """What the log scanner said of a group's runs: each verdict with its count, and the earliest event."""
+    """What the log scanner said of a group's runs: each verdict with its count (a pruned trial's as
+    "pruned", or "pruned, <verdict>" where the scanner found a problem before), and the earliest event."""
     verdict_counts: dict[str, int] = {}
     for r in members:
         v = r.get("verdict") or r.get("state") or "?"
+        if r.get("state") == "pruned":
+            v = "pruned" if v in ("converged", "pruned") else f"pruned, {v}"
         verdict_counts[v] = verdict_counts.get(v, 0) + 1
     bad = []
     for r in members:

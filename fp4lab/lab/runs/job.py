@@ -47,6 +47,7 @@ from fp4lab.train.jsonl import read_metrics_file
 STATE_OF_STATUS = {
     "completed": "completed",
     "diverged": "completed",  # the run ended as designed; the verdict says it diverged
+    "pruned": "pruned",  # its Optuna trial's pruner stopped it: ended as designed, never retried
     "time_limit": "timeout",
     "preempted": "preempted",
     "stopped": "preempted",

@@ -102,11 +102,12 @@ def register_runs(plan: SweepPlan, catalog: Catalog, executor: str) -> None:
 
 # Why a run is not started again (needed_runs), by state; "in flight" needs a live owner, a Slurm job
 # or a trainer holding the run folder.
-SKIP_REASONS = {"completed": "done", **dict.fromkeys(FAILED_STATES, "failed"), "in flight": "in flight"}
+SKIP_REASONS = {"completed": "done", "pruned": "pruned", **dict.fromkeys(FAILED_STATES, "failed"), "in flight": "in flight"}
 
 
 def needed_runs(plan: SweepPlan, catalog: Catalog, *, retry_failed: bool) -> tuple[list[RunSpec], dict[str, list[RunSpec]]]:
-    """(to run, skipped by reason). Completed runs are skipped ("done"); failed, cancelled and timed-out
+    """(to run, skipped by reason). Completed runs are skipped ("done"), as are Optuna trials their pruner
+    stopped ("pruned"); failed, cancelled and timed-out
     ones ("failed") only run again with `retry_failed`; runs another live process or a Slurm job is
     driving, or whose folder a trainer holds, are left to it ("in flight"). Interrupted and preempted runs, and runs whose local owner
     died, resume from their checkpoint."""

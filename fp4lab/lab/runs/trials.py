@@ -11,7 +11,10 @@ filesystem, open at once; Optuna's journal lock keeps concurrent ask/tell consis
 3. the trial's parameters become a run like any grid run (`make_run`: same id rule, config written to
    jobs/<sweep>/<id>.toml, one catalog record with `extra.trial`), trained by `train_recorded`, which
    resumes from the run's checkpoint when there is one; a run already completed is not trained again;
-4. the objective (a summary.json key, [optuna].objective) is told; a run that failed, diverged or has
+4. while it trains, the run reports its validation loss to the trial at each eval (its config's
+   `optuna_trial`) and stops when [optuna].pruner says so (fp4lab.train.pruning): recorded `pruned`,
+   told PRUNED;
+5. the objective (a summary.json key, [optuna].objective) is told; a run that failed, diverged or has
    no finite objective is told FAIL; a run stopped by a signal is told nothing (it resumes later).
 
 `fp4lab trial SPEC` does one trial; `fp4lab sweep` runs `n_trials` of them locally (`--workers` at a
@@ -39,7 +42,7 @@ from fp4lab.train.config import summary_value
 def open_study(spec: SweepSpec, jobs_dir: str | Path, slot: int = 0):
     """The sweep's study, with this job's sampler (seeded by the spec's seed and the job's slot)."""
     return search_space.open_study(spec.name, spec.optuna_storage(jobs_dir), direction=spec.optuna.direction,
-                                   seed=spec.seed, offset=slot)
+                                   seed=spec.seed, offset=slot, pruner=spec.optuna.pruner)
 
 
 def trial_counts(spec: SweepSpec, jobs_dir: str | Path) -> dict[str, int]:
@@ -84,6 +87,8 @@ def run_trial(spec_path: str | Path, *, jobs_dir: str | Path, catalog_path: str 
     except SpecError:
         study.tell(number, state=TrialState.FAIL)
         raise
+    run.config["optuna_trial"] = {"storage": spec.optuna_storage(jobs_dir), "study": spec.name, "trial": number,
+                                  "pruner": spec.optuna.pruner}
     catalog = Catalog(catalog_path)
     sweep_dir = spec.sweep_dir(jobs_dir)
     config_path = sweep_dir / f"{run.id}.toml"
@@ -96,13 +101,15 @@ def run_trial(spec_path: str | Path, *, jobs_dir: str | Path, catalog_path: str 
                        "git_commit": commit, "git_dirty": dirty, "executor": executor,
                        "paths": {"run_dir": catalog.relative(run.config["out_dir"])},
                        "extra": {"name": run.name, "params": run.params, "trial": number}})
-    if catalog.get(run.id)["state"] != "completed":
+    if catalog.get(run.id)["state"] not in ("completed", "pruned"):
         train_recorded(config_path, catalog, progress=False)
     record = catalog.get(run.id)
     if record["state"] in ("preempted", "running"):
         return record  # stopped by a signal: the trial stays RUNNING and resumes with its job
     value = _objective(run.config["out_dir"], spec.optuna.objective)
-    if record["state"] == "completed" and not str(record["verdict"]).startswith("diverged") and value is not None:
+    if record["state"] == "pruned":
+        study.tell(number, state=TrialState.PRUNED)  # Optuna keeps its last reported value
+    elif record["state"] == "completed" and not str(record["verdict"]).startswith("diverged") and value is not None:
         study.tell(number, value)
     else:
         study.tell(number, state=TrialState.FAIL)

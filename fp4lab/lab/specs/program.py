@@ -21,6 +21,8 @@ header; everything outside it is the goal, handed to proposers verbatim. A fence
     [stop]                    # iterations, target, plateau
     [noise]                   # seeds, rule = "sigma"|"paired", k, confidence
     [slurm]                   # as in a sweep spec: where --executor slurm runs each experiment
+    pruner = "median"         # the optuna proposer's early stopping (fp4lab.train.pruning), kind "fp4lab"
+                              #   with a validation-loss metric only; default "none"
 
 Edit patterns are relative to the repo root: `*` and `?` match within one path component and `**`
 across components (`fp4lab/**/*.py`). A path that is absolute, has an empty, `.` or `..` component, or
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from fp4lab.lab.records.logscan import VERDICTS
+from fp4lab.train.pruning import pruner_settings, pruning_problem
 from fp4lab.lab.specs.search_space import SearchParam, probe_values, search_param
 from fp4lab.lab.specs.sweep_spec import SlurmSpec, slurm_table
 from fp4lab.train.config import ConfigError, DataConfig, TrainConfig
@@ -72,7 +75,7 @@ FP4LAB_METRICS = {
 }
 KINDS = ("fp4lab", "command")
 DIRECTIONS = ("minimize", "maximize")
-TOP_KEYS = ("metric", "direction", "run", "health", "edit", "search_space", "stop", "noise", "slurm")
+TOP_KEYS = ("metric", "direction", "run", "health", "edit", "search_space", "stop", "noise", "slurm", "pruner")
 # The per-run budget is [run].steps / [run].minutes, so that every run gets the same one.
 BUDGET_FIELDS = {"steps": "[run].steps", "max_minutes": "[run].minutes"}
 # Searching over these would compare runs that measure different things (another seed is noise,
@@ -140,6 +143,7 @@ class Program:
     noise: NoiseGate
     header: dict[str, Any]
     slurm: SlurmSpec = SlurmSpec()  # where `fp4lab ratchet --executor slurm` runs each experiment
+    pruner: dict[str, Any] = dataclasses.field(default_factory=lambda: {"type": "none"})  # the optuna proposer's
 
     def improvement(self, new: float, old: float) -> float:
         """How much better `new` is than `old`: positive = better, in metric units."""
@@ -193,9 +197,14 @@ def parse_program(text: str, path: str | Path = "program.md") -> Program:
     stop = checked_table(StopRules, header.get("stop", {}), "[stop]", fail)
     noise = _noise(header.get("noise", {}), fail)
     slurm = _slurm(header.get("slurm", {}), fail)
+    pruner = pruner_settings(header.get("pruner", "none"), "pruner", fail)
+    if pruner["type"] != "none":
+        problem = pruning_problem(metric if run.kind == "fp4lab" else None, direction)
+        if problem:
+            raise fail("pruner", problem + " (or leave pruner out)")
     return Program(path=path, goal=goal, metric=metric, direction=direction, run=run, health=health,
                    edit_files=edit_files, search_space=search_space, stop=stop, noise=noise, header=header,
-                   slurm=slurm)
+                   slurm=slurm, pruner=pruner)
 
 
 def metric_from_output(text: str, regex: str) -> float | None:

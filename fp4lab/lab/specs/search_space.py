@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fp4lab.train.pruning import make_pruner
 from fp4lab.validation import Rule, boolean, checked_table, choice, entry, is_int, number
 
 TYPES = ("float", "int", "categorical")
@@ -108,9 +109,11 @@ def sampler(seed: int, offset: int = 0):
     return optuna.samplers.TPESampler(seed=seed * SEED_STRIDE + offset)
 
 
-def open_study(name: str, journal: str | Path, *, direction: str, seed: int, offset: int = 0):
+def open_study(name: str, journal: str | Path, *, direction: str, seed: int, offset: int = 0,
+               pruner: dict[str, Any] | None = None):
     """The study `name` in an Optuna journal file (created if new), which processes on many machines
-    sharing a filesystem open at once; Optuna's journal lock keeps their ask/tell consistent."""
+    sharing a filesystem open at once; Optuna's journal lock keeps their ask/tell consistent. `pruner`:
+    full settings (fp4lab.train.pruning.pruner_settings); None never prunes."""
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
@@ -118,7 +121,8 @@ def open_study(name: str, journal: str | Path, *, direction: str, seed: int, off
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     Path(journal).parent.mkdir(parents=True, exist_ok=True)
     return optuna.create_study(study_name=name, storage=JournalStorage(JournalFileBackend(str(journal))),
-                               sampler=sampler(seed, offset), direction=direction, load_if_exists=True)
+                               sampler=sampler(seed, offset), direction=direction, load_if_exists=True,
+                               pruner=make_pruner(pruner or {"type": "none"}))
 
 
 def _index(choices: list[Any], value: Any) -> int | None:

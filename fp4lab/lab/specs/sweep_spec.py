@@ -38,6 +38,7 @@ from fp4lab.train.config import (
     DataConfig,
     TrainConfig,
 )
+from fp4lab.train.pruning import PRUNER_WANTS, pruner_settings, pruning_problem
 from fp4lab.validation import (
     Rule,
     checked_table,
@@ -127,6 +128,8 @@ class OptunaSpec:
     search_space: dict[str, SearchParam] = entry(table_of(wants=SEARCH_SPACE_WANTS))
     storage: str | None = entry(string(wants="a journal file path (default jobs/<sweep>/optuna.journal)",
                                        holds=lambda path: bool(path) and path.isprintable()), None)
+    # Early stopping (fp4lab.train.pruning): a name or a table as written; _optuna stores its full settings.
+    pruner: Any = entry(Rule(PRUNER_WANTS, lambda value: isinstance(value, (str, dict))), "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,6 +328,9 @@ def _optuna(table: dict[str, Any], method: str, axes: dict[str, list[Any]], base
     if isinstance(optuna, dict) and optuna.get("objective") in RENAMED_SUMMARY_KEYS:  # a spec written before the rename
         optuna = {**optuna, "objective": RENAMED_SUMMARY_KEYS[optuna["objective"]]}
     spec = checked_table(OptunaSpec, optuna, "optuna", fail)
+    spec = dataclasses.replace(spec, pruner=pruner_settings(spec.pruner, "optuna.pruner", fail))
+    if spec.pruner["type"] != "none" and (problem := pruning_problem(spec.objective, spec.direction)):
+        raise fail("optuna.pruner", problem + " (or pruner = \"none\")")
     if not spec.search_space:
         raise fail("optuna.search_space", f"must be {SEARCH_SPACE_WANTS}")
     train_fields, data_fields = _train_fields()
