@@ -154,24 +154,30 @@ def test_a_run_reports_each_eval_and_stops_cleanly_when_its_pruner_says(tmp_path
 
 
 def test_a_run_its_pruner_keeps_trains_to_the_end_and_reports_every_eval_once_across_a_resume(tmp_path, one_thread):
-    median = {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 0, "interval_steps": 1}
-    study, number = _study_with_a_finished_trial(tmp_path / "j.journal", "s", 1e9, pruner=median)
-    link = {"storage": str(tmp_path / "j.journal"), "study": "s", "trial": number, "pruner": median}
+    import shutil
+    import warnings
+
     from fp4lab.train.config import TrainConfig
     from fp4lab.train.loop import run
 
+    median = {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 0, "interval_steps": 1}
+    study, number = _study_with_a_finished_trial(tmp_path / "j.journal", "s", 1e9, pruner=median)
+    link = {"storage": str(tmp_path / "j.journal"), "study": "s", "trial": number, "pruner": median}
     config = TrainConfig(**(RUN | {"out_dir": str(tmp_path / "run"), "optuna_trial": link}))
-    assert run(config, progress=False, stop_after=4)["status"] == "stopped"  # after step 3's eval was reported
-    import warnings
-
+    assert run(config, progress=False, stop_after=4)["status"] == "stopped"  # step 3's eval reported, checkpoint at 4
+    shutil.copytree(tmp_path / "run", tmp_path / "at-4")
+    run(config, progress=False, stop_after=3)  # step 6's eval reported; then, as if killed before checkpointing
+    first_report = study.get_trials()[number].intermediate_values[6]
+    shutil.rmtree(tmp_path / "run")
+    shutil.move(tmp_path / "at-4", tmp_path / "run")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        assert run(config, progress=False)["status"] == "completed"
+        assert run(config, progress=False)["status"] == "completed"  # replays steps 4-5 and evaluates step 6 again
     assert not [w for w in said if "already reported" in str(w.message)]  # Optuna's warning on a second report
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = {m["step"] + 1: m["val_loss"] for m in metrics if "val_loss" in m}
     [trial] = [t for t in study.get_trials() if t.number == number]
-    assert trial.intermediate_values == evals and sorted(evals) == [3, 6, 9]
+    assert trial.intermediate_values == evals and sorted(evals) == [3, 6, 9] and evals[6] == first_report
 
 
 def test_a_run_whose_trial_is_gone_or_finished_says_so_and_trains_to_the_end(tmp_path, one_thread, capfd):

@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from fp4lab.lab.records.logscan import VERDICTS
-from fp4lab.train.pruning import pruner_settings, pruning_problem
 from fp4lab.lab.specs.search_space import SearchParam, probe_values, search_param
 from fp4lab.lab.specs.sweep_spec import SlurmSpec, slurm_table
 from fp4lab.train.config import ConfigError, DataConfig, TrainConfig
+from fp4lab.train.pruning import pruner_settings, pruning_problem
 from fp4lab.validation import (
     boolean,
     checked_table,
