@@ -71,9 +71,20 @@ class PlainLlama(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def anchor_step(config: ModelConfig, device: torch.device, *, compile: bool, lr: float = 3e-4):
-    """A step function `step(tokens, targets) -> (loss, grad_norm)` of the plain loop."""
+# torchao's float8 training of the same loop, the peer of fp4lab's fp8 recipes: the name's torchao recipe
+# (Float8LinearConfig.from_recipe_name) on every linear of the blocks; the head stays bf16, as fp4lab's.
+TORCHAO_FLOAT8 = {"torchao-float8": "tensorwise", "torchao-float8-rowwise": "rowwise"}
+
+
+def anchor_step(config: ModelConfig, device: torch.device, *, compile: bool, lr: float = 3e-4, float8: str | None = None):
+    """A step function `step(tokens, targets) -> (loss, grad_norm)` of the plain loop; `float8`, a
+    TORCHAO_FLOAT8 name: its linears converted to torchao's float8 training."""
     model = PlainLlama(config).to(device)
+    if float8 is not None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(TORCHAO_FLOAT8[float8]),
+                                   module_filter_fn=lambda module, fqn: fqn != "head")
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=fused)
 

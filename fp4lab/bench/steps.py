@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fp4lab.bench.anchor import anchor_step
+from fp4lab.bench.anchor import TORCHAO_FLOAT8, anchor_step
 from fp4lab.nn.build import cuda_graph_blocker
 from fp4lab.nn.model_config import preset
 from fp4lab.nn.recipe import load_recipe
@@ -32,7 +32,7 @@ ANCHOR = "anchor"
 
 @dataclass(frozen=True)
 class StepBench:
-    """One timed configuration. `name` is a recipe or "anchor"."""
+    """One timed configuration. `name` is a recipe, "anchor", or a torchao float8 anchor (TORCHAO_FLOAT8)."""
 
     name: str
     model: str
@@ -84,15 +84,17 @@ def bench_steps(
     shape = {"model": model, "batch_size": batch_size, "seq_len": seq_len, "device": str(device)}
     results = []
     for name in [ANCHOR, *recipes]:
+        anchored = name == ANCHOR or name in TORCHAO_FLOAT8
         config = TrainConfig(
-            recipe="bf16" if name == ANCHOR else name, model=model, batch_size=batch_size, seq_len=seq_len,
+            recipe="bf16" if anchored else name, model=model, batch_size=batch_size, seq_len=seq_len,
             device=device.type, compile=compile, cuda_graphs=cuda_graphs, attention_kernel=attention_kernel, mx_gemm=mx_gemm,
             producer_fusion=producer_fusion, optimizer=optimizer, adam_lr=3e-4, lr=0.02,
         )
         chosen = paths.resolve(config, device, model_config.head_dim)
-        if name == ANCHOR:
-            step = anchor_step(model_config, device, compile=chosen.compile)
-            compute, optimizer_name, graphed, record = "bf16 autocast", "adamw (torch, fused on CUDA)", False, None
+        if anchored:
+            step = anchor_step(model_config, device, compile=chosen.compile, float8=name if name in TORCHAO_FLOAT8 else None)
+            compute = f"torchao float8 {TORCHAO_FLOAT8[name]}" if name in TORCHAO_FLOAT8 else "bf16 autocast"
+            optimizer_name, graphed, record = "adamw (torch, fused on CUDA)", False, None
         else:
             step, chosen = _fp4lab_step(config, model_config, device, chosen)
             compute, optimizer_name, graphed = "fast" if chosen.tensor_cores else "reference", optimizer, chosen.cuda_graphs

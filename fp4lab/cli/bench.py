@@ -31,7 +31,7 @@ BENCH_DEFAULTS = {"cuda": ("125m", 16, 1024, 20, 5, "8192x8192"), "cpu": ("tiny"
 
 def bench(
     what: Annotated[Optional[BenchWhat], typer.Argument(help="What to time (default: kernels and steps): kernels (quantizers vs a copy), steps (training steps vs the plain PyTorch loop), gemm (the MXFP4 GEMM on FP8 tensor cores vs bf16 cuBLAS, the 125m and 350m GEMMs at --batch-size x --seq-len), attention (Triton flash attention with the fused probes vs SDPA, fwd + bwd, head dims 64 and 128, seq 1024-8192), fusion (each fused FP4 producer vs its torch ops, eager and compiled, at the --model's widths and --batch-size x --seq-len tokens) or all (the five). gemm, attention and fusion need CUDA. Each table prints as its suite ends.")] = None,
-    recipes: Annotated[str, typer.Option(help="Comma-separated recipes to time beside the anchor.", rich_help_panel="What is timed")] = "bf16,nvfp4,nvfp4-all,mxfp4-rowsr-h32",
+    recipes: Annotated[str, typer.Option(help="Comma-separated recipes to time beside the anchor; torchao-float8 and torchao-float8-rowwise time the anchor under torchao's float8 training.", rich_help_panel="What is timed")] = "bf16,nvfp4,nvfp4-all,mxfp4-rowsr-h32",
     model: Annotated[Optional[ModelPreset], typer.Option(help="Model preset (default 125m on CUDA, tiny on the CPU).", rich_help_panel="What is timed")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Sequences per step (default 16 on CUDA, 8 on the CPU).", rich_help_panel="What is timed")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sequence (default 1024 on CUDA, 128 on the CPU).", rich_help_panel="What is timed")] = None,
@@ -102,13 +102,20 @@ def _device(device: str):
 
 
 def _recipe_names(recipes: str) -> list[str]:
-    """The recipes of `--recipes`, each checked to load."""
+    """The recipes of `--recipes`, each checked to load (a torchao float8 anchor: torchao installed)."""
+    import importlib.util
+
+    from fp4lab.bench.anchor import TORCHAO_FLOAT8
     from fp4lab.nn.recipe import RecipeError, load_recipe
 
     names = [r.strip() for r in recipes.split(",") if r.strip()]
     try:
         for name in names:
-            load_recipe(name)
+            if name in TORCHAO_FLOAT8:
+                if importlib.util.find_spec("torchao") is None:
+                    fail(f"bench: --recipes {name} is the plain loop under torchao's float8 training; install torchao (pip install torchao)")
+            else:
+                load_recipe(name)
     except RecipeError as exc:
         fail(f"bench: {exc}")
     return names

@@ -90,6 +90,7 @@ from fp4lab.nn.operands import (
     contraction_multiple,
     decode_operand,
     encode_operand,
+    fp8_codes_fit,
     fp8_kernel_runs,
     fused_encoding,
     fused_operand,
@@ -285,7 +286,7 @@ def _gemms_forward(ctx, x, x_operands, weight: torch.Tensor, layer: FP4Linear, s
         wt_op = packed.T if packed is not None else w_op.T
     else:
         w_op, wt_op = layer.operand_pair(("fprop_w", "dgrad_w"), weight, (signs["fprop"], signs["dgrad"]), g, keep_packed=True)
-    out = layer.mm(x_op, w_op, out_dtype)
+    out = layer.mm(x_op, w_op, out_dtype, fast_accum=True)
 
     ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
     ctx.layer, ctx.signs, ctx.wt_op, ctx.xt_op = layer, signs, wt_op, xt_op
@@ -536,13 +537,16 @@ class FP4Linear(nn.Module):
         """Whether operand `name` is made with its codes and scales, for a GEMM on FP8 tensor cores."""
         return self.takes_fp8_gemm(next(gemm for gemm, pair in GEMMS.items() if name in pair), device)
 
-    def mm(self, a: GemmOperand | PackedOperand, b: GemmOperand | PackedOperand, out_dtype: torch.dtype) -> torch.Tensor:
+    def mm(self, a: GemmOperand | PackedOperand, b: GemmOperand | PackedOperand, out_dtype: torch.dtype,
+           fast_accum: bool = False) -> torch.Tensor:
         """a @ b^T of two operands: on FP8 tensor cores where mx_gemm is "fp8" and both are MXFP4
-        encodings the kernel takes (`fp8_gemm_operands`), else `tensor_core_mm` of their values."""
+        encodings the kernel takes (`fp8_gemm_operands`), else `tensor_core_mm` of their values (on FP8
+        tensor cores where both are float8 codes). `fast_accum`: Fprop's, as TransformerEngine and
+        torchao set cuBLAS's FP8 fast accumulation for Fprop only."""
         operands = fp8_gemm_operands(a, b) if self.mx_gemm == "fp8" else None
         if operands is not None:
             return fp8_tensor_core_mm(*operands, out_dtype)
-        return tensor_core_mm(unpacked(a), unpacked(b), out_dtype)
+        return tensor_core_mm(unpacked(a), unpacked(b), out_dtype, fast_accum)
 
     def operand(
         self, name: str, t: torch.Tensor, signs: torch.Tensor | None, generator, keep_packed: bool = False
@@ -587,7 +591,12 @@ class FP4Linear(nn.Module):
         multiple = self._contraction_multiples[next(g for g, pair in GEMMS.items() if col_name in pair)]
         row_spec, col_spec = self.recipe.operand(row_name), self.recipe.operand(col_name)
         if t.shape[0] % multiple == 0 and self.takes_fused_fp8(row_spec, signs[0], t) and self.takes_fused_fp8(col_spec, signs[1], t):
-            return self._fused_fp8(t, row_spec), self._fused_fp8(t, col_spec, transpose=True)
+            amax = None
+            if row_spec.scaling == col_spec.scaling == "tensor":  # one amax pass for both orientations
+                from fp4lab.numerics.kernels.fp8 import fp8_amax_bits
+
+                amax = fp8_amax_bits(t)
+            return self._fused_fp8(t, row_spec, amax_bits=amax), self._fused_fp8(t, col_spec, transpose=True, amax_bits=amax)
         # Both covered, or neither from here: no Philox seed is drawn for a request that is not made.
         covered = self.fused_quantizers and t.shape[0] % multiple == 0 and all(
             spec.tile is None and quantizer_covers(spec) for spec in (row_spec, col_spec)
@@ -608,10 +617,11 @@ class FP4Linear(nn.Module):
         return (spec.format == "fp8" and signs is None and self.fused_quantizers and not self.probe
                 and fp8_kernel_runs(t))
 
-    def _fused_fp8(self, t: torch.Tensor, spec: OperandSpec, transpose: bool = False) -> GemmOperand:
+    def _fused_fp8(self, t: torch.Tensor, spec: OperandSpec, transpose: bool = False, amax_bits=None) -> GemmOperand:
         from fp4lab.numerics.kernels.fp8 import fp8_quantize_fused
 
-        q = fp8_quantize_fused(t, spec.element, spec.scaling, pow2=spec.pow2_scale, transpose=transpose)
+        q = fp8_quantize_fused(t, spec.element, spec.scaling, pow2=spec.pow2_scale, transpose=transpose,
+                               codes=fp8_codes_fit(t), amax_bits=amax_bits)
         return GemmOperand(q.values, q.outer)
 
     def _fused(self, t: torch.Tensor, requests: list[tuple[str, dict, bool]]) -> list[GemmOperand | PackedOperand]:

@@ -31,6 +31,20 @@ from fp4lab.numerics.mx_gemm import MX_BLOCK, along_k
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.quantize import DEFAULT_CTA_TILE
 
+FP8_CODES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# torch._scaled_mm: FP8 tensor cores from compute capability 8.9 (Ada, Hopper) on, every dim of both
+# operands a multiple of 16.
+SCALED_MM_CAPABILITY, SCALED_MM_MULTIPLE = (8, 9), 16
+
+
+def fp8_codes_fit(t: torch.Tensor) -> bool:
+    """Whether an FP8 operand of t's shape is made as float8 codes for FP8 tensor cores
+    (`nn.gemm.fp8_scaled_mm`; else as bf16 values for bf16 tensor cores): a 2D CUDA tensor on a device
+    with FP8 tensor cores, both dims multiples of 16, so that every GEMM it meets takes it (each dim of
+    a GEMM is a dim of one of its operands)."""
+    return (t.is_cuda and t.dim() == 2 and all(d % SCALED_MM_MULTIPLE == 0 for d in t.shape)
+            and torch.cuda.get_device_capability(t.device) >= SCALED_MM_CAPABILITY)
+
 
 def transform_operand(t: torch.Tensor, spec: OperandSpec, signs: torch.Tensor | None) -> torch.Tensor:
     """t with the spec's Hadamard along its last dim: blockwise, or over the whole dim zero-padded to
@@ -130,10 +144,10 @@ def transform_length(recipe: LinearRecipe, gemm: str, length: int) -> int:
 
 @dataclass(frozen=True)
 class GemmOperand:
-    """One operand of a tensor-core GEMM: `values` [rows, K] (bf16 where exact, else fp32) and the
-    outer scale that multiplies the result: None, 0-dim, or one per row ([rows, 1]); or, for a weight in
-    2D CTA-local NVFP4 tiles, one per `outer_cell` x `outer_cell` square, which scales each chunk of the
-    sum along K (`numerics.tile_gemm`)."""
+    """One operand of a tensor-core GEMM: `values` [rows, K] (bf16 where exact, else fp32; float8 codes
+    for FP8 tensor cores: `fp8_codes_fit`) and the outer scale that multiplies the result: None, 0-dim,
+    or one per row ([rows, 1]); or, for a weight in 2D CTA-local NVFP4 tiles, one per `outer_cell` x
+    `outer_cell` square, which scales each chunk of the sum along K (`numerics.tile_gemm`)."""
 
     values: torch.Tensor
     outer: torch.Tensor | None = None
@@ -235,6 +249,8 @@ def gemm_operand(
         return GemmOperand(t.to(torch.bfloat16))
     if spec.format == "fp8" or keep_codes:  # FP8: E4M3 / E5M2 values are exact in bf16; the scale goes to the epilogue
         encoded = encoded if encoded is not None else encode_operand(t, spec, None, generator)
+    if spec.format == "fp8" and fp8_codes_fit(encoded.data):  # the codes themselves, for FP8 tensor cores
+        return GemmOperand(encoded.data, encoded.factored().outer)
     parts = encoded.factored() if encoded is not None else fake_quantize_factored(t, spec.format, **quantize_options(spec, generator))
     packed = None
     if keep_codes:

@@ -72,7 +72,7 @@ def fp8_scale(
 ) -> torch.Tensor:
     """The current scale of x (module docstring): 0-dim for "tensor", [..., 1] for "row". `amax`:
     this amax (`fp8_amax`'s shape) instead of x's own, e.g. that of a whole weight for one shard of it."""
-    _check(x, element, scaling)
+    check_arguments(x, element, scaling)
     amax = fp8_amax(x, scaling) if amax is None else amax.to(torch.float32)
     fp8_max = torch.finfo(FP8_DTYPES[element]).max
     scale = (fp8_max / amax.to(torch.float64).clamp(min=AMAX_EPS)).to(torch.float32)
@@ -94,7 +94,8 @@ def fp8_quantize(
     return Fp8Tensor(data, scale, element, scaling)
 
 
-def _check(x: torch.Tensor, element: str, scaling: str) -> None:
+def check_arguments(x: torch.Tensor, element: str, scaling: str) -> None:
+    """ValueError naming what `fp8_quantize` cannot take."""
     if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
         raise ValueError("fp8_quantize: x must be a float32, bfloat16 or float16 torch.Tensor")
     if element not in FP8_DTYPES:

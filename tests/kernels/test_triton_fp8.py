@@ -53,6 +53,15 @@ def check_fused_fp8_matches_the_reference(device: str) -> None:
                         want = fp8_quantize(x.T if transpose else x, element, scaling, pow2=pow2).factored()
                         assert_same_bits(q.values.cpu(), want.values.bfloat16(), label + " values")
                         assert_same_bits(q.outer.cpu(), want.outer, label + " outer")
+                        if dtype == torch.float32:  # the codes FP8 tensor cores read: fp8_quantize's own data
+                            # (the interpreter casts NaN to a finite code; the GPU's cvt gives NaN: checked there)
+                            y = x if device == "cuda" else x.nan_to_num(0.0, 1.0, -1.0)
+                            codes = fp8_quantize_fused(y.to(device), element, scaling, pow2=pow2, transpose=transpose, codes=True)
+                            data = fp8_quantize(y.T if transpose else y, element, scaling, pow2=pow2).data
+                            got = codes.values.cpu()
+                            assert got.dtype == data.dtype and torch.equal(got.float().isnan(), data.float().isnan()), label
+                            finite = ~data.float().isnan()  # a NaN's sign and payload are the cast's own
+                            assert torch.equal(got.view(torch.uint8)[finite], data.view(torch.uint8)[finite]), label + " codes"
     for element in ("e4m3", "e5m2"):
         x = grid_and_ties(element)
         q = fp8_quantize_fused(x.to(device), element)
