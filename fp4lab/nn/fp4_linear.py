@@ -28,7 +28,9 @@ Three ways to run the same GEMMs (`FP4Linear.tensor_cores`, then `FP4Linear.mx_g
   block scale: exact in bf16), the GEMM runs on bf16 tensor cores with fp32 accumulation and an fp32
   result, and NVFP4's outer scales, which vary only along the rows of an operand, multiply that result
   (the epilogue, like the alpha of Blackwell's FP4 GEMMs); FP8 values (exact in bf16) and their per-tensor
-  or per-row decode scales are split the same way. A weight in 2D CTA-local tiles has one outer scale
+  or per-row decode scales are split the same way, and where the GPU has FP8 tensor cores the FP8
+  operands are float8 codes whose GEMMs run there (`torch._scaled_mm`, `nn.gemm.fp8_scaled_mm`: as
+  torchao's float8 training, fast accumulation for Fprop only). A weight in 2D CTA-local tiles has one outer scale
   per 128 x 128 square, which changes along the contraction dim: its Fprop and Dgrad sum each chunk
   of K between square boundaries on its own and scale it (`tensor_core_mm`, `numerics.tile_gemm`). The products are the same exact numbers, so
   the two ways agree up to fp32 summation order (and one rounding of each decoded NVFP4 value that
