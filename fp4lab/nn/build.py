@@ -7,7 +7,7 @@ import zlib
 import torch
 
 from fp4lab.nn.attention import AttentionQuant
-from fp4lab.nn.fp4_linear import GRAPH_SAFE_GENERATORS, FP4Linear
+from fp4lab.nn.fp4_linear import FP4Linear
 from fp4lab.nn.model import Llama
 from fp4lab.nn.model_config import ModelConfig
 from fp4lab.nn.recipe import Recipe
@@ -74,21 +74,12 @@ def attention_generators(model: Llama) -> list[torch.Generator]:
 
 def cuda_graph_blocker(model: Llama, tokens: int) -> str | None:
     """Why one training step of `model` cannot be replayed from a CUDA graph, or None: every random
-    bit on the path must come from device-side counters (the fused kernels' Philox seeds) or from a
-    CUDA generator the graph advances itself (`graph_generators`), not from a generator the host
-    steps on each call."""
+    bit on the path must come from device-side counters (the fused kernels' Philox seeds), not from
+    a torch.Generator called step after step."""
     for name, linear in fp4_linears(model).items():
         reason = linear.graph_blocker(tokens)
         if reason is not None:
             return f"{name}: {reason}"
-    if any(a.quant is not None for a in model.attentions()) and not GRAPH_SAFE_GENERATORS:
+    if any(a.quant is not None for a in model.attentions()):
         return "FP4 attention draws dS's stochastic rounding (on CUDA, its Philox seeds) from a torch.Generator"
     return None
-
-
-def graph_generators(model: Llama) -> list[torch.Generator]:
-    """The CUDA generators a training step of `model` draws from (each FP4 linear's, FP4 attention's):
-    `train.step.TrainStep` registers them with its CUDA graph (`CUDAGraph.register_generator_state`),
-    so that every replay draws the next numbers of each stream, as an eager step does."""
-    generators = [linear._generator for linear in fp4_linears(model).values() if linear._generator is not None]
-    return [g for g in generators + attention_generators(model) if g.device.type == "cuda"]

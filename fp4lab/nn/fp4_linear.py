@@ -779,7 +779,7 @@ class FP4Linear(nn.Module):
             return "the fp32 reference path draws its SR bits and random signs from a torch.Generator"
         specs = [(name, self.recipe.operand(name)) for name in OPERANDS]
         for name, spec in specs:
-            if spec.transform != "none" and spec.transform_signs == "random" and not GRAPH_SAFE_GENERATORS:
+            if spec.transform != "none" and spec.transform_signs == "random":
                 return f"{name} draws random Hadamard signs from a torch.Generator every call"
         for name, spec in specs:
             if spec.rounding == "sr" and spec.is_fp4:
@@ -819,12 +819,6 @@ class FP4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, lora_rank={self.lora_rank}"
-
-
-# Whether this torch's CUDA graphs advance a registered generator on each replay
-# (`CUDAGraph.register_generator_state`), so that draws on the device from the layer's generator (random
-# Hadamard signs) can be replayed: a CUDA build of torch 2.4 or later.
-GRAPH_SAFE_GENERATORS = hasattr(torch.cuda.CUDAGraph, "register_generator_state")
 
 
 def _same_device(a: torch.device | str, b: torch.device | str) -> bool:
