@@ -593,12 +593,7 @@ class FP4Linear(nn.Module):
         multiple = self._contraction_multiples[next(g for g, pair in GEMMS.items() if col_name in pair)]
         row_spec, col_spec = self.recipe.operand(row_name), self.recipe.operand(col_name)
         if t.shape[0] % multiple == 0 and self.takes_fused_fp8(row_spec, signs[0], t) and self.takes_fused_fp8(col_spec, signs[1], t):
-            amax = None
-            if row_spec.scaling == col_spec.scaling == "tensor":  # one amax pass for both orientations
-                from fp4lab.numerics.kernels.fp8 import fp8_amax_bits
-
-                amax = fp8_amax_bits(t)
-            return self._fused_fp8(t, row_spec, amax_bits=amax), self._fused_fp8(t, col_spec, transpose=True, amax_bits=amax)
+            return self._fused_fp8(t, row_spec), self._fused_fp8(t, col_spec, transpose=True)
         # Both covered, or neither from here: no Philox seed is drawn for a request that is not made.
         covered = self.fused_quantizers and t.shape[0] % multiple == 0 and all(
             spec.tile is None and quantizer_covers(spec) for spec in (row_spec, col_spec)
@@ -619,11 +614,11 @@ class FP4Linear(nn.Module):
         return (spec.format == "fp8" and signs is None and self.fused_quantizers and not self.probe
                 and fp8_kernel_runs(t))
 
-    def _fused_fp8(self, t: torch.Tensor, spec: OperandSpec, transpose: bool = False, amax_bits=None) -> GemmOperand:
+    def _fused_fp8(self, t: torch.Tensor, spec: OperandSpec, transpose: bool = False) -> GemmOperand:
         from fp4lab.numerics.kernels.fp8 import fp8_quantize_fused
 
         q = fp8_quantize_fused(t, spec.element, spec.scaling, pow2=spec.pow2_scale, transpose=transpose,
-                               codes=fp8_codes_fit(t), amax_bits=amax_bits)
+                               codes=fp8_codes_fit(t))
         return GemmOperand(q.values, q.outer)
 
     def _fused(self, t: torch.Tensor, requests: list[tuple[str, dict, bool]]) -> list[GemmOperand | PackedOperand]:
