@@ -291,3 +291,33 @@ def test_the_ratchets_optuna_proposer_prunes_a_trial_and_records_it(tmp_path, on
     trial = proposer.study.get_trials()[proposal["extra"]["proposal"]["trial"]]
     assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [3]
     assert (runs / "iter-0000-s1" / "summary.json").exists()  # the baseline is no trial: both seeds, never pruned
+
+
+def test_a_trial_stopped_by_ctrl_c_stays_running_and_is_resumed_not_failed(tmp_path):
+    """Ctrl-C on an Optuna sweep: the trial in progress checkpoints, is recorded interrupted and stays
+    RUNNING in the study, so the next sweep resumes it (it was told FAIL, and never resumed, before)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "s.toml").write_text(SPEC.replace("steps = 20", "steps = 5000").replace("n_trials = 6", "n_trials = 1"))
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    sweep = subprocess.Popen([sys.executable, "-m", "fp4lab.cli", "sweep", "s.toml"], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not any(p.stat().st_size for p in tmp_path.glob("runs/prune/*/metrics.jsonl")):
+        assert time.monotonic() < deadline and sweep.poll() is None, sweep.communicate()
+        time.sleep(0.2)
+    os.killpg(sweep.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+    out, err = sweep.communicate(timeout=120)
+    assert sweep.returncode == 130, err
+    (record,) = Catalog(tmp_path / "sweep_catalog.json").records(sweep="prune")
+    assert record["state"] == "interrupted"
+    from fp4lab.lab.runs.trials import orphaned_trials, trial_counts
+    from fp4lab.lab.specs.sweep_spec import load_spec
+
+    spec = load_spec(tmp_path / "s.toml")
+    assert trial_counts(spec, tmp_path / "jobs") == {"RUNNING": 1}
+    assert orphaned_trials(spec, tmp_path / "jobs") == [record["extra"]["trial"]]  # the next sweep resumes it

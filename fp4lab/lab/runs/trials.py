@@ -104,8 +104,8 @@ def run_trial(spec_path: str | Path, *, jobs_dir: str | Path, catalog_path: str 
     if catalog.get(run.id)["state"] not in ("completed", "pruned"):
         train_recorded(config_path, catalog, progress=False)
     record = catalog.get(run.id)
-    if record["state"] in ("preempted", "running"):
-        return record  # stopped by a signal: the trial stays RUNNING and resumes with its job
+    if record["state"] in ("preempted", "interrupted", "running"):
+        return record  # stopped by a signal or Ctrl-C: the trial stays RUNNING and resumes with its job
     value = _objective(run.config["out_dir"], spec.optuna.objective)
     if record["state"] == "pruned":
         study.tell(number, state=TrialState.PRUNED)  # Optuna keeps its last reported value
