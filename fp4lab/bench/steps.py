@@ -124,7 +124,7 @@ def _fp4lab_step(config: TrainConfig, model_config, device: torch.device, chosen
     """The training loop's step, as `run` builds it (CUDA graph included where it applies), and the
     compute paths with cuda_graphs settled."""
     model, optimizer, loss_fn = build_training(config, load_recipe(config.recipe), model_config, device, paths=chosen)
-    chosen = paths.with_cuda_graphs(chosen, config, cuda_graph_blocker(model, config.batch_size * config.seq_len))
+    chosen = paths.with_cuda_graphs(chosen, config, cuda_graph_blocker(model))
     train_step = TrainStep(model, loss_fn, chosen.cuda_graphs)
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:

@@ -72,14 +72,24 @@ def attention_generators(model: Llama) -> list[torch.Generator]:
     return [a.quant.generator for a in model.attentions() if a.quant is not None and a.quant.generator is not None]
 
 
-def cuda_graph_blocker(model: Llama, tokens: int) -> str | None:
-    """Why one training step of `model` cannot be replayed from a CUDA graph, or None: every random
-    bit on the path must come from device-side counters (the fused kernels' Philox seeds), not from
-    a torch.Generator called step after step."""
+def graph_generators(model: Llama) -> list[torch.Generator]:
+    """Every CUDA generator a training step draws from (the FP4 linears' and FP4 attention's): a CUDA
+    graph registers them before capture (`CUDAGraph.register_generator_state`), so that each replay
+    draws from the generator's current state and moves it on, as the eager step would."""
+    linears = [linear.generator_for(linear.weight.device) for linear in fp4_linears(model).values() if linear.draws_random_bits()]
+    return [g for g in linears + attention_generators(model) if g.device.type == "cuda"]
+
+
+def cuda_graph_blocker(model: Llama) -> str | None:
+    """Why one training step of `model` cannot be replayed from a CUDA graph, or None: every FP4
+    linear is on the tensor-core path and every random bit comes from a CUDA generator
+    (`graph_generators`)."""
     for name, linear in fp4_linears(model).items():
-        reason = linear.graph_blocker(tokens)
+        reason = linear.graph_blocker()
         if reason is not None:
             return f"{name}: {reason}"
-    if any(a.quant is not None for a in model.attentions()):
-        return "FP4 attention draws dS's stochastic rounding (on CUDA, its Philox seeds) from a torch.Generator"
+    for index, attention in enumerate(model.attentions()):
+        generator = attention.quant.generator if attention.quant is not None else None
+        if generator is not None and generator.device.type != "cuda":
+            return f"layers.{index}.attention: FP4 attention draws dS's random bits from a generator on the CPU"
     return None

@@ -767,21 +767,20 @@ class FP4Linear(nn.Module):
         self._philox_base.add_(1)
         return seed
 
-    def graph_blocker(self, tokens: int) -> str | None:
-        """Why a step of this layer cannot be replayed from a CUDA graph (something on its path draws
-        from a torch.Generator, or it is not on the tensor-core path), or None."""
+    def draws_random_bits(self) -> bool:
+        """Whether a step of this layer draws from its generator (SR or random Hadamard signs)."""
+        specs = [self.recipe.operand(name) for name in OPERANDS]
+        return any((s.rounding == "sr" and s.is_fp4) or (s.transform != "none" and s.transform_signs == "random") for s in specs)
+
+    def graph_blocker(self) -> str | None:
+        """Why a step of this layer cannot be replayed from a CUDA graph, or None. Every draw comes
+        from the layer's generator on the weight's device (random signs, the torch quantizer's SR bits,
+        the Philox bases of the fused kernels): a CUDA generator, which the graph registers
+        (`graph_generators`) so that each replay draws the bits the eager step would."""
         if not self.tensor_cores:
-            return "the fp32 reference path draws its SR bits and random signs from a torch.Generator"
-        specs = [(name, self.recipe.operand(name)) for name in OPERANDS]
-        for name, spec in specs:
-            if spec.transform != "none" and spec.transform_signs == "random":
-                return f"{name} draws random Hadamard signs from a torch.Generator every call"
-        for name, spec in specs:
-            if spec.rounding == "sr" and spec.is_fp4:
-                if not (self.fused_quantizers and quantizer_covers(spec) and runs_on(self.weight.device)):
-                    return f"{name} ({spec.describe()}) is stochastically rounded by the torch quantizer"
-                if tokens % self._contraction_multiples["wgrad"]:
-                    return f"{tokens} tokens per step are not a multiple of {self._contraction_multiples['wgrad']}"
+            return "the fp32 reference path runs outside a CUDA graph (it is the exact reference, not a fast path)"
+        if self.draws_random_bits() and self.weight.device.type != "cuda":
+            return "its random bits come from a generator on the CPU; a CUDA graph replays draws of CUDA generators only"
         return None
 
     def get_extra_state(self) -> dict:
@@ -800,9 +799,12 @@ class FP4Linear(nn.Module):
 
     def set_extra_state(self, state: dict) -> None:
         self.seed = state["seed"]
-        self._generator = None
-        if state["generator"] is not None:  # None in checkpoints from before the generator was always saved
-            self._generator = torch.Generator(device=self.weight.device)
+        if state["generator"] is None:  # None in checkpoints from before the generator was always saved
+            self._generator = None
+        else:
+            # In place where it exists: a captured CUDA graph draws from this very generator.
+            if self._generator is None or not _same_device(self._generator.device, self.weight.device):
+                self._generator = torch.Generator(device=self.weight.device)
             self._generator.set_state(state["generator"])
         saved = state.get("philox_base")  # absent in checkpoints from before the fused kernels
         if saved is None or saved.item() == UNDRAWN_PHILOX_BASE:

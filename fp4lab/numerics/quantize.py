@@ -246,7 +246,9 @@ def _check_arguments(x, fmt, rounding, tile, scale_mode, tensor_amax, adaptive, 
         if fmt != "nvfp4":
             raise ValueError(f"quantize: tensor_amax applies to fmt='nvfp4' only; pass tensor_amax=None for {fmt}")
         amax = torch.as_tensor(tensor_amax, dtype=torch.float32)
-        if amax.numel() != 1 or not torch.isfinite(amax).all() or amax.item() < 0:
+        # A device amax is checked by its shape only: reading its value would make the host wait for
+        # the GPU, which a CUDA graph's capture forbids.
+        if amax.numel() != 1 or (amax.device.type == "cpu" and not (torch.isfinite(amax).all() and amax.item() >= 0)):
             raise ValueError(f"quantize: tensor_amax must be one finite value >= 0, got {tensor_amax!r}")
     if cta_tile is not None:
         if fmt != "nvfp4_cta":

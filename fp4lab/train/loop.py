@@ -191,7 +191,7 @@ def _start(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device
         mode_blocker = None
         if not distributed.graphs_possible(config):
             mode_blocker = "config cuda_graphs='off'" if config.cuda_graphs == "off" else f"parallel={config.parallel!r}: its hooks run outside any graph"
-        blocker = cuda_graph_blocker(model, config.batch_size * config.seq_len) if mode_blocker is None else None
+        blocker = cuda_graph_blocker(model) if mode_blocker is None else None
         chosen = paths.with_cuda_graphs(chosen, config, blocker, mode_blocker)
         warmup = distributed.DDP_GRAPH_WARMUP_STEPS if ranks.mode == "ddp" else GRAPH_WARMUP_STEPS
         train_step = TrainStep(model, loss_fn, chosen.cuda_graphs, warmup)

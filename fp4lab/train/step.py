@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from fp4lab.nn.build import attention_generators, fp4_linears
+from fp4lab.nn.build import attention_generators, fp4_linears, graph_generators
 from fp4lab.nn.model import Llama
 from fp4lab.optim.sharding import clip_grad_norm_
 from fp4lab.train import distributed
@@ -84,6 +84,8 @@ class TrainStep:
     def _capture(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         self.static_tokens, self.static_targets = tokens.clone(), targets.clone()
         self.graph = torch.cuda.CUDAGraph()
+        for generator in graph_generators(self.model):
+            self.graph.register_generator_state(generator)
         with torch.cuda.graph(self.graph):
             self._zero_grads()
             self.static_loss = self._forward_backward(self.static_tokens, self.static_targets)

@@ -279,24 +279,43 @@ def test_philox_seeds_count_up_on_the_device_and_travel_with_the_extra_state(dev
     assert fresh.philox_seed(device).item() == first.item() + 2
 
 
-def test_graph_blockers_name_what_draws_from_a_generator():
-    from fp4lab.nn.build import build_model, cuda_graph_blocker
+def test_graph_blockers_and_the_generators_a_graph_registers():
+    """Every recipe on the tensor-core path graphs once its random streams are on CUDA: the seeds'
+    random Hadamard signs, the torch quantizer's SR bits and FP4 attention's dS draws come from CUDA
+    generators that the graph registers (`graph_generators`); on the CPU a drawing recipe is refused,
+    and the reference path always is."""
+    from fp4lab.nn.build import build_model, cuda_graph_blocker, fp4_linears, graph_generators
     from fp4lab.nn.model_config import preset
 
     config = preset("tiny", 256, 64)
-    for recipe, fragment in (("optitrain", "random Hadamard signs"), ("fullstack", "random Hadamard signs|FP4 attention|stochastically")):
-        model = build_model(config, load_recipe(recipe), seed=0, tensor_cores=True)
-        reason = cuda_graph_blocker(model, 256)
-        assert reason is not None and any(f in reason for f in fragment.split("|")), reason
-    assert cuda_graph_blocker(build_model(config, load_recipe("bf16"), seed=0, tensor_cores=True), 256) is None
-    reference = build_model(config, load_recipe("bf16"), seed=0)
-    assert "fp32 reference path" in cuda_graph_blocker(reference, 256)
-    nvfp4 = build_model(config, load_recipe("nvfp4-all"), seed=0, tensor_cores=True)
-    if not torch.cuda.is_available():  # without the fused kernels SR falls back to a generator
-        assert "stochastically rounded by the torch quantizer" in cuda_graph_blocker(nvfp4, 256)
-    else:
-        assert cuda_graph_blocker(nvfp4, 256) is None
-        assert "not a multiple" in cuda_graph_blocker(nvfp4, 250)
+    bf16 = build_model(config, load_recipe("bf16"), seed=0, tensor_cores=True)
+    assert cuda_graph_blocker(bf16) is None and graph_generators(bf16) == []
+    assert "fp32 reference path" in cuda_graph_blocker(build_model(config, load_recipe("bf16"), seed=0))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for recipe in ("optitrain", "optitrain-rht16", "fullstack", "nvfp4-all"):
+        model = build_model(config, load_recipe(recipe), seed=0, tensor_cores=True, device=device)
+        drawing = [linear for linear in fp4_linears(model).values() if linear.draws_random_bits()]
+        attention = [a for a in model.attentions() if a.quant is not None]
+        assert drawing and bool(attention) == (recipe == "fullstack")
+        if device == "cpu":
+            assert "generator on the CPU" in cuda_graph_blocker(model) and graph_generators(model) == []
+            continue
+        assert cuda_graph_blocker(model) is None
+        generators = graph_generators(model)
+        assert len(generators) == len(drawing) + len(attention) == len({id(g) for g in generators})
+        assert all(g.device.type == "cuda" for g in generators)
+
+
+def test_restoring_a_layer_state_keeps_its_generator_object():
+    """A captured CUDA graph draws from the generator object it registered: an evaluation or a
+    resume that puts a state back must set it in place, not swap in a new generator."""
+    layer = FP4Linear(64, 32, load_recipe("optitrain").linear, seed=5)
+    generator = layer.generator_for(layer.weight.device)
+    saved = layer.get_extra_state()
+    first = torch.randint(2**30, (4,), generator=generator)
+    layer.set_extra_state(saved)
+    assert layer._generator is generator
+    assert torch.equal(torch.randint(2**30, (4,), generator=generator), first)
 
 
 def test_cuda_graphs_resolve_per_device_and_refuse_what_cannot_be_graphed(tmp_path):
@@ -309,7 +328,7 @@ def test_cuda_graphs_resolve_per_device_and_refuse_what_cannot_be_graphed(tmp_pa
     cpu = torch.device("cpu")
 
     def settled(config):
-        return paths.with_cuda_graphs(paths.resolve(config, cpu, 16), config, cuda_graph_blocker(model, 256))
+        return paths.with_cuda_graphs(paths.resolve(config, cpu, 16), config, cuda_graph_blocker(model))
 
     assert not settled(TrainConfig()).cuda_graphs
     with pytest.raises(ConfigError, match="cuda_graphs='on' needs the fast path on CUDA"):
@@ -336,7 +355,7 @@ def _tiny_cuda_steps(recipe: str, graphs: str, steps: int, out_dir, stop_after=N
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("recipe", ["bf16", "nvfp4-all", "mxfp4-rowsr-h32"])
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4-all", "mxfp4-rowsr-h32", "optitrain", "optitrain-rht16", "fullstack"])
 def test_cuda_graph_steps_equal_eager_steps_and_resume_exactly(recipe, tmp_path):
     """A CUDA graph replays the eager step's kernels on the same data: the losses, gradient norms and
     QK-Clip decisions of a graphed run equal an eager run's (probe and eval steps interleaved), and a
