@@ -561,7 +561,7 @@ class FP4Linear(nn.Module):
         those (`PackedOperand`), as the GEMM reads nothing else."""
         spec = self.recipe.operand(name)
         if self.takes_fused_fp8(spec, signs, t):
-            return self._fused_fp8(t, spec)
+            return self._fused_fp8(t, [(spec, False)])[0]
         codes = self.wants_codes(name, t.device)
         options = kernel_options(spec, signs, t, self.philox_seed) if self.fused_quantizers else None
         if options is not None:
@@ -593,7 +593,7 @@ class FP4Linear(nn.Module):
         multiple = self._contraction_multiples[next(g for g, pair in GEMMS.items() if col_name in pair)]
         row_spec, col_spec = self.recipe.operand(row_name), self.recipe.operand(col_name)
         if t.shape[0] % multiple == 0 and self.takes_fused_fp8(row_spec, signs[0], t) and self.takes_fused_fp8(col_spec, signs[1], t):
-            return self._fused_fp8(t, row_spec), self._fused_fp8(t, col_spec, transpose=True)
+            return tuple(self._fused_fp8(t, [(row_spec, False), (col_spec, True)]))
         # Both covered, or neither from here: no Philox seed is drawn for a request that is not made.
         covered = self.fused_quantizers and t.shape[0] % multiple == 0 and all(
             spec.tile is None and quantizer_covers(spec) for spec in (row_spec, col_spec)
@@ -614,12 +614,23 @@ class FP4Linear(nn.Module):
         return (spec.format == "fp8" and signs is None and self.fused_quantizers and not self.probe
                 and fp8_kernel_runs(t))
 
-    def _fused_fp8(self, t: torch.Tensor, spec: OperandSpec, transpose: bool = False) -> GemmOperand:
-        from fp4lab.numerics.kernels.fp8 import fp8_quantize_fused
+    def _fused_fp8(self, t: torch.Tensor, specs: list[tuple[OperandSpec, bool]]) -> list[GemmOperand]:
+        """The FP8 operands of t for (spec, transposed) requests: one amax pass over t serves them all
+        (a tensor amax, or the per-row and per-column ones of a rowwise pair), then one quantizing
+        pass each."""
+        from fp4lab.numerics.kernels.fp8 import fp8_amax_bits, fp8_quantize_fused
 
-        q = fp8_quantize_fused(t, spec.element, spec.scaling, pow2=spec.pow2_scale, transpose=transpose,
-                               codes=fp8_codes_fit(t))
-        return GemmOperand(q.values, q.outer)
+        def amax_of(spec: OperandSpec, transposed: bool) -> str:
+            return "tensor" if spec.scaling == "tensor" else "cols" if transposed else "rows"
+
+        t = t.contiguous()
+        amaxes = fp8_amax_bits(t, **{name: True for name in {amax_of(*request) for request in specs}})
+        operands = []
+        for spec, transposed in specs:
+            q = fp8_quantize_fused(t, spec.element, spec.scaling, pow2=spec.pow2_scale, transpose=transposed,
+                                   codes=fp8_codes_fit(t), amax_bits=amaxes[amax_of(spec, transposed)])
+            operands.append(GemmOperand(q.values, q.outer))
+        return operands
 
     def _fused(self, t: torch.Tensor, requests: list[tuple[str, dict, bool]]) -> list[GemmOperand | PackedOperand]:
         """Run the fused quantizer for (name, options, transposed) requests on one read of t; probes

@@ -79,17 +79,23 @@ def check_fp8_layers_take_the_fused_quantizer() -> None:
     calls = []
     kernel = triton_fp8.fp8_quantize_fused
     triton_fp8.fp8_quantize_fused = lambda x, *args, **kw: calls.append(kw["transpose"]) or kernel(x, *args, **kw)
+    amax_passes = []
+    amax_kernel = triton_fp8.fp8_amax_bits
+    triton_fp8.fp8_amax_bits = lambda x, **kw: amax_passes.append(sorted(kw)) or amax_kernel(x, **kw)
     # Mixed: an NVFP4 wgrad_dy makes Wgrad's contraction a multiple of 16, which 2 x 44 tokens are not:
     # x^T is padded, so x's two FP8 operands and dY's come one at a time (FP4Linear.operand).
     mixed = LinearRecipe(*(OperandSpec("fp8", element="e4m3", scaling="tensor"),) * 2, *(OperandSpec("fp8", element="e5m2", scaling="tensor"),) * 2,
                          OperandSpec("nvfp4"), OperandSpec("fp8", element="e4m3", scaling="tensor"))
-    cases = [(load_recipe("fp8").linear, 48, [False] * 3 + [True] * 3),
-             (load_recipe("fp8-rowwise").linear, 48, [False] * 3 + [True] * 3),
-             (mixed, 44, [False] * 4 + [True])]
-    for recipe, tokens, expected_calls in cases:
+    # The amax passes: one per operand pair of x, W and dY (a tensorwise pair shares its tensor amax,
+    # a rowwise one takes its rows' and columns' amaxes from one read), one per lone operand.
+    cases = [(load_recipe("fp8").linear, 48, [False] * 3 + [True] * 3, [["tensor"]] * 3),
+             (load_recipe("fp8-rowwise").linear, 48, [False] * 3 + [True] * 3, [["cols", "rows"]] * 3),
+             (mixed, 44, [False] * 4 + [True], [["tensor"]] * 4)]  # W a pair; x, x^T and dY alone
+    for recipe, tokens, expected_calls, expected_amax_passes in cases:
         results = []
         for fused in (False, True):
             calls.clear()
+            amax_passes.clear()
             torch.manual_seed(0)
             layer = FP4Linear(96, 64, recipe, seed=3)
             layer.tensor_cores, layer.fused_quantizers = True, fused
@@ -99,12 +105,43 @@ def check_fp8_layers_take_the_fused_quantizer() -> None:
             y.backward(torch.randn(y.shape, generator=g))
             results.append((y.detach(), x.grad, layer.weight.grad))
             assert sorted(calls) == (expected_calls if fused else []), (recipe, calls)
+            assert sorted(amax_passes) == (expected_amax_passes if fused else []), (recipe, amax_passes)
             calls.clear()
             layer.probe = True
             layer(x).sum().backward()
             assert calls == [] and sorted(layer.quant_stats) == sorted(["fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x"])
         for name, ref, fast in zip(("y", "dx", "dw"), *results):
             assert torch.equal(fast, ref), f"{recipe} {name}: {(fast - ref).abs().max().item()}"
+
+
+def check_amax_pass_matches_the_reference(device: str) -> None:
+    """fp8_amax_bits: max |x| of the tensor, of each row and of each column from one read, the bits of
+    numerics.fp8.fp8_amax's (a NaN where one is inside); a quantization given a shared amax equals one
+    that takes its own."""
+    from fp4lab.numerics.fp8 import fp8_amax
+    from fp4lab.numerics.kernels.fp8 import fp8_amax_bits, fp8_quantize_fused
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in ((70, 100), (300, 260), (1, 5)):
+            x = wide_range(*shape, seed=2).to(dtype) if shape[0] > 4 else torch.tensor([[-3.0, 0.5, -0.0, 2.0, 1.0]], dtype=dtype)
+            got = fp8_amax_bits(x.to(device), tensor=True, rows=True, cols=True)
+            for name, want in (("tensor", fp8_amax(x)), ("rows", fp8_amax(x, "row")), ("cols", fp8_amax(x.T, "row"))):
+                assert_same_bits(got[name].cpu().view(torch.float32), want.reshape(-1), f"{dtype} {shape} {name}")
+            alone = fp8_quantize_fused(x.to(device), "e4m3", "row", transpose=True)
+            shared = fp8_quantize_fused(x.to(device), "e4m3", "row", transpose=True, amax_bits=got["cols"])
+            assert_same_bits(shared.values.cpu(), alone.values.cpu(), "shared amax values")
+            assert_same_bits(shared.outer.cpu(), alone.outer.cpu(), "shared amax outer")
+    with pytest.raises(ValueError, match="amax_bits must be 1 int32 values"):
+        fp8_quantize_fused(x.to(device), amax_bits=got["rows"].float())
+
+
+def test_amax_pass_matches_the_reference_under_the_interpreter():
+    interpreted.run_interpreted(__name__, "check_amax_pass_matches_the_reference('cpu')")
+
+
+@pytest.mark.cuda
+def test_amax_pass_matches_the_reference_on_cuda():
+    check_amax_pass_matches_the_reference("cuda")
 
 
 def test_fused_fp8_matches_the_reference_under_the_interpreter():
