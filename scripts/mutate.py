@@ -68,6 +68,7 @@ TILE_GEMM = "fp4lab/numerics/tile_gemm.py"
 FP8_KERNEL = "fp4lab/numerics/kernels/fp8.py"
 FP8_INTERPRETED = "tests/kernels/test_triton_fp8.py::test_fused_fp8_matches_the_reference_under_the_interpreter"
 FP8_WIRE = "tests/kernels/test_triton_fp8.py::test_fp8_layers_take_the_fused_quantizer_under_the_interpreter"
+FP8_AMAX = "tests/kernels/test_triton_fp8.py::test_amax_pass_matches_the_reference_under_the_interpreter"
 TILE_KERNEL = "fp4lab/numerics/kernels/tile_gemm.py"
 TILE_TESTS = "tests/numerics/test_tile_gemm.py"
 TILE_INTERPRETED = "tests/numerics/test_tile_gemm.py::test_kernel_equals_the_reference_under_the_interpreter"
@@ -488,10 +489,18 @@ MUTATIONS = [
       (FP8_KERNEL, "tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, MIN_NORMAL_BITS)", "(a.to(tl.int32, bitcast=True) & 0x7F800000)"),
       [FP8_INTERPRETED]),
     m("fp8-fused-transposed-row-scale", "the fused FP8 quantizer scales x^T's rows by x's row scales",
-      (FP8_KERNEL, "amax, mode = torch.linalg.vector_norm(x, inf, dim=0).reshape(cols, 1), _PER_COL",
-       "amax, mode = torch.linalg.vector_norm(x, inf, dim=0).reshape(cols, 1), _PER_ROW"), [FP8_INTERPRETED]),
+      (FP8_KERNEL, "mode = _SCALAR if scaling == \"tensor\" else _PER_COL if transpose else _PER_ROW",
+       "mode = _SCALAR if scaling == \"tensor\" else _PER_ROW"), [FP8_INTERPRETED]),
     m("fp8-fused-not-taken", "FP8 operands stay on the torch quantizer where the fused one runs",
-      (LIN, "        if self.takes_fused_fp8(spec, signs, t):\n            return self._fused_fp8(t, spec)\n", ""), [FP8_WIRE]),
+      (LIN, "        if self.takes_fused_fp8(spec, signs, t):\n            return self._fused_fp8(t, [(spec, False)])[0]\n", ""), [FP8_WIRE]),
+    m("fp8-amax-nan-lost", "the FP8 amax pass reduces with a float max that drops a NaN",
+      (FP8_KERNEL, "bits = tl.abs(x).to(tl.int32, bitcast=True)", "bits = tl.where(x != x, 0.0, tl.abs(x)).to(tl.int32, bitcast=True)"),
+      [FP8_AMAX]),
+    m("fp8-pair-amax-not-shared", "an FP8 operand pair takes two amax passes over the same tensor",
+      (LIN, "amax_bits=amaxes[amax_of(spec, transposed)])", "amax_bits=None)"), [FP8_WIRE]),
+    m("graph-generator-replaced", "restoring a layer's state swaps in a new generator, which a captured graph never sees",
+      (LIN, "            if self._generator is None or not _same_device(self._generator.device, self.weight.device):\n",
+       "            if True:\n"), ["tests/nn/test_tensor_cores.py::test_restoring_a_layer_state_keeps_its_generator_object"]),
     m("fp8-fused-pair-not-taken", "an FP8 operand pair quantizes t^T from a transposed view instead of in the kernel",
       (LIN, "and self.takes_fused_fp8(row_spec, signs[0], t) and self.takes_fused_fp8(col_spec, signs[1], t)",
        "and False"), [FP8_WIRE]),

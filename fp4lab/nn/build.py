@@ -47,6 +47,10 @@ def build_model(
 
     embedding_dtype = torch.bfloat16 if recipe.embedding == "bf16" else torch.float32
     model = Llama(config, make_linear, embedding_dtype=embedding_dtype).to(device)
+    linears = fp4_linears(model).values()
+    emulated = any(not (linear.recipe.is_plain_bf16 and not linear.lora_rank) for linear in linears)
+    for linear in linears:
+        linear.traced_plain = not emulated
     for attention in model.attentions():
         attention.kernel = attention_kernel
     for block in model.layers:

@@ -422,6 +422,7 @@ class FP4Linear(nn.Module):
         if lora_rank:
             self.register_buffer("lora_u", torch.zeros(out_features, lora_rank, dtype=torch.bfloat16))
             self.register_buffer("lora_v", torch.zeros(in_features, lora_rank, dtype=torch.bfloat16))
+        self._traced_plain = True
         self.tensor_cores = False
         # "fp8": on the tensor-core path, MXFP4 x MXFP4 GEMMs run on FP8 tensor cores
         # (fp4lab.numerics.kernels.mx_gemm) instead of bf16 ones (module docstring: what falls back);
@@ -445,11 +446,31 @@ class FP4Linear(nn.Module):
     @tensor_cores.setter
     def tensor_cores(self, on: bool) -> None:
         self._tensor_cores = on
+        self._choose_forward()
+
+    @property
+    def traced_plain(self) -> bool:
+        """Whether torch.compile traces this layer where it is a plain bf16 linear (module docstring)."""
+        return self._traced_plain
+
+    @traced_plain.setter
+    def traced_plain(self, on: bool) -> None:
+        self._traced_plain = on
+        self._choose_forward()
+
+    def _choose_forward(self) -> None:
         # torch.compile traces a plain bf16 linear into the model's graph. An emulated one runs eagerly:
         # its per-layer seed and generator would specialise one graph per layer, and its quantizers
         # have kernels of their own. Disabling the bound forward makes the call itself the graph break.
-        plain = on and self.recipe.is_plain_bf16 and not self.lora_rank
-        self.forward = self._bf16_forward if plain else torch.compiler.disable(self._emulated_forward)
+        # In a model that also has emulated layers, the blocks' compiled code breaks at every linear call
+        # (bf16 blocks share the FP4 blocks' code), so a traced plain layer would be compiled on its own,
+        # once per weight shape and input dtype, past torch's recompile limit: there it runs eagerly too
+        # (`build_model` sets `traced_plain`).
+        plain = self.tensor_cores and self.recipe.is_plain_bf16 and not self.lora_rank
+        if plain and self._traced_plain:
+            self.forward = self._bf16_forward
+        else:
+            self.forward = torch.compiler.disable(self._bf16_forward if plain else self._emulated_forward)
 
     def _bf16_forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16))

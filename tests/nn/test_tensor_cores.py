@@ -192,6 +192,49 @@ def test_plain_bf16_recipe_is_an_ordinary_bf16_linear(device):
     assert torch.equal(y, torch.nn.functional.linear(x.bfloat16(), layer.weight.bfloat16()))
 
 
+def test_plain_layers_are_traced_only_in_an_all_plain_model():
+    """torch.compile traces the plain bf16 linears of an all-bf16 model into its graph; in a model with
+    emulated layers (nvfp4's bf16 blocks and head) they run eagerly like the emulated ones: traced,
+    each would be compiled on its own per weight shape and input dtype, past torch's recompile limit."""
+    from fp4lab.nn.build import build_model, fp4_linears
+    from fp4lab.nn.model_config import preset
+
+    config = preset("tiny", 256, 64)
+    for recipe, traced in (("bf16", True), ("nvfp4", False)):
+        linears = fp4_linears(build_model(config, load_recipe(recipe), seed=0, tensor_cores=True))
+        plain = [linear for linear in linears.values() if linear.recipe.is_plain_bf16]
+        assert plain and all(linear.traced_plain == traced for linear in linears.values())
+        for linear in plain:
+            assert (linear.forward == linear._bf16_forward) == traced  # a disabled forward is a wrapper
+            x = torch.randn(3, linear.in_features)
+            assert torch.equal(linear(x), torch.nn.functional.linear(x.bfloat16(), linear.weight.bfloat16()))
+
+
+@pytest.mark.cuda
+def test_a_compiled_mixed_model_stays_under_the_recompile_limit(tmp_path):
+    """An nvfp4 run (bf16 first and last blocks, FP4 between) compiles without torch._dynamo hitting
+    its recompile limit (it did for the plain layers' forward, one compile per shape and dtype)."""
+    import logging
+
+    from fp4lab.train.config import TrainConfig
+    from fp4lab.train.data import DataConfig
+    from fp4lab.train.loop import run
+
+    # 125m: 12 blocks, of which the first and the last two are bf16 (the tiny preset has too few).
+    config = TrainConfig(recipe="nvfp4", model="125m", data=DataConfig(source="synthetic"), steps=3, batch_size=2, seq_len=128,
+                         device="cuda", compute="fast", compile="on", eval_every=3, eval_batches=1, out_dir=str(tmp_path))
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    dynamo_log = logging.getLogger("torch._dynamo")  # torch's loggers do not propagate to the root
+    dynamo_log.addHandler(handler)
+    try:
+        run(config, progress=False)
+    finally:
+        dynamo_log.removeHandler(handler)
+    assert not [message for message in seen if "recompile_limit" in message], seen
+
+
 def test_fp4_linear_returns_the_autocast_dtype(device):
     layer = FP4Linear(64, 32, load_recipe("nvfp4-all").linear).to(device)
     layer.tensor_cores = True
