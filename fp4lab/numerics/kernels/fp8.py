@@ -35,12 +35,11 @@ Import lazily, after `fp4lab.numerics.kernels.runs_on(device)`.
 from __future__ import annotations
 
 import os
+import struct
 
 import torch
 import triton
 import triton.language as tl
-
-import struct
 
 from fp4lab.numerics.fp8 import AMAX_EPS, FP8_DTYPES, check_arguments
 from fp4lab.numerics.kernels.quantize import SIGN_BIT, FusedQuant
