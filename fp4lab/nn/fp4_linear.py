@@ -71,6 +71,7 @@ are within a few ulps of nn.RMSNorm's (docs/BENCHMARKS.md: neither fusion gains 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
@@ -584,6 +585,12 @@ class FP4Linear(nn.Module):
         if self.takes_fused_fp8(spec, signs, t):
             return self._fused_fp8(t, [(spec, False)])[0]
         codes = self.wants_codes(name, t.device)
+        if self.takes_fused_full_transform(spec, signs, t):
+            # The transform by its kernel (the reference's bits), then the fused quantizer takes the
+            # transformed operand as one without a transform (its SR bits from the Philox stream).
+            from fp4lab.numerics.kernels.hadamard import hadamard_full_fused
+
+            t, spec, signs = hadamard_full_fused(t, signs), dataclasses.replace(spec, transform="none"), None
         options = kernel_options(spec, signs, t, self.philox_seed) if self.fused_quantizers else None
         if options is not None:
             if codes:
@@ -628,6 +635,16 @@ class FP4Linear(nn.Module):
                 col = col | {"emit_codes": True, "emit_values": False}
             return tuple(self._fused(t, [(row_name, row, False), (col_name, col, True)]))
         return self.operand(row_name, t, signs[0], generator), self.operand(col_name, _pad_last(t.T, multiple), signs[1], generator)
+
+    def takes_fused_full_transform(self, spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor) -> bool:
+        """Whether a full-dimension transform runs as its Triton kernel (`numerics.kernels.hadamard`):
+        fused quantizers on, a 2D operand whose padded length the kernel takes, and the kernels run on
+        t; the transformed operand is then quantized by the fused quantizer where it covers the spec."""
+        if not (spec.full_transform and signs is not None and self.fused_quantizers and t.dim() == 2 and runs_on(t.device)):
+            return False
+        from fp4lab.numerics.kernels.hadamard import fits
+
+        return fits(signs.numel())
 
     def takes_fused_fp8(self, spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor) -> bool:
         """Whether an FP8 operand comes from the fused FP8 quantizer (`numerics.kernels.fp8`): no

@@ -2,6 +2,7 @@
 
     kernels.quantize   numerics.quantize     fused MXFP4 / NVFP4 quantizers, codes-only output, fused decode
     kernels.fp8        numerics.fp8          fused FP8 quantizer (current scaling)
+    kernels.hadamard   numerics.hadamard     the full-dimension Hadamard transform (hadamard_full) in one pass
     kernels.fusion     numerics.fusion       SwiGLU / residual + RMSNorm producers emitting GEMM operands
     kernels.mx_gemm    numerics.mx_gemm      MXFP4 x MXFP4 GEMM on FP8 tensor cores
     kernels.tile_gemm  numerics.tile_gemm    chunk-scaled GEMM of 2D CTA-local weights
