@@ -48,6 +48,7 @@ def m(name: str, what: str, edits, tests) -> Mutation:
 
 LOOP = "fp4lab/train/loop.py"
 PRUNING = "tests/lab/test_pruning.py::"
+FAULTS = "tests/train/test_faults.py::"
 TRAIN_BUILD = "fp4lab/train/build.py"
 ATTN = "fp4lab/nn/attention.py"
 MX_GEMM = "fp4lab/numerics/kernels/mx_gemm.py"
@@ -504,6 +505,19 @@ MUTATIONS = [
     m("full-transform-kernel-pair-swapped", "the Hadamard kernel's butterfly writes (a - b, a + b) for (a, b)",
       ("fp4lab/numerics/kernels/hadamard.py", "tl.join(a + b, a - b)", "tl.join(a - b, a + b)"),
       ["tests/kernels/test_triton_hadamard.py::test_kernel_matches_the_reference_under_the_interpreter"]),
+    m("checkpoint-one-generation", "a one-process save replaces the checkpoint without keeping the generation before",
+      ("fp4lab/train/checkpoint.py", "            keep_previous=out / PREVIOUS_CHECKPOINT,\n", ""),
+      [FAULTS + "test_a_damaged_newest_checkpoint_falls_back_to_the_previous_and_resumes_exactly"]),
+    m("checkpoint-no-fallback", "resuming reads only the newest checkpoint, damaged or not",
+      ("fp4lab/train/checkpoint.py", "    for path in (out / CHECKPOINT, out / PREVIOUS_CHECKPOINT):\n", "    for path in (out / CHECKPOINT,):\n"),
+      [FAULTS + "test_a_damaged_newest_checkpoint_falls_back_to_the_previous_and_resumes_exactly"]),
+    m("checkpoint-saved-twice-at-a-stop", "a run stopped right after a periodic save saves the same step again",
+      (LOOP, "                    if not saved:  # saving this step again would push its previous generation out\n"
+             "                        save_run(", "                    if True:\n                        save_run("),
+      [FAULTS + "test_a_damaged_newest_checkpoint_falls_back_to_the_previous_and_resumes_exactly"]),
+    m("no-space-not-recognised", "a write that meets a full disk raises the library's own words (torch: 'unexpected pos')",
+      ("fp4lab/train/atomic.py", "        if full is not None:\n            raise no_space_left(", "        if False:\n            raise no_space_left("),
+      [FAULTS + "test_a_disk_that_fills_while_checkpointing_says_so_keeps_the_last_checkpoint_and_records_why"]),
     m("graph-generator-replaced", "restoring a layer's state swaps in a new generator, which a captured graph never sees",
       (LIN, "            if self._generator is None or not _same_device(self._generator.device, self.weight.device):\n",
        "            if True:\n"), ["tests/nn/test_tensor_cores.py::test_restoring_a_layer_state_keeps_its_generator_object"]),

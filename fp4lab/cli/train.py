@@ -160,6 +160,8 @@ def _run(train_config, config: Path | None, catalog: Path | None) -> dict:
     """Train in this process (with --catalog, the sweep run that config file is, recorded there); its summary."""
     from fp4lab.lab.records.catalog import CatalogError
     from fp4lab.nn.recipe import RecipeError
+    from fp4lab.train.atomic import NoSpaceLeft
+    from fp4lab.train.checkpoint import CheckpointDamaged
     from fp4lab.train.config import CheckpointMismatch, ConfigError
     from fp4lab.train.loop import run
 
@@ -172,7 +174,7 @@ def _run(train_config, config: Path | None, catalog: Path | None) -> dict:
         return run(train_config)
     except CheckpointMismatch as exc:
         fail(f"{str(exc).splitlines()[0]}: --fresh starts over, --out trains into another folder")
-    except (ConfigError, RecipeError, ValueError, CatalogError) as exc:
+    except (ConfigError, RecipeError, ValueError, CatalogError, CheckpointDamaged, NoSpaceLeft) as exc:
         fail(str(exc).splitlines()[0])
 
 
@@ -260,9 +262,9 @@ def _holding(folder: Path):
 def _clear_run_folder(folder: Path) -> None:
     """Remove only the files a training run writes (either kind of checkpoint, one process or sharded),
     never anything else the user keeps there."""
-    from fp4lab.train.checkpoint import CHECKPOINT, SHARDED_CHECKPOINT, remove_checkpoint
+    from fp4lab.train.checkpoint import CHECKPOINT, PREVIOUS_CHECKPOINT, SHARDED_CHECKPOINT, remove_checkpoint
 
-    for name in (CHECKPOINT, SHARDED_CHECKPOINT):
+    for name in (CHECKPOINT, PREVIOUS_CHECKPOINT, SHARDED_CHECKPOINT):
         remove_checkpoint(folder / name)
     for name in ("metrics.jsonl", "summary.json", "config.json"):
         (folder / name).unlink(missing_ok=True)

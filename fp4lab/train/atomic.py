@@ -17,6 +17,51 @@ from pathlib import Path
 from typing import BinaryIO
 
 TEMP_SUFFIX = ".tmp"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class NoSpaceLeft(OSError):
+    """A write that failed because its filesystem is full (or the user's quota is): the message names
+    the file, says "no space left on device" and that the file it would have replaced is kept."""
+
+
+def _no_space_error(exc: BaseException, seen: list[OSError]) -> OSError | None:
+    """The ENOSPC / EDQUOT error behind a failed write: raised directly, chained (`__cause__`,
+    `__context__`), or one the handle saw and a library turned into its own error (torch.save reports a
+    short write as "unexpected pos")."""
+    chain, error = [], exc
+    while error is not None and len(chain) < 16:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return next((e for e in [*chain, *seen] if isinstance(e, OSError) and e.errno in _NO_SPACE), None)
+
+
+def no_space_left(path: Path, error: OSError, kept: str) -> NoSpaceLeft:
+    """The one-line error of a write to `path` that found its filesystem full; `kept` says what survives."""
+    try:
+        free = shutil.disk_usage(Path(path).parent).free
+        where = f" ({free / 2**20:.1f} MiB free there)"
+    except OSError:
+        where = ""
+    return NoSpaceLeft(error.errno, f"no space left on device writing {path}{where}; {kept}. Free space on that "
+                                    "filesystem (or point the run elsewhere) and run the command again")
+
+
+class _WatchedHandle:
+    """A file handle that remembers the OSErrors its writes raised, which a library may catch and replace."""
+
+    def __init__(self, handle: BinaryIO, seen: list[OSError]):
+        self._handle, self._seen = handle, seen
+
+    def write(self, data) -> int:
+        try:
+            return self._handle.write(data)
+        except OSError as error:
+            self._seen.append(error)
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._handle, name)
 
 
 def temp_prefix(path: Path) -> str:
@@ -24,28 +69,41 @@ def temp_prefix(path: Path) -> str:
     return f".{Path(path).name}."
 
 
-def replace_atomically(path: Path, write: Callable[[BinaryIO], object], *, executable: bool = False) -> None:
+def replace_atomically(path: Path, write: Callable[[BinaryIO], object], *, executable: bool = False,
+                       keep_previous: Path | None = None) -> None:
     """Call `write` on a temporary file beside `path`, fsync it, rename it over `path`, fsync the folder.
 
     The new file keeps the mode of the file it replaces; a new one gets what the umask leaves of 0o666
     (0o777 when `executable`), like any file the user creates: a catalog or a script shared with the
-    group stays readable to it (mkstemp would make it private)."""
+    group stays readable to it (mkstemp would make it private). `keep_previous`: the file being replaced
+    is first renamed there (a second generation), once the new one is whole; a kill between the two
+    renames leaves the previous generation and no `path`. A filesystem that fills up raises NoSpaceLeft
+    naming `path`; `path` (and `keep_previous`) are then as they were."""
     path = Path(path)
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
     temp = directory / f"{temp_prefix(path)}{secrets.token_hex(8)}{TEMP_SUFFIX}"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o777 if executable else 0o666)
+    seen: list[OSError] = []
     try:
-        with os.fdopen(fd, "wb") as handle:
-            with contextlib.suppress(FileNotFoundError, PermissionError):
-                os.fchmod(handle.fileno(), path.stat().st_mode & 0o7777)
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o777 if executable else 0o666)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                with contextlib.suppress(FileNotFoundError, PermissionError):
+                    os.fchmod(handle.fileno(), path.stat().st_mode & 0o7777)
+                write(_WatchedHandle(handle, seen))
+                handle.flush()
+                os.fsync(handle.fileno())
+            if keep_previous is not None and path.exists():
+                os.replace(path, keep_previous)
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+    except Exception as exc:
+        full = _no_space_error(exc, seen)
+        if full is not None:
+            raise no_space_left(path, full, f"{path.name} was left as it was") from exc
         raise
     _fsync_dir(directory)
 

@@ -5,8 +5,10 @@ tensors on the CPU, whichever kind it is (`saved_model`, what `fp4lab export` re
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import pickle
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,19 +19,58 @@ import torch
 from fp4lab.nn.build import attention_generators, fp4_linears
 from fp4lab.nn.model import Llama
 from fp4lab.train import distributed
-from fp4lab.train.atomic import replace_atomically
+from fp4lab.train.atomic import no_space_left, replace_atomically
 from fp4lab.train.config import RESULT_NEUTRAL, CheckpointMismatch, ConfigError, TrainConfig
 from fp4lab.train.jsonl import json_line, read_metrics_file
-from fp4lab.train.run_folder import CHECKPOINT, SHARDED_CHECKPOINT
+from fp4lab.train.run_folder import CHECKPOINT, PREVIOUS_CHECKPOINT, SHARDED_CHECKPOINT
 
 
-def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    replace_atomically(path, lambda handle: torch.save(state, handle))
+def save_checkpoint(path: Path, state: dict[str, Any], keep_previous: Path | None = None) -> None:
+    replace_atomically(path, lambda handle: torch.save(state, handle), keep_previous=keep_previous)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     # Our own checkpoints hold only tensors, numbers, strings and RNG states.
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class CheckpointDamaged(RuntimeError):
+    """No generation of a run folder's one-process checkpoint can be read; the message names the files."""
+
+
+class DamagedCheckpointWarning(UserWarning):
+    """The newest checkpoint could not be read and the run resumes from the generation before it."""
+
+
+# What torch.load raises on a file cut short or overwritten: its zip reader's RuntimeError, an
+# unpickling error, an end of file, or a value that is not a checkpoint.
+_UNREADABLE = (RuntimeError, EOFError, OSError, ValueError, KeyError, pickle.UnpicklingError)
+
+
+def load_newest(out: Path) -> tuple[dict[str, Any], Path]:
+    """The newest one-process checkpoint of the run folder `out` that reads whole, and its file:
+    checkpoint.pt, or, when that is missing or damaged, the generation before it (checkpoint.prev.pt),
+    with a DamagedCheckpointWarning naming both. CheckpointDamaged when neither reads."""
+    failures = []
+    for path in (out / CHECKPOINT, out / PREVIOUS_CHECKPOINT):
+        if not path.exists():
+            continue
+        try:
+            checkpoint = load_checkpoint(path)
+            checkpoint["state"]["step"]  # a file of another kind has no run state
+        except _UNREADABLE as exc:
+            failures.append(f"{path} ({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:120]})")
+            continue
+        if failures:
+            import warnings
+
+            warnings.warn(f"resuming from {path}: the newer checkpoint cannot be read: {failures[0]}", DamagedCheckpointWarning,
+                          stacklevel=2)
+        return checkpoint, path
+    if not failures:
+        raise FileNotFoundError(f"{out} holds no checkpoint ({CHECKPOINT} or {PREVIOUS_CHECKPOINT})")
+    raise CheckpointDamaged(f"no checkpoint of {out} can be read: {'; '.join(failures)}. To train this run again from step 0, "
+                            f"remove {out / CHECKPOINT} and {out / PREVIOUS_CHECKPOINT} (or train with --fresh)")
 
 
 # A sharded checkpoint is a folder of step folders, each a DCP checkpoint (model and optimizer, every
@@ -56,12 +97,15 @@ def newest_checkpoint(one_process: Path, sharded: Path) -> Path | None:
     format and then removes the one it resumed from (remove_checkpoint); a kill in between leaves
     both, and the newer step wins (a save always follows at least one step of training)."""
     step_folder = latest_sharded(sharded)
-    if not one_process.exists():
+    previous = one_process.with_name(PREVIOUS_CHECKPOINT)
+    if not (one_process.exists() or previous.exists()):
         return step_folder
     if step_folder is None:
         return one_process
-    # mmap: only the run state is read, not the tensors.
-    one_process_step = torch.load(one_process, map_location="cpu", weights_only=True, mmap=True)["state"]["step"]
+    try:  # mmap: only the run state is read, not the tensors
+        one_process_step = torch.load(one_process, map_location="cpu", weights_only=True, mmap=True)["state"]["step"]
+    except _UNREADABLE:  # damaged or missing: the sharded checkpoint is whole
+        return step_folder
     return one_process if one_process_step > int(step_folder.name.removeprefix(STEP_PREFIX)) else step_folder
 
 
@@ -74,8 +118,7 @@ def saved_model(out: Path) -> tuple[dict[str, torch.Tensor], int, Path]:
     if source is None:
         raise FileNotFoundError(f"{out} holds no checkpoint ({CHECKPOINT} or {SHARDED_CHECKPOINT}/)")
     if source.name == CHECKPOINT:
-        # mmap: the optimizer state is never read, and each tensor only when its caller reads it.
-        checkpoint = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+        checkpoint, source = load_newest(out)
         return _tensors_only(checkpoint["model"]), checkpoint["state"]["step"], source
     import warnings
 
@@ -206,11 +249,20 @@ class MetricsLog:
         self._handle = open(path, "a")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._handle.write(json_line(record) + "\n")
-        self._handle.flush()
+        try:
+            self._handle.write(json_line(record) + "\n")
+            self._handle.flush()
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise no_space_left(self.path, error, "the lines written before it are kept") from error
+            raise
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
-        self._handle.close()
+        try:
+            self._handle.close()
+        except OSError as error:  # a full disk was already reported by the write that met it
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
 
 
 def finite_or_none(value: float | None) -> float | None:
@@ -258,7 +310,8 @@ def save_run(out: Path, config: TrainConfig, model: Llama, optimizer, state: Run
     else:
         save_checkpoint(
             out / CHECKPOINT,
-            {
+            keep_previous=out / PREVIOUS_CHECKPOINT,
+            state={
                 "config": config.to_dict(),
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
@@ -287,9 +340,9 @@ def resume_run(out: Path, config: TrainConfig, model: Llama, optimizer, ranks: d
         return RunState()
     if source.name != CHECKPOINT:
         return _restore_sharded(source, config, model, optimizer, ranks)
+    checkpoint, source = load_newest(out)
     if ranks.mode == "none":
-        return _restore(source, config, model, optimizer)
-    checkpoint = load_checkpoint(source)
+        return _restore(source, checkpoint, config, model, optimizer)
     _check_resumable(source, checkpoint["config"], config)
     load_whole(model, optimizer.optimizers, checkpoint["model"], checkpoint["optimizer"], whole_optimizer_order)
     state = RunState(**checkpoint["state"])
@@ -303,8 +356,7 @@ def resume_run(out: Path, config: TrainConfig, model: Llama, optimizer, ranks: d
         distributed.fresh_random_streams(model, state.step)
     return state
 
-def _restore(path: Path, config: TrainConfig, model: Llama, optimizer) -> RunState:
-    checkpoint = load_checkpoint(path)
+def _restore(path: Path, checkpoint: dict[str, Any], config: TrainConfig, model: Llama, optimizer) -> RunState:
     _check_resumable(path, checkpoint["config"], config)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])

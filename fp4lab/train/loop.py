@@ -148,7 +148,8 @@ def _train(run: _Run, config: TrainConfig, recipe: Recipe, ranks: distributed.Ra
             steps_this_call += 1
             if status == "diverged":
                 break
-            if state.step % config.checkpoint_every == 0 or state.step == config.steps:
+            saved = state.step % config.checkpoint_every == 0 or state.step == config.steps
+            if saved:
                 save_run(Path(config.out_dir), config, run.model, run.optimizer, state, ranks)
             # Every eval goes to the trial (the last one too: optuna-dashboard draws the whole curve).
             pruned = run.trial is not None and "val_loss" in record and run.trial.should_stop(state.step, record["val_loss"])
@@ -158,7 +159,8 @@ def _train(run: _Run, config: TrainConfig, recipe: Recipe, ranks: distributed.Ra
                     reason = _agreed_stop(ranks, reason, stop_requested)
                 if reason:
                     status = reason
-                    save_run(Path(config.out_dir), config, run.model, run.optimizer, state, ranks)
+                    if not saved:  # saving this step again would push its previous generation out
+                        save_run(Path(config.out_dir), config, run.model, run.optimizer, state, ranks)
                     break
     summary = run_summary(
         status, diverged_step, config, state, recipe, device, run.paths, world_size=ranks.world,

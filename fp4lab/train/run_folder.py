@@ -18,6 +18,9 @@ from pathlib import Path
 
 LOCK_NAME = "trainer.lock"
 CHECKPOINT = "checkpoint.pt"
+# The generation before it: a one-process save renames the checkpoint it replaces to this name, so a
+# damaged newest one (a truncated copy, a full quota) falls back to it (checkpoint.load_newest).
+PREVIOUS_CHECKPOINT = "checkpoint.prev.pt"
 # A run of several ranks (parallel != "none") checkpoints here instead: fp4lab.train.checkpoint.save_sharded.
 # Either resumes in the other kind of run, on any number of ranks (checkpoint.resume_run).
 SHARDED_CHECKPOINT = "checkpoint.dcp"
@@ -109,4 +112,5 @@ def holder(out_dir: str | os.PathLike[str]) -> str | None:
 
 def has_checkpoint(out_dir: str | Path) -> bool:
     """Whether a run in `out_dir` resumes (a one-process checkpoint or a sharded one) rather than starts."""
-    return (Path(out_dir) / CHECKPOINT).exists() or (Path(out_dir) / SHARDED_CHECKPOINT).is_dir()
+    folder = Path(out_dir)
+    return any((folder / name).exists() for name in (CHECKPOINT, PREVIOUS_CHECKPOINT)) or (folder / SHARDED_CHECKPOINT).is_dir()

@@ -69,7 +69,8 @@ def recompute_step(config: TrainConfig, step: int) -> dict[str, torch.Tensor]:
     from a step the run's checkpoint resumes at, replayed outside the loop."""
     recipe, data = load_recipe(config.recipe), load_dataset(config.data, progress=False)
     model, optimizer, loss_fn = build_training(config, recipe, preset(config.model, data.vocab_size, config.seq_len), torch.device("cpu"))
-    assert _restore(Path(config.out_dir) / "checkpoint.pt", config, model, optimizer).step == step
+    path = Path(config.out_dir) / "checkpoint.pt"
+    assert _restore(path, load_checkpoint(path), config, model, optimizer).step == step
     _set_probes(model, False, record_max_logits=False)
     linear = dict(model.named_modules())["layers.0.attention.wq"]
     seen = {}
