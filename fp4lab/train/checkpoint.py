@@ -10,6 +10,7 @@ import json
 import math
 import pickle
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,19 +39,22 @@ class CheckpointDamaged(RuntimeError):
     """No generation of a run folder's one-process checkpoint can be read; the message names the files."""
 
 
-class DamagedCheckpointWarning(UserWarning):
-    """The newest checkpoint could not be read and the run resumes from the generation before it."""
-
-
 # What torch.load raises on a file cut short or overwritten: its zip reader's RuntimeError, an
 # unpickling error, an end of file, or a value that is not a checkpoint.
 _UNREADABLE = (RuntimeError, EOFError, OSError, ValueError, KeyError, pickle.UnpicklingError)
 
 
+def _first_sentence(exc: BaseException) -> str:
+    """`Type: message` cut at its first sentence (torch's zip reader appends a paragraph of advice)."""
+    message = (str(exc).strip().splitlines() or [""])[0]
+    cut = message.find(". ", 20)
+    return f"{type(exc).__name__}: {message[:cut] if cut > 0 else message}"[:160]
+
+
 def load_newest(out: Path) -> tuple[dict[str, Any], Path]:
     """The newest one-process checkpoint of the run folder `out` that reads whole, and its file:
     checkpoint.pt, or, when that is missing or damaged, the generation before it (checkpoint.prev.pt),
-    with a DamagedCheckpointWarning naming both. CheckpointDamaged when neither reads."""
+    saying so on stderr in one line naming both. CheckpointDamaged when neither reads."""
     failures = []
     for path in (out / CHECKPOINT, out / PREVIOUS_CHECKPOINT):
         if not path.exists():
@@ -59,13 +63,10 @@ def load_newest(out: Path) -> tuple[dict[str, Any], Path]:
             checkpoint = load_checkpoint(path)
             checkpoint["state"]["step"]  # a file of another kind has no run state
         except _UNREADABLE as exc:
-            failures.append(f"{path} ({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:120]})")
+            failures.append(f"{path} ({_first_sentence(exc)})")
             continue
         if failures:
-            import warnings
-
-            warnings.warn(f"resuming from {path}: the newer checkpoint cannot be read: {failures[0]}", DamagedCheckpointWarning,
-                          stacklevel=2)
+            print(f"warning: {failures[0]} cannot be read; resuming from {path}, the checkpoint before it", file=sys.stderr, flush=True)
         return checkpoint, path
     if not failures:
         raise FileNotFoundError(f"{out} holds no checkpoint ({CHECKPOINT} or {PREVIOUS_CHECKPOINT})")
