@@ -818,8 +818,7 @@ class FP4Linear(nn.Module):
 
     def draws_random_bits(self) -> bool:
         """Whether a step of this layer draws from its generator (SR or random Hadamard signs)."""
-        specs = [self.recipe.operand(name) for name in OPERANDS]
-        return any((s.rounding == "sr" and s.is_fp4) or (s.transform != "none" and s.transform_signs == "random") for s in specs)
+        return not all(_deterministic(self.recipe.operand(name)) for name in OPERANDS)
 
     def graph_blocker(self) -> str | None:
         """Why a step of this layer cannot be replayed from a CUDA graph, or None. Every draw comes
