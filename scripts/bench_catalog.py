@@ -4,7 +4,10 @@ For each size it builds a catalog of that many records shaped like the ledger's 
 first record of docs/ledger/sweep_catalog.json with a new id, spread over sweeps of 100 runs), then
 measures, on this machine:
 
-- one update: `Catalog.update` of one run's state (median of --repeats, and the slowest);
+- carrying it over: the first write, which moves a catalog file of the old format into the store, and
+  the first rebuild of `sweep_catalog.json` from it;
+- one update: `Catalog.update` of one run's state (median of --repeats, and the slowest), and the
+  rebuild of `sweep_catalog.json` after them (what a process that wrote pays when it ends);
 - a sweep's status: `fp4lab status SWEEP --json` in a fresh process (wall time, Python start included);
 - a sweep's report: `fp4lab report SWEEP` in a fresh process (wall time; the report's own tables and plots);
 - concurrent writers: --writers processes each making --updates updates of their own runs at once,
@@ -34,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fp4lab.lab.records.catalog import Catalog, _write  # noqa: E402
+from fp4lab.lab.records.catalog import Catalog  # noqa: E402
 
 RUNS_PER_SWEEP = 100
 
@@ -45,17 +48,25 @@ def template() -> dict:
 
 
 def build(path: Path, size: int) -> list[str]:
-    """A catalog of `size` records at `path`; their ids in order."""
+    """A catalog file of `size` records at `path` in the format before the store (schema 3, one file),
+    as a lab's catalog was; their ids in order. The first write carries it into a store."""
     base = template()
-    runs = {}
-    for index in range(size):
-        record = copy.deepcopy(base)
-        run_id = f"{index:012x}"
-        sweep = f"sweep{index // RUNS_PER_SWEEP:05d}"
-        record.update(id=run_id, sweep=sweep, sweeps=[sweep], owner=None, state="completed")
-        runs[run_id] = record
-    _write(path, runs)
-    return list(runs)
+    with open(path, "w") as handle:
+        handle.write('{"schema_version": 3, "runs": {\n')
+        for index in range(size):
+            record = copy.deepcopy(base)
+            run_id = f"{index:012x}"
+            sweep = f"sweep{index // RUNS_PER_SWEEP:05d}"
+            record.update(id=run_id, sweep=sweep, sweeps=[sweep], owner=None, state="completed")
+            handle.write(("" if index == 0 else ",\n") + f"{json.dumps(run_id)}: {json.dumps(record)}")
+        handle.write("\n}}\n")
+    return [f"{index:012x}" for index in range(size)]
+
+
+def timed(action) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
 
 
 def time_updates(catalog: Catalog, ids: list[str], repeats: int) -> list[float]:
@@ -122,7 +133,10 @@ def main() -> None:
         ids = build(path, size)
         row = {"records": size, "file_mb": round(path.stat().st_size / 2**20, 1), "build_s": round(time.perf_counter() - started, 1)}
         catalog = Catalog(path, timeout=-1)
+        row["migrate_s"] = round(timed(lambda: catalog.update(ids[0], state="completed")), 2)
+        row["first_view_s"] = round(timed(catalog.sync), 2)
         updates = time_updates(catalog, ids, options.repeats)
+        row["view_after_updates_s"] = round(timed(catalog.sync), 2)
         row["update_s_median"], row["update_s_max"] = round(statistics.median(updates), 4), round(max(updates), 4)
         sweep = "sweep00000"
         row["status_sweep_s"] = round(time_command(["status", sweep, "--json", "--catalog", str(path)], path.parent), 2)

@@ -75,13 +75,13 @@ def complete_sweep(ctx, incomplete: str) -> list[str]:
     starting with what was typed; none where there is no readable catalog."""
     from pathlib import Path
 
-    from fp4lab.lab.records.catalog import Catalog, CatalogError, sweeps_of
+    from fp4lab.lab.records.catalog import Catalog, CatalogError
 
     path = Path(ctx.params.get("catalog") or "sweep_catalog.json")
     if not path.is_file():
         return []
     try:
-        names = {name for record in Catalog(path).records() for name in sweeps_of(record)}
+        names = Catalog(path).sweeps()
     except (CatalogError, OSError):
         return []
-    return sorted(name for name in names if name and name.startswith(incomplete))
+    return [name for name in names if name.startswith(incomplete)]

@@ -183,7 +183,7 @@ def sweep(
     console = rich_console()
     try:
         runs_catalog = Catalog(catalog)
-        runs_catalog.records()  # a corrupt catalog fails here, before anything is written
+        runs_catalog.sweeps()  # a corrupt catalog fails here, before anything is written
         dependency = _after_dependency(runs_catalog, after, spec) if after is not None else None
         options = {"workers": workers} if executor == "local" else {"dependency": dependency}
         runner = make_executor(executor, **options)
@@ -233,7 +233,6 @@ def sweep(
 def _after_dependency(runs_catalog, name: str, spec: Path) -> str | None:
     """The --dependency that waits for sweep `name`'s jobs (fp4lab.lab.runs.slurm.after_sweep); a
     one-line error when the catalog has no such sweep, or the spec sets a dependency of its own."""
-    from fp4lab.lab.records.catalog import sweeps_of
     from fp4lab.lab.runs.slurm import after_sweep
     from fp4lab.lab.specs.sweep_spec import load_spec
     from fp4lab.validation import did_you_mean
@@ -243,7 +242,7 @@ def _after_dependency(runs_catalog, name: str, spec: Path) -> str | None:
 
     records = runs_catalog.records(sweep=name)
     if not records:
-        known = sorted({member for record in runs_catalog.records() for member in sweeps_of(record)})
+        known = runs_catalog.sweeps()
         fail(f"sweep: --after {name}: the catalog {str(runs_catalog.path)!r} has no sweep of that name{did_you_mean(name, known)}"
              f"; {'its sweeps: ' + ', '.join(known) if known else 'submit that sweep first'}")
     return after_sweep(records, name)
@@ -514,7 +513,7 @@ def _status_rows(runs_catalog, sweep_name: str | None) -> list[dict]:
     from fp4lab.lab.runs.sweep import progress_of, refresh
 
     if sweep_name is not None and not runs_catalog.records(sweep=sweep_name):
-        known = sorted({r["sweep"] for r in runs_catalog.records(per_sweep=True) if r["sweep"]})
+        known = runs_catalog.sweeps()
         fail(f"status: no sweep {sweep_name!r} in {runs_catalog.path} (sweeps: {', '.join(known) or 'none'})")
     refresh(runs_catalog, ScanThresholds(), sweep_name)
     rows = []

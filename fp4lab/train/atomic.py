@@ -70,7 +70,7 @@ def temp_prefix(path: Path) -> str:
 
 
 def replace_atomically(path: Path, write: Callable[[BinaryIO], object], *, executable: bool = False,
-                       keep_previous: Path | None = None) -> None:
+                       keep_previous: Path | None = None, temp_dir: Path | None = None) -> None:
     """Call `write` on a temporary file beside `path`, fsync it, rename it over `path`, fsync the folder.
 
     The new file keeps the mode of the file it replaces; a new one gets what the umask leaves of 0o666
@@ -78,11 +78,13 @@ def replace_atomically(path: Path, write: Callable[[BinaryIO], object], *, execu
     group stays readable to it (mkstemp would make it private). `keep_previous`: the file being replaced
     is first renamed there (a second generation), once the new one is whole; a kill between the two
     renames leaves the previous generation and no `path`. A filesystem that fills up raises NoSpaceLeft
-    naming `path`; `path` (and `keep_previous`) are then as they were."""
+    naming `path`; `path` (and `keep_previous`) are then as they were. `temp_dir` (on the same
+    filesystem) holds the temporary file instead of `path`'s folder: where that folder is large, a writer
+    cleaning up after a killed one lists only `temp_dir`."""
     path = Path(path)
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    temp = directory / f"{temp_prefix(path)}{secrets.token_hex(8)}{TEMP_SUFFIX}"
+    temp = (temp_dir or directory) / f"{temp_prefix(path)}{secrets.token_hex(8)}{TEMP_SUFFIX}"
     seen: list[OSError] = []
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o777 if executable else 0o666)

@@ -39,11 +39,20 @@ def child(code: str, *args: str, **popen) -> subprocess.Popen:
 
 
 def temp_files(path: Path) -> list[str]:
-    return sorted(n for n in os.listdir(path.parent) if n.startswith(f".{path.name}.") and n.endswith(".tmp"))
+    """Temporary files of writes to the catalog: its view's, and its store's (kept in the store's tmp/)."""
+    beside = [n for n in os.listdir(path.parent) if n.startswith(f".{path.name}.") and n.endswith(".tmp")]
+    store_tmp = path.with_name(path.name + ".d") / "tmp"
+    return sorted(beside + (os.listdir(store_tmp) if store_tmp.is_dir() else []))
+
+
+def run_file(path: Path, run_id: str) -> Path:
+    return path.with_name(path.name + ".d") / "runs" / f"{run_id}.json"
 
 
 def load(path: Path) -> dict:
-    """The file as a strict JSON reader (jq, a browser) sees it."""
+    """The file as a strict JSON reader (jq, a browser) sees it, once this process's writes are in it
+    (the view is rebuilt when a process that wrote ends, or by `sync`)."""
+    Catalog(path).sync()
 
     def no_constants(name):
         raise AssertionError(f"non-standard JSON constant {name} in the catalog")
@@ -103,7 +112,7 @@ def test_round_trip_through_the_file(cat):
     assert stored["updated_at"] is not None
 
     data = load(cat.path)
-    assert data["schema_version"] == SCHEMA_VERSION == 3
+    assert data["schema_version"] == SCHEMA_VERSION == 4
     assert list(data["runs"]) == [FULL["id"]]
     again = Catalog(cat.path)  # a fresh reader
     assert again.get(FULL["id"]) == stored == data["runs"][FULL["id"]]
@@ -236,15 +245,19 @@ def test_transaction_writes_once_and_discards_on_error(cat):
         tx.upsert({"id": "new"})
         cat.update("new", state="running")  # a call on the Catalog inside the block joins the transaction
         assert cat.get("new")["state"] == "running" and "new" in tx
-        assert "new" not in load(cat.path)["runs"]  # nothing on disk until the block ends
+        assert not run_file(cat.path, "new").exists()  # nothing on disk until the block ends
+        with pytest.raises(RuntimeError, match="inside a transaction"):
+            cat.sync()
     assert cat.get("shared")["extra"]["count"] == 1 and cat.get("new")["state"] == "running"
 
-    before = cat.path.read_bytes()
+    cat.sync()
+    before = cat.path.read_bytes(), run_file(cat.path, "shared").read_bytes(), run_file(cat.path, "new").read_bytes()
     with pytest.raises(RuntimeError, match="boom"), cat.transaction() as tx:
         tx.update("shared", extra={"count": 99})
         tx.delete("new")
         raise RuntimeError("boom")
-    assert cat.path.read_bytes() == before
+    cat.sync()
+    assert (cat.path.read_bytes(), run_file(cat.path, "shared").read_bytes(), run_file(cat.path, "new").read_bytes()) == before
 
     mtime = cat.path.stat().st_mtime_ns
     with cat.transaction() as tx:  # a read-only transaction does not rewrite the file
@@ -254,9 +267,11 @@ def test_transaction_writes_once_and_discards_on_error(cat):
 
 def test_existing_file_mode_is_kept(cat):
     cat.upsert({"id": "a"})
+    cat.sync()
     os.chmod(cat.path, 0o640)
     cat.upsert({"id": "b"})
-    assert cat.path.stat().st_mode & 0o777 == 0o640
+    cat.sync()
+    assert "b" in json.loads(cat.path.read_text())["runs"] and cat.path.stat().st_mode & 0o777 == 0o640
 
 
 # --------------------------------------------------------------------------------- refusing bad files
@@ -265,7 +280,7 @@ def test_existing_file_mode_is_kept(cat):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"schema_version": 4, "runs": {}}', "schema_version 4, newer than the 3 this fp4lab reads.*upgrade fp4lab"),
+        ('{"schema_version": 5, "runs": {}}', "schema_version 5, newer than the 4 this fp4lab reads.*upgrade fp4lab"),
         ('{"schema_version": 2, "runs": {"a": {"id": "a", "state": "pruned"}}}', "record under 'a' is malformed"),
         ('{"schema_version": 1, "runs": {"a": {"id": "a", "st', "is not valid JSON"),
         ("", "is not valid JSON"),
@@ -332,11 +347,21 @@ cat = catalog.Catalog(sys.argv[1])
 where = sys.argv[2]
 def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
-if where == "replace":          # temp file written and fsynced, not yet renamed
-    catalog.os.replace = die
-elif where == "fsync":          # temp file written, not flushed to disk
-    catalog.os.fsync = die
-elif where == "write":          # temp file half written
+def die_at_call(number, real):
+    calls = []
+    def maybe_die(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == number:
+            die()
+        return real(*args, **kwargs)
+    return maybe_die
+if where == "change log":       # the change line appended, not yet on disk (the first fsync of a write)
+    os.fsync = die
+elif where == "fsync":          # the run file's temporary file written, not yet on disk
+    os.fsync = die_at_call(2, os.fsync)
+elif where == "replace":        # the run file's temporary file on disk, not yet renamed over the run's file
+    os.replace = die
+elif where == "write":          # the run file's temporary file half written
     real_fdopen = os.fdopen
     class HalfWriter:
         def __init__(self, handle):
@@ -356,23 +381,34 @@ elif where == "transaction":    # inside a transaction, before anything is writt
     with cat.transaction() as tx:
         tx.upsert({"id": "never"})
         die()
+elif where == "mid-transaction":  # a transaction of two runs committed, one run file replaced, not the other
+    os.replace = die_at_call(3, os.replace)  # 1: the transaction's file, 2: the first run, 3: the second
+    with cat.transaction() as tx:
+        tx.update("committed", state="failed")
+        tx.upsert({"id": "never"})
 cat.upsert({"id": "never", "config": {"blob": "x" * 100000}})
 """
 
 
-@pytest.mark.parametrize("where", ["write", "fsync", "replace", "transaction"])
-def test_writer_killed_at_each_step_leaves_the_committed_catalog(cat, where):
+@pytest.mark.parametrize("where", ["change log", "write", "fsync", "replace", "transaction", "mid-transaction"])
+def test_writer_killed_at_each_step_leaves_every_record_whole(cat, where):
     cat.upsert({"id": "committed", "state": "completed"})
-    before = cat.path.read_bytes()
+    cat.sync()
+    view = cat.path.read_bytes()
     proc = child(KILLED_AT, str(cat.path), where)
     assert proc.wait(timeout=60) == -signal.SIGKILL
-    assert cat.path.read_bytes() == before  # the old catalog, whole
-    assert [r["id"] for r in Catalog(cat.path).records()] == ["committed"]
-    if where != "transaction":
-        assert len(temp_files(cat.path)) == 1  # the dead writer's temp file is only an orphan...
-    cat.upsert({"id": "after"})  # ...which the next writer removes (under the lock nobody else writes)
-    assert temp_files(cat.path) == []
-    assert [r["id"] for r in cat.records()] == ["committed", "after"]
+    assert cat.path.read_bytes() == view  # the view, whole: only a process that ends rebuilds it
+    # A transaction whose commit point passed is seen whole, even before anyone finishes applying it.
+    applied = where == "mid-transaction"
+    expected = {"committed": "failed", "never": "pending"} if applied else {"committed": "completed"}
+    assert {r["id"]: r["state"] for r in Catalog(cat.path).records()} == expected
+    assert Catalog(cat.path).get("never") == (cat.get("never") if applied else None)
+    assert len(temp_files(cat.path)) == (where in ("write", "fsync", "replace", "mid-transaction"))
+    cat.upsert({"id": "after"})  # the next writer removes the orphan (under the lock nobody else writes) and
+    assert temp_files(cat.path) == []  # finishes the transaction
+    assert not (cat.path.with_name(cat.path.name + ".d") / "transaction.json").exists()
+    assert [r["id"] for r in cat.records()] == [*expected, "after"]
+    assert list(load(cat.path)["runs"]) == [*expected, "after"]
 
 
 LOOPING_WRITER = """
@@ -466,7 +502,7 @@ def test_killed_lock_holder_releases_the_lock(cat):
     assert [r["id"] for r in cat.records()] == ["b"]
 
 
-def test_each_update_rewrites_the_catalog_once_and_changes_only_its_record(cat, monkeypatch):
+def test_an_update_replaces_its_run_file_alone_whatever_the_catalog_size(cat, monkeypatch):
     for i in range(100):  # a catalog of 100 runs with realistic configs
         cat.upsert(
             {
@@ -476,6 +512,7 @@ def test_each_update_rewrites_the_catalog_once_and_changes_only_its_record(cat, 
             }
         )
     before = load(cat.path)["runs"]
+    view = cat.path.read_bytes()
     replaced: list[Path] = []
     real_replace = os.replace
 
@@ -490,9 +527,12 @@ def test_each_update_rewrites_the_catalog_once_and_changes_only_its_record(cat, 
         cat.update(f"r{i}", state="completed")
     per_write = (time.perf_counter() - start) / n
     # printed, not asserted: a wall-clock bound fails on a loaded machine, not on slow code
-    print(f"\nupdate on a 100-run catalog ({cat.path.stat().st_size // 1024} KiB): {per_write * 1e3:.2f} ms")
-    assert replaced == [cat.path] * n  # one atomic rewrite per update, no second pass
+    print(f"\nupdate on a 100-run catalog: {per_write * 1e3:.2f} ms")
+    assert replaced == [run_file(cat.path, f"r{i}") for i in range(n)]  # its own file, once; not the view
+    assert cat.path.read_bytes() == view  # the view is rebuilt once, when the process that wrote ends
+    assert [r["state"] for r in cat.records()][:n] == ["completed"] * n  # readers see every update already
     after = load(cat.path)["runs"]
+    assert list(after) == list(before)  # the rebuilt view keeps the runs' order
     assert [after[f"r{i}"]["state"] for i in range(n)] == ["completed"] * n
     assert {k: v for k, v in after.items() if int(k[1:]) >= n} == {k: v for k, v in before.items() if int(k[1:]) >= n}
     assert temp_files(cat.path) == []
@@ -543,8 +583,8 @@ def test_an_older_catalog_is_carried_over_without_loss_and_written_back_at_the_c
     assert (record["state"], record["summary"], record["extra"]) == ("interrupted", {"final_val_loss": 2.5}, {"trial": 3})
     assert [r["id"] for r in cat.records(sweep="s1")] == ["a"]
     cat.update("a", state="pruned")  # the state version 3 added, on a carried-over record
-    written = json.loads(path.read_text())
-    assert written["schema_version"] == SCHEMA_VERSION == 3
+    written = load(path)
+    assert written["schema_version"] == SCHEMA_VERSION == 4
     assert written["runs"]["a"]["state"] == "pruned" and written["runs"]["a"]["summary"] == {"final_val_loss": 2.5}
     assert Catalog(path).get("a")["extra"] == {"trial": 3}
 

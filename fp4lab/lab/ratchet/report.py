@@ -79,7 +79,7 @@ def _read_iterations(catalog_path: Path, tag: str) -> list[dict[str, Any]]:
     try:
         catalog = Catalog(catalog_path)
         records = catalog.records(sweep=f"ratchet/{tag}")
-        tags = sorted({str(r["sweep"])[8:] for r in catalog.records() if str(r.get("sweep")).startswith("ratchet/")})
+        tags = [name[8:] for name in catalog.sweeps() if name.startswith("ratchet/")]
     except CatalogError as exc:
         raise ValueError(f"{catalog_path}: {str(exc).splitlines()[0]}") from None
     if not records:

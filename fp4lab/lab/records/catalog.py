@@ -1,26 +1,34 @@
-"""`sweep_catalog.json`: one record per run, safe under many writers at once.
+"""`sweep_catalog.json`: one record per run, safe under many writers at once, at any size.
 
-Many Slurm jobs finish together on a shared filesystem and each one writes its own record. This module
-makes every write a locked read-modify-write that replaces the file atomically:
+Many Slurm jobs finish together on a shared filesystem and each one writes its own record; a lab's
+catalog grows to 100,000 runs. So a write touches only the runs it changes (`run_store`):
 
 1. take an exclusive lock on `<catalog>.lock` beside the catalog (`filelock.FileLock`: `flock(2)`);
-2. re-read the catalog from disk inside the lock, so no other writer's change is lost;
+2. read the records it changes inside the lock, so no other writer's change is lost;
 3. apply the change in memory and validate the records it touched;
-4. write the whole file to a new temporary file `.<catalog>.<random>.tmp` in the same directory,
-   `flush` + `fsync` it, `os.replace` it over the catalog, and `fsync` the directory;
+4. append the change to the store's log, then replace each run's own file atomically (temporary file,
+   `fsync`, `os.replace`, `fsync` of the folder); several records: first their whole transaction in one
+   file, the commit point;
 5. release the lock.
 
-The file is `{"schema_version": 3, "runs": {id: record, ...}}` (older files are carried over on
-reading: `MIGRATIONS`), strict JSON (non-finite numbers are
-stored as null), one run per line so `grep` and `diff` work on it. Runs keep their insertion order.
+The records live in `sweep_catalog.json.d/` (one file per run, one membership file per sweep). The
+file `sweep_catalog.json` is the view users and tools read: `{"schema_version": 4, "view": ...,
+"through": ..., "runs": {id: record, ...}}`, strict JSON (non-finite numbers are stored as null), one
+run per line so `grep` and `diff` work on it, runs in the order they were first recorded. **It is
+brought up to date when a process that wrote ends** (every fp4lab command and job that writes, at its
+exit; `Catalog.sync()` on demand), so a script reading it after a command sees everything that command
+did. A process killed before its end leaves that to the next process that writes. fp4lab itself
+reads the store, never a stale view: `fp4lab status SWEEP` reads only that sweep's files.
 
-A reader (`get`, `records`) takes no lock: `os.replace` swaps the name from the old complete file to
-the new complete file in one step, so it never sees a partial file. A process killed at any point
-leaves the old catalog or the new one, never half of one; at most an orphaned temporary file stays
-behind, which no reader opens and the next writer deletes (under the lock no other writer can be
-using one, since temporary files exist only while their writer holds the lock). A file that is not a
+A reader (`get`, `records`) takes no lock: files are swapped in by rename, so it never sees a partial
+one. A process killed at any point leaves every record old or new, never half of one (and a
+transaction of several records all old or all new: the next writer finishes one a kill cut off); at
+most an orphaned temporary file stays behind, which the next writer deletes. An older catalog file
+(`MIGRATIONS`) is read as it is and carried into a store by the first write. A file that is not a
 valid catalog, or that has a newer `schema_version`, raises CatalogFormatError naming the file and the
-fix, for reads and writes alike; it is never overwritten.
+fix, for reads and writes alike; it is never overwritten. A `sweep_catalog.json` replaced by hand
+(restored, copied back from another machine) is the catalog from then on, unless the store holds
+changes the file lacks: then both are kept and every command refuses, naming the fix.
 
 Records are plain dicts (`RunRecord` documents every field). `upsert` and `update` merge: the fields
 given replace the stored ones, except the dicts `summary`, `paths` and `extra`, which merge key by key;
@@ -50,28 +58,31 @@ Limits of the locking (what `filelock` can and cannot do):
   exclusive across nodes, and a marker left by a dead process is broken automatically when the
   holder ran on the same host; a marker left by a process that died on another host blocks writers
   until it is removed by hand (the lock timeout error says so).
-- Writes are serialised: each one rewrites the whole file, which is fine for thousands of runs
-  (see the timing in `tests/lab/test_catalog.py`), not for millions.
+- Writes are serialised, but each one writes only its own runs' files (a few ms at any catalog size:
+  `scripts/bench_catalog.py`); rebuilding the view copies it once per process that wrote, outside
+  the write lock, and processes ending together share one rebuild.
 - The lock file stays in place after release on purpose (waiters must share one inode): do not delete
   it while jobs may be writing.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import json
 import math
 import os
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
-from fp4lab.train.atomic import TEMP_SUFFIX, replace_atomically, temp_prefix
+from fp4lab.lab.records.run_store import VIEW_VERSION, RunStore, StoreConflict, sweeps_of
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = VIEW_VERSION  # 4
 """Version of the file layout this module reads and writes. Bump it (and add a migration to MIGRATIONS)
 whenever a field or state is added or changes meaning; readers refuse files with a newer version instead
 of silently dropping fields or failing on a state they do not know. Version 2 added the fields `sweeps`,
@@ -457,11 +468,16 @@ def _version_2_to_3(record: dict[str, Any]) -> None:
     version 2 told FAIL was never stopped by a pruner (version 2 had none), so nothing becomes pruned."""
 
 
+def _version_3_to_4(record: dict[str, Any]) -> None:
+    """Version 4 keeps each record in a file of its own (run_store) and the catalog file as the view
+    rebuilt from them, with a header naming that view: a record itself is unchanged."""
+
+
 # MIGRATIONS[v] carries a record of version v over to version v + 1, in place.
-MIGRATIONS = {1: _version_1_to_2, 2: _version_2_to_3}
+MIGRATIONS = {1: _version_1_to_2, 2: _version_2_to_3, 3: _version_3_to_4}
 # The states a file of an older version may hold (a `pruned` record in a version 2 file was not written
 # by fp4lab).
-STATES_OF_VERSION = dict.fromkeys((1, 2), tuple(state for state in STATES if state != "pruned"))
+STATES_OF_VERSION = {**dict.fromkeys((1, 2), tuple(state for state in STATES if state != "pruned")), 3: STATES}
 
 
 def _read(path: Path) -> dict[str, dict[str, Any]]:
@@ -474,33 +490,13 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
     return _parse(path, text)
 
 
-def _serialise(runs: Mapping[str, Any]) -> bytes:
-    """The file's bytes: one run per line (grep- and diff-friendly). Written by hand around compact
-    per-record dumps because json's C encoder is not used with `indent` (10x slower on big catalogs)."""
-    lines = ",\n".join(
-        f"{json.dumps(run_id)}: {json.dumps(record, allow_nan=False)}" for run_id, record in runs.items()
-    )
-    return f'{{"schema_version": {SCHEMA_VERSION}, "runs": {{\n{lines}\n}}}}\n'.encode()
-
-
-def _write(path: Path, runs: Mapping[str, Any]) -> None:
-    """Replace `path` with the catalog of `runs` (atomically, durably). Call only while holding the lock."""
-    data = _serialise(runs)
-    replace_atomically(path, lambda handle: handle.write(data))
-
-
-def _remove_orphaned_temps(path: Path) -> None:
-    """Delete temp files of writers that died before their rename. Call only while holding the lock: no
-    live writer has a temp file then."""
-    prefix = temp_prefix(path)
+@contextlib.contextmanager
+def _plain_errors() -> Iterator[None]:
+    """The store's refusals as the catalog's own errors (one line naming both files and the fix)."""
     try:
-        names = os.listdir(path.parent)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(prefix) and name.endswith(TEMP_SUFFIX):
-            with contextlib.suppress(OSError):
-                os.unlink(path.parent / name)
+        yield
+    except StoreConflict as error:
+        raise CatalogFormatError(str(error)) from None
 
 
 # --------------------------------------------------------------------------------------- the catalog
@@ -513,30 +509,41 @@ lock again and writing a file the outer transaction would then overwrite."""
 
 class Transaction:
     """A read-modify-write of several records under one lock (from `Catalog.transaction()`). Reads see
-    the file as read inside the lock plus this transaction's own changes. Nothing is written until the
-    `with` block exits normally; an exception discards every change."""
+    the catalog as it is inside the lock plus this transaction's own changes. Nothing is written until
+    the `with` block exits normally, then all of it at once; an exception discards every change."""
 
-    def __init__(self, path: Path, runs: dict[str, dict[str, Any]]):
-        self.path = path
-        self._runs = runs
-        self._changed = False
+    def __init__(self, catalog: Catalog):
+        self.path = catalog.path
+        self._catalog = catalog
+        self._changes: dict[str, dict[str, Any] | None] = {}  # run id -> new record (None: deleted)
+
+    def _stored(self, run_id: str) -> dict[str, Any] | None:
+        if run_id in self._changes:
+            return self._changes[run_id]
+        with _plain_errors():
+            return self._catalog._store.get(run_id)
 
     def get(self, run_id: str) -> RunRecord | None:
-        record = self._runs.get(run_id)
+        record = self._stored(run_id)
         return copy.deepcopy(record) if record is not None else None  # type: ignore[return-value]
 
     def __contains__(self, run_id: str) -> bool:
-        return run_id in self._runs
+        return self._stored(run_id) is not None
 
     def records(self, sweep: str | None = None, state: str | Iterable[str] | None = None) -> list[RunRecord]:
-        return _select(self._runs, sweep, state)
-
+        runs = self._catalog._stored_runs(sweep)
+        for run_id, record in self._changes.items():
+            if record is None:
+                runs.pop(run_id, None)
+            else:
+                runs[run_id] = record
+        return _select(runs, sweep, state)
 
     def upsert(self, record: Mapping[str, Any]) -> RunRecord:
         if not isinstance(record, Mapping) or "id" not in record:
             raise RecordError(f"upsert needs a dict with an 'id', not {record!r}")
         run_id = _validate_field("", "id", record["id"])
-        existing = self._runs.get(run_id)
+        existing = self._stored(run_id)
         if existing is None:
             merged = new_record(run_id, **{k: v for k, v in record.items() if k != "id"})
             if merged["created_at"] is None:
@@ -546,29 +553,22 @@ class Transaction:
         return self._store(merged)
 
     def update(self, run_id: str, **fields: Any) -> RunRecord:
-        existing = self._runs.get(run_id)
+        existing = self._stored(run_id)
         if existing is None:
             raise RunNotFound(f"run {run_id!r} is not in catalog {self.path}; upsert() it first")
         return self._store(_merge(existing, fields))
 
     def delete(self, run_id: str) -> bool:
         """Remove a run; returns whether it was there."""
-        found = self._runs.pop(run_id, None) is not None
-        self._changed |= found
+        found = self._stored(run_id) is not None
+        if found:
+            self._changes[run_id] = None
         return found
 
     def _store(self, record: dict[str, Any]) -> RunRecord:
         record["updated_at"] = utc_now()
-        self._runs[record["id"]] = record
-        self._changed = True
+        self._changes[record["id"]] = record
         return copy.deepcopy(record)  # type: ignore[return-value]
-
-
-def sweeps_of(record: Mapping[str, Any]) -> list[str]:
-    """Every sweep a record belongs to (records written before `sweeps` existed: their `sweep`)."""
-    members = list(record.get("sweeps") or ())
-    first = record.get("sweep")
-    return members if first is None or first in members else [first, *members]
 
 
 def _select(runs: Mapping[str, dict[str, Any]], sweep: str | None, state: Any, per_sweep: bool = False) -> list[RunRecord]:
@@ -603,34 +603,55 @@ class Catalog:
         self.timeout = timeout
         self._key = os.path.realpath(self.lock_path)  # one catalog, however it is spelled (symlinks, cwd)
         self._locks: dict[int, Any] = {}  # pid -> FileLock, so a forked child never reuses its parent's
+        self._store = RunStore(self.path, _read, self._locked, timeout)
 
     def __repr__(self) -> str:
         return f"Catalog({str(self.path)!r})"
 
     # reads (no lock) ---------------------------------------------------------------------------------
 
-    def _runs(self) -> dict[str, dict[str, Any]]:
-        active = _ACTIVE.get((self._key, os.getpid(), threading.get_ident()))
-        return active._runs if active is not None else _read(self.path)
+    def _active(self) -> Transaction | None:
+        return _ACTIVE.get((self._key, os.getpid(), threading.get_ident()))
+
+    def _stored_runs(self, sweep: str | None) -> dict[str, dict[str, Any]]:
+        """The stored records (of `sweep` only, when given: read from that sweep's files alone)."""
+        with _plain_errors():
+            if sweep is not None:
+                return {record["id"]: record for record in self._store.records_of_sweep(sweep)}
+            return self._store.all_records()
 
     def get(self, run_id: str) -> RunRecord | None:
         """The record of `run_id`, or None if the catalog has no such run."""
-        record = self._runs().get(run_id)
+        active = self._active()
+        if active is not None:
+            return active.get(run_id)
+        with _plain_errors():
+            record = self._store.get(run_id)
         return copy.deepcopy(record) if record is not None else None  # type: ignore[return-value]
 
     def __contains__(self, run_id: str) -> bool:
-        return run_id in self._runs()
+        return self.get(run_id) is not None
 
     def __len__(self) -> int:
-        return len(self._runs())
+        return len(self.records())
 
     def records(
         self, sweep: str | None = None, state: str | Iterable[str] | None = None, *, per_sweep: bool = False
     ) -> list[RunRecord]:
         """Every record, in insertion order, optionally only those of `sweep` and/or in `state` (one state
         or several). A run several sweeps share comes back with `sweep` set to the sweep asked for; with
-        `per_sweep` and no sweep, once for each sweep it belongs to."""
-        return _select(self._runs(), sweep, state, per_sweep)
+        `per_sweep` and no sweep, once for each sweep it belongs to. With `sweep`, only that sweep's runs
+        are read, in the order they joined it. Records read outside a transaction are each whole, but
+        together they are not one snapshot: a writer may change one run between the reads of two."""
+        active = self._active()
+        if active is not None:
+            return _select({r["id"]: r for r in active.records(sweep)}, sweep, state, per_sweep)
+        return _select(self._stored_runs(sweep), sweep, state, per_sweep)
+
+    def sweeps(self) -> list[str]:
+        """The name of every sweep with a run in the catalog, sorted (read from the sweeps' index alone)."""
+        with _plain_errors():
+            return self._store.sweeps()
 
     def resolve(self, path: str | os.PathLike[str] | None) -> Path | None:
         """A path stored in a record (`paths.*`): relative paths are relative to the catalog's folder."""
@@ -683,21 +704,31 @@ class Catalog:
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Transaction]:
-        """Hold the lock, read the catalog, yield a Transaction to change it, write it once on exit."""
+        """Hold the lock, yield a Transaction to read and change records, store its changes at once on exit."""
         key = (self._key, os.getpid(), threading.get_ident())
         if (active := _ACTIVE.get(key)) is not None:  # nested: join the outer transaction
             yield active
             return
         with self._locked():
-            _remove_orphaned_temps(self.path)
-            tx = Transaction(self.path, _read(self.path))
+            tx = Transaction(self)
             _ACTIVE[key] = tx
             try:
                 yield tx
             finally:
                 del _ACTIVE[key]
-            if tx._changed:
-                _write(self.path, tx._runs)
+            if tx._changes:
+                with _plain_errors():
+                    self._store.prepare_write()
+                    _remember_write(self._key, self._store, self._store.commit(tx._changes))
+
+    def sync(self) -> None:
+        """Bring `sweep_catalog.json` up to date with every change (each process that wrote does this
+        when it ends; call it to read the file while this process keeps writing)."""
+        if self._active() is not None:
+            raise RuntimeError(f"Catalog.sync() inside a transaction of {self.path}: the transaction's changes are "
+                               "stored when its block ends; call sync() after it")
+        with _plain_errors():
+            self._store.sync()
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -722,6 +753,30 @@ class Catalog:
             yield
         finally:
             lock.release()
+
+
+_WRITTEN: dict[str, tuple[int, RunStore, int]] = {}
+"""The catalogs this process wrote: lock key -> (process id, store, its last change)."""
+
+
+def _remember_write(key: str, store: RunStore, seq: int) -> None:
+    if not any(pid == os.getpid() for pid, _, _ in _WRITTEN.values()):
+        atexit.register(_sync_written)  # once per process (a forked child inherits the parent's entries)
+    _WRITTEN[key] = (os.getpid(), store, seq)
+
+
+def _sync_written() -> None:
+    """At the end of a process that wrote: bring each catalog's view up to date, unless another process
+    already did (those waiting at once mostly find the one before them rebuilt it for them)."""
+    for pid, store, seq in list(_WRITTEN.values()):
+        if pid != os.getpid():
+            continue
+        try:
+            store.sync(upto=seq)
+        except Exception as error:  # noqa: BLE001 (the records are stored; only the view lags)
+            print(f"warning: {store.path} was not brought up to date ({str(error).splitlines()[0]}); "
+                  f"the runs are recorded in {store.root} and the next process that writes them rebuilds it",
+                  file=sys.stderr)
 
 
 def this_owner() -> str:

@@ -330,7 +330,7 @@ def _read_records(catalog_path: Path, sweep: str | None) -> tuple[Any, list[dict
         records = [dict(r) for r in catalog.records(sweep=sweep, per_sweep=True)]  # a shared run: one row per sweep
         if sweep is None:  # ratchet iterations (sweep "ratchet/<tag>") are not recipe runs: fp4lab report --ratchet TAG
             records = [r for r in records if not str(r.get("sweep") or "").startswith("ratchet/")]
-        all_sweeps = sorted({str(r.get("sweep")) for r in catalog.records(per_sweep=True) if r.get("sweep")})
+        all_sweeps = catalog.sweeps()
     except CatalogError as exc:
         raise ValueError(f"report: {str(exc).splitlines()[0]}") from None
     if not records:

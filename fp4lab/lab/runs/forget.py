@@ -34,9 +34,9 @@ class Forgetting:
 def plan_forget(catalog: Catalog, sweep: str) -> Forgetting:
     """What `forget` would do; ValueError for a sweep the catalog does not hold, SweepInFlight for one
     with a run in flight."""
-    members = [r for r in catalog.records() if sweep in sweeps_of(r)]
+    members = [record for r in catalog.records(sweep=sweep) if (record := catalog.get(r["id"])) is not None]
     if not members:
-        known = sorted({name for r in catalog.records() for name in sweeps_of(r) if name})
+        known = catalog.sweeps()
         raise ValueError(f"{catalog.path}: no sweep {sweep!r} (sweeps: {', '.join(known) or 'none'})")
     busy = [r for r in members if _in_flight(catalog, r)]
     if busy:
