@@ -49,6 +49,7 @@ def m(name: str, what: str, edits, tests) -> Mutation:
 LOOP = "fp4lab/train/loop.py"
 PRUNING = "tests/lab/test_pruning.py::"
 FAULTS = "tests/train/test_faults.py::"
+STORE = "tests/lab/test_catalog_store.py::"
 TRAIN_BUILD = "fp4lab/train/build.py"
 ATTN = "fp4lab/nn/attention.py"
 MX_GEMM = "fp4lab/numerics/kernels/mx_gemm.py"
@@ -706,6 +707,22 @@ MUTATIONS = [
     m("catalog-migration-skipped", "an older catalog's records are read without their migration",
       ("fp4lab/lab/records/catalog.py", "            MIGRATIONS[step](record)", "            pass"),
       ["tests/lab/test_catalog.py::test_an_older_catalog_is_carried_over_without_loss_and_written_back_at_the_current_version"]),
+    m("catalog-view-not-rebuilt-at-exit", "a process that wrote the catalog ends without rebuilding sweep_catalog.json",
+      ("fp4lab/lab/records/catalog.py", "        atexit.register(_sync_written)", "        pass"),
+      [STORE + "test_a_process_that_wrote_brings_the_view_up_to_date_when_it_ends"]),
+    m("catalog-sweep-reads-everything", "a sweep's records are read from the whole catalog",
+      ("fp4lab/lab/records/catalog.py", "            if sweep is not None:\n                return {record[\"id\"]", "            if False:\n                return {record[\"id\"]"),
+      [STORE + "test_a_sweeps_reads_open_only_its_own_runs_files"]),
+    m("catalog-foreign-view-ignored", "a sweep_catalog.json replaced by hand is taken for the store's own view",
+      ("fp4lab/lab/records/run_store.py", '            return ViewState("foreign", -1)\n        stamp', '            return ViewState("ours", 0)\n        stamp'),
+      [STORE + "test_a_view_replaced_by_hand_is_the_catalog_when_the_store_holds_nothing_more",
+       STORE + "test_a_view_replaced_while_the_store_holds_more_is_refused_naming_both"]),
+    m("catalog-transaction-applied-piecemeal", "a transaction of several records is applied without its intent file",
+      ("fp4lab/lab/records/run_store.py", "        several = len(changes) > 1\n", "        several = False\n"),
+      ["tests/lab/test_catalog.py::test_writer_killed_at_each_step_leaves_every_record_whole"]),
+    m("catalog-torn-change-line-kept", "a change line cut off by a kill is kept and the next line glued to it",
+      ("fp4lab/lab/records/run_store.py", "            if not tail.endswith(b\"\\n\"):", "            if False:"),
+      [STORE + "test_a_change_line_cut_off_by_a_kill_is_dropped_by_the_next_writer"]),
 ]
 
 

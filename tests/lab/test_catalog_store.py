@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -149,3 +150,16 @@ def test_a_catalog_file_is_carried_into_a_store_by_its_first_write_with_sweeps_a
     carried = view(path)
     assert list(carried) == list(runs) and carried["r3"]["state"] == "failed"
     assert all(carried[i]["state"] == "completed" for i in runs if i != "r3")
+
+
+def test_a_change_line_cut_off_by_a_kill_is_dropped_by_the_next_writer(cat):
+    cat.upsert({"id": "a"})
+    cat.sync()
+    with open(cat._store.root / "changes", "ab") as log:
+        log.write(b'7 "gho')  # a writer killed in the middle of appending its change line
+    assert [r["id"] for r in cat.records()] == ["a"]  # readers skip the piece
+    cat.upsert({"id": "b"})
+    lines = (cat._store.root / "changes").read_bytes().split(b"\n")
+    assert lines[-1] == b"" and all(re.fullmatch(rb'\d+ (null|"[a-z]+")', line) for line in lines[:-1])
+    cat.sync()
+    assert list(view(cat.path)) == ["a", "b"]
