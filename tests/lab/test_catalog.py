@@ -419,8 +419,14 @@ blob = "x" * 200_000                      # large records: most of the time is s
 for i in range(10**9):
     run_id = f"{sys.argv[2]}-{i:05d}"
     steps = {s: 1.0 for s in range(200)}
-    cat.upsert({"id": run_id, "config": {"blob": blob, "i": i}, "summary": {"loss_at_steps": steps}})
-    print(run_id, flush=True)             # printed only after the upsert returned: committed
+    record = {"config": {"blob": blob, "i": i}, "summary": {"loss_at_steps": steps}, "sweep": sys.argv[2]}
+    if i % 2:                             # one run
+        cat.upsert({"id": run_id, **record})
+    else:                                 # a transaction of two runs: both or neither, wherever a kill lands
+        with cat.transaction() as tx:
+            tx.upsert({"id": run_id, **record})
+            tx.upsert({"id": run_id + "-pair", **record})
+    print(run_id, flush=True)             # printed only after the write returned: committed
 """
 
 
@@ -429,7 +435,8 @@ def test_writer_sigkilled_at_random_moments(cat):
     committed: list[str] = []
     unconfirmed: set[str] = set()
     orphans_seen = 0
-    for round_ in range(6):
+    rounds = 12
+    for round_ in range(rounds):
         proc = child(LOOPING_WRITER, str(cat.path), f"k{round_}", stdout=subprocess.PIPE, text=True)
         printed = []
         for _ in range(rng.randint(2, 4)):  # let it commit a few records first (it prints each once committed)
@@ -445,16 +452,24 @@ def test_writer_sigkilled_at_random_moments(cat):
         committed += printed
         orphans_seen += bool(temp_files(cat.path))
 
-        runs = load(cat.path)["runs"]  # valid JSON, never a partial file
-        missing = set(committed) - set(runs)
-        assert not missing, f"committed records lost after kill {round_}: {sorted(missing)[:5]}"
-        # besides those, at most the one record each writer committed but was killed before printing
+        for reader in (lambda: {r["id"]: r for r in Catalog(cat.path).records()},  # the store, as fp4lab reads it
+                       lambda: load(cat.path)["runs"]):  # the view rebuilt from it: valid JSON, never a partial file
+            runs = reader()
+            ids = {i.removesuffix("-pair") for i in runs}
+            missing = set(committed) - ids
+            assert not missing, f"committed records lost after kill {round_}: {sorted(missing)[:5]}"
+            # besides those, at most the one write each writer committed but was killed before printing
+            assert ids <= set(committed) | unconfirmed | {f"k{round_}-{len(printed):05d}"}
+            pairs = [i for i in ids if int(i[-5:]) % 2 == 0]
+            assert all(i in runs and f"{i}-pair" in runs for i in pairs), "half of a transaction"
+            assert all(len(r["config"]["blob"]) == 200_000 for r in runs.values())
         unconfirmed.add(f"k{round_}-{len(printed):05d}")  # ids count from 00000
-        assert set(runs) <= set(committed) | unconfirmed
-    assert len(committed) >= 12  # at least 2 confirmed per round, however fast the machine writes
+        members = {r["id"] for r in Catalog(cat.path).records(sweep=f"k{round_}")}  # the sweep's index agrees
+        assert members == {i for i in runs if i.startswith(f"k{round_}-")}
+    assert len(committed) >= 2 * rounds  # at least 2 confirmed per round, however fast the machine writes
     cat.upsert({"id": "after"})
     assert temp_files(cat.path) == []
-    print(f"\n6 kills, {len(committed)} committed records kept, {orphans_seen} kills left an orphaned temp file")
+    print(f"\n{rounds} kills, {len(committed)} committed writes kept, {orphans_seen} kills left an orphaned temp file")
 
 
 HOLDER = """
