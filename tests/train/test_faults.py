@@ -129,10 +129,14 @@ def test_a_full_disk_under_the_catalog_and_the_metrics_log_is_said_plainly_and_l
             while True:
                 filler.write(b"\0" * 65536)
                 filler.flush()
-    with pytest.raises(NoSpaceLeft, match=r"no space left on device writing .*sweep_catalog\.json.*sweep_catalog\.json was left as it was"):
+    with pytest.raises(NoSpaceLeft, match=r"no space left on device writing .*sweep_catalog\.json.*sweep_catalog\.json and its records were left as they were"):
         catalog.update("3f2a9c1b7d40", state="running", extra={"note": "x" * 200_000})
     assert catalog.get("3f2a9c1b7d40")["state"] == "pending"  # the catalog as it was, still readable
     with pytest.raises(NoSpaceLeft, match=r"no space left on device writing .*metrics\.jsonl.*the lines written before it are kept"):
         metrics.write({"step": 2, "loss": 2.4, "note": "y" * 200_000})
     metrics.close()
     assert json.loads((full / "metrics.jsonl").read_text().splitlines()[0]) == {"step": 1, "loss": 2.5}
+    os.unlink(full / "filler")  # space again: the next write goes through and the view is rebuilt whole
+    catalog.update("3f2a9c1b7d40", state="running")
+    catalog.sync()
+    assert json.loads((full / "sweep_catalog.json").read_text())["runs"]["3f2a9c1b7d40"]["state"] == "running"

@@ -38,6 +38,7 @@ refuses, naming both and the fix.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp4lab.train.atomic import TEMP_SUFFIX, replace_atomically, swap_folder, temp_prefix
+from fp4lab.train.atomic import TEMP_SUFFIX, no_space_left, replace_atomically, swap_folder, temp_prefix
 
 VIEW_VERSION = 4
 """The `schema_version` of the view files this module writes (catalog.SCHEMA_VERSION is the same
@@ -325,11 +326,20 @@ class RunStore:
     def commit(self, changes: Mapping[str, dict[str, Any] | None]) -> int:
         """Store `changes` (run id -> new record, None: delete), under the lock; the last change's seq."""
         several = len(changes) > 1
-        if several:
-            intent = {"put": {i: r for i, r in changes.items() if r is not None},
-                      "delete": [i for i, r in changes.items() if r is None]}
-            write_atomic_in(self._pending, json.dumps(intent, allow_nan=False).encode(), self._tmp)
-        seq = self._apply(changes)
+        committed = False
+        try:
+            if several:
+                intent = {"put": {i: r for i, r in changes.items() if r is not None},
+                          "delete": [i for i, r in changes.items() if r is None]}
+                write_atomic_in(self._pending, json.dumps(intent, allow_nan=False).encode(), self._tmp)
+                committed = True
+            seq = self._apply(changes)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            kept = (f"the transaction is committed ({self._pending.name}) and the next write finishes it" if committed
+                    else f"{self.path.name} and its records were left as they were")
+            raise no_space_left(self.path, error, kept) from error
         if several:
             self._pending.unlink()
         return seq
