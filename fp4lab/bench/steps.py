@@ -92,6 +92,9 @@ def bench_steps(
         )
         chosen = paths.resolve(config, device, model_config.head_dim)
         if anchored:
+            # A plain PyTorch loop runs on PyTorch's defaults, whatever an fp4lab recipe timed before
+            # it turned on (train.build.deterministic_cuda).
+            torch.use_deterministic_algorithms(False)
             step = anchor_step(model_config, device, compile=chosen.compile, float8=name if name in TORCHAO_FLOAT8 else None)
             compute = f"torchao float8 {TORCHAO_FLOAT8[name]}" if name in TORCHAO_FLOAT8 else "bf16 autocast"
             optimizer_name, graphed, record = "adamw (torch, fused on CUDA)", False, None

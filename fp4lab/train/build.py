@@ -4,6 +4,7 @@ build here)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ def build_training(
         # bf16-output GEMMs must reduce in fp32 (no bf16 split-K partial sums): the fast path claims
         # fp32 accumulation, exactly what an FP4 tensor core does.
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        deterministic_cuda()
     torch.manual_seed(config.seed)
     model = build_model(
         model_config, recipe, seed=config.seed, device=device, tensor_cores=fast, fused_quantizers=paths.fused_quantizers,
@@ -87,6 +89,25 @@ def build_training(
     for block in model.layers:
         block.forward = torch.compile(block.forward)
     return model, optimizer, loss_fn
+
+
+def deterministic_cuda() -> None:
+    """Make two identical runs on CUDA give the same bits, for this whole process.
+
+    PyTorch's SDPA backward (flash and memory-efficient), the attention of the fast path wherever the
+    Triton kernel does not run it, adds the key blocks' shares of dQ with float atomic adds, in
+    whatever order the blocks finish; with deterministic algorithms on (not warn-only, which keeps
+    the atomics) it reduces in a fixed order. Under torch.compile (torch 2.11) Inductor then also
+    runs index_put's accumulation (the embedding's backward) as the eager sort-based kernel instead of
+    atomic adds, and picks reduction configs without benchmarking them. An op with no deterministic
+    implementation raises, naming itself, rather than changing bits silently. Torch insists on a
+    fixed cuBLAS workspace setting (CUBLAS_WORKSPACE_CONFIG) in this mode. The NaN fill of every
+    uninitialised allocation that the mode also turns on makes nothing reproducible, only slower: it
+    stays off. The Triton kernels add nothing with float atomics (their amaxes fold int32 bits with
+    atomic max, which no order changes)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def recipe_settings(config: TrainConfig, recipe: Recipe) -> dict[str, Any]:
