@@ -107,7 +107,7 @@ def replace_atomically(path: Path, write: Callable[[BinaryIO], object], *, execu
         if full is not None:
             raise no_space_left(path, full, f"{path.name} was left as it was") from exc
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def write_atomic(path: Path, data: bytes | str, *, executable: bool = False) -> None:
@@ -133,7 +133,7 @@ def replace_folder(target: Path, write: Callable[[Path], object]) -> None:
             for name in files:
                 with open(Path(folder) / name, "rb") as handle:
                     os.fsync(handle.fileno())
-            _fsync_dir(Path(folder))
+            fsync_dir(Path(folder))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -147,11 +147,11 @@ def swap_folder(built: Path, target: Path, old: Path) -> None:
     if target.exists():
         os.replace(target, old)
     os.replace(built, target)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make a rename durable. Some network filesystems cannot fsync a directory; the rename is already
     atomic there, so that refusal is ignored."""
     try:
