@@ -63,6 +63,7 @@ GEMM = "fp4lab/nn/gemm.py"
 KERNELS = "fp4lab/numerics/kernels/__init__.py"
 TQ = "fp4lab/numerics/kernels/quantize.py"
 TQ_INTERPRETED = "tests/kernels/test_triton_quantize.py::test_kernels_under_triton_interpreter"
+PROBE_COUNTS = "tests/kernels/test_triton_quantize.py::test_probe_counts_under_triton_interpreter"
 CTA_FUSED = "tests/nn/test_tensor_cores.py::test_cta_local_operands_from_the_fused_quantizers_under_the_interpreter"
 CTA_2D_FUSED = "tests/nn/test_tensor_cores.py::test_cta_local_2d_weights_from_the_fused_quantizer_under_the_interpreter"
 FUSION_REF = "fp4lab/numerics/fusion.py"
@@ -458,8 +459,12 @@ MUTATIONS = [
       (TQ, "            if first_col:\n                tl.store(outer_ptr + rows, outer, mask=inside)",
        "            if first_col & first_row:\n                tl.store(outer_ptr + rows, outer, mask=inside)"),
       [CTA_FUSED]),
-    m("fused-cta-probe-tensor-scales", "a probe decodes the fused CTA-local codes with the first CTA tile's outer scale everywhere",
-      (OPERANDS, "else q.outer[::cta_tile, 0]", "else q.outer[:1, 0].expand(len(q.outer[::cta_tile, 0]))"), [CTA_FUSED]),
+    m("fused-cta-probe-tensor-scales", "a probe counts the fused CTA-local operand against the first row's outer scale everywhere",
+      (TQ, "per_row = outer[:, :, None] if NV > 1 else outer", "per_row = outer[:1, :, None] if NV > 1 else outer"),
+      [CTA_FUSED, PROBE_COUNTS]),
+    m("probe-counts-without-outer", "the fused quantizers' probe counts decode without the NVFP4 outer scale",
+      (TQ, "(q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * decode * outer",
+       "(q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * decode"), [PROBE_COUNTS]),
     m("tile-gemm-squares-not-transposed", "Dgrad's W^T keeps W's grid of square scales untransposed",
       (OPERANDS, "outer = self.outer.T if self.outer_cell is not None else self.outer", "outer = self.outer"),
       [TILE_TESTS + "::test_tensor_core_operands_of_cta_local_weights_stay_bf16_and_match_the_reference[dgrad-cpu]", CTA_MATCH]),

@@ -95,7 +95,6 @@ from fp4lab.nn.operands import (
     encode_operand,
     fp8_codes_fit,
     fp8_kernel_runs,
-    fused_encoding,
     fused_operand,
     fused_options,
     gemm_operand,
@@ -112,7 +111,7 @@ from fp4lab.numerics.fusion import RMSNORM_MAX_WIDTH, rmsnorm_backward
 from fp4lab.numerics.kernels import quantizer_covers, runs_on
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.quantize import DEFAULT_CTA_TILE
-from fp4lab.numerics.survey import clip_flush_fractions
+from fp4lab.numerics.survey import clip_flush_fractions, count_fractions
 
 
 @dataclass(frozen=True)
@@ -671,13 +670,15 @@ class FP4Linear(nn.Module):
         return operands
 
     def _fused(self, t: torch.Tensor, requests: list[tuple[str, dict, bool]]) -> list[GemmOperand | PackedOperand]:
-        """Run the fused quantizer for (name, options, transposed) requests on one read of t; probes
-        record from the codes it emits, so probing never changes the bits a step draws."""
+        """Run the fused quantizer for (name, options, transposed) requests on one read of t; on a
+        probing step the kernel also counts each operand's saturated and flushed elements (`stats`),
+        so probing reads nothing twice and never changes the bits a step draws."""
         from fp4lab.numerics.kernels import quantize as triton_quantize
 
         t = t.contiguous()
-        requests = [(name, options | {"emit_codes": self.probe or options.get("emit_codes", False)}, transposed)
-                    for name, options, transposed in requests]
+        if self.probe:
+            requests = [(name, options | {"stats": torch.zeros(2, dtype=torch.int64, device=t.device)}, transposed)
+                        for name, options, transposed in requests]
         if len(requests) == 2:
             outputs = triton_quantize.quantize_fused_both(t, row=requests[0][1], col=requests[1][1])
         else:
@@ -686,7 +687,7 @@ class FP4Linear(nn.Module):
         for (name, options, transposed), q in zip(requests, outputs):
             shape = tuple(t.T.shape if transposed else t.shape)
             if self.probe:
-                self.record(name, t.T if transposed else t, fused_encoding(q, options, shape), options["signs"])
+                self.quant_stats[name] = count_fractions(options["stats"], t.numel())
             outer_cell = (options.get("cta_tile") or DEFAULT_CTA_TILE) if options["fmt"] == "nvfp4_cta" and options.get("tile") else None
             operands.append(fused_operand(q, options["fmt"], shape, options.get("tile"), outer_cell))
         return operands

@@ -29,7 +29,6 @@ from fp4lab.numerics import (
 from fp4lab.numerics.kernels import quantizer_covers, runs_on
 from fp4lab.numerics.mx_gemm import MX_BLOCK, along_k
 from fp4lab.numerics.qtensor import QTensor
-from fp4lab.numerics.quantize import DEFAULT_CTA_TILE
 
 FP8_CODES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # torch._scaled_mm: FP8 tensor cores from compute capability 8.9 (Ada, Hopper) on, every dim of both
@@ -204,18 +203,6 @@ class PackedOperand:
             return None
         encoded = QTensor(self.codes, self.scales, None, self.fmt, torch.Size(self.shape), MX_BLOCK, tile=self.tile)
         return along_k(encoded, self.transposed)
-
-
-def fused_encoding(q, options: dict, shape: tuple) -> QTensor:
-    """The QTensor of a fused kernel's output written with its codes (for probes): nvfp4_cta's tensor
-    scales are one per CTA tile, the first row's of each of the per-row outer scales (1D blocks) or
-    the kernel's one per square (2D tiles)."""
-    fmt, outer, cta_tile = options["fmt"], q.outer, None
-    if fmt == "nvfp4_cta":
-        cta_tile = options.get("cta_tile") or DEFAULT_CTA_TILE
-        outer = q.outer if options.get("tile") else q.outer[::cta_tile, 0]
-    return QTensor(q.codes, q.scales, outer, fmt, torch.Size(shape), BLOCK_SIZE[fmt], tile=options.get("tile"),
-                   scale_mode=options["scale_mode"], cta_tile=cta_tile)
 
 
 def fused_operand(q, fmt: str, shape: tuple, tile: tuple[int, int] | None = None, outer_cell: int | None = None) -> GemmOperand | PackedOperand:

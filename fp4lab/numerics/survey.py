@@ -91,6 +91,13 @@ def clip_flush_fractions(x: torch.Tensor, q: QTensor | Fp8Tensor, decoded: torch
     """[saturated, flushed] of `q`, a quantization of `x` (ErrorStats' two fractions), as a float32
     tensor on x's device: no host sync, since a probe step of a training run records hundreds of
     operands and reads them back at once. `decoded`: q.dequantize(), where the caller has it."""
+    return count_fractions(clip_flush_counts(x, q, decoded), x.numel())
+
+
+def clip_flush_counts(x: torch.Tensor, q: QTensor | Fp8Tensor, decoded: torch.Tensor | None = None) -> torch.Tensor:
+    """The int64 numbers of saturated and of flushed elements of `q`, a quantization of `x`: an
+    element is saturated where its code is the format's largest magnitude and decodes below |x|,
+    flushed where it decodes to 0 from a nonzero x. The fused quantizers count the same (`stats`)."""
     x = x.to(torch.float32)
     decoded = q.dequantize() if decoded is None else decoded
     if isinstance(q, Fp8Tensor):  # the largest FP8 magnitude, where the clamp before the cast lands
@@ -99,7 +106,13 @@ def clip_flush_fractions(x: torch.Tensor, q: QTensor | Fp8Tensor, decoded: torch
         top = (q.codes() & 0x7) == 0x7
     clipped = top & (decoded.abs() < x.abs()) & (decoded != 0)
     flushed = (decoded == 0) & (x != 0)
-    return torch.stack((clipped.float().mean(), flushed.float().mean()))
+    return torch.stack((clipped.sum(), flushed.sum()))
+
+
+def count_fractions(counts: torch.Tensor, numel: int) -> torch.Tensor:
+    """Counts of `numel` elements as float32 fractions, each the one rounding of the exact quotient
+    (counts are exact in float64 below 2^53), on the counts' device."""
+    return (counts.to(torch.float64) / max(numel, 1)).to(torch.float32)
 
 
 def synthesize(dist: str, rows: int, cols: int, seed: int) -> torch.Tensor:

@@ -225,6 +225,34 @@ def test_exact_bf16(tq, fmt, mode, rounding, transform, transpose):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("rounding,transform", [("rtn", None), ("sr", "random16"), ("rtn", "fixed32")])
+@pytest.mark.parametrize("fmt,mode", FORMAT_MODES, ids=[m or f for f, m in FORMAT_MODES])
+def test_probe_counts(tq, fmt, mode, rounding, transform, transpose):
+    """`stats` holds exactly survey.clip_flush_counts of the reference's encoding, every input kind
+    (subnormals, zero blocks, NaN and Inf included), even and odd shapes, and the values are unchanged."""
+    from fp4lab.numerics.survey import clip_flush_counts
+
+    if transform == "fixed32" and fmt != "mxfp4":
+        pytest.skip("NVFP4 blocks of 16 take transforms of 16")
+    counted = 0
+    for shape in (EVEN_SHAPE, ODD_SHAPE[transpose]):
+        for kind, x in inputs(shape).items():
+            x = x.to("cuda", torch.bfloat16)
+            signs = _signs(transform or "none")
+            factored, q, uniforms = reference(x, fmt, mode, rounding, signs, transpose)
+            stats = torch.zeros(2, dtype=torch.int64, device="cuda")
+            out = tq.quantize_fused(x, fmt=fmt, scale_mode=mode, rounding=rounding, signs=signs, uniforms=uniforms,
+                                    transpose=transpose, emit_codes=True, stats=stats)
+            assert_matches(out, factored, q, f"{kind} {shape} with stats")
+            y = x.float().T.contiguous() if transpose else x.float()
+            want = clip_flush_counts(hadamard(y, signs.numel(), signs) if signs is not None else y, q)
+            assert torch.equal(stats, want), f"{kind} {shape}: counts {stats.tolist()} vs {want.tolist()}"
+            counted += int(want.sum() > 0)
+    assert counted >= 4  # the inputs saturate or flush somewhere
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transposed"])
 @pytest.mark.parametrize("fmt,mode", FORMAT_MODES, ids=[m or f for f, m in FORMAT_MODES])
 def test_exact_fp32(tq, fmt, mode, transpose):
     """fp32 inputs (fp32-subnormal elements included), RTN and SR, with and without H32."""
@@ -757,3 +785,70 @@ def test_kernels_under_triton_interpreter():
     (normal magnitudes: the interpreter's float casts mishandle subnormals, the GPU's do not)."""
     done = interpreted.interpreter_python(INTERPRETED_CHECK.format(), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+PROBE_COUNTS_CHECK = """
+import torch
+from tests.kernels.test_triton_quantize import inputs, BLOCK
+from fp4lab.numerics import hadamard, hadamard_signs, quantize
+from fp4lab.numerics.survey import clip_flush_counts
+from fp4lab.numerics.kernels.quantize import quantize_fused, quantize_fused_both
+
+def expected(y, fmt, signs=None, u=None, **opts):
+    # the reference's saturated and flushed counts of y's quantization (the kernel given the same uniforms)
+    if signs is not None:
+        y = hadamard(y, signs.numel(), signs)
+    g = torch.Generator().manual_seed(7) if u is not None else None
+    q = quantize(y, fmt, rounding="sr" if u is not None else "rtn", generator=g, **opts)
+    return clip_flush_counts(y, q)
+
+def uniforms(y, fmt):
+    return torch.rand(y.shape[0], y.shape[1] // BLOCK[fmt], BLOCK[fmt], generator=torch.Generator().manual_seed(7)).reshape(y.shape)
+
+def zeros():
+    return torch.zeros(2, dtype=torch.int64)
+
+checked = 0
+# heavy tails flush, floor scales and E4M3-rounded block scales saturate; 33 rows exercise the masks
+for shape in ((32, 64), (33, 96)):
+    kinds = inputs(shape, seed=5)
+    for name in ("student_t", "nonfinite", "ties"):
+        x = kinds[name]
+        y, yt = x.float(), x.float().T.contiguous()
+        signs = hadamard_signs(16, "random", torch.Generator().manual_seed(16))
+        for fmt, mode, sr, transform in (("mxfp4", "floor", False, None), ("nvfp4", None, True, signs), ("nvfp4_cta", None, False, None)):
+            opts = {"scale_mode": mode} if mode else ({"cta_tile": 16} if fmt == "nvfp4_cta" else {})
+            row_u = uniforms(hadamard(y, 16, signs) if transform is not None else y, fmt) if sr else None
+            want = expected(y, fmt, transform, row_u, **opts)
+            stats = zeros()
+            quantize_fused(x, fmt=fmt, signs=transform, rounding="sr" if sr else "rtn", uniforms=row_u, stats=stats, **opts)
+            assert torch.equal(stats, want), (name, shape, fmt, "rows", stats.tolist(), want.tolist())
+            checked += int(want.sum() > 0)
+            if shape[0] % BLOCK[fmt] == 0:
+                col_u = uniforms(hadamard(yt, 16, signs) if transform is not None else yt, fmt) if sr else None
+                pair = zeros(), zeros()
+                rounding = "sr" if sr else "rtn"
+                quantize_fused_both(x, dict(fmt=fmt, signs=transform, rounding=rounding, uniforms=row_u, stats=pair[0], **opts),
+                                    dict(fmt=fmt, signs=transform, rounding=rounding, uniforms=col_u, stats=pair[1], **opts))
+                assert torch.equal(pair[0], want), (name, fmt, "both/rows", pair[0].tolist(), want.tolist())
+                want_col = expected(yt, fmt, transform, col_u, **opts)
+                assert torch.equal(pair[1], want_col), (name, fmt, "both/cols", pair[1].tolist(), want_col.tolist())
+    x = inputs((64, 64), seed=6)["student_t"]
+    for fmt, opts in (("nvfp4", dict(tile=(16, 16))), ("mxfp4", dict(tile=(32, 32), scale_mode="floor")),
+                      ("nvfp4_cta", dict(tile=(16, 16), cta_tile=32))):
+        stats = zeros()
+        quantize_fused(x, fmt=fmt, stats=stats, **opts)
+        want = clip_flush_counts(x.float(), quantize(x.float(), fmt, **opts))
+        assert torch.equal(stats, want), (fmt, "tiles", stats.tolist(), want.tolist())
+        checked += int(want.sum() > 0)
+assert checked >= 10, checked  # the inputs do saturate and flush
+print("ok")
+"""
+
+
+def test_probe_counts_under_triton_interpreter():
+    """The fused quantizers' `stats` count exactly the saturated and flushed elements that
+    survey.clip_flush_counts finds in the reference encoding: rows, x^T, both orientations, masks,
+    SR with a transform, CTA-local scales and 2D tiles."""
+    done = interpreted.interpreter_python(PROBE_COUNTS_CHECK, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

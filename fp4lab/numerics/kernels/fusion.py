@@ -599,6 +599,8 @@ def _known(name: str, which: str, options: dict) -> dict:
         raise ValueError(f"{name}: {which} option {unknown[0]!r} is not supported; allowed: {', '.join(_OPTION_NAMES)}")
     if options.get("fmt") == "nvfp4_cta":  # the producers take one tensor amax per orientation
         raise ValueError(f"{name}: {which} fmt 'nvfp4_cta' is not supported by the fused producers; quantize with quantize_fused")
+    if options.get("stats") is not None:  # probe steps quantize with quantize_fused, which counts
+        raise ValueError(f"{name}: {which} option 'stats' is not supported by the fused producers; quantize with quantize_fused")
     return options
 
 

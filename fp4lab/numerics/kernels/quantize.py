@@ -53,7 +53,7 @@ FORMATS = ("mxfp4", "nvfp4", "nvfp4_cta")
 _MX_MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}
 _MX_ADAPTIVE = 4  # rceil with the adaptive finer scale (scales.mx_exponent)
 _TRANSFORM_SIZES = (16, 32)
-_OPTION_NAMES = ("fmt", "scale_mode", "adaptive", "cta_tile", "rounding", "signs", "seed", "uniforms", "tensor_amax", "emit_codes", "emit_values")
+_OPTION_NAMES = ("fmt", "scale_mode", "adaptive", "cta_tile", "rounding", "signs", "seed", "uniforms", "tensor_amax", "emit_codes", "emit_values", "stats")
 
 # Tile shapes (rows, cols of x, warps), chosen by a sweep on an H200 (8192 x 8192 bf16; fraction of
 # copy bandwidth): row-wise mxfp4 0.935 with (32, 128, 4), no better with 16-64 rows, 128-256 cols,
@@ -276,7 +276,8 @@ def _block_scale(bmax, amax_ptr, outer_ptr, rows, n_rows, first_row, first_col, 
     block gets the NaN byte and a NaN decode scale. NVFP4 (NV = 1) reads the tensor amax (int32 bits)
     for its outer scale, which the first program stores; CTA-local NVFP4 (NV = the CTA tile, > 1) reads
     one amax per NV rows, and the first column of programs stores the outer scale of each of its rows
-    (bmax is then [rows, blocks])."""
+    (bmax is then [rows, blocks]). Also the outer decode scale (a scalar, or [rows, 1]; 1.0 for
+    MXFP4), which probes multiply in as `QTensor.dequantize` does."""
     finite = bmax <= FLT_MAX
     if NV:
         if NV == 1:
@@ -294,7 +295,8 @@ def _block_scale(bmax, amax_ptr, outer_ptr, rows, n_rows, first_row, first_col, 
         byte, multiplier = _mx_scale(bmax, MODE)
         byte = tl.where(finite, byte, 0xFF)
         decode = _e8m0_decode(byte)
-    return byte, decode, multiplier
+        outer = 1.0
+    return byte, decode, multiplier, outer
 
 
 @triton.jit
@@ -326,13 +328,27 @@ def _pack(codes, M: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _count_clip_flush(x, q, sign, decode, outer, finite, stats_ptr):
+    """Add this tile's [saturated, flushed] element counts to the int64 pair at stats_ptr, as
+    `survey.clip_flush_counts` counts them: x the (transformed) input, q the rounded magnitudes, and
+    decode, outer and finite broadcast to x's shape. Padding loads as 0 and counts as neither."""
+    decoded = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * decode * outer
+    clipped = finite & (q == 6.0) & (tl.abs(decoded) < tl.abs(x)) & (decoded != 0)
+    flushed = (decoded == 0) & (x != 0)
+    tl.atomic_add(stats_ptr, tl.sum(tl.ravel(clipped.to(tl.int64))))
+    tl.atomic_add(stats_ptr + 1, tl.sum(tl.ravel(flushed.to(tl.int64))))
+
+
+@triton.jit
 def _quantize_store(
     t, row0, col0, n_rows, n_cols,
     val_ptr, codes_ptr, scales_ptr, signs_ptr, seed_ptr, u_ptr, amax_ptr, outer_ptr,
     M: tl.constexpr, N: tl.constexpr, NV: tl.constexpr, MODE: tl.constexpr, H: tl.constexpr,
     SR: tl.constexpr, GIVEN_U: tl.constexpr, CODES: tl.constexpr, VALUES: tl.constexpr, EVEN: tl.constexpr,
+    stats_ptr=None, STATS: tl.constexpr = False,
 ):  # fmt: skip
-    """Quantize tile t (rows row0.., blocked cols col0..) of an [n_rows, n_cols] output and store it."""
+    """Quantize tile t (rows row0.., blocked cols col0..) of an [n_rows, n_cols] output and store it;
+    with STATS, count its saturated and flushed elements into stats_ptr."""
     BLOCK: tl.constexpr = 16 if NV else 32
     NB: tl.constexpr = N // BLOCK
     rows = row0 + tl.arange(0, M)
@@ -340,7 +356,7 @@ def _quantize_store(
     if H > 0:
         t = _hadamard(t, signs_ptr, M, N, H)
     bmax = _block_amax(t, M, N, BLOCK)
-    byte, decode, multiplier = _block_scale(bmax, amax_ptr, outer_ptr, rows, n_rows, row0 == 0, col0 == 0, NV, MODE)
+    byte, decode, multiplier, outer = _block_scale(bmax, amax_ptr, outer_ptr, rows, n_rows, row0 == 0, col0 == 0, NV, MODE)
 
     v = tl.reshape(t, [M, NB, BLOCK]) * multiplier[:, :, None]
     a = tl.abs(v)
@@ -369,6 +385,10 @@ def _quantize_store(
         packed = _pack(tl.reshape(codes, [M, N]), M, N)
         _store(codes_ptr, rows, col0 // 2 + tl.arange(0, N // 2), n_rows, n_cols // 2, packed, EVEN)
         _store(scales_ptr, rows, col0 // BLOCK + tl.arange(0, NB), n_rows, n_cols // BLOCK, byte.to(tl.uint8), EVEN)
+    if STATS:
+        per_row = outer[:, :, None] if NV > 1 else outer  # [M, 1] per row for CTA-local scales
+        _count_clip_flush(tl.reshape(t, [M, NB, BLOCK]), q, sign, decode[:, :, None], per_row,
+                          (bmax <= FLT_MAX)[:, :, None], stats_ptr)
 
 
 @triton.jit
@@ -411,34 +431,37 @@ def _quantize_kernel(
     R_SR: tl.constexpr, R_GIVEN_U: tl.constexpr, R_CODES: tl.constexpr, R_VALUES: tl.constexpr,
     COL: tl.constexpr, C_NV: tl.constexpr, C_MODE: tl.constexpr, C_H: tl.constexpr,
     C_SR: tl.constexpr, C_GIVEN_U: tl.constexpr, C_CODES: tl.constexpr, C_VALUES: tl.constexpr,
+    r_stats, c_stats, R_STATS: tl.constexpr, C_STATS: tl.constexpr,
 ):  # fmt: skip
     """One [BR, BC] tile of x, read once: quantized along its rows into the [R, C] outputs (ROW)
-    and, transposed in registers, along its columns into the [C, R] outputs (COL)."""
+    and, transposed in registers, along its columns into the [C, R] outputs (COL); with *_STATS,
+    each orientation's saturated and flushed elements counted into its stats pair."""
     r0 = tl.program_id(0) * BR
     c0 = tl.program_id(1) * BC
     x = _load_tile(x_ptr, R, C, r0, c0, BR, BC, EVEN)
     if ROW:
         _quantize_store(
             x, r0, c0, R, C, r_val, r_codes, r_scales, r_signs, r_seed, r_u, r_amax, r_outer,
-            BR, BC, R_NV, R_MODE, R_H, R_SR, R_GIVEN_U, R_CODES, R_VALUES, EVEN,
+            BR, BC, R_NV, R_MODE, R_H, R_SR, R_GIVEN_U, R_CODES, R_VALUES, EVEN, r_stats, R_STATS,
         )  # fmt: skip
     if COL:
         _quantize_store(
             tl.trans(x), c0, r0, C, R, c_val, c_codes, c_scales, c_signs, c_seed, c_u, c_amax, c_outer,
-            BC, BR, C_NV, C_MODE, C_H, C_SR, C_GIVEN_U, C_CODES, C_VALUES, EVEN,
+            BC, BR, C_NV, C_MODE, C_H, C_SR, C_GIVEN_U, C_CODES, C_VALUES, EVEN, c_stats, C_STATS,
         )  # fmt: skip
 
 
 @triton.jit
 def _tile_kernel(
-    x_ptr, R, C, val_ptr, codes_ptr, scales_ptr, amax_ptr, outer_ptr,
+    x_ptr, R, C, val_ptr, codes_ptr, scales_ptr, amax_ptr, outer_ptr, stats_ptr,
     BR: tl.constexpr, BC: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, EVEN: tl.constexpr,
     NV: tl.constexpr, MODE: tl.constexpr, CODES: tl.constexpr, VALUES: tl.constexpr, SQUARE: tl.constexpr,
+    STATS: tl.constexpr,
 ):  # fmt: skip
     """2D weight tiles, round to nearest: one [BR, BC] region of x holding whole TH x TW tiles, each
     with one scale from its amax (quantize._group's [R/th, th, C/tw, tw] view). SQUARE > 0 (CTA-local
     NVFP4): each tile's outer scale is that of its SQUARE x SQUARE square, from the square's amax
-    slot, and stored there."""
+    slot, and stored there. STATS: the saturated and flushed elements counted into stats_ptr."""
     r0 = tl.program_id(0) * BR
     c0 = tl.program_id(1) * BC
     rows = r0 + tl.arange(0, BR)
@@ -451,7 +474,7 @@ def _tile_kernel(
         tl.store(outer_ptr + slots, outer, mask=inside)  # every tile of a square stores the same scale
         byte, decode, multiplier = _nvfp4_block_scale(tmax, s_enc, outer)
     else:
-        byte, decode, multiplier = _block_scale(tmax, amax_ptr, outer_ptr, rows, R, r0 == 0, c0 == 0, NV, MODE)
+        byte, decode, multiplier, outer = _block_scale(tmax, amax_ptr, outer_ptr, rows, R, r0 == 0, c0 == 0, NV, MODE)
     v = t * multiplier[:, None, :, None]
     a = tl.abs(v)
     if NV:
@@ -469,6 +492,9 @@ def _tile_kernel(
         tile_rows = r0 // TH + tl.arange(0, BR // TH)
         tile_cols = c0 // TW + tl.arange(0, BC // TW)
         _store(scales_ptr, tile_rows, tile_cols, R // TH, C // TW, byte.to(tl.uint8), EVEN)
+    if STATS:
+        per_tile = outer[:, None, :, None] if SQUARE else outer
+        _count_clip_flush(t, q, sign, decode[:, None, :, None], per_tile, (tmax <= FLT_MAX)[:, None, :, None], stats_ptr)
 
 
 @triton.jit
@@ -592,6 +618,7 @@ class _Orientation:
     amax: torch.Tensor | None  # a given tensor amax as int32 bits [1] (nvfp4), else None: the kernel takes it
     codes: bool
     values: bool
+    stats: torch.Tensor | None = None  # int64 [2]: saturated and flushed elements are added to it
 
 
 def quantize_fused(
@@ -610,6 +637,7 @@ def quantize_fused(
     tile: tuple[int, int] | None = None,
     adaptive: bool = False,
     cta_tile: int | None = None,
+    stats: torch.Tensor | None = None,
     **unsupported,
 ) -> FusedQuant:
     """Quantize a 2D CUDA tensor along its last dim (or x^T's, with transpose=True) in one kernel.
@@ -641,12 +669,17 @@ def quantize_fused(
     cta_tile x cta_tile square (a multiple of the tile), and `outer` holds one scale per square,
     [ceil(R / cta_tile), ceil(C / cta_tile)]: the GEMM scales each chunk of its sum by it
     (`numerics.tile_gemm`). tensor_amax with tiles, or the reference's generator, raises ValueError.
+
+    stats: an int64 tensor of two elements on x's device, to which the kernel adds the number of
+    saturated and of flushed elements of this quantization (`survey.clip_flush_counts` of the
+    transformed input and the encoding, exactly): a probe's statistics from the quantizing pass
+    itself, with no second read and no host sync. The caller zeroes it; None counts nothing.
     """
     _check_x(x)
     _reject_unsupported(unsupported)
     if not isinstance(transpose, bool):
         raise ValueError(f"quantize_fused: transpose must be a bool, got {transpose!r}")
-    options = {"fmt": fmt, "scale_mode": scale_mode, "adaptive": adaptive, "cta_tile": cta_tile, "rounding": rounding, "signs": signs, "seed": seed, "uniforms": uniforms, "tensor_amax": tensor_amax, "emit_codes": emit_codes, "emit_values": emit_values}
+    options = {"fmt": fmt, "scale_mode": scale_mode, "adaptive": adaptive, "cta_tile": cta_tile, "rounding": rounding, "signs": signs, "seed": seed, "uniforms": uniforms, "tensor_amax": tensor_amax, "emit_codes": emit_codes, "emit_values": emit_values, "stats": stats}
     spec = _orientation(x, options, transpose)
     if tile is not None:
         if spec.amax is not None:
@@ -661,7 +694,7 @@ def quantize_fused_both(x: torch.Tensor, row: dict, col: dict) -> tuple[FusedQua
     """Both orientations from one read of x: (quantized along the last dim, quantized x^T).
 
     `row` and `col` hold quantize_fused's options for each (fmt, scale_mode, adaptive, cta_tile, rounding,
-    signs, seed, uniforms, tensor_amax, emit_codes, emit_values), e.g. values for the forward GEMM and codes only for the
+    signs, seed, uniforms, tensor_amax, emit_codes, emit_values, stats), e.g. values for the forward GEMM and codes only for the
     backward's x^T. NVFP4 orientations first take their tensor amaxes in one more read.
     """
     _check_x(x)
@@ -722,9 +755,10 @@ def _launch(x, row: _Orientation | None, col: _Orientation | None, tile) -> tupl
         out = _allocate(x.device, shape, spec)
         outs.append(out)
         args += [out.values, out.codes, out.scales, spec.signs, spec.seed, spec.uniforms, amax[slot], out.outer]
+    stats = [spec.stats if spec is not None else None for spec in (row, col)]
     grid = (triton.cdiv(rows, br), triton.cdiv(cols, bc))
     _quantize_kernel[grid](
-        x, rows, cols, *args,
+        x, rows, cols, *args, r_stats=stats[0], c_stats=stats[1], R_STATS=stats[0] is not None, C_STATS=stats[1] is not None,
         BR=br, BC=bc, EVEN=rows % br == 0 and cols % bc == 0,
         **_constexprs("R_", row), **_constexprs("C_", col), ROW=row is not None, COL=col is not None,
         num_warps=warps, enable_fp_fusion=False,
@@ -775,9 +809,9 @@ def _launch_tiles(x, spec: _Orientation, tile: tuple[int, int]) -> FusedQuant:
     br, bc = max(_REGION_2D[0], th), max(_REGION_2D[1], tw)
     warps = _REGION_2D[2] * max(1, br * bc // (_REGION_2D[0] * _REGION_2D[1]))
     _tile_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](
-        x, rows, cols, out.values, out.codes, out.scales, amax, out.outer,
+        x, rows, cols, out.values, out.codes, out.scales, amax, out.outer, spec.stats,
         BR=br, BC=bc, TH=th, TW=tw, EVEN=rows % br == 0 and cols % bc == 0,
-        NV=spec.nv, MODE=spec.mode, CODES=spec.codes, VALUES=spec.values, SQUARE=spec.cta,
+        NV=spec.nv, MODE=spec.mode, CODES=spec.codes, VALUES=spec.values, SQUARE=spec.cta, STATS=spec.stats is not None,
         num_warps=min(warps, 8), enable_fp_fusion=False,
     )  # fmt: skip
     return out
@@ -900,6 +934,9 @@ def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientatio
         raise ValueError(f"quantize_fused: emit_values must be a bool, got {emit_values!r}")
     if not (emit_values or emit_codes):
         raise ValueError("quantize_fused: emit_values=False writes codes only; pass emit_codes=True with it")
+    stats = options.get("stats")
+    if stats is not None and not (_on_device(stats, x, torch.int64, (2,)) and stats.is_contiguous()):
+        raise ValueError("quantize_fused: stats must be a contiguous int64 tensor of two elements on x's device (torch.zeros(2, dtype=torch.int64))")
     blocked = out_shape[1]
     multiple = max(BLOCK_SIZE[fmt], transform)
     if blocked % multiple:
@@ -917,6 +954,7 @@ def _orientation(x: torch.Tensor, options: dict, transpose: bool) -> _Orientatio
         amax=amax,
         codes=emit_codes,
         values=emit_values,
+        stats=stats,
     )
 
 
