@@ -17,7 +17,7 @@ steps and layers are copied, and only during those steps.
 
 Capturing never changes training: a forward hook copies x (and computes the LoRA residual with the
 forward's own operations), a tensor hook on the output copies dY; neither draws a random bit nor
-changes a value, and the step runs eagerly as probe steps do (not replayed from a CUDA graph, which
+changes a value, and the step runs eagerly (not replayed from a CUDA graph, which
 gives the same bits). Under torch.compile the hooks would be traced into the graph, so a run that
 captures must not compile (compile = "off").
 """

@@ -196,7 +196,7 @@ def _start(config: TrainConfig, recipe: Recipe, ranks: distributed.Ranks, device
         blocker = cuda_graph_blocker(model) if mode_blocker is None else None
         chosen = paths.with_cuda_graphs(chosen, config, blocker, mode_blocker)
         warmup = distributed.DDP_GRAPH_WARMUP_STEPS if ranks.mode == "ddp" else GRAPH_WARMUP_STEPS
-        train_step = TrainStep(model, loss_fn, chosen.cuda_graphs, warmup)
+        train_step = TrainStep(model, loss_fn, chosen.cuda_graphs, warmup, graphed_probes=ranks.mode != "ddp")
     if ranks.main:
         _say_how_it_runs(config, device, chosen)
     qk_clip, tau = qk_clip_setting(config, recipe)
@@ -261,7 +261,7 @@ def _train_one_step(run: _Run, step: int) -> dict[str, Any]:
     lr = optimizer.param_groups[0]["lr"]
     capturing = capture is not None and step in capture.steps
     with capture.recording() if capturing else contextlib.nullcontext():
-        loss = run.train_step(x, y, eager=probing or capturing)
+        loss = run.train_step(x, y, eager=capturing, probing=probing)
     if capturing:
         capture.write(step)
     train_step = run.train_step

@@ -209,5 +209,5 @@ class PipelineStep:
     def __init__(self, pipeline: Pipeline):
         self.pipeline = pipeline
 
-    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor, eager: bool = False) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor, eager: bool = False, probing: bool = False) -> torch.Tensor:
         return self.pipeline.train(tokens, targets)

@@ -39,21 +39,36 @@ class TrainStep:
     captures zeroing the gradients, the forward and the backward into a CUDA graph, and every later
     call copies the batch into the captured input tensors and replays it: the same kernels on the
     same data, without the host launching each one (the FP4 path launches several per linear).
-    `eager=True` runs a step eagerly (probe steps, which read values back on the host); it
-    accumulates into the same gradient tensors, so both kinds of step interleave freely.
+    `probing=True` (the model's probes switched on) replays a second graph, captured at the first
+    probing call after an eager probing step has compiled its kernels and sharing the first graph's
+    memory pool (the two never run at once); after each replay the probes' tensors the capture
+    recorded (attention entropies and max logits, the linears' saturated and flushed fractions) are
+    put back on the modules, so a probe step costs about what a normal step does; with
+    `graphed_probes=False` (DDP, whose reducer settles over many eager steps before a capture) probe
+    steps run eagerly. `eager=True` runs a step eagerly (operand capture, whose hooks run on the
+    host); every kind of step accumulates into the same gradient tensors, so they interleave freely.
     """
 
-    def __init__(self, model: Llama, loss_fn: LossFn, graphed: bool, warmup: int = GRAPH_WARMUP_STEPS):
+    def __init__(self, model: Llama, loss_fn: LossFn, graphed: bool, warmup: int = GRAPH_WARMUP_STEPS, graphed_probes: bool = True):
         self.model, self.loss_fn, self.graphed, self.warmup = model, loss_fn, graphed, warmup
+        self.graphed_probes = graphed_probes
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graphs: dict[bool, _Captured] = {}  # by probing
+        self.probed_eagerly = False
         self.warmed = 0
 
-    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor, eager: bool = False) -> torch.Tensor:
-        if not self.graphed or eager:
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """A captured graph (the normal steps', else the probing steps'), or None before the capture."""
+        captured = self.graphs.get(False) or self.graphs.get(True)
+        return captured.graph if captured is not None else None
+
+    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor, eager: bool = False, probing: bool = False) -> torch.Tensor:
+        if not self.graphed or eager or (probing and not (self.graphed_probes and self.probed_eagerly)):
+            self.probed_eagerly |= probing
             self._zero_grads()
             return self._forward_backward(tokens, targets)
-        if self.graph is None and self.warmed < self.warmup:
+        if not self.graphs and self.warmed < self.warmup:
             self.warmed += 1
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -62,14 +77,14 @@ class TrainStep:
                 loss = self._forward_backward(tokens, targets)
             torch.cuda.current_stream().wait_stream(side)
             return loss
-        if self.graph is None:
-            self._capture(tokens, targets)
+        if probing not in self.graphs:
+            self.graphs[probing] = self._capture(tokens, targets)
+        captured = self.graphs[probing]
         self.static_tokens.copy_(tokens)
         self.static_targets.copy_(targets)
-        self.graph.replay()
-        for attention, logits in self.captured_logits:  # an eager step may have replaced them
-            attention.last_max_logits = logits
-        return self.static_loss
+        captured.graph.replay()
+        captured.restore()  # an eager step, or the other graph's capture, may have replaced them
+        return captured.loss
 
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(tokens, targets)
@@ -81,15 +96,43 @@ class TrainStep:
         if grads:
             torch._foreach_zero_(grads)
 
-    def _capture(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
-        self.static_tokens, self.static_targets = tokens.clone(), targets.clone()
-        self.graph = torch.cuda.CUDAGraph()
+    def _capture(self, tokens: torch.Tensor, targets: torch.Tensor) -> _Captured:
+        if not self.graphs:
+            self.static_tokens, self.static_targets = tokens.clone(), targets.clone()
+        pool = next(iter(self.graphs.values())).graph.pool() if self.graphs else None
+        graph = torch.cuda.CUDAGraph()
         for generator in graph_generators(self.model):
-            self.graph.register_generator_state(generator)
-        with torch.cuda.graph(self.graph):
+            graph.register_generator_state(generator)
+        with torch.cuda.graph(graph, pool=pool):
             self._zero_grads()
-            self.static_loss = self._forward_backward(self.static_tokens, self.static_targets)
-        self.captured_logits = [(a, a.last_max_logits) for a in self.model.attentions() if a.record_max_logits]
+            loss = self._forward_backward(self.static_tokens, self.static_targets)
+        return _Captured(graph, loss, _recorded_probes(self.model))
+
+
+class _Captured:
+    """A captured step: its graph, its loss tensor and the probe tensors its replays refresh."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, loss: torch.Tensor, probes: list[tuple[object, str, object]]):
+        self.graph, self.loss, self.probes = graph, loss, probes
+
+    def restore(self) -> None:
+        for module, name, value in self.probes:
+            setattr(module, name, dict(value) if isinstance(value, dict) else value)
+
+
+def _recorded_probes(model: Llama) -> list[tuple[object, str, object]]:
+    """(module, attribute, value) of what the probes recorded in the step just run: each attention's
+    max logits (where recorded) and entropies (where probing), each FP4 linear's fractions."""
+    recorded = []
+    for attention in model.attentions():
+        if attention.record_max_logits:
+            recorded.append((attention, "last_max_logits", attention.last_max_logits))
+        if attention.probe:
+            recorded.append((attention, "last_entropy", attention.last_entropy))
+    for linear in fp4_linears(model).values():
+        if linear.probe:
+            recorded.append((linear, "quant_stats", dict(linear.quant_stats)))
+    return recorded
 
 
 @torch.no_grad()

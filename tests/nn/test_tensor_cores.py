@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -412,8 +413,9 @@ def _tiny_cuda_steps(recipe: str, graphs: str, steps: int, out_dir, stop_after=N
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4-all", "mxfp4-rowsr-h32", "optitrain", "optitrain-rht16", "fullstack"])
 def test_cuda_graph_steps_equal_eager_steps_and_resume_exactly(recipe, tmp_path):
     """A CUDA graph replays the eager step's kernels on the same data: the losses, gradient norms and
-    QK-Clip decisions of a graphed run equal an eager run's (probe and eval steps interleaved), and a
-    graphed run stopped and resumed continues exactly (the Philox seed counters are checkpointed)."""
+    QK-Clip decisions of a graphed run equal an eager run's (probe and eval steps interleaved), its
+    probe steps (step 0 eager; 5, 10 and 11 replayed from the probing graph) log what the eager run's do,
+    and a graphed run stopped and resumed continues exactly (the Philox seed counters are checkpointed)."""
     # FP4 operands round tiny summation-order differences away; the bf16 recipe has nothing that does,
     # and its eager and graphed runs differ from the second step on (4e-6 there, 2e-4 by step 12 on
     # the H200), so it is held to that drift, not to bits.
@@ -423,6 +425,16 @@ def test_cuda_graph_steps_equal_eager_steps_and_resume_exactly(recipe, tmp_path)
     for a, b in zip(eager, graphed):
         assert a["loss"] == pytest.approx(b["loss"], rel=rel) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=10 * rel)
         assert recipe == "bf16" or a["qk_clipped_heads"] == b["qk_clipped_heads"]
+        assert ("attn_entropy" in a) == ("attn_entropy" in b) == (a["step"] in (0, 5, 10, 11)), a["step"]
+        if "attn_entropy" in a:  # bf16 drifts as above; FP4 probes count the same codes
+            assert sorted(a.get("quant", {})) == sorted(b.get("quant", {}))
+            for field in ("attn_entropy", "max_logit"):
+                want, got = np.array(a[field]), np.array(b[field])
+                assert np.allclose(got, want, rtol=100 * rel, atol=0), (a["step"], field)
+            for name, operands in a.get("quant", {}).items():
+                for operand, fractions in operands.items():
+                    tolerance = 0.01 if recipe == "bf16" else 1e-3  # a few codes may move between paths
+                    assert np.allclose(b["quant"][name][operand], fractions, atol=tolerance), (a["step"], name, operand)
     _tiny_cuda_steps(recipe, "on", 12, tmp_path / "resumed", stop_after=7)
     resumed = _tiny_cuda_steps(recipe, "on", 12, tmp_path / "resumed")
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in graphed], rel=rel)
