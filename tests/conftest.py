@@ -12,6 +12,7 @@ tests instead of skipping them: CI always runs them."""
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -39,6 +40,11 @@ def pytest_configure(config):
         threads = max(1, (os.cpu_count() or 1) // workers)
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started in the background by a non-interactive shell, which ignores SIGINT: the CLI processes
+        # the tests start would inherit that and never see the Ctrl-C the tests send them. A handler
+        # here is not inherited (exec resets it), so they start with the default disposition.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def slurm_node_state() -> str | None:
