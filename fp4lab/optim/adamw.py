@@ -17,6 +17,9 @@ after a transform that low precision survives (`encode_v` / `decode_v`):
 with H the fixed-sign blockwise Hadamard of `fp4lab.numerics.hadamard` (size `HADAMARD_SIZE`). A step
 decodes v_hat, computes v_t = b2 v_hat + (1 - b2) g^2 in fp32, updates the weights with that v_t and
 re-encodes it, as the 8-bit and 4-bit optimizers do (Dettmers et al., ICLR 2022; Li et al., arXiv 2309.01507).
+Where the Triton kernels run, H and the quantizer are one fused pass and the decode another
+(`numerics.kernels.encode` / `decode`, the torch reference's bits): the reference launches some fifty
+small kernels per parameter and step, which left fullstack's AdamW step host-bound.
 
 **Never dividing by a collapsed v.** The 4-bit-optimizer paper (Li et al.) shows the failure: a small but
 non-zero v rounded to 0 turns m / (sqrt(v) + eps) into m / eps. Here the transform keeps v_hat >= 0 (it is
@@ -69,12 +72,13 @@ to the unsharded one (the tests check it), in both formats. `quantized_v` reads 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from itertools import chain
 
 import torch
 
-from fp4lab.numerics import BLOCK_SIZE, QTensor, hadamard, quantize
+from fp4lab.numerics import BLOCK_SIZE, QTensor, hadamard, hadamard_signs, kernels
 from fp4lab.optim.plumbing import closure_loss, dense_grads
 from fp4lab.optim.sharding import all_reduce_max_over_shards_, check_last_dim_whole, is_sharded, like_sharded, local
 from fp4lab.validation import Checks
@@ -100,18 +104,28 @@ def encode_v(v: torch.Tensor, shard_of: torch.Tensor | None = None) -> dict[str,
     the tensor scale is that of the whole tensor: the amax is all-reduced (MAX) over the shards."""
     s = v.to(torch.float32).sqrt()
     mean = s.mean(dim=-1, keepdim=True)
-    u = hadamard(s - mean, HADAMARD_SIZE)
-    tensor_amax = None if shard_of is None else all_reduce_max_over_shards_(_finite_amax(u), shard_of)
-    q = quantize(u, "nvfp4", tensor_amax=tensor_amax)
+    centred = s - mean
+    tensor_amax = None
+    if shard_of is not None:
+        tensor_amax = all_reduce_max_over_shards_(_finite_amax(hadamard(centred, HADAMARD_SIZE)), shard_of)
+    q = kernels.encode(centred, "nvfp4", signs=_signs(v.device), tensor_amax=tensor_amax)
     return {"v_codes": q.data, "v_scales": q.scales, "v_tensor_scale": q.tensor_scale, "v_mean": mean}
+
+
+@functools.cache
+def _signs(device: torch.device) -> torch.Tensor:
+    """The transform's sign vector (`hadamard`'s default, TE's fixed signs), made once per device."""
+    return hadamard_signs(HADAMARD_SIZE, "fixed").to(device)
 
 
 def _finite_amax(u: torch.Tensor) -> torch.Tensor:
     """The amax `quantize` derives the NVFP4 tensor scale from: the largest block amax among the blocks
     without NaN or Inf (0 for an empty shard), so the MAX over shards is the unsharded value."""
     block_amax = u.abs().reshape(-1, NVFP4_BLOCK).amax(dim=1)
-    finite = block_amax[torch.isfinite(block_amax)]
-    return finite.amax() if finite.numel() else torch.zeros((), device=u.device)
+    if not block_amax.numel():
+        return torch.zeros((), device=u.device)
+    # Nonfinite blocks count as 0 (amaxes are >= 0): no boolean indexing, which would wait for the GPU.
+    return torch.where(torch.isfinite(block_amax), block_amax, 0.0).amax()
 
 
 def decode_v(state: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -126,7 +140,7 @@ def decode_v(state: dict[str, torch.Tensor]) -> torch.Tensor:
         shape=shape,
         block_size=NVFP4_BLOCK,
     )
-    s = hadamard(q.dequantize(), HADAMARD_SIZE, inverse=True) + state["v_mean"]
+    s = hadamard(kernels.decode(q), HADAMARD_SIZE, inverse=True) + state["v_mean"]
     return s.square()
 
 

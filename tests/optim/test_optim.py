@@ -226,6 +226,54 @@ def test_fused_nvfp4_newton_schulz_equals_the_reference_under_the_interpreter():
     interpreted.run_interpreted(__name__, "check_fused_newton_schulz_equals_the_emulation('cpu', [(64, 32), (32, 96)])")
 
 
+def check_fused_nvfp4_adam_v_equals_the_reference(device: str) -> None:
+    """AdamW(v_format="nvfp4") where Triton runs encodes and decodes v with the fused quantizer and
+    decode (one call each per quantized parameter and step) and keeps the torch reference's bits:
+    parameters and every state tensor equal after three steps (an fp32-v norm and a 3D parameter too)."""
+    from fp4lab.numerics import kernels
+    from fp4lab.numerics.kernels import quantize as triton_quantize
+    from fp4lab.optim.adamw import AdamW
+
+    calls = []
+    fused, decode = triton_quantize.quantize_fused, triton_quantize.decode_fused
+    triton_quantize.quantize_fused = lambda x, **o: calls.append("encode") or fused(x, **o)
+    triton_quantize.decode_fused = lambda *a, **o: calls.append("decode") or decode(*a, **o)
+    runs_on = kernels.runs_on
+    results = []
+    try:
+        for kernels.runs_on in (runs_on, lambda device: False):  # fused where it runs, then the reference
+            g = torch.Generator().manual_seed(4)
+            params = [torch.nn.Parameter(torch.randn(shape, generator=g).to(device)) for shape in ((96, 64), (2, 48, 64), (64,))]
+            optimizer = AdamW(params, lr=1e-2, v_format="nvfp4")
+            for _ in range(3):
+                for p in params:
+                    p.grad = (torch.randn(p.shape, generator=g) * torch.rand(p.shape[-1], generator=g) ** 4).to(device)
+                optimizer.step()
+            results.append((params, [optimizer.state[p] for p in params]))
+            # 2 quantized parameters: encoded when their state is made, then decoded and encoded each step
+            expected = (2 + 6, 6) if len(results) == 1 else (0, 0)
+            assert (calls.count("encode"), calls.count("decode")) == expected, calls
+            calls.clear()
+    finally:
+        triton_quantize.quantize_fused, triton_quantize.decode_fused, kernels.runs_on = fused, decode, runs_on
+    (fast, fast_state), (ref, ref_state) = results
+    for a, b, sa, sb in zip(fast, ref, fast_state, ref_state):
+        assert torch.equal(a, b), (a - b).abs().max()
+        assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa), sorted(sa)
+
+
+def test_fused_nvfp4_adam_v_equals_the_reference_under_the_interpreter():
+    from tests import interpreted
+
+    interpreted.run_interpreted(__name__, "check_fused_nvfp4_adam_v_equals_the_reference('cpu')")
+
+
+@pytest.mark.cuda
+def test_fused_nvfp4_adam_v_equals_the_reference_on_cuda():
+    pytest.importorskip("triton")
+    check_fused_nvfp4_adam_v_equals_the_reference("cuda")
+
+
 @pytest.mark.cuda
 def test_fused_nvfp4_newton_schulz_equals_the_reference_on_cuda():
     if not torch.cuda.is_available():
