@@ -165,3 +165,28 @@ def test_an_experiments_log_reads_in_the_order_it_printed(tmp_path):
     code, output = WorktreeCommand([sys.executable, "-c", script], tmp_path, {}, log, timeout_s=60)()
     assert code == 0 and output.split() == ["step", "0", "summary", "step", "1"]
     assert log.read_text().splitlines()[1:] == ["step 0", "summary", "step 1", "", "[exit 0]"]
+
+
+def test_a_command_measures_the_worktrees_code_even_when_it_imports_from_outside_the_tree(run_cli, monkeypatch, tmp_path):
+    """The command runs a script outside the tree that imports the project's package, as an installed
+    console script does (its imports skip the cwd; PYTHONPATH stands in for the install here): the
+    worktree comes first on PYTHONPATH, so the proposer's edit is what the iteration measures."""
+    root = tmp_path / "project"
+    (root / "toypkg").mkdir(parents=True)
+    git(tmp_path, "init", "-q", "-b", "main", str(root))
+    git(root, "config", "user.name", "Test User")
+    git(root, "config", "user.email", "test@example.invalid")
+    (root / "toypkg" / "__init__.py").write_text("VALUE = 1.0\n")
+    (tmp_path / "measure.py").write_text("import toypkg\nprint('score:', toypkg.VALUE)\n")
+    program = PROGRAM.format(python=sys.executable, seeds=2, rule="sigma")
+    program = program.replace('"score.py"]', f'{json.dumps(str(tmp_path / "measure.py"))}]')
+    (root / "program.md").write_text(program.replace("[search_space]", '[edit]\nfiles = ["toypkg/__init__.py"]\n\n[search_space]'))
+    (root / ".gitignore").write_text("sweep_catalog.json*\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "initial")
+    diff = "--- a/toypkg/__init__.py\\n+++ b/toypkg/__init__.py\\n@@ -1 +1 @@\\n-VALUE = 1.0\\n+VALUE = 0.5\\n"
+    (tmp_path / "propose.py").write_text(f'import json\nprint(json.dumps({{"diff": "{diff}", "rationale": "halve it"}}))\n')
+    monkeypatch.setenv("PYTHONPATH", str(root))  # the package as installed from the main checkout
+    _, (baseline, edited) = ratchet(run_cli, monkeypatch, root, tmp_path, "tree", 1)
+    assert baseline["metric"] == pytest.approx(1.0)
+    assert edited["metric"] == pytest.approx(0.5) and edited["decision"] == "keep", edited

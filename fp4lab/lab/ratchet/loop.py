@@ -472,11 +472,9 @@ class Ratchet:
         summary_path = out / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
         if summary is None or summary.get("status") not in ENDED_STATUSES:
-            # The worktree's own fp4lab runs (cwd and PYTHONPATH), so a diff to its code takes effect.
-            pythonpath = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
             minutes = self.program.run.minutes
             command = WorktreeCommand([sys.executable, "-m", "fp4lab.cli", "train", "--config", str(config_path)],
-                                      tree, {"PYTHONPATH": pythonpath}, self._log(number, seed_index),
+                                      tree, worktree_first({}, tree), self._log(number, seed_index),
                                       timeout_s=None if minutes is None else 120 * minutes + 600)
             returncode, _ = self._execute(number, seed_index, command)
             if returncode != 0 or not summary_path.exists():
@@ -501,7 +499,7 @@ class Ratchet:
     def _run_command(self, number: int, seed_index: int, tree: Path) -> tuple[float | None, str, bool, str]:
         run = self.program.run
         env = dict(run.env) | {"FP4LAB_SEED": str(seed_index), "FP4LAB_PARAMS": json.dumps(self._current_params(tree))}
-        command = WorktreeCommand(list(run.command), tree, env, self._log(number, seed_index),
+        command = WorktreeCommand(list(run.command), tree, worktree_first(env, tree), self._log(number, seed_index),
                                   timeout_s=60 * run.timeout_minutes)
         returncode, output = self._execute(number, seed_index, command)
         if returncode is None:
@@ -660,6 +658,15 @@ class Ratchet:
 
 
 # ------------------------------------------------------------------------------------------- helpers
+
+
+def worktree_first(env: dict[str, str], tree: Path) -> dict[str, str]:
+    """`env` with the worktree first on PYTHONPATH (then the run's own PYTHONPATH, else the ratchet's):
+    an experiment imports the worktree's code, so the change under test is what it measures, even
+    where it starts an installed console script (`fp4lab ...`), whose imports skip the cwd and would
+    find the checkout the package was installed from."""
+    rest = env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
+    return env | {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), rest]))}
 
 
 class WorktreeCommand:
