@@ -21,11 +21,24 @@ _RNE_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _RNE_TIES_UP = (0.75, 1.75, 3.5)
 
 
-def _rne_boundaries(device: torch.device) -> torch.Tensor:
-    mid = torch.tensor(_RNE_MIDPOINTS, dtype=torch.float32, device=device)
+def _rne_boundaries() -> torch.Tensor:
+    mid = torch.tensor(_RNE_MIDPOINTS, dtype=torch.float32)
     below = torch.nextafter(mid, torch.zeros_like(mid))
-    ties_up = torch.tensor([m in _RNE_TIES_UP for m in _RNE_MIDPOINTS], device=device)
+    ties_up = torch.tensor([m in _RNE_TIES_UP for m in _RNE_MIDPOINTS])
     return torch.where(ties_up, below, mid)
+
+
+_CONSTANTS = {"rne_boundaries": _rne_boundaries(), "decode_table": torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32)}
+_on_device: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _constant(name: str, device: torch.device) -> torch.Tensor:
+    """A lookup table on `device`, copied there once: a copy from host memory is not allowed while a
+    CUDA graph is being captured, and a probe step's graph is captured after an eager one."""
+    key = (name, device)
+    if key not in _on_device:
+        _on_device[key] = _CONSTANTS[name].to(device)
+    return _on_device[key]
 
 
 def _with_sign(magnitude_code: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -36,7 +49,7 @@ def _with_sign(magnitude_code: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def encode_rne(x: torch.Tensor) -> torch.Tensor:
     """Round float32 values to E2M1 codes, ties to even, saturating at +-6. NaN encodes as +-0."""
     a = torch.nan_to_num(x.abs(), nan=0.0)
-    return _with_sign(torch.bucketize(a, _rne_boundaries(x.device)), x)
+    return _with_sign(torch.bucketize(a, _constant("rne_boundaries", x.device)), x)
 
 
 def round_to_nearest(x: torch.Tensor) -> torch.Tensor:
@@ -90,8 +103,7 @@ def encode_grid(values: torch.Tensor) -> torch.Tensor:
 
 def decode(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8, one per element) to float32 values."""
-    table = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32, device=codes.device)
-    return table[codes.long() & 0xF]
+    return _constant("decode_table", codes.device)[codes.long() & 0xF]
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
