@@ -333,6 +333,24 @@ def test_exact_2d_tiles(tq, fmt, mode, adaptive, tile, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fmt,mode,adaptive,tile", TILE_CASES, ids=[f"{f}-{m}-{'ad' if a else ''}{t[0]}x{t[1]}" for f, m, a, t in TILE_CASES])
+def test_exact_2d_tiles_sr(tq, fmt, mode, adaptive, tile):
+    """2D weight tiles rounded stochastically, given the reference's uniforms (its torch.rand over
+    the [R/th, th, C/tw, tw] view: one per element of x, in x's order): values, codes, scale bytes and
+    outer on every input kind, whole regions and masked ones."""
+    options = dict(tile=tile) | (dict(scale_mode=mode, adaptive=adaptive) if fmt == "mxfp4" else {})
+    th, tw = tile
+    for shape in ((256, 512), (3 * th, 5 * tw)):
+        for kind, x in inputs(shape, seed=12).items():
+            x = x.to("cuda")
+            uniforms = torch.rand(shape, generator=_cuda_gen(9), device="cuda")
+            factored = fake_quantize_factored(x, fmt, rounding="sr", generator=_cuda_gen(9), **options)
+            q = quantize(x, fmt, rounding="sr", generator=_cuda_gen(9), **options)
+            out = tq.quantize_fused(x, fmt=fmt, rounding="sr", uniforms=uniforms, emit_codes=True, **options)
+            assert_matches(out, factored, q, f"{kind} {shape} sr")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("tile,cta_tile", [((16, 16), 128), ((16, 16), 48), ((32, 32), 64), ((16, 32), 32)])
 def test_exact_cta_local_2d_tiles(tq, tile, cta_tile):
     """2D CTA-local tiles: each tile's amax folded into its square's slot and one outer scale per square
@@ -556,12 +574,13 @@ def test_codes_only_and_decode_errors(tq):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transposed"])
-def test_sr_philox_unbiased_and_between_neighbours(tq, transpose):
-    """Columns j = 0 mod 16 hold 4.0 (every 32-block has amax 4: MXFP4 multiplier 1, values in E2M1
-    units), the others one of 15 off-grid values v between grid neighbours lo < hi. Every result is lo
-    or hi, and over n draws the mean for each v lies within 6 standard errors sqrt((v-lo)(hi-v)/n) of v,
-    plus the bias that the 2^-16 granularity of the uniforms allows (2^-16 of a step)."""
+@pytest.mark.parametrize("transpose,tile", [(False, None), (True, None), (False, (32, 32))], ids=["rows", "transposed", "tiles"])
+def test_sr_philox_unbiased_and_between_neighbours(tq, transpose, tile):
+    """Columns j = 0 mod 16 hold 4.0 (every 32-block, and every 32 x 32 tile, has amax 4: MXFP4
+    multiplier 1, values in E2M1 units), the others one of 15 off-grid values v between grid
+    neighbours lo < hi. Every result is lo or hi, and over n draws the mean for each v lies within 6
+    standard errors sqrt((v-lo)(hi-v)/n) of v, plus the bias that the 2^-16 granularity of the
+    uniforms allows (2^-16 of a step)."""
     rows, cols, draws = 256, 512, 16
     v = torch.tensor([0.1, 0.3, 0.6, 0.9, 1.1, 1.4, 1.6, 1.9, 2.2, 2.7, 3.3, 3.9, 4.5, 5.1, 5.9])
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -573,7 +592,7 @@ def test_sr_philox_unbiased_and_between_neighbours(tq, transpose):
     total = torch.zeros(v.numel(), dtype=torch.float64)
     for draw in range(draws):
         seed = torch.tensor([draw * 7919 + 1], dtype=torch.int64, device="cuda")
-        out = tq.quantize_fused(operand, fmt="mxfp4", rounding="sr", seed=seed, transpose=transpose).values
+        out = tq.quantize_fused(operand, fmt="mxfp4", rounding="sr", seed=seed, transpose=transpose, tile=tile).values
         body = out.float().cpu().reshape(rows, cols // 16, 16)[..., 1:]
         assert ((body == lo) | (body == hi)).all()
         total += body.double().sum(dim=(0, 1))
@@ -620,7 +639,7 @@ def test_sr_philox_seed_reproducible_and_independent(tq):
         (dict(fmt="nvfp4_cta", cta_tile=24), "cta_tile"),
         (dict(fmt="nvfp4_cta", scale_mode="floor"), "scale_mode"),
         (dict(fmt="mxfp4", tile=(16, 16)), "tile"),
-        (dict(fmt="nvfp4", tile=(16, 16), rounding="sr", seed="seed"), "tile"),
+        (dict(fmt="nvfp4", tile=(16, 16), rounding="sr"), "seed"),
         (dict(fmt="nvfp4", tile=(16, 16), signs="signs16"), "tile"),
         (dict(fmt="nvfp4", tile=(16, 16), transpose=True), "tile"),
         (dict(fmt="nvfp4", tile=(48, 16)), "tile"),
@@ -731,6 +750,15 @@ for fmt, opts in (("nvfp4", dict(tile=(16, 16))), ("mxfp4", dict(tile=(32, 32), 
     for name, x in kinds[:2]:
         out = quantize_fused(x, fmt=fmt, emit_codes=True, **opts)
         assert_matches(out, fake_quantize_factored(x.float(), fmt, **opts), quantize(x.float(), fmt, **opts), f"{{name}} {{fmt}} tiles")
+# 2D tiles with SR, given the reference's uniforms (one per element of x, in x's order)
+for fmt, opts in (("nvfp4", dict(tile=(16, 16))), ("mxfp4", dict(tile=(32, 32), scale_mode="floor")),
+                  ("nvfp4_cta", dict(tile=(16, 16), cta_tile=32))):
+    for name, x in kinds[1:3]:
+        u = torch.rand(x.shape, generator=torch.Generator().manual_seed(5))
+        g = lambda: torch.Generator().manual_seed(5)
+        out = quantize_fused(x, fmt=fmt, rounding="sr", uniforms=u, emit_codes=True, **opts)
+        want = [f(x.float(), fmt, rounding="sr", generator=g(), **opts) for f in (fake_quantize_factored, quantize)]
+        assert_matches(out, *want, f"{{name}} {{fmt}} tiles sr")
 
 # Codes only and its fused decode: rows, x^T, either orientation of both, tiles (nvfp4 once: its amax
 # pass is slow here). Every scale byte decoded to fp32: the interpreter's bf16 cast flushes the

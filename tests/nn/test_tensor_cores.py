@@ -464,10 +464,11 @@ def test_kernel_coverage_follows_what_the_fused_quantizer_supports():
     assert kernel_covers(OperandSpec("nvfp4", rounding="sr", transform="h16"))
     assert kernel_covers(OperandSpec("mxfp4", scale_mode="rceil", tile=(32, 32), adaptive=True))
     assert not kernel_covers(OperandSpec("nvfp4", tile=(48, 48)))  # the kernel's tiles are powers of two
-    assert not kernel_covers(OperandSpec("nvfp4", tile=(16, 16), rounding="sr"))
+    assert kernel_covers(OperandSpec("nvfp4", tile=(16, 16), rounding="sr"))  # optitrain's Fprop weight
+    assert not kernel_covers(OperandSpec("nvfp4", tile=(16, 16), transform="h16"))
     assert kernel_covers(OperandSpec("nvfp4_cta", rounding="sr", transform="h16", cta_tile=64))  # 1D CTA-local blocks
     assert kernel_covers(OperandSpec("nvfp4_cta", tile=(16, 16)))  # 2D CTA tiles: one outer scale per square
-    assert not kernel_covers(OperandSpec("nvfp4_cta", tile=(16, 16), rounding="sr"))
+    assert kernel_covers(OperandSpec("nvfp4_cta", tile=(16, 16), rounding="sr"))
     assert not kernel_covers(OperandSpec("mxfp4", transform="h64"))
     assert not kernel_covers(OperandSpec("bf16"))
     assert not kernel_covers(OperandSpec("fp8", element="e4m3", scaling="tensor"))

@@ -63,13 +63,13 @@ def runs_on(device: torch.device) -> bool:
 def quantizer_covers(spec) -> bool:
     """Whether the fused quantizer (kernels.quantize) takes an operand spec (any object with
     nn.recipe.OperandSpec's format, transform_size, tile, rounding and transform): MXFP4, NVFP4 and
-    CTA-local NVFP4, no transform or a 16 / 32 blockwise one; 2D tiles only round to nearest, with no
-    transform and sides that are powers of two."""
+    CTA-local NVFP4, no transform or a 16 / 32 blockwise one; 2D tiles with no transform and sides
+    that are powers of two."""
     if spec.format not in ("mxfp4", "nvfp4", "nvfp4_cta") or spec.transform_size not in (0, 16, 32):
         return False
     if spec.tile is None:
         return True
-    return spec.rounding == "rtn" and spec.transform == "none" and all(side & (side - 1) == 0 for side in spec.tile)
+    return spec.transform == "none" and all(side & (side - 1) == 0 for side in spec.tile)
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, **options) -> torch.Tensor:

@@ -31,9 +31,9 @@ nvfp4_cta (CTA-local outer scales, one per 128 rows by default) is covered with 
 pass folds each row's amax into its CTA tile's slot, and with 2D tiles, whose amax pass folds each
 tile's amax into the slot of its 128 x 128 square (`outer` then holds one scale per square).
 
-Not supported (ValueError naming the argument; callers fall back to the reference): tensor_amax with a format other than nvfp4, transforms other than 16 and 32, 2D tiles with SR, a transform or transpose=True,
-a blocked dim that is not a multiple of the block and transform, tile dims that are not powers of
-two, dtypes other than bf16/fp32, non-CUDA or non-contiguous tensors. This module imports Triton: import it lazily, after
+Not supported (ValueError naming the argument; callers fall back to the reference): tensor_amax with a format other than nvfp4, transforms other than 16 and 32, 2D tiles with a
+transform or transpose=True, a blocked dim that is not a multiple of the block and transform, tile
+dims that are not powers of two, dtypes other than bf16/fp32, non-CUDA or non-contiguous tensors. This module imports Triton: import it lazily, after
 `fp4lab.numerics.kernels.runs_on(device)`.
 """
 
@@ -453,15 +453,17 @@ def _quantize_kernel(
 
 @triton.jit
 def _tile_kernel(
-    x_ptr, R, C, val_ptr, codes_ptr, scales_ptr, amax_ptr, outer_ptr, stats_ptr,
+    x_ptr, R, C, val_ptr, codes_ptr, scales_ptr, amax_ptr, outer_ptr, stats_ptr, seed_ptr, u_ptr,
     BR: tl.constexpr, BC: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, EVEN: tl.constexpr,
     NV: tl.constexpr, MODE: tl.constexpr, CODES: tl.constexpr, VALUES: tl.constexpr, SQUARE: tl.constexpr,
-    STATS: tl.constexpr,
+    STATS: tl.constexpr, SR: tl.constexpr, GIVEN_U: tl.constexpr,
 ):  # fmt: skip
-    """2D weight tiles, round to nearest: one [BR, BC] region of x holding whole TH x TW tiles, each
-    with one scale from its amax (quantize._group's [R/th, th, C/tw, tw] view). SQUARE > 0 (CTA-local
-    NVFP4): each tile's outer scale is that of its SQUARE x SQUARE square, from the square's amax
-    slot, and stored there. STATS: the saturated and flushed elements counted into stats_ptr."""
+    """2D weight tiles: one [BR, BC] region of x holding whole TH x TW tiles, each with one scale
+    from its amax (quantize._group's [R/th, th, C/tw, tw] view), rounded to nearest or (SR)
+    stochastically with one uniform per element of x, at its [row, col] (given, or Philox's stream of
+    the 1D kernel, whose draws depend on the element's position only). SQUARE > 0 (CTA-local NVFP4):
+    each tile's outer scale is that of its SQUARE x SQUARE square, from the square's amax slot, and
+    stored there. STATS: the saturated and flushed elements counted into stats_ptr."""
     r0 = tl.program_id(0) * BR
     c0 = tl.program_id(1) * BC
     rows = r0 + tl.arange(0, BR)
@@ -477,10 +479,19 @@ def _tile_kernel(
         byte, decode, multiplier, outer = _block_scale(tmax, amax_ptr, outer_ptr, rows, R, r0 == 0, c0 == 0, NV, MODE)
     v = t * multiplier[:, None, :, None]
     a = tl.abs(v)
-    if NV:
+    if NV or SR:  # as _quantize_store: nvfp4 clamps before rounding, SR saturates first
         a = tl.minimum(a, 6.0)
     q, magic, magic_bits = _grid_round(a)
-    q = tl.minimum(q, 6.0)
+    if SR:
+        if GIVEN_U:
+            u = _load(u_ptr, rows, cols, R, C, EVEN)
+        else:
+            u = _uniforms(seed_ptr, rows, c0, C, BR, BC)
+        step = (magic_bits - (23 << 23)).to(tl.float32, bitcast=True)
+        low = tl.where(q > a, q - step, q)
+        q = tl.where(tl.reshape(u, [BR // TH, TH, BC // TW, TW]) * step < a - low, low + step, low)
+    else:
+        q = tl.minimum(q, 6.0)
     sign = v.to(tl.int32, bitcast=True) & SIGN_BIT
     if VALUES:
         values = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * decode[:, None, :, None]
@@ -663,8 +674,9 @@ def quantize_fused(
     atomic per row into its tile's slot); `outer` then holds each row's. 1D blocks only.
 
     tile=(th, tw): 2D weight tiles, one scale per th x tw tile (multiples of the block; x's shape a
-    multiple of the tile), round to nearest, no transform, transpose=False (the tiled encoding of x^T
-    is the transpose of x's: transpose the values); `scales` then has shape [R // th, C // tw]. For
+    multiple of the tile), either rounding (SR's uniforms, given or drawn, indexed as x's elements),
+    no transform, transpose=False (the tiled encoding of x^T is the transpose of x's: transpose the
+    values); `scales` then has shape [R // th, C // tw]. For
     nvfp4 the tensor amax is taken over the finite tiles; for nvfp4_cta over the finite tiles of each
     cta_tile x cta_tile square (a multiple of the tile), and `outer` holds one scale per square,
     [ceil(R / cta_tile), ceil(C / cta_tile)]: the GEMM scales each chunk of its sum by it
@@ -809,9 +821,10 @@ def _launch_tiles(x, spec: _Orientation, tile: tuple[int, int]) -> FusedQuant:
     br, bc = max(_REGION_2D[0], th), max(_REGION_2D[1], tw)
     warps = _REGION_2D[2] * max(1, br * bc // (_REGION_2D[0] * _REGION_2D[1]))
     _tile_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](
-        x, rows, cols, out.values, out.codes, out.scales, amax, out.outer, spec.stats,
+        x, rows, cols, out.values, out.codes, out.scales, amax, out.outer, spec.stats, spec.seed, spec.uniforms,
         BR=br, BC=bc, TH=th, TW=tw, EVEN=rows % br == 0 and cols % bc == 0,
         NV=spec.nv, MODE=spec.mode, CODES=spec.codes, VALUES=spec.values, SQUARE=spec.cta, STATS=spec.stats is not None,
+        SR=spec.sr, GIVEN_U=spec.uniforms is not None,
         num_warps=min(warps, 8), enable_fp_fusion=False,
     )  # fmt: skip
     return out
@@ -964,8 +977,8 @@ def _check_tile(x: torch.Tensor, tile, spec: _Orientation, transpose: bool) -> t
         raise ValueError(f"quantize_fused: tile={tile!r} must be (th, tw) with powers of two that are multiples of {block}")
     if spec.cta and (spec.cta % tile[0] or spec.cta % tile[1]):
         raise ValueError(f"quantize_fused: cta_tile={spec.cta} must be a multiple of both tile dims {tuple(tile)}")
-    if spec.sr or spec.transform or transpose:
-        raise ValueError("quantize_fused: tile supports rounding='rtn' without signs and transpose=False only (transpose the values for x^T)")
+    if spec.transform or transpose:
+        raise ValueError("quantize_fused: tile supports no signs and transpose=False only (transpose the values for x^T)")
     if x.shape[0] % tile[0] or x.shape[1] % tile[1]:
         raise ValueError(f"quantize_fused: x shape {list(x.shape)} is not divisible into {tuple(tile)} tiles")
     return tuple(tile)
