@@ -17,7 +17,7 @@ from tests import interpreted
 def check_kernel_matches_the_reference(device: str) -> None:
     """Rows zero-padded to N (including N = 1, one row spanning N, several rows per program and the
     kernel's largest N), float32 and bfloat16 inputs with magnitudes over 2^-20..2^20, forward and
-    inverse: the same float32 bits."""
+    inverse, contiguous rows and a transposed view: the same float32 bits."""
     from fp4lab.numerics.kernels.hadamard import MAX_LENGTH, hadamard_full_fused
 
     g = torch.Generator().manual_seed(0)
@@ -28,10 +28,12 @@ def check_kernel_matches_the_reference(device: str) -> None:
             signs = hadamard_signs(n, "random", g)
             for inverse in (False, True):
                 want = hadamard_full(x, signs, inverse=inverse)
-                got = hadamard_full_fused(x.to(device), signs.to(device), inverse=inverse).cpu()
-                label = f"{rows}x{length} -> {n} {dtype} inverse={inverse}"
-                assert got.shape == want.shape, label
-                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"{label}: {(got - want).abs().max().item()}"
+                # x itself, and x as the transpose of a contiguous [length, rows] tensor (read in place)
+                for layout, source in (("rows", x), ("x^T view", x.T.contiguous().T)):
+                    got = hadamard_full_fused(source.to(device), signs.to(device), inverse=inverse).cpu()
+                    label = f"{rows}x{length} -> {n} {dtype} inverse={inverse} {layout}"
+                    assert got.shape == want.shape, label
+                    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"{label}: {(got - want).abs().max().item()}"
     with pytest.raises(ValueError, match="a power of two in"):
         hadamard_full_fused(torch.ones(2, 8, device=device), torch.ones(4, device=device))
     with pytest.raises(ValueError, match="use numerics.hadamard_full beyond"):

@@ -46,13 +46,14 @@ def _butterfly(y, BR: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
 
 @triton.jit
 def _hadamard_full_kernel(
-    x_ptr, signs_ptr, out_ptr, R, L, scale,
+    x_ptr, signs_ptr, out_ptr, R, L, stride_r, stride_c, scale,
     BR: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr, INVERSE: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, N)
     inside = (rows < R)[:, None] & (cols < L)[None, :]
-    y = tl.load(x_ptr + rows.to(tl.int64)[:, None] * L + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    offsets = rows.to(tl.int64)[:, None] * stride_r + cols.to(tl.int64)[None, :] * stride_c
+    y = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     signs = tl.load(signs_ptr + cols)[None, :]
     if not INVERSE:
         y = y * signs
@@ -66,7 +67,8 @@ def _hadamard_full_kernel(
 def hadamard_full_fused(x: torch.Tensor, signs: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
     """`hadamard_full(x, signs, inverse=inverse)` of a 2D float tensor x [R, L] on a CUDA device (or
     the CPU under Triton's interpreter): the [R, N] float32 transform of its rows zero-padded to
-    N = signs.numel() (`fits(N)`, N >= L), bit for bit."""
+    N = signs.numel() (`fits(N)`, N >= L), bit for bit. x may be any strided view, e.g. the transpose
+    of a contiguous [L, R] tensor, read in place without a transposed copy."""
     n = signs.numel() if isinstance(signs, torch.Tensor) else 0
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point() or x.numel() == 0:
         raise ValueError(f"hadamard_full_fused: x must be a non-empty 2D float tensor, got {getattr(x, 'shape', type(x).__name__)}")
@@ -75,12 +77,11 @@ def hadamard_full_fused(x: torch.Tensor, signs: torch.Tensor, *, inverse: bool =
                          f"got {n} (use numerics.hadamard_full beyond)")
     if not (x.is_cuda or _INTERPRETED and x.device.type == "cpu"):
         raise ValueError(f"hadamard_full_fused: x is on {x.device}; use a CUDA tensor (or numerics.hadamard_full)")
-    x = x.contiguous()
     rows, length = x.shape
     out = torch.empty((rows, n), dtype=torch.float32, device=x.device)
     br = max(1, _ELEMENTS_PER_PROGRAM // n)
     _hadamard_full_kernel[(triton.cdiv(rows, br),)](
-        x, signs.to(device=x.device, dtype=torch.float32).contiguous(), out, rows, length, 1.0 / math.sqrt(n),
+        x, signs.to(device=x.device, dtype=torch.float32).contiguous(), out, rows, length, x.stride(0), x.stride(1), 1.0 / math.sqrt(n),
         BR=br, N=n, LOG2N=n.bit_length() - 1, INVERSE=inverse, num_warps=16 if n >= 8192 else 8 if n >= 2048 else 4, enable_fp_fusion=False,
     )  # fmt: skip
     return out
