@@ -633,7 +633,10 @@ class FP4Linear(nn.Module):
             if (keep_packed and self.pack_saved) or self.wants_codes(col_name, t.device):
                 col = col | {"emit_codes": True, "emit_values": False}
             return tuple(self._fused(t, [(row_name, row, False), (col_name, col, True)]))
-        return self.operand(row_name, t, signs[0], generator), self.operand(col_name, _pad_last(t.T, multiple), signs[1], generator)
+        # The full transform's kernel pads and reads t^T in place: no transposed copy
+        in_place = multiple == 1 and self.takes_fused_full_transform(col_spec, signs[1], t)
+        col = t.T if in_place else _pad_last(t.T, multiple)
+        return self.operand(row_name, t, signs[0], generator), self.operand(col_name, col, signs[1], generator)
 
     def takes_fused_full_transform(self, spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor) -> bool:
         """Whether a full-dimension transform runs as its Triton kernel (`numerics.kernels.hadamard`):

@@ -48,7 +48,7 @@ def check_full_transform_operands_take_the_kernel() -> None:
 
     calls = []
     kernel = triton_hadamard.hadamard_full_fused
-    triton_hadamard.hadamard_full_fused = lambda x, signs, **kw: calls.append(tuple(x.shape)) or kernel(x, signs, **kw)
+    triton_hadamard.hadamard_full_fused = lambda x, signs, **kw: calls.append((*x.shape, x.stride(0))) or kernel(x, signs, **kw)
     linear = load_recipe("optitrain").linear
     rtn = dataclasses.replace(linear, **{name: dataclasses.replace(getattr(linear, name), rounding="rtn")
                                         for name in ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")})
@@ -63,7 +63,8 @@ def check_full_transform_operands_take_the_kernel() -> None:
         y = layer(x)
         y.backward(torch.randn(y.shape, generator=g))
         results.append((y.detach(), x.grad, layer.weight.grad))
-        assert sorted(calls) == ([(64, 100), (96, 100)] if fused else []), calls  # dY^T and x^T, 100 tokens -> 128
+        # dY^T and x^T, 100 tokens -> 128, read in place as transposed views (row stride 1: no copy)
+        assert sorted(calls) == ([(64, 100, 1), (96, 100, 1)] if fused else []), calls
     for name, ref, fast in zip(("y", "dx", "dw"), *results):
         assert torch.equal(fast, ref), f"{name}: {(fast - ref).abs().max().item()}"
 
