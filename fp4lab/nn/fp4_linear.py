@@ -584,13 +584,21 @@ class FP4Linear(nn.Module):
         if self.takes_fused_fp8(spec, signs, t):
             return self._fused_fp8(t, [(spec, False)])[0]
         codes = self.wants_codes(name, t.device)
+        tensor_amax = None
         if self.takes_fused_full_transform(spec, signs, t):
             # The transform by its kernel (the reference's bits), then the fused quantizer takes the
-            # transformed operand as one without a transform (its SR bits from the Philox stream).
+            # transformed operand as one without a transform (its SR bits from the Philox stream),
+            # and NVFP4's tensor amax from the transform kernel instead of a read of its own.
             from fp4lab.numerics.kernels.hadamard import hadamard_full_fused
 
-            t, spec, signs = hadamard_full_fused(t, signs), dataclasses.replace(spec, transform="none"), None
+            if spec.format == "nvfp4" and spec.tile is None and signs.numel() % 16 == 0:
+                t, tensor_amax = hadamard_full_fused(t, signs, with_amax=True)
+            else:
+                t = hadamard_full_fused(t, signs)
+            spec, signs = dataclasses.replace(spec, transform="none"), None
         options = kernel_options(spec, signs, t, self.philox_seed) if self.fused_quantizers else None
+        if options is not None and tensor_amax is not None:
+            options["tensor_amax"] = tensor_amax
         if options is not None:
             if codes:
                 options |= {"emit_codes": True, "emit_values": False}

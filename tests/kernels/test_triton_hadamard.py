@@ -11,6 +11,7 @@ import torch
 from fp4lab.nn.fp4_linear import FP4Linear
 from fp4lab.nn.recipe import load_recipe
 from fp4lab.numerics.hadamard import hadamard_full, hadamard_signs
+from fp4lab.numerics.quantize import finite_amax
 from tests import interpreted
 
 
@@ -34,6 +35,20 @@ def check_kernel_matches_the_reference(device: str) -> None:
                     label = f"{rows}x{length} -> {n} {dtype} inverse={inverse} {layout}"
                     assert got.shape == want.shape, label
                     assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"{label}: {(got - want).abs().max().item()}"
+    # with_amax: NVFP4's tensor amax of the transform (its finite 1x16 blocks), also over a row that
+    # an Inf turns into Inf and NaN (excluded), equal to the reference's finite_amax bit for bit
+    for rows, length, n, poisoned in ((5, 16, 16, False), (7, 100, 128, True), (2, 12000, MAX_LENGTH, True), (9, 3000, 4096, False)):
+        x = torch.randn(rows, length, generator=g) * 3.0
+        if poisoned:
+            x[1, 3] = float("inf")
+        signs = hadamard_signs(n, "random", g)
+        want = hadamard_full(x, signs)
+        got, amax = hadamard_full_fused(x.T.contiguous().T.to(device), signs.to(device), with_amax=True)
+        assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))
+        want_amax = finite_amax(want, "nvfp4")
+        assert amax.shape == () and torch.equal(amax.cpu().view(torch.int32), want_amax.view(torch.int32)), (amax, want_amax)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        hadamard_full_fused(torch.ones(2, 8, device=device), torch.ones(8, device=device), with_amax=True)
     with pytest.raises(ValueError, match="a power of two in"):
         hadamard_full_fused(torch.ones(2, 8, device=device), torch.ones(4, device=device))
     with pytest.raises(ValueError, match="use numerics.hadamard_full beyond"):

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4lab.numerics.kernels.quantize import _finite_row_amax
+
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_LENGTH = 16384
 _ELEMENTS_PER_PROGRAM = 4096  # rows per program = this // N (at least one)
@@ -46,8 +48,8 @@ def _butterfly(y, BR: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
 
 @triton.jit
 def _hadamard_full_kernel(
-    x_ptr, signs_ptr, out_ptr, R, L, stride_r, stride_c, scale,
-    BR: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr, INVERSE: tl.constexpr,
+    x_ptr, signs_ptr, out_ptr, amax_ptr, R, L, stride_r, stride_c, scale,
+    BR: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr, INVERSE: tl.constexpr, AMAX: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, N)
@@ -62,13 +64,20 @@ def _hadamard_full_kernel(
         y = y * signs
     y = y * scale
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], y, mask=(rows < R)[:, None])
+    if AMAX:  # rows past R hold zeros: no effect; non-negative floats order as their bits do
+        tl.atomic_max(amax_ptr, tl.max(_finite_row_amax(y, None, BR, N, 0), axis=0).to(tl.int32, bitcast=True))
 
 
-def hadamard_full_fused(x: torch.Tensor, signs: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+def hadamard_full_fused(x: torch.Tensor, signs: torch.Tensor, *, inverse: bool = False, with_amax: bool = False):
     """`hadamard_full(x, signs, inverse=inverse)` of a 2D float tensor x [R, L] on a CUDA device (or
     the CPU under Triton's interpreter): the [R, N] float32 transform of its rows zero-padded to
     N = signs.numel() (`fits(N)`, N >= L), bit for bit. x may be any strided view, e.g. the transpose
-    of a contiguous [L, R] tensor, read in place without a transposed copy."""
+    of a contiguous [L, R] tensor, read in place without a transposed copy.
+
+    with_amax (N a multiple of 16): also the NVFP4 tensor amax of the result (`quantize.finite_amax`
+    of it with 1x16 blocks: the max over its finite blocks), a 0-dim float32 tensor taken while the
+    kernel writes: (transform, amax). Passed to the fused quantizer as `tensor_amax`, it spares that
+    kernel its own read of the transform for the amax."""
     n = signs.numel() if isinstance(signs, torch.Tensor) else 0
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point() or x.numel() == 0:
         raise ValueError(f"hadamard_full_fused: x must be a non-empty 2D float tensor, got {getattr(x, 'shape', type(x).__name__)}")
@@ -77,11 +86,15 @@ def hadamard_full_fused(x: torch.Tensor, signs: torch.Tensor, *, inverse: bool =
                          f"got {n} (use numerics.hadamard_full beyond)")
     if not (x.is_cuda or _INTERPRETED and x.device.type == "cpu"):
         raise ValueError(f"hadamard_full_fused: x is on {x.device}; use a CUDA tensor (or numerics.hadamard_full)")
+    if with_amax and n % 16:
+        raise ValueError(f"hadamard_full_fused: with_amax needs N a multiple of 16 (NVFP4 blocks), got {n}")
     rows, length = x.shape
     out = torch.empty((rows, n), dtype=torch.float32, device=x.device)
+    amax = torch.zeros(1, dtype=torch.int32, device=x.device) if with_amax else None
     br = max(1, _ELEMENTS_PER_PROGRAM // n)
     _hadamard_full_kernel[(triton.cdiv(rows, br),)](
-        x, signs.to(device=x.device, dtype=torch.float32).contiguous(), out, rows, length, x.stride(0), x.stride(1), 1.0 / math.sqrt(n),
-        BR=br, N=n, LOG2N=n.bit_length() - 1, INVERSE=inverse, num_warps=16 if n >= 8192 else 8 if n >= 2048 else 4, enable_fp_fusion=False,
+        x, signs.to(device=x.device, dtype=torch.float32).contiguous(), out, amax, rows, length, x.stride(0), x.stride(1), 1.0 / math.sqrt(n),
+        BR=br, N=n, LOG2N=n.bit_length() - 1, INVERSE=inverse, AMAX=with_amax,
+        num_warps=16 if n >= 8192 else 8 if n >= 2048 else 4, enable_fp_fusion=False,
     )  # fmt: skip
-    return out
+    return (out, amax.view(torch.float32)[0]) if with_amax else out
