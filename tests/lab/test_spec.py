@@ -15,7 +15,7 @@ from fp4lab.nn.recipe import list_recipes
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = {"quickstart": 3, "recipes": len(list_recipes()), "muon_qkclip": 36, "ledger": 3 * len(list_recipes()),
-           "ledger_stress": 18}
+           "ledger_stress": 18, "ledger_ns": 6, "ledger_horizon": 10}
 
 BASE = """
 name = "t"
@@ -90,6 +90,31 @@ def test_the_optitrain_ablation_crosses_recipe_and_newton_schulz_polynomial_on_c
     shared = [{k: v for k, v in r.config.items() if k not in ("recipe", "ns_polynomial", "seed", "out_dir")} for r in runs]
     assert all(config == shared[0] for config in shared)
     assert shared[0]["device"] == "cpu" and shared[0]["model"] == "tiny" and shared[0]["optimizer"] == "muon"
+
+
+def test_the_ledger_cause_and_horizon_rows_keep_the_ledgers_shape():
+    """ledger_ns: the two missing cells of recipe x Newton-Schulz polynomial (bf16 cubic, optitrain
+    quintic), everything else the ledger's; ledger_horizon: the ledger's shape at 5x its steps, warmup
+    scaled with them, within the corpus."""
+    from fp4lab.nn.recipe import load_recipe
+
+    ledger = {k: v for k, v in expand(load_spec(ROOT / "sweeps" / "ledger.toml"))[0].config.items() if k not in ("recipe", "seed", "out_dir")}
+    runs = expand(load_spec(ROOT / "sweeps" / "ledger_ns.toml"))
+    cells = set()
+    for run in runs:
+        recipe = load_recipe(str(ROOT / run.config["recipe"]))
+        cells.add((recipe.name, recipe.optimizer.ns_polynomial, run.config["seed"]))
+        assert {k: v for k, v in run.config.items() if k not in ("recipe", "seed", "out_dir")} == ledger
+    assert cells == {(name, ns, seed) for name, ns in (("bf16-cubic", "cubic"), ("optitrain-quintic", "quintic")) for seed in (0, 1, 2)}
+    horizon = expand(load_spec(ROOT / "sweeps" / "ledger_horizon.toml"))
+    assert {(r.config["recipe"], r.config["seed"]) for r in horizon} == {
+        (recipe, seed) for recipe in ("bf16", "fp8", "nvfp4", "nvfp4-global", "mxfp4-rowsr-h32") for seed in (0, 1)}
+    for run in horizon:
+        config = run.config
+        assert config["steps"] == 5 * ledger["steps"] and config["warmup_steps"] == 5 * ledger["warmup_steps"]
+        assert {k: v for k, v in config.items() if k not in ("recipe", "seed", "out_dir", "steps", "warmup_steps")} == {
+            k: v for k, v in ledger.items() if k not in ("steps", "warmup_steps")}
+        assert config["steps"] * config["batch_size"] * config["seq_len"] < 50e6  # none of the corpus repeats
 
 
 def test_shipped_optuna_spec_loads_and_makes_valid_trial_runs():
