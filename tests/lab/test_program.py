@@ -240,3 +240,25 @@ def test_the_shipped_program_keeps_only_runs_whose_attention_entropy_stays_above
 
     program = load_program(Path(__file__).resolve().parents[2] / "program.md")
     assert program.health.entropy_floor == 0.1 and program.health.require_verdict == ("converged",)
+
+
+def test_the_gpu_pilot_program_searches_the_issues_settings_on_the_ledgers_recipe_and_data():
+    """sweeps/nvfp4_pilot.md (issue 40): nvfp4 at 125m on pycode, a short pilot with a time cap, the
+    Optuna space over Muon lr, AdamW lr, Newton-Schulz K and QK-Clip tau, two seeds in the gate; its
+    starting point is the ledger's settings and lies inside the space."""
+    from pathlib import Path
+
+    from fp4lab.lab.specs.program import load_program
+    from fp4lab.lab.specs.sweep_spec import load_spec
+
+    root = Path(__file__).resolve().parents[2]
+    program = load_program(root / "sweeps" / "nvfp4_pilot.md")
+    base = program.run.base
+    assert (base["recipe"], base["model"], base["data"]["source"], base["device"]) == ("nvfp4", "125m", "pycode", "cuda")
+    assert program.run.steps <= 200 and program.run.minutes and program.noise.seeds == 2
+    assert set(program.search_space) == {"lr", "adam_lr", "ns_steps", "qk_clip_tau"}
+    ledger = load_spec(root / "sweeps" / "ledger.toml").base
+    for name in ("lr", "adam_lr", "model", "batch_size", "seq_len", "optimizer"):
+        assert base[name] == ledger[name], name
+    for name, space in program.search_space.items():
+        assert space.low <= base[name] <= space.high, name
