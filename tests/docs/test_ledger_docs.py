@@ -97,7 +97,7 @@ def test_the_published_ledgers_page_reads_whole_and_offline_in_a_browser(ledger_
     found = check_page(tmp_path / "report.html")
     assert found.problems == []
     plots = sorted(p.stem for p in (LEDGER / "ledger").glob("*.png"))
-    assert sorted(image["name"] for image in found.images) == plots and len(plots) == 4
+    assert sorted(image["name"] for image in found.images) == plots and len(plots) == 5
     rows = list(csv.DictReader((LEDGER / "ledger" / "ledger.csv").open()))
     runs = Catalog(ledger_copy / "docs" / "ledger" / "sweep_catalog.json").records(sweep=sweep)
     assert [(t["name"], t["filledRows"]) for t in found.tables] == [("Recipe ledger", len(rows)), ("Runs", len(runs))]

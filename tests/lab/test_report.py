@@ -102,11 +102,11 @@ def test_real_sweep_ledger_and_exports(real_sweep, tmp_path):
         assert float(row["tokens_per_s_mean"]) == pytest.approx(summary["tokens_per_s"])
     assert "| nvfp4 |" in written["md"].read_text()
     html = written["html"].read_text()
-    for name in ("loss_curves", "loss_excess", "attn_entropy", "max_logit"):
+    for name in ("loss_curves", "loss_excess", "val_excess", "attn_entropy", "max_logit"):
         data = written[name].read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 1000
         assert base64.b64encode(data).decode() in html  # the very same PNG is embedded
-    assert html.count('src="data:image/png;base64,') == 4
+    assert html.count('src="data:image/png;base64,') == 5
     assert not list((tmp_path / "out").glob(".*.tmp"))  # atomic writes leave no temps
     table = render_ledger(report)
     assert len(table.rows) == 2 and table.columns[0].header == "recipe"  # no sweep column for one sweep
@@ -460,7 +460,7 @@ def test_html_page_stands_on_its_own(recipes_catalog, tmp_path):
     assert '<code title="0123456789abcdef0123">0123456789ab</code>' in runs and "fedcba9876" in runs
     assert "yes (uncommitted changes)" in runs and "<td>no</td>" in runs and runs.count("<td>unknown</td>") == 8
     assert html.escape('"recipe": "nvfp4-last4-bf16"') in runs and html.escape('"steps": 40') in runs
-    assert page.count('src="data:image/png;base64,') == 4 == page.count("<figcaption>")
+    assert page.count('src="data:image/png;base64,') == 5 == page.count("<figcaption>")
     assert "centered rolling mean over 5 logged steps" in text
     markdown = written["md"].read_text()
     assert f"- **excess % (mean)**: {COLUMN_DOCS['excess_pct_mean']}" in markdown and "| bf16 runs |" in markdown
@@ -844,3 +844,70 @@ def test_rows_whose_bands_are_of_one_kind_say_it_once_in_the_legend(tmp_path):
         assert legend == ["mxfp4-rowsr-h32", "nvfp4", "bands: ±1 std of step-to-step noise, each row's own", "bf16 (the reference, 0 %)"]
     finally:
         pyplot.close(fig)
+
+
+def _add_val_run(catalog: Catalog, folder: Path, run_id: str, recipe: str, seed: int, val: dict[int, float], config: dict | None = None):
+    """A completed run whose metrics.jsonl has a train loss every 50 steps and a val_loss at each `val` step."""
+    run_dir = folder / "runs" / run_id
+    run_dir.mkdir(parents=True)
+    last = max(val)
+    rows = [{"step": s, "loss": 4.0, "tokens_per_s": 100.0} | ({"val_loss": val[s]} if s in val else {}) for s in range(0, last + 1, 50)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    catalog.upsert({
+        "id": run_id, "sweep": "horizon", "recipe": recipe, "state": "completed", "verdict": "converged", "events": [],
+        "config": {"recipe": recipe, "model": "tiny", "seed": seed, "steps": last, "out_dir": f"runs/{run_id}", **(config or {})},
+        "summary": {"final_train_loss": 4.0, "final_val_loss": val[last], "tokens_per_s": 100.0},
+        "paths": {"run_dir": f"runs/{run_id}"}, "extra": {"params": {"recipe": recipe, "seed": seed}},
+    })  # fmt: skip
+
+
+def test_the_excess_against_tokens_and_its_trend_over_seeds(tmp_path):
+    """val_excess: each eval's validation excess over the bf16 seeds' mean at that step, against tokens
+    seen (steps x batch x seq); the trend is the mean of the seeds' own least-squares slopes against
+    log10(tokens), its error the standard error of those slopes; one seed: the fit's own error. The
+    ledger's Markdown states it; the plot draws it on a log axis."""
+    import numpy as np
+
+    from fp4lab.lab.records.plots import horizon_curves
+
+    catalog = Catalog(tmp_path / "sweep_catalog.json")
+    shape = {"batch_size": 4, "seq_len": 64}
+    steps = [100, 200, 400, 800, 1600]
+    for seed in (0, 1):
+        _add_val_run(catalog, tmp_path, f"b{seed}", "bf16", seed, {s: 3.0 + 0.01 * seed for s in steps}, shape)
+    reference = 3.005  # the bf16 seeds' mean at every eval
+    slopes = {0: 0.8, 1: 1.4}  # points per 10x tokens
+    wanted = {}
+    for seed, slope in slopes.items():
+        excess = {s: 1.0 + slope * math.log10((s + 1) * 256) + (0.3 if s == 400 else 0.0) * (1 - 2 * seed) for s in steps}
+        _add_val_run(catalog, tmp_path, f"n{seed}", "nvfp4", seed, {s: reference * (1 + e / 100) for s, e in excess.items()}, shape)
+        wanted[seed] = np.polyfit([math.log10((s + 1) * 256) for s in steps], [excess[s] for s in steps], 1)[0]
+    one = {s: 2.0 - 0.5 * math.log10((s + 1) * 256) + (0.2 if s == 200 else 0.0) for s in steps}
+    _add_val_run(catalog, tmp_path, "m0", "mxfp4", 0, {s: reference * (1 + e / 100) for s, e in one.items()}, shape)
+
+    report = build_report(tmp_path / "sweep_catalog.json", sweep="horizon")
+    curves = {report.ledger.iloc[c.index]["recipe"]: c for c in horizon_curves(report)}
+    nv, mx = curves["nvfp4"], curves["mxfp4"]
+    assert nv.in_tokens and nv.tokens == [(s + 1) * 256.0 for s in steps] and nv.seeds == 2  # step s: s + 1 steps done
+    assert nv.slope == pytest.approx(statistics.mean(wanted.values()), abs=1e-9)
+    assert nv.slope_se == pytest.approx(statistics.stdev(wanted.values()) / math.sqrt(2), abs=1e-9)
+    assert nv.mean[2] == pytest.approx(statistics.mean(1.0 + slopes[k] * math.log10(401 * 256) for k in (0, 1)), abs=1e-9)
+    assert nv.band[2] == pytest.approx(statistics.stdev(1.0 + slopes[k] * math.log10(401 * 256) + 0.3 * (1 - 2 * k) for k in (0, 1)) / math.sqrt(2), abs=1e-9)
+    x = [math.log10((s + 1) * 256) for s in steps]
+    fit, cov = np.polyfit(x, [one[s] for s in steps], 1, cov="unscaled")
+    residual = sum((one[s] - np.polyval(fit, xi)) ** 2 for s, xi in zip(steps, x))
+    assert mx.seeds == 1 and math.isnan(mx.band[0])
+    assert mx.slope == pytest.approx(fit[0], abs=1e-9) and mx.slope_se == pytest.approx(math.sqrt(cov[0][0] * residual / 3), abs=1e-9)
+
+    markdown = ledger_markdown(report)
+    assert "## Excess against tokens" in markdown and "in tokens seen" in markdown
+    assert f"| {nv.label} | 5 | 25,856 | {nv.mean[0]:+.2f} | 409,856 | {nv.mean[-1]:+.2f} | {nv.slope:+.2f} ± {nv.slope_se:.2f} pts per 10x tokens |" in markdown
+    fig = plot_figure(report, "val_excess")
+    try:
+        ax = fig.axes[0]
+        assert ax.get_xscale() == "log" and ax.get_xlabel() == "tokens seen"
+        labels = [line.get_label() for line in ax.get_lines()]
+        assert any(label.startswith("nvfp4") and "pts per 10x tokens" in label for label in labels), labels
+    finally:
+        pyplot.close(fig)
+    assert "val_excess" in PLOTS and write_report(report, tmp_path / "out")["val_excess"].read_bytes().startswith(PNG_MAGIC)

@@ -38,7 +38,7 @@ def test_the_sweep_report_reads_whole_and_offline_in_a_browser(sweep_page, real_
     found = check_page(sweep_page, browser)
     assert found.problems == []
     plots = [name for name in PLOTS if (sweep_page.parent / f"{name}.png").exists()]
-    assert len(plots) == 4  # loss curves, loss excess, attention entropy, max logit: each must be on the page
+    assert len(plots) == 5  # loss curves, train and val loss excess, attention entropy, max logit: each on the page
     assert [image["name"] for image in found.images] == plots
     for image in found.images:  # the browser decoded the very plot written beside the page, at its size
         with Image.open(sweep_page.parent / f"{image['name']}.png") as png:

@@ -16,7 +16,7 @@ from typing import Any
 
 from fp4lab.lab.records.ledger import BASELINE, Report, mean_curve
 
-PLOTS = ("loss_curves", "loss_excess", "attn_entropy", "max_logit")
+PLOTS = ("loss_curves", "loss_excess", "val_excess", "attn_entropy", "max_logit")
 
 PLOT_CAPTIONS = {
     "loss_curves": "Train loss at every logged step and validation loss (diamonds); one colour and line style per "
@@ -27,6 +27,12 @@ PLOT_CAPTIONS = {
     "noise: ±1 standard error of the difference of the means, from the spread across the row's seeds and across "
     "the bf16 seeds where there are several; where both sides have one seed, ±1 standard deviation of the "
     "unsmoothed excess around the smoothed curve (step-to-step noise). Each legend entry says which.",
+    "val_excess": "Validation-loss excess over the bf16 reference (the mean of its seeds' validation losses at the "
+    "same eval step) against the tokens seen, log scale: one point per eval, the mean over the row's seeds, the "
+    "band ±1 standard error of the row's seeds where it has several. Each legend entry gives the row's trend: the "
+    "least-squares slope of its excess against log10(tokens), in percentage points per tenfold tokens, ± the "
+    "standard error of that slope over the row's seeds (each seed fitted alone), or the fit's own standard error "
+    "where the row has one seed.",
     "attn_entropy": "Attention entropy (mean over heads) at every probe step, one marker per probe; colour: run, "
     "line style and marker: layer. An x marks a run's divergence.",
     "max_logit": "Largest attention logit (max over heads) at every probe step, one marker per probe; colour: run, "
@@ -222,6 +228,107 @@ def excess_curves(report: Report) -> list[ExcessCurve]:
     return curves
 
 
+@dataclass
+class HorizonCurve:
+    """One ledger row's validation-loss excess vs bf16 against tokens seen, and its trend."""
+
+    label: str
+    index: int  # its ledger row
+    tokens: list[float]  # tokens seen at each eval (or steps done, where a run's config lacks the batch shape)
+    in_tokens: bool  # whether `tokens` are tokens (else steps)
+    mean: list[float]  # the mean excess (%) over the row's seeds at each eval
+    band: list[float]  # ±1 standard error over the seeds (NaN with one seed)
+    slope: float  # percentage points of excess per tenfold tokens (NaN under two evals)
+    slope_se: float  # its standard error: over the seeds' own slopes, or the one seed's fit (NaN if unknown)
+    seeds: int
+
+
+def tokens_per_step(record: dict[str, Any]) -> int | None:
+    """Tokens one training step consumes (batch_size x seq_len of the run's config), None if not recorded."""
+    config = record.get("config") or {}
+    batch, seq = config.get("batch_size"), config.get("seq_len")
+    return batch * seq if isinstance(batch, int) and isinstance(seq, int) and batch > 0 and seq > 0 else None
+
+
+def slope_with_se(x: list[float], y: list[float]) -> tuple[float, float]:
+    """Least-squares slope of y on x and its standard error (NaN under 3 points, where no residual is left)."""
+    n = len(x)
+    if n < 2:
+        return math.nan, math.nan
+    mx, my = sum(x) / n, sum(y) / n
+    sxx = sum((a - mx) ** 2 for a in x)
+    if sxx == 0:
+        return math.nan, math.nan
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sxx
+    if n < 3:
+        return slope, math.nan
+    residual = sum((b - my - slope * (a - mx)) ** 2 for a, b in zip(x, y))
+    return slope, math.sqrt(residual / (n - 2) / sxx)
+
+
+def horizon_curves(report: Report) -> list[HorizonCurve]:
+    """For every non-bf16 ledger row with validation points: its excess (%) over the mean of its bf16
+    reference's validation losses at each eval step both have, against tokens seen; the mean over its
+    completed seeds with their standard error, and the trend in points per tenfold tokens (each seed's
+    least-squares slope against log10(tokens); their mean, and the standard error of that mean)."""
+    completed = {r["id"] for r in report.records if r.get("state") == "completed"}
+    records = {r["id"]: r for r in report.records}
+    curves = []
+    for index, run_ids in enumerate(report.groups):
+        if report.ledger.iloc[index]["recipe"] == BASELINE:
+            continue
+        members = [i for i in run_ids if i in report.metrics and i in completed and report.metrics[i].val]
+        bases = [b for b in report.baseline_of.get(run_ids[0], []) if b in report.metrics and report.metrics[b].val]
+        if not members or not bases:
+            continue
+        base_vals = [dict(report.metrics[b].val) for b in bases]
+        shared = set.intersection(*(set(v) for v in base_vals))
+        ref = {step: sum(v[step] for v in base_vals) / len(base_vals) for step in shared}
+        per_run = {}
+        for run_id in members:
+            points = {step: 100.0 * (val - ref[step]) / ref[step] for step, val in report.metrics[run_id].val if ref.get(step)}
+            if points:
+                per_run[run_id] = points
+        if not per_run:
+            continue
+        scale = [tokens_per_step(records[i]) for i in per_run]
+        scale = scale[0] if len(set(scale)) == 1 and scale[0] is not None else None
+        steps = sorted(set.union(*(set(points) for points in per_run.values())))
+        def seen(step: int) -> float:  # metrics count steps from 0: after step s, s + 1 steps are done
+            return float((step + 1) * (scale or 1))
+
+        x = [seen(step) for step in steps]
+        mean, band = [], []
+        for step in steps:
+            values = [points[step] for points in per_run.values() if step in points]
+            mean.append(sum(values) / len(values))
+            band.append(math.sqrt(_sample_variance(values) / len(values)) if len(values) > 1 else math.nan)
+        fits = [slope_with_se([math.log10(seen(step)) for step in points], list(points.values())) for points in per_run.values()]
+        slopes = [slope for slope, _ in fits if math.isfinite(slope)]
+        if len(slopes) > 1:
+            slope, slope_se = sum(slopes) / len(slopes), math.sqrt(_sample_variance(slopes) / len(slopes))
+        elif slopes:
+            slope, slope_se = slopes[0], fits[0][1] if len(per_run) == 1 else math.nan
+        else:
+            slope, slope_se = math.nan, math.nan
+        curves.append(HorizonCurve(label=group_label(report, index, len(per_run)), index=index, tokens=x, in_tokens=bool(scale), mean=mean,
+                                   band=band, slope=slope, slope_se=slope_se, seeds=len(per_run)))  # fmt: skip
+    return curves
+
+
+def _sample_variance(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+
+
+def trend_text(curve: HorizonCurve) -> str:
+    """`+0.42 ± 0.10 pts per 10x tokens`, or why there is no trend (the row's label says its seeds)."""
+    if not math.isfinite(curve.slope):
+        return "no trend (fewer than 2 evals)"
+    se = f" ± {curve.slope_se:.2f}" if math.isfinite(curve.slope_se) else " (no error estimate)"
+    return f"{curve.slope:+.2f}{se} pts per 10x tokens"
+
+
 def _spans_decades(curves, decades: float = 2.0) -> bool:
     """Whether the positive finite values of these curves span more than `decades` powers of ten."""
     values = [v for curve in curves for v in curve if math.isfinite(v) and v > 0]
@@ -245,6 +352,8 @@ def plot_figure(report: Report, which: str):
         drawn, handles = _draw_loss_curves(ax, report, records), None
     elif which == "loss_excess":
         drawn, handles = _draw_loss_excess(ax, report, records), None
+    elif which == "val_excess":
+        drawn, handles = _draw_val_excess(ax, report), None
     else:
         drawn, handles = _draw_probes(ax, report, records, "entropy" if which == "attn_entropy" else "max_logit")
     if not drawn:
@@ -307,6 +416,26 @@ def _draw_loss_excess(ax, report: Report, records: dict[str, dict[str, Any]]) ->
     ax.set(xlabel="step", ylabel="train loss excess vs bf16 (%)",
            title=f"loss excess vs bf16, centered rolling mean over {smoothing_window(report)} logged steps")
     return drawn
+
+
+def _draw_val_excess(ax, report: Report) -> bool:
+    """Each non-bf16 row's validation excess against tokens seen, its band and its trend (`horizon_curves`)."""
+    curves = horizon_curves(report)
+    for curve in curves:
+        colour, linestyle = row_style(report, curve.index)
+        ax.plot(curve.tokens, curve.mean, color=colour, linestyle=linestyle, marker="D", markersize=4, linewidth=1.5,
+                label=f"{curve.label}: {trend_text(curve)}")  # fmt: skip
+        known = [math.isfinite(b) for b in curve.band]
+        width = [b if k else 0.0 for b, k in zip(curve.band, known)]
+        ax.fill_between(curve.tokens, [m - w for m, w in zip(curve.mean, width)], [m + w for m, w in zip(curve.mean, width)],
+                        where=known, color=colour, alpha=0.18, linewidth=0, label="_nolegend_")  # fmt: skip
+    if not curves:
+        return False
+    ax.axhline(0, color=BASELINE_COLOUR, linewidth=0.8, label="bf16 (the reference, 0 %)")
+    ax.set_xscale("log")
+    ax.set(xlabel="tokens seen" if all(curve.in_tokens for curve in curves) else "step (some runs record no batch shape)", ylabel="validation loss excess vs bf16 (%)",
+           title="validation loss excess vs bf16 against tokens seen; legend: trend per 10x tokens, ± s.e.")
+    return True
 
 
 # Up to this many probed runs, one per ledger row, a probe plot draws every layer of every run; otherwise

@@ -17,7 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from fp4lab.lab.records.ledger import BASELINE, COLUMN_DOCS, COLUMNS, Report, config_label
-from fp4lab.lab.records.plots import PLOT_CAPTIONS, PLOTS, group_label, plot_png, run_label, smoothing_window
+from fp4lab.lab.records.plots import (
+    PLOT_CAPTIONS,
+    PLOTS,
+    group_label,
+    horizon_curves,
+    plot_png,
+    run_label,
+    smoothing_window,
+    trend_text,
+)  # fmt: skip
 from fp4lab.lab.records.values import format_cell, signed_cell
 from fp4lab.train.atomic import write_atomic
 
@@ -112,6 +121,26 @@ def render_ledger(report: Report):
     return runs_table(title, columns, rows, caption=caption)
 
 
+def _horizon_section(report: Report) -> str:
+    """The validation excess of each row at its first and last eval and its trend against tokens seen
+    (val_excess.png); empty where no row has two evals."""
+    curves = [c for c in horizon_curves(report) if len(c.tokens) > 1]
+    if not curves:
+        return ""
+    unit = "tokens" if all(c.in_tokens for c in curves) else "steps"
+    lines = ["| row | evals | first eval | val excess % | last eval | val excess % | trend |", "|---|---|---|---|---|---|---|"]
+    for c in curves:
+        lines.append(f"| {c.label.replace('|', chr(92) + '|')} | {len(c.tokens)} | {c.tokens[0]:,.0f} | {c.mean[0]:+.2f} | "
+                     f"{c.tokens[-1]:,.0f} | {c.mean[-1]:+.2f} | {trend_text(c)} |")  # fmt: skip
+    return (
+        "\n## Excess against tokens\n\n"
+        f"The validation-loss excess at each eval (in {unit} seen), mean over the row's seeds; the trend is the "
+        "least-squares slope of the excess against log10(tokens), in percentage points per tenfold tokens, ± the "
+        "standard error over the row's seeds (each seed fitted alone; the one seed's fit where there is one). "
+        "Positive: the excess grows with tokens. Plot: val_excess.png.\n\n" + "\n".join(lines) + "\n"
+    )
+
+
 def _excess_method(report: Report) -> str:
     window = smoothing_window(report)
     return (
@@ -146,7 +175,7 @@ def ledger_markdown(report: Report) -> str:
     claims = "".join("\n" + section for section in report.sections)
     return (
         title + "\n".join(lines) + "\n\nColumns:\n\n" + glossary + "\n" + _excess_method(report) + "\n"
-        + ("\nNotes:\n\n" + notes if notes else "") + claims
+        + _horizon_section(report) + ("\nNotes:\n\n" + notes if notes else "") + claims
     )  # fmt: skip
 
 
