@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -67,14 +68,18 @@ def ratchet(
         f"ratchet [bold]{summary['tag']}[/]: stopped after {summary['reason']}; baseline {_fmt(summary['baseline'])} "
         f"(sigma {_fmt(summary['sigma'])}), best {_fmt(summary['best'])}; kept iterations "
         f"{', '.join(map(str, summary['kept'])) or 'none'} on branch {summary['branch']} ({summary['worktree']}); "
-        f"table {summary['results']}; plot: fp4lab report --ratchet {summary['tag']}"
+        f"table {summary['results']}; plot: {shlex.join(_report_command(summary['tag'], catalog))}"
     )
+
+
+def _report_command(tag: str, catalog: Path) -> list[str]:
+    """The command that plots this ratchet's iterations, naming the catalog where it is not the default."""
+    command = ["fp4lab", "report", "--ratchet", tag]
+    return command if Path(catalog) == Path("sweep_catalog.json") else [*command, "--catalog", str(catalog)]
 
 
 def _say_interrupted(summary: dict, view, program: Path, catalog: Path) -> None:
     """What a Ctrl-C'd ratchet finished, what it left running, and the command that goes on from there."""
-    import shlex
-
     running = ", ".join(str(n) for n in sorted(view.running)) or "none"
     again = ["fp4lab", "ratchet", str(program), "--tag", summary["tag"]]
     if catalog != Path("sweep_catalog.json"):

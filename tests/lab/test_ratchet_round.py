@@ -36,6 +36,8 @@ def test_a_round_on_a_fresh_clone_continues_the_ratchet_from_the_carried_files(t
     done = round_(first, "300", str(out1), "program.md", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert {p.name for p in out1.iterdir()} == {"sweep_catalog.json", "branch", "branch.bundle", "state.tar.xz"}
+    # the plot command it prints names the round's catalog, so that it runs as printed
+    assert "plot: fp4lab report --ratchet program --catalog docs/ratchet/program/sweep_catalog.json" in " ".join(done.stdout.split())
     before = iterations(out1 / "sweep_catalog.json")
     assert sorted(before) == [0, 1, 2] and all(r["extra"]["phase"] == "done" for r in before.values())
     head1, base1 = (out1 / "branch").read_text().split()
