@@ -249,6 +249,25 @@ def _uniforms(seed_ptr, rows, col0, n_cols, M: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _sr_uniforms(u_ptr, seed_ptr, rows, cols, col0, n_rows, n_cols, M: tl.constexpr, N: tl.constexpr,
+                 GIVEN_U: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+    """The [M, N] uniforms of SR for output elements [rows, cols]: given at u_ptr, else Philox's."""
+    if GIVEN_U:
+        return _load(u_ptr, rows, cols, n_rows, n_cols, EVEN)
+    return _uniforms(seed_ptr, rows, col0, n_cols, M, N)
+
+
+@triton.jit
+def _round_stochastic(q, a, magic_bits, u):
+    """e2m1.round_stochastic of the saturated magnitudes a, from their nearest grid values q and
+    magic_bits (`_grid_round`) and one uniform per element (u, in a's shape): its `u < steps - low`,
+    scaled by the step (a power of two), so exact."""
+    step = (magic_bits - (23 << 23)).to(tl.float32, bitcast=True)
+    low = tl.where(q > a, q - step, q)
+    return tl.where(u * step < a - low, low + step, low)
+
+
+@triton.jit
 def _nvfp4_block_scale(bmax, s_enc, outer):
     """NVFP4's (scale byte, decode scale, encode multiplier) of a block (or tile) amax under outer
     scales S_enc and 1 / S_enc; a poisoned block gets the NaN byte and a NaN decode scale."""
@@ -364,14 +383,8 @@ def _quantize_store(
         a = tl.minimum(a, 6.0)
     q, magic, magic_bits = _grid_round(a)
     if SR:
-        if GIVEN_U:
-            u = _load(u_ptr, rows, cols, n_rows, n_cols, EVEN)
-        else:
-            u = _uniforms(seed_ptr, rows, col0, n_cols, M, N)
-        step = (magic_bits - (23 << 23)).to(tl.float32, bitcast=True)
-        low = tl.where(q > a, q - step, q)
-        # e2m1.round_stochastic's `u < steps - low`, scaled by the step (a power of two): exact.
-        q = tl.where(tl.reshape(u, [M, NB, BLOCK]) * step < a - low, low + step, low)
+        u = _sr_uniforms(u_ptr, seed_ptr, rows, cols, col0, n_rows, n_cols, M, N, GIVEN_U, EVEN)
+        q = _round_stochastic(q, a, magic_bits, tl.reshape(u, [M, NB, BLOCK]))
     else:
         q = tl.minimum(q, 6.0)  # a is unclamped for mxfp4 RTN (up to 8 with floor scales)
     sign = v.to(tl.int32, bitcast=True) & SIGN_BIT
@@ -483,13 +496,8 @@ def _tile_kernel(
         a = tl.minimum(a, 6.0)
     q, magic, magic_bits = _grid_round(a)
     if SR:
-        if GIVEN_U:
-            u = _load(u_ptr, rows, cols, R, C, EVEN)
-        else:
-            u = _uniforms(seed_ptr, rows, c0, C, BR, BC)
-        step = (magic_bits - (23 << 23)).to(tl.float32, bitcast=True)
-        low = tl.where(q > a, q - step, q)
-        q = tl.where(tl.reshape(u, [BR // TH, TH, BC // TW, TW]) * step < a - low, low + step, low)
+        u = _sr_uniforms(u_ptr, seed_ptr, rows, cols, c0, R, C, BR, BC, GIVEN_U, EVEN)
+        q = _round_stochastic(q, a, magic_bits, tl.reshape(u, [BR // TH, TH, BC // TW, TW]))
     else:
         q = tl.minimum(q, 6.0)
     sign = v.to(tl.int32, bitcast=True) & SIGN_BIT
