@@ -80,7 +80,9 @@ if [ ! -d "$state" ] && [ -f "$carried/state.tar.xz" ]; then
 fi
 
 # SIGINT: the ratchet's own clean stop (what was decided is recorded; exit 130 then is expected).
-timeout -s INT -k 120 "$budget" "${PYTHON:-python3}" -m fp4lab.cli ratchet "$program" "${iterations[@]}" --tag "$tag" \
+# --foreground keeps the ratchet in the terminal's process group, so a Ctrl-C reaches it too (it passes
+# one SIGINT on to its runs, which live in sessions of their own).
+timeout --foreground -s INT -k 120 "$budget" "${PYTHON:-python3}" -m fp4lab.cli ratchet "$program" "${iterations[@]}" --tag "$tag" \
   --catalog "$carried/sweep_catalog.json" "${options[@]}" || echo "ratchet_round: the ratchet ended with $?" >&2
 
 cp "$carried/sweep_catalog.json" "$results/sweep_catalog.json"

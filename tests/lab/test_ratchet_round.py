@@ -84,3 +84,30 @@ def test_bad_arguments_are_refused_with_the_usage_and_write_nothing(tmp_path):
         done = round_(repo, *args)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
         assert not out.exists() and not (repo / "docs").exists() and not (repo / ".fp4lab").exists()
+
+
+def test_ctrl_c_stops_the_round_cleanly_and_its_state_still_comes_out(tmp_path):
+    """A Ctrl-C at the terminal (SIGINT to the round's process group) reaches the ratchet, which stops
+    as at a terminal (exit 130, the running iteration recorded as interrupted), and the round still
+    writes its four files; with timeout's own process group the ratchet would never see it."""
+    import signal
+    import time
+
+    repo = make_repo(tmp_path)
+    (repo / "scripts").mkdir()
+    shutil.copy(SCRIPT, repo / "scripts" / "ratchet_round.sh")
+    calls = tmp_path / "calls.txt"
+    (tmp_path / "calls.txt.block").write_text("")
+    env = dict(os.environ, PYTHON=sys.executable, CALLS_FILE=str(calls), BLOCK_AT="3")  # iteration 1's first run waits
+    out = tmp_path / "out"
+    round_ = subprocess.Popen(["bash", "scripts/ratchet_round.sh", "300", str(out), "program.md", "3"], cwd=repo, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (calls.exists() and len(calls.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(round_.pid, signal.SIGINT)
+    stdout, stderr = round_.communicate(timeout=120)
+    assert round_.returncode == 0 and "the ratchet ended with 130" in stderr, stderr[-2000:]
+    assert {p.name for p in out.iterdir()} == {"sweep_catalog.json", "branch", "state.tar.xz"}
+    records = iterations(out / "sweep_catalog.json")
+    assert records[0]["extra"]["phase"] == "done" and records[1]["extra"]["phase"] == "running"
