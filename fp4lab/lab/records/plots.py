@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,19 +252,14 @@ def tokens_per_step(record: dict[str, Any]) -> int | None:
 
 
 def slope_with_se(x: list[float], y: list[float]) -> tuple[float, float]:
-    """Least-squares slope of y on x and its standard error (NaN under 3 points, where no residual is left)."""
-    n = len(x)
-    if n < 2:
+    """Least-squares slope of y on x and its standard error (scipy's linregress); NaN under 2 points or
+    distinct x, the error NaN under 3 points (no residual is left to estimate it)."""
+    from scipy.stats import linregress
+
+    if len(set(x)) < 2:
         return math.nan, math.nan
-    mx, my = sum(x) / n, sum(y) / n
-    sxx = sum((a - mx) ** 2 for a in x)
-    if sxx == 0:
-        return math.nan, math.nan
-    slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sxx
-    if n < 3:
-        return slope, math.nan
-    residual = sum((b - my - slope * (a - mx)) ** 2 for a, b in zip(x, y))
-    return slope, math.sqrt(residual / (n - 2) / sxx)
+    fit = linregress(x, y)
+    return float(fit.slope), float(fit.stderr) if len(x) > 2 else math.nan
 
 
 def horizon_curves(report: Report) -> list[HorizonCurve]:
@@ -302,11 +298,11 @@ def horizon_curves(report: Report) -> list[HorizonCurve]:
         for step in steps:
             values = [points[step] for points in per_run.values() if step in points]
             mean.append(sum(values) / len(values))
-            band.append(math.sqrt(_sample_variance(values) / len(values)) if len(values) > 1 else math.nan)
+            band.append(math.sqrt(statistics.variance(values) / len(values)) if len(values) > 1 else math.nan)
         fits = [slope_with_se([math.log10(seen(step)) for step in points], list(points.values())) for points in per_run.values()]
         slopes = [slope for slope, _ in fits if math.isfinite(slope)]
         if len(slopes) > 1:
-            slope, slope_se = sum(slopes) / len(slopes), math.sqrt(_sample_variance(slopes) / len(slopes))
+            slope, slope_se = sum(slopes) / len(slopes), math.sqrt(statistics.variance(slopes) / len(slopes))
         elif slopes:
             slope, slope_se = slopes[0], fits[0][1] if len(per_run) == 1 else math.nan
         else:
@@ -314,11 +310,6 @@ def horizon_curves(report: Report) -> list[HorizonCurve]:
         curves.append(HorizonCurve(label=group_label(report, index, len(per_run)), index=index, tokens=x, in_tokens=bool(scale), mean=mean,
                                    band=band, slope=slope, slope_se=slope_se, seeds=len(per_run)))  # fmt: skip
     return curves
-
-
-def _sample_variance(values: list[float]) -> float:
-    mean = sum(values) / len(values)
-    return sum((v - mean) ** 2 for v in values) / (len(values) - 1)
 
 
 def trend_text(curve: HorizonCurve) -> str:
