@@ -106,7 +106,7 @@ from fp4lab.nn.operands import (
     unpacked,
 )
 from fp4lab.nn.recipe import GEMMS, OPERANDS, LinearRecipe, OperandSpec
-from fp4lab.numerics import Fp8Tensor, hadamard_signs
+from fp4lab.numerics import Fp8Tensor, hadamard_signs, named_signs_on
 from fp4lab.numerics.fusion import RMSNORM_MAX_WIDTH, rmsnorm_backward
 from fp4lab.numerics.kernels import quantizer_covers, runs_on
 from fp4lab.numerics.qtensor import QTensor
@@ -409,7 +409,6 @@ class FP4Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         nn.init.normal_(self.weight, std=in_features**-0.5)
         self._generator: torch.Generator | None = None
-        self._fixed_signs: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._philox_base: torch.Tensor | None = None
         # The tensor-core path quantizes with the fused Triton kernels where they cover a spec; False
         # keeps the torch reference quantizers (same random bits as the reference path, for checks).
@@ -518,10 +517,7 @@ class FP4Linear(nn.Module):
             return hadamard_signs(transform_length(recipe, gemm, length), "random", generator).to(generator.device)
         if spec.transform_signs == "random":
             return hadamard_signs(spec.transform_size, "random", generator).to(generator.device)
-        key = (spec.transform, generator.device)
-        if key not in self._fixed_signs:  # built once per device: no host-to-device copy every call
-            self._fixed_signs[key] = hadamard_signs(spec.transform_size, spec.transform_signs).to(generator.device)
-        return self._fixed_signs[key]
+        return named_signs_on(spec.transform_size, spec.transform_signs, generator.device)
 
     def gathered_encoding(self, operand: str, weight: torch.Tensor, signs: torch.Tensor | None) -> QTensor | None:
         """The encoding of weight operand `operand` that FSDP2 all-gathered for `weight`, or None when

@@ -4,7 +4,15 @@ The functions here are the exact CPU reference; docs/NUMERICS.md states every co
 """
 
 from fp4lab.numerics.fp8 import FP8_ELEMENTS, FP8_SCALINGS, Fp8Tensor, fp8_quantize, fp8_scale
-from fp4lab.numerics.hadamard import HADAMARD_SIZES, TE_SIGNS, hadamard, hadamard_full, hadamard_matrix, hadamard_signs
+from fp4lab.numerics.hadamard import (
+    HADAMARD_SIZES,
+    TE_SIGNS,
+    hadamard,
+    hadamard_full,
+    hadamard_matrix,
+    hadamard_signs,
+    named_signs_on,
+)
 from fp4lab.numerics.qtensor import QTensor
 from fp4lab.numerics.quantize import (
     BLOCK_SIZE,
@@ -37,5 +45,6 @@ __all__ = [
     "hadamard_full",
     "hadamard_matrix",
     "hadamard_signs",
+    "named_signs_on",
     "quantize",
 ]

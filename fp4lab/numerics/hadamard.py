@@ -54,10 +54,19 @@ def hadamard_signs(size: int, kind: str = "fixed", generator: torch.Generator | 
 def hadamard_matrix(size: int, signs: torch.Tensor | str = "fixed") -> torch.Tensor:
     """R = diag(signs) @ H_size / sqrt(size) as float32 (rows are scaled by the signs)."""
     _check_size(size)
-    return (_sign_vector(size, signs).to(torch.float32).cpu()[:, None] * _sylvester(size)) / math.sqrt(size)
+    return (_sign_vector(size, signs, torch.device("cpu"))[:, None] * _sylvester(size)) / math.sqrt(size)
 
 
-def _sign_vector(size: int, signs: torch.Tensor | str) -> torch.Tensor:
+@lru_cache(maxsize=None)
+def named_signs_on(size: int, kind: str, device: torch.device) -> torch.Tensor:
+    """`hadamard_signs(size, kind)` ("fixed" or "none") on `device`, copied there once. A copy from host
+    memory per call would make the host wait for the GPU (a blocking copy synchronises the stream:
+    the NVFP4 Adam v's decode did it for every parameter and step), and a CUDA graph's capture
+    refuses it."""
+    return hadamard_signs(size, kind).to(device)
+
+
+def _sign_vector(size: int, signs: torch.Tensor | str, device: torch.device) -> torch.Tensor:
     if isinstance(signs, str):
         if signs == "random":
             raise ValueError(
@@ -69,8 +78,8 @@ def _sign_vector(size: int, signs: torch.Tensor | str) -> torch.Tensor:
                 f"hadamard: signs={signs!r} is not supported; allowed: 'fixed', 'none' or a tensor of {size} "
                 "values in {-1, +1} (see hadamard_signs)"
             )
-        return hadamard_signs(size, signs)
-    return _check_signs(signs, size)
+        return named_signs_on(size, signs, torch.device(device))
+    return _check_signs(signs, size).to(device=device, dtype=torch.float32)
 
 
 def hadamard(x: torch.Tensor, size: int, signs: torch.Tensor | str = "fixed", *, inverse: bool = False) -> torch.Tensor:
@@ -89,7 +98,7 @@ def hadamard(x: torch.Tensor, size: int, signs: torch.Tensor | str = "fixed", *,
         raise ValueError(
             f"hadamard: the last dim of x (shape {list(x.shape)}) must be a multiple of size={size}"
         )
-    s = _sign_vector(size, signs).to(device=x.device, dtype=torch.float32)
+    s = _sign_vector(size, signs, x.device)
     return _butterfly(x.to(torch.float32), size, s, inverse).reshape(x.shape).to(x.dtype)
 
 

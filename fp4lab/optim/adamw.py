@@ -72,13 +72,12 @@ to the unsharded one (the tests check it), in both formats. `quantized_v` reads 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from itertools import chain
 
 import torch
 
-from fp4lab.numerics import BLOCK_SIZE, QTensor, hadamard, hadamard_signs, kernels
+from fp4lab.numerics import BLOCK_SIZE, QTensor, hadamard, kernels, named_signs_on
 from fp4lab.optim.plumbing import closure_loss, dense_grads
 from fp4lab.optim.sharding import all_reduce_max_over_shards_, check_last_dim_whole, is_sharded, like_sharded, local
 from fp4lab.validation import Checks
@@ -108,14 +107,10 @@ def encode_v(v: torch.Tensor, shard_of: torch.Tensor | None = None) -> dict[str,
     tensor_amax = None
     if shard_of is not None:
         tensor_amax = all_reduce_max_over_shards_(_finite_amax(hadamard(centred, HADAMARD_SIZE)), shard_of)
-    q = kernels.encode(centred, "nvfp4", signs=_signs(v.device), tensor_amax=tensor_amax)
+    q = kernels.encode(
+        centred, "nvfp4", signs=named_signs_on(HADAMARD_SIZE, "fixed", v.device), tensor_amax=tensor_amax
+    )
     return {"v_codes": q.data, "v_scales": q.scales, "v_tensor_scale": q.tensor_scale, "v_mean": mean}
-
-
-@functools.cache
-def _signs(device: torch.device) -> torch.Tensor:
-    """The transform's sign vector (`hadamard`'s default, TE's fixed signs), made once per device."""
-    return hadamard_signs(HADAMARD_SIZE, "fixed").to(device)
 
 
 def _finite_amax(u: torch.Tensor) -> torch.Tensor:

@@ -275,6 +275,34 @@ def test_fused_nvfp4_adam_v_equals_the_reference_on_cuda():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("optimizer", ["adamw-nvfp4-v", "muon-nvfp4-ns"])
+def test_fullstack_optimizer_steps_never_wait_for_the_gpu(optimizer):
+    """fullstack's optimizer steps run outside the CUDA graph, so a host wait in them serialises host and
+    GPU: the NVFP4 v's decode once copied its sign vector from host memory per parameter and step (a
+    blocking copy synchronises the stream). torch's sync debug mode turns every such wait into an error."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (an NVIDIA GPU)")
+    pytest.importorskip("triton")
+    from fp4lab.optim.adamw import AdamW
+
+    params = [torch.nn.Parameter(torch.randn(256, 128, device="cuda")) for _ in range(2)]
+    if optimizer == "adamw-nvfp4-v":
+        opt = AdamW(params, lr=1e-3, v_format="nvfp4")
+    else:
+        opt = Muon(params, ns_format="nvfp4", ns_coefficients=NS_POLYNOMIALS["cubic"])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # creates the state (and copies the constants to the GPU, once)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+@pytest.mark.cuda
 def test_fused_nvfp4_newton_schulz_equals_the_reference_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (an NVIDIA GPU)")
