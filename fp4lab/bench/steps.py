@@ -9,6 +9,7 @@ gradient norm read back every step as the training loop reads them. Batches are 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from fp4lab.bench import memory
 from fp4lab.bench.anchor import TORCHAO_FLOAT8, anchor_step
 from fp4lab.nn.build import cuda_graph_blocker
 from fp4lab.nn.model_config import preset
@@ -73,10 +75,13 @@ def bench_steps(
     vocab_size: int = 4096,
     on_result: Callable[[StepBench], None] | None = None,
     profile_dir: Path | None = None,
+    memory_dir: Path | None = None,
 ) -> list[StepBench]:
     """The anchor, then every recipe, each timed over `steps` steps after `warmup`. With
     `profile_dir`, three more steps of each run under torch.profiler and their table of kernels,
-    by device time, goes to `profile_dir/<name>.txt`."""
+    by device time, goes to `profile_dir/<name>.txt`. With `memory_dir` (CUDA), the allocator's history
+    is recorded from the build through the timed steps (which it slows: time without it) and what holds
+    the peak goes to `memory_dir/<name>.txt` (`bench.memory`)."""
     model_config = preset(model, vocab_size, seq_len)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(vocab_size, (batch_size, seq_len + 1), generator=g).to(device)
@@ -84,6 +89,9 @@ def bench_steps(
     shape = {"model": model, "batch_size": batch_size, "seq_len": seq_len, "device": str(device)}
     results = []
     for name in [ANCHOR, *recipes]:
+        recorded = contextlib.ExitStack()
+        if memory_dir is not None:
+            before = recorded.enter_context(memory.recording(device))
         anchored = name == ANCHOR or name in TORCHAO_FLOAT8
         config = TrainConfig(
             recipe="bf16" if anchored else name, model=model, batch_size=batch_size, seq_len=seq_len,
@@ -103,6 +111,9 @@ def bench_steps(
             compute, optimizer_name, graphed = "fast" if chosen.tensor_cores else "reference", optimizer, chosen.cuda_graphs
             record = chosen.as_dict()
         times, losses, peak = _time(step, x, y, device, steps, warmup)
+        if memory_dir is not None:
+            memory.write_peak_holders(device, before, Path(memory_dir) / f"{name}.txt")
+        recorded.close()
         if profile_dir is not None:
             _profile(step, x, y, device, Path(profile_dir) / f"{name}.txt")
         median = statistics.median(times)

@@ -47,6 +47,7 @@ def bench(
     device: Annotated[Device, typer.Option(help="Where to time (auto: CUDA if there is one).", rich_help_panel="Where and output")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's).", rich_help_panel="Where and output")] = None,
     profile: Annotated[Optional[Path], typer.Option(help="Also profile 3 steps of each run; kernel tables into this folder.", rich_help_panel="Where and output")] = None,
+    memory: Annotated[Optional[Path], typer.Option(help="CUDA: record the allocator's history through each run's steps and write what holds its peak into this folder (slows the steps: time without it).", rich_help_panel="Where and output")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.", rich_help_panel="Where and output")] = False,
 ) -> None:
     """Time fp4lab against its anchors: quantizers vs a copy, training steps vs a plain PyTorch loop (and,
@@ -55,6 +56,8 @@ def bench(
     from rich.console import Console
 
     target = _device(device)
+    if memory is not None and target.type != "cuda":
+        fail("bench: --memory records the CUDA allocator's history; it needs --device cuda (drop --memory on the CPU)")
     names = _recipe_names(recipes)
     d_model, d_batch, d_seq, d_steps, d_warmup, d_shape = BENCH_DEFAULTS[target.type]
     model, batch_size, seq_len = model or d_model, batch_size or d_batch, seq_len or d_seq
@@ -82,7 +85,7 @@ def bench(
             report["steps"], report["ratios"] = _time_steps(
                 names, console, model=model, batch_size=batch_size, seq_len=seq_len, device=target, steps=steps, warmup=warmup,
                 compile=compile, cuda_graphs=cuda_graphs, attention_kernel=attention_kernel, mx_gemm=mx_gemm,
-                producer_fusion=producer_fusion, optimizer=optimizer, profile_dir=profile,
+                producer_fusion=producer_fusion, optimizer=optimizer, profile_dir=profile, memory_dir=memory,
             )
         if not as_json:
             _print_suite(report, suite, tables)
