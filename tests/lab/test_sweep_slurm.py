@@ -52,12 +52,13 @@ def test_submitit_sweep_jobs_record_their_own_results(cli, tmp_path):  # noqa: F
 
 
 def test_a_timed_out_job_is_requeued_resumes_and_ends_as_timeout(cli, tmp_path):  # noqa: F811
-    # 3-minute limit, signal 90 s before it: each attempt is warned 90-120 s after Slurm allocates it
+    # 2-minute limit, signal 60 s before it: each attempt is warned 60-90 s after Slurm allocates it
     # (Slurm checks every ~30 s), checkpoints, and submitit requeues it once (max_requeues = 1); the
     # second warning ends it. Not sooner: a warning that lands before the trainer runs (the job still
-    # launching or importing torch: a CI machine once took 30 s from allocation to Python) reaches
-    # submitit alone, which spends the one requeue on an attempt that never counts as started.
-    (tmp_path / "long.toml").write_text(LONG + "\n[slurm]\ncpus_per_task = 1\ntime = 3\nsignal_before_timeout_s = 90\nmax_requeues = 1\n")
+    # launching or importing torch: a CI machine once took 30 s from allocation to Python, half the
+    # 60 s here) reaches submitit alone, which spends the one requeue on an attempt that never counts
+    # as started.
+    (tmp_path / "long.toml").write_text(LONG + "\n[slurm]\ncpus_per_task = 1\ntime = 2\nsignal_before_timeout_s = 60\nmax_requeues = 1\n")
     out = cli("sweep", "long.toml", "--executor", "slurm")
     assert out.returncode == 0, out.stderr
     catalog = Catalog(tmp_path / "sweep_catalog.json")
