@@ -49,7 +49,8 @@ class OptimizerConfig:
                      e.g. (0.05, 0.02); it caps the block matrices, alpha_qk for attention.wq / wk.
     fused:           AdamW with an fp32 second moment runs as torch.optim.AdamW(fused=True), one kernel
                      for all tensors (CUDA; the same arithmetic as fp4lab's AdamW up to fusion), and
-                     Muon's Newton-Schulz (bf16 or NVFP4) runs batched, one stack of matrices per shape.
+                     Muon's Newton-Schulz (bf16 or NVFP4) runs batched, one stack of matrices per shape,
+                     its NVFP4 GEMMs on bf16 tensor cores (scales after the GEMM: not the reference's bits).
     """
 
     name: str = "muon"
@@ -181,6 +182,7 @@ def build_optimizer(named_parameters: Iterable[tuple[str, torch.Tensor]], cfg: O
             lr_scaling=cfg.lr_scaling,
             ns_format=cfg.ns_format,
             batched=cfg.fused,
+            ns_tensor_cores=cfg.fused,
         )
     adam_groups = [
         {"params": [p for n, p in named if route[n] == "adamw" and p.ndim >= 2], "weight_decay": cfg.weight_decay},

@@ -27,6 +27,9 @@ iteration of its orthogonalized optimizer natively in NVFP4: each of the three G
 nearest; on a GPU by the fused quantizer, the same bits) along that GEMM's contraction axis.
 `newton_schulz` states the axes and the roundings.
 
+`ns_tensor_cores=True` (OptimizerConfig.fused) runs the NVFP4 GEMMs on bf16 tensor cores, the
+outer scales applied after (`newton_schulz`): the same codes, other roundings than the reference.
+
 `batched=True` (OptimizerConfig.fused) runs each group's same-shape matrices as one stack, in either
 mode: a handful of batched kernels per Newton-Schulz step for the stack instead of a handful per matrix
 (a 125m model's 84 matrices come in three shapes). Each matrix of the stack keeps its own Frobenius norm
@@ -78,6 +81,7 @@ def newton_schulz(
     steps: int = 5,
     fmt: str = "bf16",
     eps: float = NS_EPS,
+    tensor_cores: bool = False,
 ) -> torch.Tensor:
     """Approximately orthogonalize the 2D matrix g (U S V^T -> U S' V^T, S' roughly in [0.7, 1.2]); bf16 result.
 
@@ -99,6 +103,12 @@ def newton_schulz(
                      columns (A^T blocked along its last dim); A = X X^T is not assumed exactly symmetric;
         B X          contracts m: B blocked along its last dim, X re-quantized along m (X^T blocked
                      along its last dim), from the bf16 iterate.
+
+    tensor_cores=True (Muon's `ns_tensor_cores`, the fast path's; CUDA with Triton, else ignored) runs
+    those NVFP4 GEMMs on bf16 tensor cores: each operand's block values (E2M1 times its E4M3 block
+    scale, exact in bf16) multiplied with fp32 accumulation, the two per-matrix outer scales applied to
+    the fp32 result (`_nvfp4_tensor_core_matmul`). The same codes and scales, the same exact sum, other
+    roundings than the fp32 GEMM of decoded values: not the reference's bits.
 
     A is rounded to bf16 (as the bf16 mode's A = X X^T is); B = b A + c (A A) and X = a X + (B X) are
     evaluated in fp32 from the bf16 A and X and rounded once to bf16, so the iterate stays bf16 between
@@ -124,9 +134,10 @@ def newton_schulz(
     addmm = torch.addmm if x.ndim == 2 else torch.baddbmm
     for _ in range(steps):
         if fmt == "nvfp4":
-            gram = _nvfp4_matmul(x, x.mT).bfloat16()
-            gram_update = (b * gram.float() + c * _nvfp4_matmul(gram, gram)).bfloat16()
-            x = (a * x.float() + _nvfp4_matmul(gram_update, x)).bfloat16()
+            matmul = _nvfp4_tensor_core_matmul if tensor_cores and kernels.runs_on(x.device) else _nvfp4_matmul
+            gram = matmul(x, x.mT).bfloat16()
+            gram_update = (b * gram.float() + c * matmul(gram, gram)).bfloat16()
+            x = (a * x.float() + matmul(gram_update, x)).bfloat16()
         else:
             gram = x @ x.mT
             gram_update = addmm(gram, gram, gram, beta=b, alpha=c)
@@ -137,6 +148,28 @@ def newton_schulz(
 def _nvfp4_matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """left [..., m, k] @ right [..., k, n] as NVFP4 GEMMs: each operand blocked along k, decoded, fp32 product."""
     return _nvfp4_decoded(left) @ _nvfp4_decoded(right.mT).mT
+
+
+def _nvfp4_tensor_core_matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """`_nvfp4_matmul` on bf16 tensor cores (CUDA): the block values of both operands, quantized as
+    `_nvfp4_decoded` quantizes them, multiplied with fp32 accumulation, then times the product of the
+    two matrices' outer scales. The products of block values are exact in fp32, so this and the
+    reference differ only by roundings: the reference's of each decoded element (values x outer) and
+    both GEMMs' accumulations, within a few k u of sum |a| |b| (u = 2^-24; the CUDA test states it)."""
+    left_values, left_outer = _nvfp4_block_values(left)
+    right_values, right_outer = _nvfp4_block_values(right.mT)
+    mm = torch.mm if left.ndim == 2 else torch.bmm
+    return mm(left_values, right_values.mT, out_dtype=torch.float32) * (left_outer * right_outer.mT)
+
+
+def _nvfp4_block_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block values in bf16 [..., rows, cols], each row's outer scale [..., rows, 1]) of x quantized as
+    `_nvfp4_decoded` quantizes it, by the fused quantizer; values x outer is its decoded result."""
+    from fp4lab.numerics.kernels.quantize import quantize_fused
+
+    rows, cols = x.shape[-2:]
+    q = quantize_fused(x.contiguous().view(-1, cols), fmt="nvfp4_cta", cta_tile=rows)
+    return q.values.view(x.shape), q.outer.view(*x.shape[:-1], 1)
 
 
 def _nvfp4_decoded(x: torch.Tensor) -> torch.Tensor:
@@ -188,6 +221,7 @@ class Muon(torch.optim.Optimizer):
         lr_scaling: str = "original",
         ns_format: str = "bf16",
         batched: bool = False,
+        ns_tensor_cores: bool = False,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"Muon: lr={lr!r} must be >= 0")
@@ -210,6 +244,7 @@ class Muon(torch.optim.Optimizer):
             "ns_format": ns_format,
         }
         self.batched = batched
+        self.ns_tensor_cores = ns_tensor_cores
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -252,14 +287,15 @@ class Muon(torch.optim.Optimizer):
         """Newton-Schulz of every update: one matrix at a time, or (batched, either format) one stack per
         shape, dtype and device."""
         ns = (group["ns_coefficients"], group["ns_steps"], group["ns_format"])
+        on_tensor_cores = {"tensor_cores": self.ns_tensor_cores}
         if not self.batched:
-            return [newton_schulz(u, *ns) for u in updates]
+            return [newton_schulz(u, *ns, **on_tensor_cores) for u in updates]
         by_shape: dict[tuple, list[int]] = {}
         for i, u in enumerate(updates):
             by_shape.setdefault((u.shape, u.dtype, u.device), []).append(i)
         result: list[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
         for indices in by_shape.values():
-            stacked = newton_schulz(torch.stack([updates[i] for i in indices]), *ns)
+            stacked = newton_schulz(torch.stack([updates[i] for i in indices]), *ns, **on_tensor_cores)
             for i, orthogonal in zip(indices, stacked.unbind(0)):
                 result[i] = orthogonal
         return result

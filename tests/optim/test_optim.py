@@ -302,6 +302,50 @@ def test_fullstack_optimizer_steps_never_wait_for_the_gpu(optimizer):
     assert all(torch.isfinite(p).all() for p in params)
 
 
+def test_tensor_core_newton_schulz_is_the_reference_where_triton_does_not_run():
+    stack = _gradient_stack(3, 48, 96)
+    assert torch.equal(newton_schulz(stack, steps=2, fmt="nvfp4", tensor_cores=True), newton_schulz(stack, steps=2, fmt="nvfp4"))
+
+
+@pytest.mark.cuda
+def test_nvfp4_newton_schulz_on_tensor_cores_is_the_reference_up_to_rounding():
+    """The NVFP4 GEMMs on bf16 tensor cores (block values, outer scales after) against the fp32 GEMM of the
+    decoded operands: the same codes and scales and the same exact products (bf16 x bf16 is exact in
+    fp32), so they differ only by roundings. The reference rounds each decoded element once (values x
+    outer, <= u relative, u = 2^-24), so each product by <= 2u + u^2, and sums k of them in fp32; the
+    tensor-core path sums exact products and rounds alpha = outer_a outer_b and the scaled result once
+    each. A recursive fp32 sum of k terms errs by <= (k - 1) u sum |terms| (Higham, Thm 3.1's gamma);
+    Hopper's MMA is taken as 4 u per addition (it aligns addends by truncation). So
+    |fast - ref| <= ((k - 1) (4 + 1) u + 2u + 3u) sum_i |a_i| |b_i| of the decoded operands."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (an NVIDIA GPU)")
+    pytest.importorskip("triton")
+    from fp4lab.optim.muon import _nvfp4_decoded, _nvfp4_matmul, _nvfp4_tensor_core_matmul
+
+    u = 2.0**-24
+    for shape in [(2, 768, 2048), (3, 256, 128), (512, 1024)]:
+        x = (_gradient_stack(shape[0], *shape[1:]) if len(shape) == 3 else _gradient_like(*shape, torch.Generator().manual_seed(4))).cuda()
+        x = (x / x.norm(dim=(-2, -1), keepdim=True)).bfloat16()
+        for left, right in [(x, x.mT), (x @ x.mT, x)]:
+            left, right = left.contiguous(), right.contiguous()
+            fast, ref = _nvfp4_tensor_core_matmul(left, right), _nvfp4_matmul(left, right)
+            k = left.shape[-1]
+            magnitude = _nvfp4_decoded(left).abs() @ _nvfp4_decoded(right.mT).abs().mT
+            bound = ((k - 1) * 5 * u + 5 * u) * magnitude
+            excess = ((fast - ref).abs() - bound).max().item()
+            assert excess <= 0, (shape, k, excess)
+            assert not torch.equal(fast, ref) or k < 256  # a different rounding, not the same call
+    # Through the iteration, a changed rounding can flip a code: the results stay as close to exact
+    # orthogonalization (the bf16 iteration) as the reference's.
+    stack = _gradient_stack(4, 768, 2048).cuda()
+    exact = newton_schulz(stack, NS_POLYNOMIALS["cubic"], steps=5).float()
+    errors = [
+        ((newton_schulz(stack, NS_POLYNOMIALS["cubic"], steps=5, fmt="nvfp4", tensor_cores=on).float() - exact).norm() / exact.norm()).item()
+        for on in (False, True)
+    ]
+    assert errors[1] <= 1.25 * errors[0] + 0.005, errors
+
+
 @pytest.mark.cuda
 def test_fused_nvfp4_newton_schulz_equals_the_reference_on_cuda():
     if not torch.cuda.is_available():
@@ -638,7 +682,7 @@ def test_batched_nvfp4_muon_steps_bit_for_bit_like_unbatched(monkeypatch):
     unbatched = _muon_steps(**options)
     stacks = []
     one_call = muon.newton_schulz
-    monkeypatch.setattr(muon, "newton_schulz", lambda g, *ns: stacks.append(tuple(g.shape)) or one_call(g, *ns))
+    monkeypatch.setattr(muon, "newton_schulz", lambda g, *ns, **kw: stacks.append(tuple(g.shape)) or one_call(g, *ns, **kw))
     batched = _muon_steps(batched=True, **options)
     assert stacks == [(3, 32, 64), (1, 64, 32), (1, 48, 48)] * 3
     for a, b in zip(unbatched, batched):
@@ -648,11 +692,12 @@ def test_batched_nvfp4_muon_steps_bit_for_bit_like_unbatched(monkeypatch):
 def test_fused_config_batches_muon_and_fuses_adamw():
     params = llama_params()
     opt = build_optimizer(params.items(), OptimizerConfig(fused=True))
-    assert opt.optimizers["muon"].batched
+    assert opt.optimizers["muon"].batched and opt.optimizers["muon"].ns_tensor_cores
     adamw = opt.optimizers["adamw"]
     assert type(adamw) is torch.optim.AdamW and all(g["fused"] for g in adamw.param_groups)
     plain = build_optimizer(params.items(), OptimizerConfig())
-    assert not plain.optimizers["muon"].batched and type(plain.optimizers["adamw"]) is not torch.optim.AdamW
+    assert not plain.optimizers["muon"].batched and not plain.optimizers["muon"].ns_tensor_cores
+    assert type(plain.optimizers["adamw"]) is not torch.optim.AdamW
     nvfp4_v = build_optimizer(params.items(), OptimizerConfig(fused=True, adam_v_format="nvfp4"))
     assert type(nvfp4_v.optimizers["adamw"]) is not torch.optim.AdamW  # torch has no NVFP4 state
 
