@@ -75,11 +75,15 @@ class AttentionQuant:
                  and 6 % with mxfp4 (floor scales clip values above 6 x scale).
     generator:   the random stream of dS's stochastic rounding, on the tensors' device (None: torch's
                  default generator).
+    tensor_cores: the fast path's (`nn.build.build_model`): on CUDA the BF16 GEMMs (PV, dO V^T, P^T dO)
+                 run on bf16 tensor cores with fp32 accumulation, not as fp32 GEMMs of the bf16-rounded
+                 operands: the same exact products (bf16 x bf16 is exact in fp32), summed in another order.
     """
 
     format: str | None = "nvfp4"
     ds_rounding: str | None = "sr"
     generator: torch.Generator | None = None
+    tensor_cores: bool = False
 
     def __post_init__(self):
         if self.format is not None and self.format not in ATTENTION_FORMATS:
@@ -376,10 +380,16 @@ def _causal_softmax(q_rows: torch.Tensor, k: torch.Tensor, rows: slice) -> torch
 
 
 def _bf16_matmul(a: torch.Tensor, b: torch.Tensor, quant: AttentionQuant) -> torch.Tensor:
-    """a @ b as a BF16 GEMM with fp32 accumulation; exact fp32 when quantization is off."""
+    """a @ b ([..., m, k] @ [..., k, n]) as a BF16 GEMM with fp32 accumulation and an fp32 result: on
+    bf16 tensor cores where `quant.tensor_cores` and CUDA, else in fp32 on the bf16-rounded operands;
+    exact fp32 when quantization is off."""
     if quant.format is None:
         return a @ b
-    return a.to(torch.bfloat16).float() @ b.to(torch.bfloat16).float()
+    a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    if quant.tensor_cores and a.is_cuda:
+        out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
+        return out.view(*a.shape[:-1], b.shape[-1])
+    return a.float() @ b.float()
 
 
 def _sum_over_group(grad: torch.Tensor, group: int) -> torch.Tensor:

@@ -26,7 +26,8 @@ def build_model(
     each FP4Linear and each FP4 attention draws its random bits from its own seeded generator (on
     `device`, where the model is moved). `tensor_cores` runs every linear's GEMMs on bf16 tensor
     cores instead of the fp32 reference (fp4lab.nn.fp4_linear), with the fused quantizers where
-    `fused_quantizers` (train.paths.ComputePaths decides each of these for a run); `mx_gemm` "fp8" runs their MXFP4 x
+    `fused_quantizers` (train.paths.ComputePaths decides each of these for a run), and FP4 attention's BF16
+    GEMMs (`AttentionQuant.tensor_cores`); `mx_gemm` "fp8" runs their MXFP4 x
     MXFP4 GEMMs on FP8 tensor cores instead. `attention_kernel` "triton" runs unquantized attention
     as fp4lab.numerics.kernels.attention's flash attention, "sdpa" as PyTorch's. `producer_fusion` "on" fuses each
     feed-forward's SwiGLU into its W2's GEMMs (`FP4Linear.swiglu`: the same bits, fewer passes); "all"
@@ -63,7 +64,7 @@ def build_model(
     if recipe.attention.format != "bf16":
         for index, attention in enumerate(model.attentions()):
             generator = torch.Generator(device=device).manual_seed(derive_seed(seed, f"layers.{index}.attention"))
-            attention.quant = AttentionQuant(recipe.attention.format, recipe.attention.ds_rounding, generator)
+            attention.quant = AttentionQuant(recipe.attention.format, recipe.attention.ds_rounding, generator, tensor_cores)
     return model
 
 

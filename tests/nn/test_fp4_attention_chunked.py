@@ -163,3 +163,48 @@ def test_cuda_peak_memory_stays_below_one_full_score_matrix():
     full_scores = batch * n_heads * seq * seq * 4
     assert peak < full_scores, f"peak {peak / 2**30:.2f} GiB, one score matrix {full_scores / 2**30:.2f} GiB"
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_tensor_core_bf16_gemms_change_only_their_summation_order(fmt):
+    """`AttentionQuant.tensor_cores` runs PV, dO V^T and P^T dO on bf16 tensor cores. S and P are the
+    reference's (their GEMM is unchanged), and O and dV are sums of the same exact products (bf16 x bf16
+    is exact in fp32) in another order: each within (k - 1) 5u sum |terms| of the fp32 GEMM (u = 2^-24,
+    k the keys or queries summed; Hopper's MMA taken as 4u per addition, as it aligns addends by
+    truncation), plus 2u |dV| for the GQA group's sum. dQ and dK follow dP through dS's quantization,
+    where a moved rounding can flip a code: they stay as close to exact attention as the reference's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (an NVIDIA GPU)")
+    pytest.importorskip("triton")
+    from fp4lab.nn.attention import _causal_softmax, _fake_quant, _sum_over_group
+
+    q, k, v, grad_out = (t.cuda() for t in sequence_scaled_qkv())
+    ref = output_and_grads(q, k, v, grad_out, AttentionQuant(fmt, "rtn"), ONE_CHUNK)
+    fast = output_and_grads(q, k, v, grad_out, AttentionQuant(fmt, "rtn", tensor_cores=True), ONE_CHUNK)
+    exact = output_and_grads(q, k, v, grad_out, AttentionQuant(format=None), ONE_CHUNK)
+
+    seq, group, u = q.shape[2], q.shape[1] // k.shape[1], 2.0**-24
+    # The GEMMs' terms are products of the bf16-rounded P and V (or dO).
+    probs = _causal_softmax(_fake_quant(q, fmt), _fake_quant(k, fmt).repeat_interleave(group, dim=1), slice(0, seq))
+    probs = probs.bfloat16().float()
+    v_bf16 = v.bfloat16().float().abs().repeat_interleave(group, dim=1)
+    out_bound = (seq - 1) * 5 * u * (probs @ v_bf16)
+    dv_bound = _sum_over_group((seq - 1) * 5 * u * (probs.transpose(-1, -2) @ grad_out.bfloat16().float().abs()), group)
+    dv_bound += 2 * u * ref[3].abs()
+    assert ((fast[0] - ref[0]).abs() - out_bound).max() <= 0
+    assert ((fast[3] - ref[3]).abs() - dv_bound).max() <= 0
+    assert not torch.equal(fast[0], ref[0])  # the tensor-core GEMM ran: another order, other bits somewhere
+    for i in (1, 2):  # dQ, dK
+        error = lambda got: ((got[i] - exact[i]).norm() / exact[i].norm()).item()
+        assert error(fast) <= 1.25 * error(ref) + 0.01, (i, error(fast), error(ref))
+
+
+def test_the_tensor_core_flag_reaches_fp4_attention_from_the_fast_path():
+    from fp4lab.nn.build import build_model
+    from fp4lab.nn.model_config import preset
+    from fp4lab.nn.recipe import load_recipe
+
+    for fast in (False, True):
+        model = build_model(preset("tiny", 256, 64), load_recipe("fullstack"), seed=0, tensor_cores=fast)
+        assert [a.quant.tensor_cores for a in model.attentions()] == [fast] * len(model.attentions())
