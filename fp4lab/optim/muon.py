@@ -167,8 +167,7 @@ def _nvfp4_block_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     `_nvfp4_decoded` quantizes it, by the fused quantizer; values x outer is its decoded result."""
     from fp4lab.numerics.kernels.quantize import quantize_fused
 
-    rows, cols = x.shape[-2:]
-    q = quantize_fused(x.contiguous().view(-1, cols), fmt="nvfp4_cta", cta_tile=rows)
+    q = quantize_fused(*_as_one_tensor_per_matrix(x))
     return q.values.view(x.shape), q.outer.view(*x.shape[:-1], 1)
 
 
@@ -183,8 +182,15 @@ def _nvfp4_decoded(x: torch.Tensor) -> torch.Tensor:
     the reference's one rounding) instead of the reference's ~90 small ops a call, 30 calls per
     matrix (or stack) per optimizer step: by that count, most of Full-Stack FP4's step on a GPU
     (docs/BENCHMARKS.md)."""
+    flat, options = _as_one_tensor_per_matrix(x)
+    return kernels.fake_quantize(flat, **options).view(x.shape)
+
+
+def _as_one_tensor_per_matrix(x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """x's matrices as one [n * rows, cols] tensor, and the quantizer's options that give each matrix its
+    own NVFP4 encoding (nvfp4_cta, one CTA tile of `rows` rows per matrix)."""
     rows, cols = x.shape[-2:]
-    return kernels.fake_quantize(x.contiguous().view(-1, cols), "nvfp4_cta", cta_tile=rows).view(x.shape)
+    return x.contiguous().view(-1, cols), {"fmt": "nvfp4_cta", "cta_tile": rows}
 
 
 def lr_scale(shape: torch.Size | tuple[int, int], lr_scaling: str) -> float:
