@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp4lab.nn.gemm import bf16_matmul_fp32
 from fp4lab.numerics import BLOCK_SIZE, fake_quantize, kernels
 from fp4lab.numerics.attention import attention_entropy, max_attention_logits
 from fp4lab.numerics.quantize import finite_amax
@@ -75,9 +76,12 @@ class AttentionQuant:
                  and 6 % with mxfp4 (floor scales clip values above 6 x scale).
     generator:   the random stream of dS's stochastic rounding, on the tensors' device (None: torch's
                  default generator).
-    tensor_cores: the fast path's (`nn.build.build_model`): on CUDA the BF16 GEMMs (PV, dO V^T, P^T dO)
-                 run on bf16 tensor cores with fp32 accumulation, not as fp32 GEMMs of the bf16-rounded
-                 operands: the same exact products (bf16 x bf16 is exact in fp32), summed in another order.
+    tensor_cores: the fast path's (`nn.build.build_model`): where the fused quantizers run, every GEMM
+                 takes bf16 operands with fp32 accumulation (on CUDA bf16 tensor cores): the BF16 ones
+                 (PV, dO V^T, P^T dO) the bf16-rounded operands, the FP4 ones (S, dQ, dK) each operand's
+                 block values (E2M1 x block scale, exact in bf16) with the NVFP4 outer scales applied to
+                 the fp32 result. The same codes, scales and exact products as the fp32 GEMMs of decoded
+                 values, summed and rounded in another order; and Q, K are saved as bf16 block values.
     """
 
     format: str | None = "nvfp4"
@@ -188,7 +192,8 @@ def fp4_attention(
 
     q [B, H, T, D], k and v [B, H_kv, T, D]. Every FP4 GEMM quantizes each of its two operands along that
     GEMM's own contraction axis, as an FP4 tensor-core GEMM requires; operands are decoded to fp32 and
-    multiplied with fp32 accumulation (dQ, dK then times 1/sqrt(D) in fp32). Sequence and head_dim
+    multiplied with fp32 accumulation (dQ, dK then times 1/sqrt(D) in fp32), or with
+    `quant.tensor_cores` their block values multiplied on bf16 tensor cores, the outer scales after. Sequence and head_dim
     positions are both contraction axes somewhere, so both must be multiples of 32 (the mxfp4 block;
     nvfp4's is 16).
 
@@ -251,30 +256,32 @@ def _query_chunks(q: torch.Tensor, chunk_elements: int) -> list[slice]:
 class _FP4Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, quant: AttentionQuant, chunk_elements: int):
-        q_q, k_q = _fake_quant(q, quant.format), _fake_quant(k, quant.format)
+        q_q, k_q = _quant_operand(q, quant), _quant_operand(k, quant)
         group = q.shape[1] // k.shape[1]
-        k_heads, v_heads = k_q.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = q_q.new_empty(q_q.shape)
+        k_heads, v_heads = k_q.repeat_heads(group), v.repeat_interleave(group, dim=1)
+        out = q.new_empty(q.shape, dtype=torch.float32)
         for rows in _query_chunks(q, chunk_elements):
-            probs = _causal_softmax(q_q[:, :, rows], k_heads, rows)
+            probs = _causal_softmax(q_q.rows(rows), k_heads, rows)
             out[:, :, rows] = _bf16_matmul(probs, v_heads[:, :, : rows.stop], quant)
-        ctx.save_for_backward(q_q, k_q, v)
+        outers = [o for o in (q_q.outer, k_q.outer) if o is not None]  # NVFP4's, or none (decoded values, MXFP4)
+        ctx.save_for_backward(q_q.values, k_q.values, v, *outers)
         ctx.quant, ctx.chunk_elements = quant, chunk_elements
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q_q, k_q, v = ctx.saved_tensors
+        q_values, k_values, v, *outers = ctx.saved_tensors
+        q_q, k_q = (_Factored(q_values, outers[0]), _Factored(k_values, outers[1])) if outers else (_Factored(q_values), _Factored(k_values))
         quant: AttentionQuant = ctx.quant
-        group = q_q.shape[1] // k_q.shape[1]
-        k_heads, v_heads = k_q.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        group = q_values.shape[1] // k_values.shape[1]
+        k_heads, v_heads = k_q.repeat_heads(group), v.repeat_interleave(group, dim=1)
         grad_out = grad_out.float()
-        chunks = _query_chunks(q_q, ctx.chunk_elements)
+        chunks = _query_chunks(q_values, ctx.chunk_elements)
 
         def grad_scores_by_chunk() -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
             """(rows, P, dS) per chunk, P recomputed rather than saved (it is bit-identical)."""
             for rows in chunks:
-                probs = _causal_softmax(q_q[:, :, rows], k_heads, rows)
+                probs = _causal_softmax(q_q.rows(rows), k_heads, rows)
                 v_keys = v_heads[:, :, : rows.stop]
                 grad_probs = _bf16_matmul(grad_out[:, :, rows], v_keys.transpose(-1, -2), quant)
                 grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
@@ -282,17 +289,17 @@ class _FP4Attention(torch.autograd.Function):
                 yield rows, probs, grad_scores
 
         amax_keys, amax_queries = _ds_tensor_amaxes(grad_scores_by_chunk(), quant, len(chunks))
-        k_keys = _fake_quant_seq(k_q, quant.format).repeat_interleave(group, dim=1)
-        q_queries = _fake_quant_seq(q_q, quant.format)
-        scale = 1.0 / math.sqrt(q_q.shape[-1])
-        grad_q = torch.empty_like(q_q)
-        grad_k, grad_v = torch.zeros_like(q_q), torch.zeros_like(q_q)
+        k_keys = _quant_operand_seq(k_q, quant).repeat_heads(group)
+        q_queries = _quant_operand_seq(q_q, quant)
+        scale = 1.0 / math.sqrt(q_values.shape[-1])
+        grad_q = torch.empty(q_values.shape, dtype=torch.float32, device=q_values.device)
+        grad_k, grad_v = torch.zeros_like(grad_q), torch.zeros_like(grad_q)
         for rows, probs, grad_scores in grad_scores_by_chunk():
             keys = slice(0, rows.stop)
             grad_v[:, :, keys] += _bf16_matmul(probs.transpose(-1, -2), grad_out[:, :, rows], quant)
             ds_keys, ds_queries = _quant_ds(grad_scores, quant, amax_keys, amax_queries)
-            grad_q[:, :, rows] = ds_keys @ k_keys[:, :, keys] * scale
-            grad_k[:, :, keys] += ds_queries @ q_queries[:, :, rows]
+            grad_q[:, :, rows] = _fp4_matmul(ds_keys, k_keys.rows(keys)) * scale
+            grad_k[:, :, keys] += _fp4_matmul(ds_queries, q_queries.rows(rows))
             # Dropped before the generator builds the next chunk: else two chunks' worth stays alive.
             del probs, grad_scores, ds_keys, ds_queries
         grad_k *= scale
@@ -323,23 +330,61 @@ def _fake_quant(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     return x.float() if fmt is None else kernels.fake_quantize(x, fmt)
 
 
-def _fake_quant_seq(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
-    """x [B, H, T, D] quantized (round to nearest) in blocks along the sequence dim T; fp32, same layout.
-    The fused kernel quantizes the [B H T, D] view's transpose: its blocks of 16 or 32 rows stay
-    within one (batch, head) as T is a multiple of 32. Its result is laid out as the reference's
-    (a transposed contiguous [B, H, D, T]), so the GEMMs that read it are the same cuBLAS calls."""
-    if fmt is not None and kernels.runs_on(x.device):
+class _Factored:
+    """An operand of FP4 attention's GEMMs: decoded fp32 values (outer None), or with tensor cores bf16
+    block values and the outer scale (NVFP4's decode scale, 0-dim; None for MXFP4) that multiplies the
+    GEMM's fp32 result. values x outer is the decoded operand bit for bit (`FusedQuant.dequantize`)."""
+
+    def __init__(self, values: torch.Tensor, outer: torch.Tensor | None = None):
+        self.values, self.outer = values, outer
+
+    def decoded(self) -> torch.Tensor:
+        return self.values.float() if self.outer is None else self.values.float().mul_(self.outer)
+
+    def rows(self, rows: slice) -> _Factored:
+        return _Factored(self.values[:, :, rows], self.outer)
+
+    def repeat_heads(self, group: int) -> _Factored:
+        return _Factored(self.values.repeat_interleave(group, dim=1), self.outer)
+
+    def mT(self) -> _Factored:  # noqa: N802 (reads like tensor.mT)
+        return _Factored(self.values.transpose(-1, -2), self.outer)
+
+
+def _factored(quant: AttentionQuant, device: torch.device) -> bool:
+    """Whether the GEMMs take block values (tensor cores) rather than decoded fp32 values."""
+    return quant.tensor_cores and quant.format is not None and kernels.runs_on(device)
+
+
+def _quant_operand(x: torch.Tensor, quant: AttentionQuant) -> _Factored:
+    """x [B, H, T, D] quantized (round to nearest) along head_dim, as `_fake_quant` quantizes it."""
+    if not _factored(quant, x.device):
+        return _Factored(_fake_quant(x, quant.format))
+    from fp4lab.numerics.kernels.quantize import quantize_fused
+
+    q = quantize_fused(x.reshape(-1, x.shape[-1]), fmt=quant.format)
+    return _Factored(q.values.view(x.shape), q.outer)
+
+
+def _quant_operand_seq(x: _Factored, quant: AttentionQuant) -> _Factored:
+    """x [B, H, T, D] re-quantized (round to nearest) from its decoded values in blocks along the
+    sequence dim T, same layout. The fused kernel quantizes the [B H T, D] view's transpose: its blocks
+    of 16 or 32 rows stay within one (batch, head) as T is a multiple of 32. Its result is laid out as
+    the reference's (a transposed contiguous [B, H, D, T]), so the GEMMs that read it are the same calls."""
+    fmt, decoded = quant.format, x.decoded()
+    if fmt is not None and kernels.runs_on(decoded.device):
         from fp4lab.numerics.kernels.quantize import quantize_fused
 
-        batch, n_heads, seq, head_dim = x.shape
-        decoded = quantize_fused(x.reshape(-1, head_dim), fmt=fmt, transpose=True).dequantize()
-        return decoded.view(head_dim, batch, n_heads, seq).permute(1, 2, 0, 3).contiguous().transpose(-1, -2)
-    return _fake_quant(x.transpose(-1, -2), fmt).transpose(-1, -2)
+        batch, n_heads, seq, head_dim = decoded.shape
+        q = quantize_fused(decoded.reshape(-1, head_dim), fmt=fmt, transpose=True)
+        along_seq = lambda t: t.view(head_dim, batch, n_heads, seq).permute(1, 2, 0, 3).contiguous().transpose(-1, -2)
+        return _Factored(along_seq(q.values), q.outer) if _factored(quant, decoded.device) else _Factored(along_seq(q.dequantize()))
+    return _Factored(_fake_quant(decoded.transpose(-1, -2), fmt).transpose(-1, -2))
 
 
 def _quant_ds(
     grad_scores: torch.Tensor, quant: AttentionQuant, amax_keys: torch.Tensor | None, amax_queries: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[_Factored, _Factored]:
     """(dS along keys, dS^T along queries) of dS [B, H, rows, keys] (or a chunk of it), each quantized
     with quant.ds_rounding, dS's draw first, and decoded to fp32; NVFP4's tensor scales from the
     whole dS's amaxes where given. ds_rounding or format None leaves both in fp32.
@@ -350,7 +395,7 @@ def _quant_ds(
     RTN codes are the same bits either way, SR draws from the same distribution. Both results are
     contiguous, as the reference's are: the GEMMs that read them are the same calls on either path."""
     if quant.ds_rounding is None or quant.format is None:
-        return grad_scores, grad_scores.transpose(-1, -2)
+        return _Factored(grad_scores), _Factored(grad_scores.transpose(-1, -2))
     fmt, rounding, generator = quant.format, quant.ds_rounding, quant.generator
     if kernels.runs_on(grad_scores.device):
         from fp4lab.numerics.kernels.quantize import quantize_fused_both
@@ -361,35 +406,43 @@ def _quant_ds(
 
         batch, n_heads, rows, keys = grad_scores.shape
         along_keys, along_queries = quantize_fused_both(grad_scores.reshape(-1, keys), options(amax_keys), options(amax_queries))
-        return (
-            along_keys.dequantize().view(grad_scores.shape),
-            along_queries.dequantize().view(keys, batch, n_heads, rows).permute(1, 2, 0, 3).contiguous(),
-        )
+        as_queries = lambda t: t.view(keys, batch, n_heads, rows).permute(1, 2, 0, 3).contiguous()
+        if _factored(quant, grad_scores.device):
+            return (_Factored(along_keys.values.view(grad_scores.shape), along_keys.outer),
+                    _Factored(as_queries(along_queries.values), along_queries.outer))
+        return _Factored(along_keys.dequantize().view(grad_scores.shape)), _Factored(as_queries(along_queries.dequantize()))
     encode = lambda x, amax: fake_quantize(x, fmt, rounding=rounding, generator=generator, tensor_amax=amax)
-    return encode(grad_scores, amax_keys), encode(grad_scores.transpose(-1, -2), amax_queries)
+    return _Factored(encode(grad_scores, amax_keys)), _Factored(encode(grad_scores.transpose(-1, -2), amax_queries))
 
 
-def _causal_softmax(q_rows: torch.Tensor, k: torch.Tensor, rows: slice) -> torch.Tensor:
+def _causal_softmax(q_rows: _Factored, k: _Factored, rows: slice) -> torch.Tensor:
     """Softmax of the causal scores of query rows `rows` (q_rows [B, H, rows, D]) over keys [0, rows.stop)
     of k [B, H, T, D]: [B, H, rows, rows.stop]. The keys past the last row would all be masked."""
-    keys = k[:, :, : rows.stop]
-    scores = q_rows @ keys.transpose(-1, -2) / math.sqrt(q_rows.shape[-1])
-    positions = torch.arange(rows.stop, device=q_rows.device)
+    keys = k.rows(slice(0, rows.stop))
+    scores = _fp4_matmul(q_rows, keys.mT()) / math.sqrt(q_rows.values.shape[-1])
+    positions = torch.arange(rows.stop, device=scores.device)
     future = positions > positions[rows, None]
     return torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
 
 
 def _bf16_matmul(a: torch.Tensor, b: torch.Tensor, quant: AttentionQuant) -> torch.Tensor:
-    """a @ b ([..., m, k] @ [..., k, n]) as a BF16 GEMM with fp32 accumulation and an fp32 result: on
-    bf16 tensor cores where `quant.tensor_cores` and CUDA, else in fp32 on the bf16-rounded operands;
-    exact fp32 when quantization is off."""
+    """a @ b ([..., m, k] @ [..., k, n]) as a BF16 GEMM with fp32 accumulation and an fp32 result (on
+    bf16 tensor cores with `quant.tensor_cores`); exact fp32 when quantization is off."""
     if quant.format is None:
         return a @ b
     a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
-    if quant.tensor_cores and a.is_cuda:
-        out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
-        return out.view(*a.shape[:-1], b.shape[-1])
-    return a.float() @ b.float()
+    return bf16_matmul_fp32(a, b) if _factored(quant, a.device) else a.float() @ b.float()
+
+
+def _fp4_matmul(a: _Factored, b: _Factored) -> torch.Tensor:
+    """a @ b of two operands ([..., m, k] @ [..., k, n]) in fp32: decoded values by an fp32 GEMM, or
+    block values in bf16 with fp32 accumulation times the product of their outer scales."""
+    if a.values.dtype != torch.bfloat16:
+        return a.values @ b.values
+    out = bf16_matmul_fp32(a.values, b.values)
+    outers = [o for o in (a.outer, b.outer) if o is not None]
+    return out.mul_(outers[0] * outers[1] if len(outers) == 2 else outers[0]) if outers else out
+
 
 
 def _sum_over_group(grad: torch.Tensor, group: int) -> torch.Tensor:

@@ -57,6 +57,7 @@ from collections.abc import Iterable
 
 import torch
 
+from fp4lab.nn.gemm import bf16_matmul_fp32
 from fp4lab.numerics import BLOCK_SIZE, kernels
 from fp4lab.optim.plumbing import closure_loss, dense_grads
 from fp4lab.optim.sharding import gather_whole, is_sharded, local, local_part
@@ -158,8 +159,7 @@ def _nvfp4_tensor_core_matmul(left: torch.Tensor, right: torch.Tensor) -> torch.
     both GEMMs' accumulations, within a few k u of sum |a| |b| (u = 2^-24; the CUDA test states it)."""
     left_values, left_outer = _nvfp4_block_values(left)
     right_values, right_outer = _nvfp4_block_values(right.mT)
-    mm = torch.mm if left.ndim == 2 else torch.bmm
-    return mm(left_values, right_values.mT, out_dtype=torch.float32) * (left_outer * right_outer.mT)
+    return bf16_matmul_fp32(left_values, right_values.mT) * (left_outer * right_outer.mT)
 
 
 def _nvfp4_block_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +167,8 @@ def _nvfp4_block_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     `_nvfp4_decoded` quantizes it, by the fused quantizer; values x outer is its decoded result."""
     from fp4lab.numerics.kernels.quantize import quantize_fused
 
-    q = quantize_fused(*_as_one_tensor_per_matrix(x))
+    flat, options = _as_one_tensor_per_matrix(x)
+    q = quantize_fused(flat, **options)
     return q.values.view(x.shape), q.outer.view(*x.shape[:-1], 1)
 
 

@@ -165,39 +165,66 @@ def test_cuda_peak_memory_stays_below_one_full_score_matrix():
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
 
 
+def check_tensor_core_fp4_attention(device: str) -> None:
+    """`AttentionQuant.tensor_cores`: every GEMM on bf16 operands with fp32 accumulation, the FP4 ones on
+    block values with the outer scales after. Against the fp32 GEMMs of decoded values (the reference):
+
+    - Q and K along head_dim, K and Q along the sequence and RTN dS in both orientations get the same
+      codes and scales: their block values times outer scale are the reference's decoded values, bit for bit;
+    - an FP4 GEMM then differs only by roundings: the reference rounds each decoded element once
+      (<= u, u = 2^-24), so each product by <= 2u + u^2, and sums k of them in fp32; the tensor-core path
+      sums exact products (bf16 x bf16 is exact in fp32) and rounds the outer product and the scaled
+      result once each. A recursive fp32 sum of k terms errs by <= (k - 1) u sum |terms| (Higham,
+      Thm 3.1); Hopper's MMA is taken as 4u per addition (it aligns addends by truncation). So
+      |fast - ref| <= ((k - 1) 5u + 5u) sum |a| |b| over the decoded operands;
+    - through softmax and dS's quantization a moved rounding can flip a code downstream, so the outputs
+      and gradients are held to being as close to exact attention as the reference's."""
+    from fp4lab.nn.attention import _fp4_matmul, _quant_ds, _quant_operand, _quant_operand_seq
+
+    u = 2.0**-24
+    q, k, v, grad_out = (t.to(device) for t in sequence_scaled_qkv(batch=1, n_heads=2, n_kv_heads=1, seq=64, head_dim=32))
+    for fmt in ("nvfp4", "mxfp4"):
+        ref_quant, fast_quant = AttentionQuant(fmt, "rtn"), AttentionQuant(fmt, "rtn", tensor_cores=True)
+        ref_q, ref_k = _quant_operand(q, ref_quant), _quant_operand(k, ref_quant)
+        fast_q, fast_k = _quant_operand(q, fast_quant), _quant_operand(k, fast_quant)
+        assert fast_q.values.dtype == torch.bfloat16 and ref_q.values.dtype == torch.float32
+        assert torch.equal(fast_q.decoded(), ref_q.values) and torch.equal(fast_k.decoded(), ref_k.values)
+        for fast_seq, ref_seq in ((_quant_operand_seq(fast_k, fast_quant), _quant_operand_seq(ref_k, ref_quant)),
+                                  (_quant_operand_seq(fast_q, fast_quant), _quant_operand_seq(ref_q, ref_quant))):
+            assert torch.equal(fast_seq.decoded(), ref_seq.values)
+        grad_scores = torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(5)).to(device)
+        for fast_ds, ref_ds in zip(_quant_ds(grad_scores, fast_quant, None, None), _quant_ds(grad_scores, ref_quant, None, None)):
+            assert torch.equal(fast_ds.decoded(), ref_ds.values)
+        k_heads = (fast_k.repeat_heads(2), ref_k.repeat_heads(2))
+        for a, b, ra, rb in [(fast_q, k_heads[0].mT(), ref_q, k_heads[1].mT()),  # S: contracts head_dim
+                             (fast_ds, _quant_operand_seq(fast_q, fast_quant), ref_ds, _quant_operand_seq(ref_q, ref_quant))]:  # dK's
+            fast, ref = _fp4_matmul(a, b), _fp4_matmul(ra, rb)
+            terms = a.values.shape[-1]
+            bound = ((terms - 1) * 5 * u + 5 * u) * (ra.values.abs() @ rb.values.abs())
+            assert ((fast - ref).abs() - bound).max() <= 0, fmt
+            # NVFP4's outer scales make it another computation (MXFP4's E8M0-scaled products, a few bits
+            # each, can sum exactly in fp32 either way).
+            assert fmt == "mxfp4" or not torch.equal(fast, ref)
+        exact = output_and_grads(q, k, v, grad_out, AttentionQuant(format=None), ONE_CHUNK)
+        ref = output_and_grads(q, k, v, grad_out, ref_quant, ONE_CHUNK)
+        fast = output_and_grads(q, k, v, grad_out, fast_quant, ONE_CHUNK)
+        for i in range(4):  # O, dQ, dK, dV
+            error = lambda got: ((got[i] - exact[i]).norm() / exact[i].norm()).item()
+            assert error(fast) <= 1.25 * error(ref) + 0.01, (fmt, i, error(fast), error(ref))
+
+
+def test_tensor_core_fp4_attention_under_the_interpreter():
+    from tests import interpreted
+
+    interpreted.run_interpreted(__name__, "check_tensor_core_fp4_attention('cpu')")
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_tensor_core_bf16_gemms_change_only_their_summation_order(fmt):
-    """`AttentionQuant.tensor_cores` runs PV, dO V^T and P^T dO on bf16 tensor cores. S and P are the
-    reference's (their GEMM is unchanged), and O and dV are sums of the same exact products (bf16 x bf16
-    is exact in fp32) in another order: each within (k - 1) 5u sum |terms| of the fp32 GEMM (u = 2^-24,
-    k the keys or queries summed; Hopper's MMA taken as 4u per addition, as it aligns addends by
-    truncation), plus 2u |dV| for the GQA group's sum. dQ and dK follow dP through dS's quantization,
-    where a moved rounding can flip a code: they stay as close to exact attention as the reference's."""
+def test_tensor_core_fp4_attention_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (an NVIDIA GPU)")
     pytest.importorskip("triton")
-    from fp4lab.nn.attention import _causal_softmax, _fake_quant, _sum_over_group
-
-    q, k, v, grad_out = (t.cuda() for t in sequence_scaled_qkv())
-    ref = output_and_grads(q, k, v, grad_out, AttentionQuant(fmt, "rtn"), ONE_CHUNK)
-    fast = output_and_grads(q, k, v, grad_out, AttentionQuant(fmt, "rtn", tensor_cores=True), ONE_CHUNK)
-    exact = output_and_grads(q, k, v, grad_out, AttentionQuant(format=None), ONE_CHUNK)
-
-    seq, group, u = q.shape[2], q.shape[1] // k.shape[1], 2.0**-24
-    # The GEMMs' terms are products of the bf16-rounded P and V (or dO).
-    probs = _causal_softmax(_fake_quant(q, fmt), _fake_quant(k, fmt).repeat_interleave(group, dim=1), slice(0, seq))
-    probs = probs.bfloat16().float()
-    v_bf16 = v.bfloat16().float().abs().repeat_interleave(group, dim=1)
-    out_bound = (seq - 1) * 5 * u * (probs @ v_bf16)
-    dv_bound = _sum_over_group((seq - 1) * 5 * u * (probs.transpose(-1, -2) @ grad_out.bfloat16().float().abs()), group)
-    dv_bound += 2 * u * ref[3].abs()
-    assert ((fast[0] - ref[0]).abs() - out_bound).max() <= 0
-    assert ((fast[3] - ref[3]).abs() - dv_bound).max() <= 0
-    assert not torch.equal(fast[0], ref[0])  # the tensor-core GEMM ran: another order, other bits somewhere
-    for i in (1, 2):  # dQ, dK
-        error = lambda got: ((got[i] - exact[i]).norm() / exact[i].norm()).item()
-        assert error(fast) <= 1.25 * error(ref) + 0.01, (i, error(fast), error(ref))
+    check_tensor_core_fp4_attention("cuda")
 
 
 def test_the_tensor_core_flag_reaches_fp4_attention_from_the_fast_path():
