@@ -200,7 +200,7 @@ MUTATIONS = [
       (BUILD, "recipe.attention.ds_rounding, generator, tensor_cores)", "recipe.attention.ds_rounding, generator)"),
       ["tests/nn/test_fp4_attention_chunked.py::test_the_tensor_core_flag_reaches_fp4_attention_from_the_fast_path"]),
     m("attn-tc-outer-dropped", "FP4 attention on tensor cores leaves out the NVFP4 outer scales of its FP4 GEMMs",
-      (ATTN, "return out.mul_(outers[0] * outers[1] if len(outers) == 2 else outers[0]) if outers else out", "return out"),
+      (ATTN, "return out if alpha is None else out.mul_(alpha)", "return out"),
       ["tests/nn/test_fp4_attention_chunked.py::test_tensor_core_fp4_attention_under_the_interpreter"]),
     m("ns-tc-outer-dropped", "the NVFP4 Newton-Schulz on tensor cores leaves out the per-matrix outer scales",
       (MUON, "bf16_matmul_fp32(left_values, right_values.mT) * (left_outer * right_outer.mT)", "bf16_matmul_fp32(left_values, right_values.mT)"),

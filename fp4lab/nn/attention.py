@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4lab.nn.gemm import bf16_matmul_fp32
 from fp4lab.numerics import BLOCK_SIZE, fake_quantize, kernels
 from fp4lab.numerics.attention import attention_entropy, max_attention_logits
+from fp4lab.numerics.epilogue import bf16_matmul_fp32, outer_scale_product
 from fp4lab.numerics.quantize import finite_amax
 
 ATTENTION_FORMATS = ("nvfp4", "mxfp4")
@@ -439,9 +439,8 @@ def _fp4_matmul(a: _Factored, b: _Factored) -> torch.Tensor:
     block values in bf16 with fp32 accumulation times the product of their outer scales."""
     if a.values.dtype != torch.bfloat16:
         return a.values @ b.values
-    out = bf16_matmul_fp32(a.values, b.values)
-    outers = [o for o in (a.outer, b.outer) if o is not None]
-    return out.mul_(outers[0] * outers[1] if len(outers) == 2 else outers[0]) if outers else out
+    out, alpha = bf16_matmul_fp32(a.values, b.values), outer_scale_product(a.outer, b.outer)
+    return out if alpha is None else out.mul_(alpha)
 
 
 

@@ -89,16 +89,6 @@ def fp8_tensor_core_mm(a: QTensor, b: QTensor, out_dtype: torch.dtype) -> torch.
     return out.to(out_dtype)
 
 
-def bf16_matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b of bf16 tensors ([..., m, k] @ [..., k, n]) with fp32 accumulation and an fp32 result: on
-    CUDA bf16 tensor cores (`torch.bmm(..., out_dtype=torch.float32)`); elsewhere (the Triton
-    interpreter's tests) an fp32 GEMM of the same exact products (bf16 x bf16 is exact in fp32)."""
-    if not a.is_cuda:
-        return a.float() @ b.float()
-    out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
-    return out.view(*a.shape[:-1], b.shape[-1])
-
-
 def tensor_core_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """a.values @ b.values^T with fp32 accumulation, times the outer scales, in `out_dtype`.
 

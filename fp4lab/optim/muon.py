@@ -57,8 +57,8 @@ from collections.abc import Iterable
 
 import torch
 
-from fp4lab.nn.gemm import bf16_matmul_fp32
 from fp4lab.numerics import BLOCK_SIZE, kernels
+from fp4lab.numerics.epilogue import bf16_matmul_fp32
 from fp4lab.optim.plumbing import closure_loss, dense_grads
 from fp4lab.optim.sharding import gather_whole, is_sharded, local, local_part
 
