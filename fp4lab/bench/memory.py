@@ -1,6 +1,6 @@
 """What holds a CUDA step's peak memory: the caching allocator's trace replayed to its highest point.
 
-`recording(device)` wraps the build, warm-up and timed steps of one configuration in
+`recorded(device, path)` wraps the build, warm-up and timed steps of one configuration in
 `torch.cuda.memory._record_memory_history` (Python stacks, so every block knows the line that asked for
 it). `peak_holders(snapshot, ...)` replays the trace of `torch.cuda.memory._snapshot()`: allocated
 bytes go up at each "alloc" and down at each "free_completed" (the allocator's own accounting), and
@@ -54,26 +54,21 @@ class PeakHolders:
 
 
 @contextlib.contextmanager
-def recording(device: torch.device) -> Iterator[int]:
-    """Record the allocator's history on `device` for the block; yields the bytes allocated before."""
+def recorded(device: torch.device, path: Path) -> Iterator[None]:
+    """Record the allocator's history on `device` through the block, then write what held its peak to
+    `path` (`PeakHolders.table`). Recording stops however the block ends."""
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.memory._record_memory_history(max_entries=MAX_TRACE_EVENTS, stacks="python", device=device)
     try:
-        yield before
-    finally:
+        yield
         torch.cuda.synchronize(device)
-
-
-def write_peak_holders(device: torch.device, before: int, path: Path) -> PeakHolders:
-    """Take the snapshot, stop recording, write the peak's table to `path` and return it."""
-    snapshot = torch.cuda.memory._snapshot(device)
-    torch.cuda.memory._record_memory_history(enabled=None, device=device)
+        snapshot = torch.cuda.memory._snapshot(device)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    holders = peak_holders(snapshot["device_traces"][index], before)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(holders.table())
-    return holders
+    path.write_text(peak_holders(snapshot["device_traces"][index], before).table())
 
 
 def peak_holders(trace: list[dict], before_bytes: int = 0) -> PeakHolders:

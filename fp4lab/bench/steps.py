@@ -89,31 +89,27 @@ def bench_steps(
     shape = {"model": model, "batch_size": batch_size, "seq_len": seq_len, "device": str(device)}
     results = []
     for name in [ANCHOR, *recipes]:
-        recorded = contextlib.ExitStack()
-        if memory_dir is not None:
-            before = recorded.enter_context(memory.recording(device))
-        anchored = name == ANCHOR or name in TORCHAO_FLOAT8
-        config = TrainConfig(
-            recipe="bf16" if anchored else name, model=model, batch_size=batch_size, seq_len=seq_len,
-            device=device.type, compile=compile, cuda_graphs=cuda_graphs, attention_kernel=attention_kernel, mx_gemm=mx_gemm,
-            producer_fusion=producer_fusion, optimizer=optimizer, adam_lr=3e-4, lr=0.02,
-        )
-        chosen = paths.resolve(config, device, model_config.head_dim)
-        if anchored:
-            # A plain PyTorch loop runs on PyTorch's defaults, whatever an fp4lab recipe timed before
-            # it turned on (train.build.deterministic_cuda).
-            torch.use_deterministic_algorithms(False)
-            step = anchor_step(model_config, device, compile=chosen.compile, float8=name if name in TORCHAO_FLOAT8 else None)
-            compute = f"torchao float8 {TORCHAO_FLOAT8[name]}" if name in TORCHAO_FLOAT8 else "bf16 autocast"
-            optimizer_name, graphed, record = "adamw (torch, fused on CUDA)", False, None
-        else:
-            step, chosen = _fp4lab_step(config, model_config, device, chosen)
-            compute, optimizer_name, graphed = "fast" if chosen.tensor_cores else "reference", optimizer, chosen.cuda_graphs
-            record = chosen.as_dict()
-        times, losses, peak = _time(step, x, y, device, steps, warmup)
-        if memory_dir is not None:
-            memory.write_peak_holders(device, before, Path(memory_dir) / f"{name}.txt")
-        recorded.close()
+        traced = memory.recorded(device, Path(memory_dir) / f"{name}.txt") if memory_dir is not None else contextlib.nullcontext()
+        with traced:
+            anchored = name == ANCHOR or name in TORCHAO_FLOAT8
+            config = TrainConfig(
+                recipe="bf16" if anchored else name, model=model, batch_size=batch_size, seq_len=seq_len,
+                device=device.type, compile=compile, cuda_graphs=cuda_graphs, attention_kernel=attention_kernel, mx_gemm=mx_gemm,
+                producer_fusion=producer_fusion, optimizer=optimizer, adam_lr=3e-4, lr=0.02,
+            )
+            chosen = paths.resolve(config, device, model_config.head_dim)
+            if anchored:
+                # A plain PyTorch loop runs on PyTorch's defaults, whatever an fp4lab recipe timed before
+                # it turned on (train.build.deterministic_cuda).
+                torch.use_deterministic_algorithms(False)
+                step = anchor_step(model_config, device, compile=chosen.compile, float8=name if name in TORCHAO_FLOAT8 else None)
+                compute = f"torchao float8 {TORCHAO_FLOAT8[name]}" if name in TORCHAO_FLOAT8 else "bf16 autocast"
+                optimizer_name, graphed, record = "adamw (torch, fused on CUDA)", False, None
+            else:
+                step, chosen = _fp4lab_step(config, model_config, device, chosen)
+                compute, optimizer_name, graphed = "fast" if chosen.tensor_cores else "reference", optimizer, chosen.cuda_graphs
+                record = chosen.as_dict()
+            times, losses, peak = _time(step, x, y, device, steps, warmup)
         if profile_dir is not None:
             _profile(step, x, y, device, Path(profile_dir) / f"{name}.txt")
         median = statistics.median(times)
