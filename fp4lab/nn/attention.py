@@ -154,7 +154,8 @@ class Attention(nn.Module):
             if self.probe:
                 self.last_entropy = attention_entropy(q[: self.probe_batch], k[: self.probe_batch])
             if self.quant is not None:
-                out = fp4_attention(q, k, v, self.quant)
+                flash = self.kernel == "triton" and flash_fp4_covers(q, self.quant)
+                out = (flash_fp4_attention if flash else fp4_attention)(q, k, v, self.quant)
         if self.quant is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
@@ -360,9 +361,14 @@ def _quant_operand(x: torch.Tensor, quant: AttentionQuant) -> _Factored:
     """x [B, H, T, D] quantized (round to nearest) along head_dim, as `_fake_quant` quantizes it."""
     if not _factored(quant, x.device):
         return _Factored(_fake_quant(x, quant.format))
+    return _block_values_along_head_dim(x, quant.format)
+
+
+def _block_values_along_head_dim(x: torch.Tensor, fmt: str) -> _Factored:
+    """x [B, H, T, D] quantized along head_dim by the fused quantizer: bf16 block values and outer scale."""
     from fp4lab.numerics.kernels.quantize import quantize_fused
 
-    q = quantize_fused(x.reshape(-1, x.shape[-1]), fmt=quant.format)
+    q = quantize_fused(x.reshape(-1, x.shape[-1]), fmt=fmt)
     return _Factored(q.values.view(x.shape), q.outer)
 
 
@@ -373,13 +379,18 @@ def _quant_operand_seq(x: _Factored, quant: AttentionQuant) -> _Factored:
     the reference's (a transposed contiguous [B, H, D, T]), so the GEMMs that read it are the same calls."""
     fmt, decoded = quant.format, x.decoded()
     if fmt is not None and kernels.runs_on(decoded.device):
-        from fp4lab.numerics.kernels.quantize import quantize_fused
-
         batch, n_heads, seq, head_dim = decoded.shape
-        q = quantize_fused(decoded.reshape(-1, head_dim), fmt=fmt, transpose=True)
+        q = _quantized_along_seq(decoded, fmt)
         along_seq = lambda t: t.view(head_dim, batch, n_heads, seq).permute(1, 2, 0, 3).contiguous().transpose(-1, -2)
         return _Factored(along_seq(q.values), q.outer) if _factored(quant, decoded.device) else _Factored(along_seq(q.dequantize()))
     return _Factored(_fake_quant(decoded.transpose(-1, -2), fmt).transpose(-1, -2))
+
+
+def _quantized_along_seq(decoded: torch.Tensor, fmt: str):
+    """decoded [B, H, T, D] quantized along T by the fused quantizer: a FusedQuant of [D, B H T]."""
+    from fp4lab.numerics.kernels.quantize import quantize_fused
+
+    return quantize_fused(decoded.reshape(-1, decoded.shape[-1]), fmt=fmt, transpose=True)
 
 
 def _quant_ds(
@@ -437,8 +448,8 @@ def _bf16_matmul(a: torch.Tensor, b: torch.Tensor, quant: AttentionQuant) -> tor
 def _fp4_matmul(a: _Factored, b: _Factored) -> torch.Tensor:
     """a @ b of two operands ([..., m, k] @ [..., k, n]) in fp32: decoded values by an fp32 GEMM, or
     block values in bf16 with fp32 accumulation times the product of their outer scales."""
-    if a.values.dtype != torch.bfloat16:
-        return a.values @ b.values
+    if a.values.dtype != torch.bfloat16 or b.values.dtype != torch.bfloat16:  # unquantized dS meets a bf16 operand
+        return a.decoded() @ b.decoded()
     out, alpha = bf16_matmul_fp32(a.values, b.values), outer_scale_product(a.outer, b.outer)
     return out if alpha is None else out.mul_(alpha)
 
@@ -448,3 +459,73 @@ def _sum_over_group(grad: torch.Tensor, group: int) -> torch.Tensor:
     """[B, H, T, D] per query head to [B, H_kv, T, D]: a shared K/V head gets its group's sum."""
     batch, n_heads, seq, head_dim = grad.shape
     return grad.view(batch, n_heads // group, group, seq, head_dim).sum(dim=2)
+
+
+# --- FP4 attention as flash attention ------------------------------------------------------------
+
+
+def flash_fp4_covers(q: torch.Tensor, quant: AttentionQuant) -> bool:
+    """Whether `flash_fp4_attention` runs this FP4 attention: quantized operands and dS, the Triton
+    kernels on q's device and a head_dim they take; else `fp4_attention` (the chunked path) does."""
+    if quant.format is None or quant.ds_rounding is None or not kernels.runs_on(q.device):
+        return False
+    from fp4lab.numerics.kernels.attention import HEAD_DIMS
+
+    return q.shape[-1] in HEAD_DIMS
+
+
+def flash_fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quant: AttentionQuant) -> torch.Tensor:
+    """`fp4_attention`'s algorithm as flash attention (numerics.kernels.attention): the same quantized
+    operands, never the [T, T] scores. q [B, H, T, D], k and v [B, H_kv, T, D]; where
+    `flash_fp4_covers(q, quant)`.
+
+    Q and K are quantized along head_dim (round to nearest) by the fused quantizer, and K, Q again along
+    the sequence for the backward from those values, exactly as the chunked path on tensor cores
+    quantizes them: the same codes and scales, bit for bit. The kernels take their block values (bf16)
+    and apply the outer scales to the GEMMs' fp32 results. dS is quantized inside the backward kernels
+    as the fused quantizer quantizes it (NVFP4's tensor scales of the whole dS from a first pass over
+    the tiles; SR from Philox, seeds drawn from quant.generator, dS along keys first as in the chunked
+    path). What differs is the order of the arithmetic: the online softmax, P rounded to bf16 before its
+    normalisation, delta = rowsum(dO O) in place of rowsum(dP P), and GEMMs summed tile by tile, so O,
+    dQ, dK, dV are held to bounds (tests/nn/test_fp4_attention_flash.py), not to the chunked path's bits;
+    a dS element on a rounding boundary can take the neighbouring code."""
+    seq, head_dim = q.shape[-2], q.shape[-1]
+    if seq % FP4_BLOCK_MULTIPLE or head_dim % FP4_BLOCK_MULTIPLE:
+        return fp4_attention(q, k, v, quant)  # its one-line error names the dimension
+    return _FlashFP4Attention.apply(q, k, v, quant)
+
+
+class _FlashFP4Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, quant: AttentionQuant):
+        from fp4lab.numerics.kernels.attention import flash_fp4_forward
+
+        q_q, k_q = _block_values_along_head_dim(q, quant.format), _block_values_along_head_dim(k, quant.format)
+        logit_scale = outer_scale_product(q_q.outer, k_q.outer)
+        v = v.to(torch.bfloat16).contiguous()
+        out, lse2 = flash_fp4_forward(q_q.values, k_q.values, v, logit_scale)
+        outers = [o for o in (q_q.outer, k_q.outer) if o is not None]  # NVFP4's, or none (MXFP4)
+        ctx.save_for_backward(q_q.values, k_q.values, v, out, lse2, *outers)
+        ctx.quant = quant
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from fp4lab.numerics.kernels.attention import SequenceOperand, flash_fp4_backward
+
+        q_values, k_values, v, out, lse2, *outers = ctx.saved_tensors
+        quant: AttentionQuant = ctx.quant
+        q_q, k_q = (_Factored(q_values, outers[0]), _Factored(k_values, outers[1])) if outers else (_Factored(q_values), _Factored(k_values))
+        def along_seq(x: _Factored) -> SequenceOperand:
+            quantized = _quantized_along_seq(x.decoded(), quant.format)
+            return SequenceOperand(quantized.values, quantized.outer)
+
+        seeds = None
+        if quant.ds_rounding == "sr":  # dS along keys first, then along queries: the chunked path's order
+            draw = lambda: torch.randint(2**62, (1,), generator=quant.generator, device=q_values.device)
+            seeds = (draw(), draw())
+        logit_scale = outer_scale_product(q_q.outer, k_q.outer)
+        grad_q, grad_k, grad_v = flash_fp4_backward(
+            grad_out, q_values, k_values, v, out, lse2, logit_scale, along_seq(q_q), along_seq(k_q), quant.format, seeds
+        )
+        return grad_q, grad_k, grad_v, None

@@ -69,6 +69,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4lab.numerics.kernels.quantize import _finite_row_amax, _nvfp4_scales, _tile_block_values
+
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float32)
 # Measured in tests/kernels/test_triton_attention.py over [-126, 0] (8.57e-5 in fp32 Horner evaluation).
@@ -89,6 +91,10 @@ _GPU_TILES = {
     128: (64, 64, 32, 64, 64, 32, 4, 3),
 }
 _INTERPRETER_TILES = (32, 16, 16, 32, 32, 16, 4, 1)
+# FP4 attention quantizes dS along keys in the dQ kernel's tiles and along queries in the dK/dV kernel's:
+# both tile dims hold whole blocks of 32 (mxfp4) there. The GPU tiles already do.
+_INTERPRETER_FP4_TILES = (32, 32, 32, 64, 64, 32, 4, 1)
+FP4_DS_FORMATS = {"nvfp4": 1, "mxfp4": 2}
 
 LN2 = tl.constexpr(math.log(2.0))
 # The running max starts finite, so the first rescale multiplies l = 0 by a finite shift (not -inf).
@@ -196,10 +202,10 @@ def _forward(
     out, lse2, row_max_logits, row_entropy = _forward_outputs(q)
     grid = (triton.cdiv(seq, block_m), batch * n_heads)
     _forward_kernel[grid](
-        q, k, v, out, lse2, row_max_logits, row_entropy,
+        q, k, v, out, lse2, row_max_logits, row_entropy, None,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         n_heads, n_heads // k.shape[1], seq, _log2e_scale(head_dim), math.sqrt(head_dim),
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), POLY=exp2_poly,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), POLY=exp2_poly, SCALED=False,
         num_warps=warps, num_stages=stages,
     )
     return out, lse2, row_max_logits, row_entropy
@@ -227,19 +233,21 @@ def _backward(
     )
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     common = {
-        "HEAD_DIM": head_dim, "PRECISION": _precision(q), "POLY": exp2_poly, "num_warps": warps, "num_stages": stages
+        "HEAD_DIM": head_dim, "PRECISION": _precision(q), "POLY": exp2_poly, "num_warps": warps, "num_stages": stages,
+        "SCALED": False, "DS_FMT": 0, "DS_SR": False,
     }
+    no_fp4 = (None, None, None, 0, 0, 0, 0, None, None)  # logit scale, sequence operand, dS seed and amaxes
     scales = (_log2e_scale(head_dim), 1.0 / math.sqrt(head_dim))
     _grad_kv_kernel[(triton.cdiv(seq, block_n1), batch * n_kv_heads)](
         q, k, v, grad_out, lse2, delta, grad_k, grad_v,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
         *grad_k.stride()[:3], *grad_v.stride()[:3],
-        n_kv_heads, n_heads // n_kv_heads, seq, *scales, BLOCK_M=block_m1, BLOCK_N=block_n1, **common,
+        n_kv_heads, n_heads // n_kv_heads, seq, *scales, *no_fp4, BLOCK_M=block_m1, BLOCK_N=block_n1, **common,
     )
     _grad_q_kernel[(triton.cdiv(seq, block_m2), batch * n_heads)](
         q, k, v, grad_out, lse2, delta, grad_q,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *grad_q.stride()[:3],
-        n_heads, n_heads // n_kv_heads, seq, *scales, BLOCK_M=block_m2, BLOCK_N=block_n2, **common,
+        n_heads, n_heads // n_kv_heads, seq, *scales, *no_fp4, BLOCK_M=block_m2, BLOCK_N=block_n2, **common,
     )
     return grad_q, grad_k, grad_v
 
@@ -264,6 +272,112 @@ def _gradients(ctx, grad_out, _grad_lse2, _grad_row_max_logits, _grad_row_entrop
 
 
 _forward.register_autograd(_gradients, setup_context=_save_for_backward)
+
+
+# --- FP4 attention on the same kernels ------------------------------------------------------------
+# Full-Stack FP4's attention (`fp4lab.nn.attention.fp4_attention`, whose chunked path is the reference)
+# as flash attention: the forward kernel over the block values of Q and K quantized along head_dim, their
+# outer scales folded into the logits' factor; the backward kernels quantize dS tile by tile, along keys
+# in the dQ kernel and along queries in the dK/dV kernel, and multiply its block values by K and Q
+# quantized along the sequence. The score matrix and dS never leave the chip.
+
+
+@dataclass(frozen=True)
+class SequenceOperand:
+    """An FP4 operand of [B, H, T, D] quantized along the sequence T, as `quantize_fused(x.reshape(-1, D),
+    transpose=True)` writes it: bf16 block values [D, B H T] and NVFP4's outer scale (0-dim), or None."""
+
+    values: torch.Tensor
+    outer: torch.Tensor | None
+
+
+def flash_fp4_forward(
+    q_values: torch.Tensor, k_values: torch.Tensor, v: torch.Tensor, logit_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O in fp32, the base-2 LSE) of causal GQA attention whose logits are (q_values . k_values)
+    x logit_scale / sqrt(D): q_values [B, H, T, D], k_values [B, H_kv, T, D] the bf16 block values of
+    Q and K quantized along head_dim, logit_scale the product of their NVFP4 outer scales (a 0-dim fp32
+    tensor; None for MXFP4), v [B, H_kv, T, D] in bf16. P is rounded to bf16 for PV, fp32 accumulation."""
+    batch, n_heads, seq, head_dim = q_values.shape
+    block_m, block_n, _, _, _, _, warps, stages = _fp4_tiles(head_dim)
+    out = torch.empty(q_values.shape, dtype=torch.float32, device=q_values.device)
+    _, lse2, row_max_logits, row_entropy = _forward_outputs(q_values)
+    _forward_kernel[(triton.cdiv(seq, block_m), batch * n_heads)](
+        q_values, k_values, v, out, lse2, row_max_logits, row_entropy, logit_scale,
+        *q_values.stride()[:3], *k_values.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        n_heads, n_heads // k_values.shape[1], seq, _log2e_scale(head_dim), math.sqrt(head_dim),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32", POLY=False, SCALED=logit_scale is not None,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out, lse2
+
+
+def flash_fp4_backward(
+    grad_out: torch.Tensor, q_values: torch.Tensor, k_values: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse2: torch.Tensor, logit_scale: torch.Tensor | None, q_seq: SequenceOperand, k_seq: SequenceOperand,
+    fmt: str, seeds: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV (fp32) of `flash_fp4_forward`'s attention, Full-Stack FP4's backward: dV = P^T dO and
+    dP = dO V^T in bf16 (dO rounded to bf16), dS = P (dP - delta) with delta = rowsum(dO O), then
+    dQ = dS K / sqrt(D) with dS quantized along keys (fmt) times k_seq (K quantized along keys), and
+    dK = dS^T Q / sqrt(D) with dS^T quantized along queries times q_seq, each GEMM's outer scales
+    applied to its fp32 result. seeds: SR's Philox seeds of dS along keys and along queries (int64
+    [1] tensors on the device), None for round to nearest. NVFP4 takes dS's tensor scales from a first
+    pass over the tiles (`_grad_scores_amax_kernel`)."""
+    batch, n_heads, seq, head_dim = q_values.shape
+    n_kv_heads = k_values.shape[1]
+    _, _, block_m1, block_n1, block_m2, block_n2, warps, stages = _fp4_tiles(head_dim)
+    grad_out = grad_out.to(torch.bfloat16).contiguous()
+    delta = torch.empty_like(lse2)
+    _delta_kernel[(triton.cdiv(seq, block_m2), batch * n_heads)](
+        out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], n_heads, seq,
+        HEAD_DIM=head_dim, BLOCK_M=block_m2,
+    )
+    ds_fmt = FP4_DS_FORMATS[fmt]
+    ds_amax = torch.zeros(2, dtype=torch.int32, device=q_values.device)  # along keys, along queries
+    tensors = (q_values, k_values, v, grad_out)
+    strides = [n for x in tensors[:3] for n in x.stride()[:3]] + list(grad_out.stride()[:3])
+    group = n_heads // n_kv_heads
+    # exact quantization of dS (no multiply-add contracted: the fused quantizer's rule) and the same dS
+    # in the amax pass as in the kernels that quantize it
+    launch = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
+    if ds_fmt == 1:
+        _grad_scores_amax_kernel[(triton.cdiv(seq, block_m2), batch * n_heads)](
+            *tensors[:3], grad_out, lse2, delta, logit_scale, ds_amax, *strides, n_heads, group, seq,
+            _log2e_scale(head_dim), HEAD_DIM=head_dim, BLOCK_M=block_m2, BLOCK_N=block_n2, POLY=False, **launch,
+        )  # fmt: skip
+    grad_q = torch.empty(q_values.shape, dtype=torch.float32, device=q_values.device)
+    grad_k = torch.empty(k_values.shape, dtype=torch.float32, device=q_values.device)
+    grad_v = torch.empty_like(grad_k)
+    seed_keys, seed_queries = seeds if seeds is not None else (None, None)
+    fp4 = {"HEAD_DIM": head_dim, "PRECISION": "tf32", "POLY": False, "SCALED": logit_scale is not None,
+           "DS_FMT": ds_fmt, "DS_SR": seeds is not None}  # fmt: skip
+    scales = (_log2e_scale(head_dim), 1.0 / math.sqrt(head_dim))
+    _grad_kv_kernel[(triton.cdiv(seq, block_n1), batch * n_kv_heads)](
+        *tensors, lse2, delta, grad_k, grad_v, *strides, *grad_k.stride()[:3], *grad_v.stride()[:3],
+        n_kv_heads, group, seq, *scales, logit_scale, q_seq.values, q_seq.outer,
+        *_sequence_strides(batch, n_heads, seq), seed_queries, ds_amax,
+        BLOCK_M=block_m1, BLOCK_N=block_n1, **fp4, **launch,
+    )  # fmt: skip
+    _grad_q_kernel[(triton.cdiv(seq, block_m2), batch * n_heads)](
+        *tensors, lse2, delta, grad_q, *strides, *grad_q.stride()[:3],
+        n_heads, group, seq, *scales, logit_scale, k_seq.values, k_seq.outer,
+        *_sequence_strides(batch, n_kv_heads, seq), seed_keys, ds_amax,
+        BLOCK_M=block_m2, BLOCK_N=block_n2, **fp4, **launch,
+    )  # fmt: skip
+    return grad_q, grad_k, grad_v
+
+
+def _sequence_strides(batch: int, n_heads: int, seq: int) -> tuple[int, int, int, int]:
+    """Strides (batch, head, t, d) of a `SequenceOperand`'s [D, B H T] values read as [B, H, T, D]."""
+    return n_heads * seq, seq, 1, batch * n_heads * seq
+
+
+def _fp4_tiles(head_dim: int) -> tuple[int, ...]:
+    tiles = _INTERPRETER_FP4_TILES if _INTERPRETED else _GPU_TILES[head_dim]
+    _, _, block_m1, _, _, block_n2, _, _ = tiles
+    assert block_m1 % 32 == 0 and block_n2 % 32 == 0, "dS's quantized tile dims must hold whole FP4 blocks"
+    return tiles
 
 
 def _log2e_scale(head_dim: int) -> float:
@@ -341,12 +455,14 @@ def _forward_tiles(
 
 @triton.jit
 def _forward_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse2_ptr, row_max_ptr, row_entropy_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse2_ptr, row_max_ptr, row_entropy_ptr, logit_scale_ptr,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
     n_heads, group, seq, log2e_scale, sqrt_head_dim,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, POLY: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
+    """SCALED: every q.k times the fp32 scalar at logit_scale_ptr (FP4 attention's outer scales)."""
     tile = tl.program_id(0)
     batch = tl.program_id(1) // n_heads
     head = tl.program_id(1) % n_heads
@@ -357,6 +473,8 @@ def _forward_kernel(
     q = tl.load(_rows(_head(q_ptr, batch, head, stride_qb, stride_qh), rows, stride_qt, dims), mask=row_in_seq[:, None], other=0.0)
     k_base = _head(k_ptr, batch, kv_head, stride_kb, stride_kh)
     v_base = _head(v_ptr, batch, kv_head, stride_vb, stride_vh)
+    logit_scale = _logit_scale(logit_scale_ptr, SCALED)
+    log2e_scale = log2e_scale * logit_scale
 
     m = tl.full([BLOCK_M], NEG_FLT_MAX, tl.float32)  # running max of the raw q.k
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -378,7 +496,7 @@ def _forward_kernel(
     row_offsets = (batch.to(tl.int64) * n_heads + head) * seq + rows
     tl.store(lse2_ptr + row_offsets, m * log2e_scale + log2_l, mask=row_in_seq)
     # correctly rounded, as the probe's fp32 division by sqrt(D) is
-    tl.store(row_max_ptr + row_offsets, tl.math.div_rn(m, sqrt_head_dim), mask=row_in_seq)
+    tl.store(row_max_ptr + row_offsets, tl.math.div_rn(m * logit_scale, sqrt_head_dim), mask=row_in_seq)
     tl.store(row_entropy_ptr + row_offsets, LN2 * (log2_l - u / l), mask=row_in_seq)
 
 
@@ -401,12 +519,48 @@ def _delta_kernel(
 
 
 @triton.jit
+def _logit_scale(logit_scale_ptr, SCALED: tl.constexpr):
+    """The fp32 factor of every q.k: read from logit_scale_ptr (FP4 attention), else 1."""
+    if SCALED:
+        return tl.load(logit_scale_ptr)
+    return 1.0
+
+
+@triton.jit
+def _ds_tensor_amax_bits(ds_amax_ptr, orientation, DS_FMT: tl.constexpr):
+    """NVFP4: the int32 bits of dS's tensor amax along keys (orientation 0) or along queries (1),
+    which `_grad_scores_amax_kernel` took; 0 (unread) for MXFP4 and unquantized dS."""
+    if DS_FMT == 1:
+        return tl.load(ds_amax_ptr + orientation)
+    return 0
+
+
+@triton.jit
+def _ds_outer(ds_amax_ptr, orientation):
+    """NVFP4's decode scale 1 / S_enc of dS along keys (orientation 0) or queries (1): the factor
+    the GEMM of its block values takes."""
+    return _nvfp4_scales(tl.load(ds_amax_ptr + orientation).to(tl.float32, bitcast=True))[1]
+
+
+@triton.jit
+def _operand_rows(base, rows, stride_t, stride_d, seq, HEAD_DIM: tl.constexpr):
+    """The [rows, HEAD_DIM] block of an operand whose rows are stride_t and dims stride_d apart (the
+    sequence-blocked FP4 operands are a transposed [D, B H T] array), 0 past the sequence."""
+    dims = tl.arange(0, HEAD_DIM)
+    return tl.load(base + rows[:, None] * stride_t + dims[None, :] * stride_d, mask=(rows < seq)[:, None], other=0.0)
+
+
+@triton.jit
 def _grad_kv_tiles(
     grad_k, grad_v, k, v, q_base, grad_out_base, lse2_base, delta_base, stride_qt, stride_gt, keys,
     query_start, query_stop, seq, log2e_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, POLY: tl.constexpr,
+    q_seq_base, stride_sqt, stride_sqd, ds_seed_ptr, ds_amax_bits, ds_row0,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr, POLY: tl.constexpr, DS_FMT: tl.constexpr, DS_SR: tl.constexpr,
 ):
-    """Add the queries [query_start, query_stop) of one head to dK, dV of a key tile (transposed: keys x queries)."""
+    """Add the queries [query_start, query_stop) of one head to dK, dV of a key tile (transposed: keys x
+    queries). DS_FMT (1 nvfp4, 2 mxfp4): dS^T is quantized along queries, rows ds_row0 + keys of a
+    [.., seq] array for SR's draws, and dK takes its block values times the sequence-blocked Q."""
     dims = tl.arange(0, HEAD_DIM)
     for start in range(query_start, query_stop, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
@@ -422,7 +576,11 @@ def _grad_kv_tiles(
         grad_v += tl.dot(p_t.to(grad_out.dtype), grad_out, input_precision=PRECISION)
         grad_p_t = tl.dot(v, tl.trans(grad_out), input_precision=PRECISION)
         grad_s_t = p_t * (grad_p_t - delta[None, :])
-        grad_k += tl.dot(grad_s_t.to(q.dtype), q, input_precision=PRECISION)
+        if DS_FMT:
+            ds_t = _tile_block_values(grad_s_t, ds_amax_bits, ds_seed_ptr, ds_row0 + keys, start, seq, BLOCK_N, BLOCK_M, DS_FMT == 1, DS_SR)
+            grad_k += tl.dot(ds_t, _operand_rows(q_seq_base, rows, stride_sqt, stride_sqd, seq, HEAD_DIM))
+        else:
+            grad_k += tl.dot(grad_s_t.to(q.dtype), q, input_precision=PRECISION)
     return grad_k, grad_v
 
 
@@ -432,7 +590,9 @@ def _grad_kv_kernel(
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_gb, stride_gh, stride_gt, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
     n_kv_heads, group, seq, log2e_scale, softmax_scale,
+    logit_scale_ptr, q_seq_ptr, q_seq_outer_ptr, stride_sqb, stride_sqh, stride_sqt, stride_sqd, ds_seed_ptr, ds_amax_ptr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, POLY: tl.constexpr,
+    SCALED: tl.constexpr, DS_FMT: tl.constexpr, DS_SR: tl.constexpr,
 ):
     """dK, dV of one key tile of one KV head, summed over the query heads of its group."""
     tile = tl.program_id(0)
@@ -443,6 +603,8 @@ def _grad_kv_kernel(
     key_in_seq = keys < seq
     k = tl.load(_rows(_head(k_ptr, batch, kv_head, stride_kb, stride_kh), keys, stride_kt, dims), mask=key_in_seq[:, None], other=0.0)
     v = tl.load(_rows(_head(v_ptr, batch, kv_head, stride_vb, stride_vh), keys, stride_vt, dims), mask=key_in_seq[:, None], other=0.0)
+    log2e_scale = log2e_scale * _logit_scale(logit_scale_ptr, SCALED)
+    ds_amax_bits = _ds_tensor_amax_bits(ds_amax_ptr, 1, DS_FMT)
     grad_k = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     grad_v = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     diagonal = tile * BLOCK_N
@@ -450,17 +612,22 @@ def _grad_kv_kernel(
     for member in range(group):
         head = kv_head * group + member
         q_base = _head(q_ptr, batch, head, stride_qb, stride_qh)
+        q_seq_base = _head(q_seq_ptr, batch, head, stride_sqb, stride_sqh)
         grad_out_base = _head(grad_out_ptr, batch, head, stride_gb, stride_gh)
         row_base = (batch.to(tl.int64) * n_kv_heads * group + head) * seq
         lse2_base, delta_base = lse2_ptr + row_base, delta_ptr + row_base
         grad_k, grad_v = _grad_kv_tiles(
             grad_k, grad_v, k, v, q_base, grad_out_base, lse2_base, delta_base, stride_qt, stride_gt,
-            keys, diagonal, diagonal_stop, seq, log2e_scale, HEAD_DIM, BLOCK_M, True, PRECISION, POLY,
+            keys, diagonal, diagonal_stop, seq, log2e_scale, q_seq_base, stride_sqt, stride_sqd, ds_seed_ptr,
+            ds_amax_bits, row_base, HEAD_DIM, BLOCK_M, BLOCK_N, True, PRECISION, POLY, DS_FMT, DS_SR,
         )
         grad_k, grad_v = _grad_kv_tiles(
             grad_k, grad_v, k, v, q_base, grad_out_base, lse2_base, delta_base, stride_qt, stride_gt,
-            keys, diagonal_stop, seq, seq, log2e_scale, HEAD_DIM, BLOCK_M, False, PRECISION, POLY,
+            keys, diagonal_stop, seq, seq, log2e_scale, q_seq_base, stride_sqt, stride_sqd, ds_seed_ptr,
+            ds_amax_bits, row_base, HEAD_DIM, BLOCK_M, BLOCK_N, False, PRECISION, POLY, DS_FMT, DS_SR,
         )
+    if DS_FMT == 1:  # the GEMM's outer scales first, then 1 / sqrt(D): the chunked path's order
+        grad_k = grad_k * (_ds_outer(ds_amax_ptr, 1) * tl.load(q_seq_outer_ptr))
     grad_k_rows = _rows(_head(grad_k_ptr, batch, kv_head, stride_dkb, stride_dkh), keys, stride_dkt, dims)
     tl.store(grad_k_rows, (grad_k * softmax_scale).to(grad_k_ptr.dtype.element_ty), mask=key_in_seq[:, None])
     grad_v_rows = _rows(_head(grad_v_ptr, batch, kv_head, stride_dvb, stride_dvh), keys, stride_dvt, dims)
@@ -468,24 +635,60 @@ def _grad_kv_kernel(
 
 
 @triton.jit
+def _grad_scores(q, grad_out, lse2, delta, k, v, rows, keys, log2e_scale,
+                 CAUSAL: tl.constexpr, PRECISION: tl.constexpr, POLY: tl.constexpr):  # fmt: skip
+    """P and dS = P (dP - delta) of one [queries, keys] tile, P recomputed from the saved base-2 LSE."""
+    p = _exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * log2e_scale - lse2[:, None], POLY)
+    if CAUSAL:
+        p = tl.where(keys[None, :] <= rows[:, None], p, 0.0)
+    grad_p = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)
+    return p, p * (grad_p - delta[:, None])
+
+
+@triton.jit
 def _grad_q_tiles(
     grad_q, q, grad_out, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows, key_start, key_stop, seq, log2e_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, POLY: tl.constexpr,
+    k_seq_base, stride_skt, stride_skd, ds_seed_ptr, ds_amax_bits, ds_row0,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr, POLY: tl.constexpr, DS_FMT: tl.constexpr, DS_SR: tl.constexpr,
 ):
-    """Add the keys [key_start, key_stop) to dQ of one query tile."""
+    """Add the keys [key_start, key_stop) to dQ of one query tile. DS_FMT: dS is quantized along keys,
+    rows ds_row0 + rows of a [.., seq] array for SR's draws, and dQ takes its block values times the
+    sequence-blocked K."""
     dims = tl.arange(0, HEAD_DIM)
     for start in range(key_start, key_stop, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         in_seq = keys < seq
         k = tl.load(_rows(k_base, keys, stride_kt, dims), mask=in_seq[:, None], other=0.0)
         v = tl.load(_rows(v_base, keys, stride_vt, dims), mask=in_seq[:, None], other=0.0)
-        p = _exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * log2e_scale - lse2[:, None], POLY)
-        if CAUSAL:
-            p = tl.where(keys[None, :] <= rows[:, None], p, 0.0)
-        grad_p = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)
-        grad_s = p * (grad_p - delta[:, None])
-        grad_q += tl.dot(grad_s.to(k.dtype), k, input_precision=PRECISION)
+        _, grad_s = _grad_scores(q, grad_out, lse2, delta, k, v, rows, keys, log2e_scale, CAUSAL, PRECISION, POLY)
+        if DS_FMT:
+            ds = _tile_block_values(grad_s, ds_amax_bits, ds_seed_ptr, ds_row0 + rows, start, seq, BLOCK_M, BLOCK_N, DS_FMT == 1, DS_SR)
+            grad_q += tl.dot(ds, _operand_rows(k_seq_base, keys, stride_skt, stride_skd, seq, HEAD_DIM))
+        else:
+            grad_q += tl.dot(grad_s.to(k.dtype), k, input_precision=PRECISION)
     return grad_q
+
+
+@triton.jit
+def _query_tile(
+    q_ptr, grad_out_ptr, lse2_ptr, delta_ptr, stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt,
+    n_heads, seq, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """A backward program's query tile: (batch, head, rows, q, dO, base-2 LSE, delta, the rows' offset
+    in [B, H, T] arrays)."""
+    batch = tl.program_id(1) // n_heads
+    head = tl.program_id(1) % n_heads
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_in_seq = rows < seq
+    q = tl.load(_rows(_head(q_ptr, batch, head, stride_qb, stride_qh), rows, stride_qt, dims), mask=row_in_seq[:, None], other=0.0)
+    grad_out_rows = _rows(_head(grad_out_ptr, batch, head, stride_gb, stride_gh), rows, stride_gt, dims)
+    grad_out = tl.load(grad_out_rows, mask=row_in_seq[:, None], other=0.0)
+    row_base = (batch.to(tl.int64) * n_heads + head) * seq
+    lse2 = tl.load(lse2_ptr + row_base + rows, mask=row_in_seq, other=0.0)
+    delta = tl.load(delta_ptr + row_base + rows, mask=row_in_seq, other=0.0)
+    return batch, head, rows, q, grad_out, lse2, delta, row_base
 
 
 @triton.jit
@@ -494,32 +697,69 @@ def _grad_q_kernel(
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_gb, stride_gh, stride_gt, stride_dqb, stride_dqh, stride_dqt,
     n_heads, group, seq, log2e_scale, softmax_scale,
+    logit_scale_ptr, k_seq_ptr, k_seq_outer_ptr, stride_skb, stride_skh, stride_skt, stride_skd, ds_seed_ptr, ds_amax_ptr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, POLY: tl.constexpr,
+    SCALED: tl.constexpr, DS_FMT: tl.constexpr, DS_SR: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    batch = tl.program_id(1) // n_heads
-    head = tl.program_id(1) % n_heads
+    batch, head, rows, q, grad_out, lse2, delta, row_base = _query_tile(
+        q_ptr, grad_out_ptr, lse2_ptr, delta_ptr, stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt,
+        n_heads, seq, HEAD_DIM, BLOCK_M,
+    )
     kv_head = head // group
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
-    row_in_seq = rows < seq
-    q = tl.load(_rows(_head(q_ptr, batch, head, stride_qb, stride_qh), rows, stride_qt, dims), mask=row_in_seq[:, None], other=0.0)
-    grad_out_rows = _rows(_head(grad_out_ptr, batch, head, stride_gb, stride_gh), rows, stride_gt, dims)
-    grad_out = tl.load(grad_out_rows, mask=row_in_seq[:, None], other=0.0)
-    row_offsets = (batch.to(tl.int64) * n_heads + head) * seq + rows
-    lse2 = tl.load(lse2_ptr + row_offsets, mask=row_in_seq, other=0.0)
-    delta = tl.load(delta_ptr + row_offsets, mask=row_in_seq, other=0.0)
     k_base = _head(k_ptr, batch, kv_head, stride_kb, stride_kh)
     v_base = _head(v_ptr, batch, kv_head, stride_vb, stride_vh)
+    k_seq_base = _head(k_seq_ptr, batch, kv_head, stride_skb, stride_skh)
+    log2e_scale = log2e_scale * _logit_scale(logit_scale_ptr, SCALED)
+    ds_amax_bits = _ds_tensor_amax_bits(ds_amax_ptr, 0, DS_FMT)
     grad_q = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    diagonal = tile * BLOCK_M
+    diagonal = tl.program_id(0) * BLOCK_M
     grad_q = _grad_q_tiles(
         grad_q, q, grad_out, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows, 0, diagonal, seq, log2e_scale,
-        HEAD_DIM, BLOCK_N, False, PRECISION, POLY,
+        k_seq_base, stride_skt, stride_skd, ds_seed_ptr, ds_amax_bits, row_base,
+        HEAD_DIM, BLOCK_M, BLOCK_N, False, PRECISION, POLY, DS_FMT, DS_SR,
     )
     grad_q = _grad_q_tiles(
         grad_q, q, grad_out, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows, diagonal,
-        diagonal + BLOCK_M, seq, log2e_scale, HEAD_DIM, BLOCK_N, True, PRECISION, POLY,
+        diagonal + BLOCK_M, seq, log2e_scale, k_seq_base, stride_skt, stride_skd, ds_seed_ptr, ds_amax_bits, row_base,
+        HEAD_DIM, BLOCK_M, BLOCK_N, True, PRECISION, POLY, DS_FMT, DS_SR,
     )
+    if DS_FMT == 1:  # the GEMM's outer scales first, then 1 / sqrt(D): the chunked path's order
+        grad_q = grad_q * (_ds_outer(ds_amax_ptr, 0) * tl.load(k_seq_outer_ptr))
     grad_q_rows = _rows(_head(grad_q_ptr, batch, head, stride_dqb, stride_dqh), rows, stride_dqt, dims)
-    tl.store(grad_q_rows, (grad_q * softmax_scale).to(grad_q_ptr.dtype.element_ty), mask=row_in_seq[:, None])
+    tl.store(grad_q_rows, (grad_q * softmax_scale).to(grad_q_ptr.dtype.element_ty), mask=(rows < seq)[:, None])
+
+
+@triton.jit
+def _grad_scores_amax_kernel(
+    q_ptr, k_ptr, v_ptr, grad_out_ptr, lse2_ptr, delta_ptr, logit_scale_ptr, ds_amax_ptr,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_gb, stride_gh, stride_gt, n_heads, group, seq, log2e_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POLY: tl.constexpr,
+):
+    """NVFP4's tensor amaxes of the whole dS, the first pass over the tiles: max |dS| over the finite
+    blocks of 16 along keys into ds_amax_ptr[0] and along queries into [1] (int32 bits; one atomic max
+    each per program), as `quantize.finite_amax` of dS and dS^T. dS is recomputed tile by tile as the
+    dQ kernel computes it."""
+    batch, head, rows, q, grad_out, lse2, delta, _ = _query_tile(
+        q_ptr, grad_out_ptr, lse2_ptr, delta_ptr, stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt,
+        n_heads, seq, HEAD_DIM, BLOCK_M,
+    )
+    kv_head = head // group
+    dims = tl.arange(0, HEAD_DIM)
+    k_base = _head(k_ptr, batch, kv_head, stride_kb, stride_kh)
+    v_base = _head(v_ptr, batch, kv_head, stride_vb, stride_vh)
+    log2e_scale = log2e_scale * tl.load(logit_scale_ptr)
+    along_keys = tl.zeros([], tl.float32)
+    along_queries = tl.zeros([], tl.float32)
+    # keys past the tile's last row are masked for every row: they are zero in dS
+    for start in range(0, tl.program_id(0) * BLOCK_M + BLOCK_M, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        in_seq = keys < seq
+        k = tl.load(_rows(k_base, keys, stride_kt, dims), mask=in_seq[:, None], other=0.0)
+        v = tl.load(_rows(v_base, keys, stride_vt, dims), mask=in_seq[:, None], other=0.0)
+        _, grad_s = _grad_scores(q, grad_out, lse2, delta, k, v, rows, keys, log2e_scale, True, "tf32", POLY)
+        along_keys = tl.maximum(along_keys, tl.max(_finite_row_amax(grad_s, None, BLOCK_M, BLOCK_N, 0), axis=0))
+        along_queries = tl.maximum(along_queries, tl.max(_finite_row_amax(tl.trans(grad_s), None, BLOCK_N, BLOCK_M, 0), axis=0))
+    tl.atomic_max(ds_amax_ptr, along_keys.to(tl.int32, bitcast=True))
+    tl.atomic_max(ds_amax_ptr + 1, along_queries.to(tl.int32, bitcast=True))

@@ -311,11 +311,18 @@ def _block_scale(bmax, amax_ptr, outer_ptr, rows, n_rows, first_row, first_col, 
             s_enc, outer = s_enc[:, None], outer[:, None]
         byte, decode, multiplier = _nvfp4_block_scale(bmax, s_enc, outer)
     else:
-        byte, multiplier = _mx_scale(bmax, MODE)
-        byte = tl.where(finite, byte, 0xFF)
-        decode = _e8m0_decode(byte)
+        byte, decode, multiplier = _mx_block_scale(bmax, MODE)
         outer = 1.0
     return byte, decode, multiplier, outer
+
+
+@triton.jit
+def _mx_block_scale(bmax, MODE: tl.constexpr):
+    """MXFP4's (E8M0 byte, decode scale, encode multiplier) of a block amax; a poisoned block gets the
+    NaN byte 0xFF."""
+    byte, multiplier = _mx_scale(bmax, MODE)
+    byte = tl.where(bmax <= FLT_MAX, byte, 0xFF)
+    return byte, _e8m0_decode(byte), multiplier
 
 
 @triton.jit
@@ -377,21 +384,13 @@ def _quantize_store(
     bmax = _block_amax(t, M, N, BLOCK)
     byte, decode, multiplier, outer = _block_scale(bmax, amax_ptr, outer_ptr, rows, n_rows, row0 == 0, col0 == 0, NV, MODE)
 
-    v = tl.reshape(t, [M, NB, BLOCK]) * multiplier[:, :, None]
-    a = tl.abs(v)
-    if NV or SR:  # nvfp4 clamps to +-6 before rounding; SR saturates first (e2m1.round_stochastic)
-        a = tl.minimum(a, 6.0)
-    q, magic, magic_bits = _grid_round(a)
     if SR:
         u = _sr_uniforms(u_ptr, seed_ptr, rows, cols, col0, n_rows, n_cols, M, N, GIVEN_U, EVEN)
-        q = _round_stochastic(q, a, magic_bits, tl.reshape(u, [M, NB, BLOCK]))
     else:
-        q = tl.minimum(q, 6.0)  # a is unclamped for mxfp4 RTN (up to 8 with floor scales)
-    sign = v.to(tl.int32, bitcast=True) & SIGN_BIT
+        u = t  # unread
+    q, magic, magic_bits, sign = _encode_blocks(t, multiplier, u, M, N, BLOCK, NV, SR)
     if VALUES:
-        # A poisoned block decodes to NaN through its NaN `decode`, whatever q is.
-        values = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * decode[:, :, None]
-        _store(val_ptr, rows, cols, n_rows, n_cols, tl.reshape(values, [M, N]).to(tl.bfloat16), EVEN)
+        _store(val_ptr, rows, cols, n_rows, n_cols, _block_values(q, sign, decode, M, N), EVEN)
 
     if CODES:
         codes = _codes(q, magic, magic_bits, sign, (bmax <= FLT_MAX)[:, :, None])
@@ -402,6 +401,55 @@ def _quantize_store(
         per_row = outer[:, :, None] if NV > 1 else outer  # [M, 1] per row for CTA-local scales
         _count_clip_flush(tl.reshape(t, [M, NB, BLOCK]), q, sign, decode[:, :, None], per_row,
                           (bmax <= FLT_MAX)[:, :, None], stats_ptr)
+
+
+@triton.jit
+def _encode_blocks(t, multiplier, u, M: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr, NV: tl.constexpr, SR: tl.constexpr):
+    """The E2M1 rounding of tile t [M, N] in blocks along N under their encode multipliers [M, N // BLOCK]
+    (u: SR's uniforms in t's shape, unread for RTN): (q, magic, magic_bits, sign), q the rounded
+    magnitudes and sign the sign bits, [M, N // BLOCK, BLOCK]."""
+    NB: tl.constexpr = N // BLOCK
+    v = tl.reshape(t, [M, NB, BLOCK]) * multiplier[:, :, None]
+    a = tl.abs(v)
+    if NV or SR:  # nvfp4 clamps to +-6 before rounding; SR saturates first (e2m1.round_stochastic)
+        a = tl.minimum(a, 6.0)
+    q, magic, magic_bits = _grid_round(a)
+    if SR:
+        q = _round_stochastic(q, a, magic_bits, tl.reshape(u, [M, NB, BLOCK]))
+    else:
+        q = tl.minimum(q, 6.0)  # a is unclamped for mxfp4 RTN (up to 8 with floor scales)
+    return q, magic, magic_bits, v.to(tl.int32, bitcast=True) & SIGN_BIT
+
+
+@triton.jit
+def _block_values(q, sign, decode, M: tl.constexpr, N: tl.constexpr):
+    """[M, N] bf16 block values, E2M1 x block scale (exact in bf16), of `_encode_blocks`' q and sign
+    under the blocks' decode scales [M, N // BLOCK]. A poisoned block decodes to NaN through its NaN
+    `decode`, whatever q is."""
+    values = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * decode[:, :, None]
+    return tl.reshape(values, [M, N]).to(tl.bfloat16)
+
+
+@triton.jit
+def _tile_block_values(t, amax_bits, seed_ptr, rows, col0, n_cols, M: tl.constexpr, N: tl.constexpr,
+                       NV: tl.constexpr, SR: tl.constexpr):  # fmt: skip
+    """Tile t [M, N] quantized along N as `quantize_fused` quantizes it (NVFP4 under the tensor scale
+    of the amax whose int32 bits are `amax_bits`, or MXFP4 with floor scales; SR from Philox at the
+    output elements [rows, col0..] of an n_cols-wide output), as its bf16 block values: for a kernel
+    that feeds them to a GEMM, the outer scale (`_nvfp4_scales(amax)[1]`) applied to the GEMM's result."""
+    BLOCK: tl.constexpr = 16 if NV else 32
+    bmax = _block_amax(t, M, N, BLOCK)
+    if NV:
+        s_enc, outer = _nvfp4_scales(amax_bits.to(tl.float32, bitcast=True))
+        _, decode, multiplier = _nvfp4_block_scale(bmax, s_enc, outer)
+    else:
+        _, decode, multiplier = _mx_block_scale(bmax, 0)
+    if SR:
+        u = _uniforms(seed_ptr, rows, col0, n_cols, M, N)
+    else:
+        u = t  # unread
+    q, _, _, sign = _encode_blocks(t, multiplier, u, M, N, BLOCK, NV, SR)
+    return _block_values(q, sign, decode, M, N)
 
 
 @triton.jit

@@ -1,0 +1,238 @@
+"""FP4 attention as flash attention (`flash_fp4_attention`) against the chunked path (`fp4_attention` on
+tensor cores), under Triton's interpreter on the CPU and on CUDA.
+
+What is equal and what is bounded:
+- Q and K (along head_dim) and K, Q (along the sequence) are quantized by the same fused-quantizer calls
+  as the chunked path's: the same codes and scales by construction;
+- dS is quantized inside the backward kernels by `kernels.quantize._tile_block_values`, which gives the
+  fused quantizer's bits for the same input, round to nearest and SR alike (`check_tile_block_values`);
+- the rest is another order of arithmetic: the online softmax, P rounded to bf16 before its normalisation
+  rather than after, delta = rowsum(dO O) rather than rowsum(dP P), GEMMs summed tile by tile. O and dV
+  (no FP4 operand downstream of P) are held elementwise to the bound those roundings allow
+  (`forward_bound`); dQ and dK go through dS's quantization, where an element within the reordering's
+  error of a rounding boundary can take the neighbouring code, so they are held to a gap far below FP4's
+  own error (a quantization along the wrong axis, a lost outer scale or another draw than the chunked
+  path's distribution would each make the gap of the order of that error).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4lab.nn.attention import Attention, AttentionQuant, flash_fp4_attention, flash_fp4_covers, fp4_attention
+from tests.nn.test_fp4_attention_chunked import ONE_CHUNK, output_and_grads, sequence_scaled_qkv
+
+try:  # the kernel of check_tile_block_values finds it among this module's globals
+    from fp4lab.numerics.kernels.quantize import _tile_block_values
+except ImportError:  # no Triton: the checks are skipped
+    _tile_block_values = None
+
+# 96 rows: the interpreter's FP4 tiles (32 and 64) leave a partial tile; two query heads per KV head.
+SHAPE = {"batch": 2, "n_heads": 4, "n_kv_heads": 2, "seq": 96, "head_dim": 32}
+# dQ, dK: the flash path's distance from the chunked path, as a fraction of the chunked path's distance
+# from exact attention (measured under the interpreter: at most 0.003; another axis or scale: >= 0.5).
+GRADIENT_GAP = 0.05
+
+
+def flash_output_and_grads(q, k, v, grad_out, quant: AttentionQuant) -> list[torch.Tensor]:
+    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = flash_fp4_attention(*inputs, quant)
+    return [out.detach(), *torch.autograd.grad(out, inputs, grad_out)]
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def forward_bound(q, k, v, grad_out, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise bounds on |O_flash - O_chunked| and |dV_flash - dV_chunked|.
+
+    Both paths take the same quantized Q, K and bf16 V. P is rounded to bf16 (unit roundoff 2^-8) on
+    the normalised P in the chunked path and on exp2(s - m) before the division by l in the flash path:
+    each <= 2^-8 relative, so |dP_ij| <= 2^-7 P_ij, |dO_i| <= 2^-7 sum_j P_ij |V_j| and
+    |d(dV)_j| <= 2^-7 sum_i P_ij |dO_i| (dO rounded to bf16 the same in both). The logits differ by
+    their fp32 arithmetic: the dot products summed in another order (<= D 2^-24 sum_d |q_d k_d| each,
+    Higham's bound) and a few roundings of s (8 2^-24 |s|); P_ij moves by twice the largest such error
+    (s_ij and the row's max or LSE), and the GEMMs' fp32 sums by T 2^-24 relative. P here is exact
+    attention's over the quantized operands, which the chunked path computes."""
+    from fp4lab.nn.attention import _block_values_along_head_dim
+
+    q_q, k_q = _block_values_along_head_dim(q, fmt), _block_values_along_head_dim(k, fmt)
+    group = q.shape[1] // k.shape[1]
+    keys = k_q.decoded().repeat_interleave(group, dim=1).transpose(-1, -2)
+    head_dim, seq = q.shape[-1], q.shape[2]
+    scores = (q_q.decoded() @ keys) / head_dim**0.5
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    dot_sums = (q_q.decoded().abs() @ keys.abs()) / head_dim**0.5  # sum_d |q_d k_d| / sqrt(D)
+    logit_error = (head_dim * dot_sums + 8 * scores.abs()).masked_fill(~causal, 0).max() * 2.0**-24
+    relative_error = 2.0**-7 + 2 * logit_error + seq * 2.0**-24
+    v_heads = v.to(torch.bfloat16).float().repeat_interleave(group, dim=1)
+    out_bound = relative_error * (probs @ v_heads.abs())
+    grad_v_heads = relative_error * (probs.transpose(-1, -2) @ grad_out.to(torch.bfloat16).float().abs())
+    grad_v_bound = grad_v_heads.view(q.shape[0], k.shape[1], group, seq, -1).sum(dim=2)
+    return out_bound, grad_v_bound
+
+
+def check_rtn_flash_against_chunked(device: str) -> None:
+    q, k, v, grad_out = (t.to(device) for t in sequence_scaled_qkv(**SHAPE))
+    for fmt in ("nvfp4", "mxfp4"):
+        quant = AttentionQuant(fmt, "rtn", tensor_cores=True)
+        assert flash_fp4_covers(q, quant)
+        flash = flash_output_and_grads(q, k, v, grad_out, quant)
+        chunked = output_and_grads(q, k, v, grad_out, quant, ONE_CHUNK)
+        exact = output_and_grads(q, k, v, grad_out, AttentionQuant(format=None), ONE_CHUNK)
+        out_bound, grad_v_bound = forward_bound(q, k, v, grad_out, fmt)
+        for name, got, want, bound in (("O", flash[0], chunked[0], out_bound), ("dV", flash[3], chunked[3], grad_v_bound)):
+            excess = ((got - want).abs() - bound).max().item()
+            assert excess <= 1e-6, (fmt, name, excess)
+        for name, i in (("dQ", 1), ("dK", 2)):
+            gap, fp4_error = relative(flash[i], chunked[i]), relative(chunked[i], exact[i])
+            assert gap <= GRADIENT_GAP * fp4_error, (fmt, name, gap, fp4_error)
+        # another computation than the chunked path's, not a call of it
+        assert not torch.equal(flash[1], chunked[1]), fmt
+
+
+def check_sr_flash_draws_as_chunked(device: str, draws: int = 8) -> None:
+    """SR: the flash path's dQ and dK over `draws` draws against the chunked path's, element by element
+    (the SR noise of an element is heavy-tailed across elements, so the tests are per element and take
+    medians and tail fractions, not norms):
+    - the same variance: the median over elements of log(var_flash / var_chunked) within +-0.25 (the
+      log of an F(7, 7) ratio has median 0; its median over thousands of elements is within a few
+      hundredths). SR left off gives variance 0; uniforms shared between elements of a sum add variance;
+    - the same mean: |mean_flash - mean_chunked| over its standard error (a t statistic of ~14 degrees
+      of freedom, floored by 1e-3 of the mean for the reordering) above 4 for at most 2 % of elements
+      (1.3 per mille expected). A biased rounding or another tensor scale moves the means apart."""
+    q, k, v, grad_out = (t.to(device) for t in sequence_scaled_qkv(**SHAPE))
+    for fmt in ("nvfp4", "mxfp4"):
+        runs = {}
+        for name, run in (("flash", flash_output_and_grads), ("chunked", lambda *a: output_and_grads(*a, ONE_CHUNK))):
+            quant = AttentionQuant(fmt, "sr", torch.Generator(device=device).manual_seed(7), tensor_cores=True)
+            runs[name] = [run(q, k, v, grad_out, quant) for _ in range(draws)]
+        for i, grad in ((1, "dQ"), (2, "dK")):
+            stacks = {name: torch.stack([r[i] for r in results]) for name, results in runs.items()}
+            mean = {name: s.mean(dim=0) for name, s in stacks.items()}
+            var = {name: s.var(dim=0) for name, s in stacks.items()}
+            noisy = (var["flash"] > 0) & (var["chunked"] > 0)
+            assert noisy.float().mean() > 0.5, (fmt, grad, "SR noise on too few elements")
+            log_ratio = (var["flash"][noisy] / var["chunked"][noisy]).log().median().item()
+            assert abs(log_ratio) <= 0.25, (fmt, grad, log_ratio)
+            error = ((var["flash"] + var["chunked"]) / draws).sqrt() + 1e-3 * mean["chunked"].abs() + 1e-6
+            outliers = ((mean["flash"] - mean["chunked"]).abs() / error > 4).float().mean().item()
+            assert outliers <= 0.02, (fmt, grad, outliers)
+        # each call draws anew from the generator
+        assert not torch.equal(runs["flash"][0][1], runs["flash"][1][1])
+
+
+def _tiles_kernel():
+    """A kernel that quantizes each [M, N] tile of x along N with `_tile_block_values`."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tiles_kernel(x_ptr, out_ptr, amax_ptr, seed_ptr, n_cols, M: tl.constexpr, N: tl.constexpr, NV: tl.constexpr, SR: tl.constexpr):
+        rows = tl.program_id(0) * M + tl.arange(0, M)
+        ptrs = rows[:, None] * n_cols + (tl.program_id(1) * N + tl.arange(0, N))[None, :]
+        amax_bits = tl.load(amax_ptr)
+        values = _tile_block_values(tl.load(x_ptr + ptrs), amax_bits, seed_ptr, rows, tl.program_id(1) * N, n_cols, M, N, NV, SR)
+        tl.store(out_ptr + ptrs, values)
+
+    return tiles_kernel
+
+
+def check_tile_block_values(device: str) -> None:
+    """`_tile_block_values`, the backward kernels' dS quantizer, against `quantize_fused` on the same
+    tensor, bit for bit: NVFP4 (given tensor amax) and MXFP4, RTN and SR (its draws indexed as the
+    fused quantizer's, at [row, col] of an n_cols-wide output), over tiles of 32 x 64."""
+    from fp4lab.numerics.kernels.quantize import quantize_fused
+
+    tiles_kernel = _tiles_kernel()
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(64, 128, generator=g) * torch.logspace(-3, 2, 128)).to(device)
+    amax = x.abs().amax().reshape(1)
+    seed = torch.tensor([12345], dtype=torch.int64, device=device)
+    for fmt in ("nvfp4", "mxfp4"):
+        for rounding in ("rtn", "sr"):
+            options = {"rounding": rounding, "seed": seed if rounding == "sr" else None}
+            if fmt == "nvfp4":
+                options["tensor_amax"] = amax
+            want = quantize_fused(x, fmt=fmt, **options).values
+            got = torch.empty_like(want)
+            tiles_kernel[(2, 2)](x, got, amax.view(torch.int32), seed, 128, M=32, N=64, NV=fmt == "nvfp4", SR=rounding == "sr")
+            assert torch.equal(got, want), (fmt, rounding)
+
+
+def check_attention_module_runs_flash_with_the_triton_kernel(device: str) -> None:
+    """`Attention(kernel="triton")` with FP4 attention runs the flash path, "sdpa" the chunked one."""
+    torch.manual_seed(0)
+    attention = Attention(64, 2, 1).to(device)
+    attention.quant = AttentionQuant("nvfp4", "rtn", tensor_cores=True)
+    x = torch.randn(2, 32, 64, device=device)
+    from fp4lab.nn.attention import rope_tables
+
+    cos, sin = (t.to(device) for t in rope_tables(32, 32, 10000.0))
+    q, k, v = attention.wq(x).view(2, 32, 2, 32), attention.wk(x).view(2, 32, 1, 32), attention.wv(x).view(2, 32, 1, 32)
+    from fp4lab.nn.attention import apply_rope
+
+    q, k, v = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
+    for kernel, path in (("triton", flash_fp4_attention), ("sdpa", fp4_attention)):
+        attention.kernel = kernel
+        with torch.no_grad():
+            got = attention(x, cos, sin)
+            want = attention.wo(path(q, k, v, attention.quant).transpose(1, 2).reshape(2, 32, 64))
+        assert torch.equal(got, want), kernel
+    # the two paths are different arithmetic: the switch is seen in the output
+    attention.kernel = "triton"
+    with torch.no_grad():
+        flash = attention(x, cos, sin)
+    attention.kernel = "sdpa"
+    with torch.no_grad():
+        assert not torch.equal(flash, attention(x, cos, sin))
+
+
+def test_flash_covers_quantized_attention_only():
+    q = torch.empty(1, 2, 64, 32)
+    assert not flash_fp4_covers(q, AttentionQuant(format=None))
+    assert not flash_fp4_covers(q, AttentionQuant("nvfp4", ds_rounding=None))
+    # the CPU without the interpreter: the chunked path
+    assert not flash_fp4_covers(q, AttentionQuant("nvfp4", "rtn"))
+
+
+def check_unquantized_ds_on_tensor_cores(device: str) -> None:
+    """ds_rounding=None with tensor cores (the chunked path: flash takes quantized dS only) multiplies
+    fp32 dS by the bf16 block values of K and Q: both are decoded first (a dtype error before). Against
+    the fp32 reference: the same operands, fp32 GEMMs in another order (S on tensor cores)."""
+    q, k, v, grad_out = (t.to(device) for t in sequence_scaled_qkv(batch=1, n_heads=2, n_kv_heads=1, seq=64))
+    quant = AttentionQuant("nvfp4", None, tensor_cores=True)
+    assert not flash_fp4_covers(q, quant)
+    got = output_and_grads(q, k, v, grad_out, quant, ONE_CHUNK)
+    want = output_and_grads(q, k, v, grad_out, AttentionQuant("nvfp4", None), ONE_CHUNK)
+    for a, b in zip(got, want):
+        assert relative(a, b) <= 1e-3
+
+
+CHECKS = (
+    "check_tile_block_values",
+    "check_rtn_flash_against_chunked",
+    "check_sr_flash_draws_as_chunked",
+    "check_attention_module_runs_flash_with_the_triton_kernel",
+    "check_unquantized_ds_on_tensor_cores",
+)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_flash_fp4_attention_under_the_interpreter(check):
+    from tests.kernels.test_triton_attention import run_interpreted
+
+    done = run_interpreted(__name__, f"{check}('cpu')", timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("check", CHECKS)
+def test_flash_fp4_attention_on_cuda(check):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (an NVIDIA GPU)")
+    pytest.importorskip("triton")
+    globals()[check]("cuda")
