@@ -3,8 +3,9 @@
 #
 #   scripts/ledger_round.sh SECONDS RESULTS_DIR [SPEC[@K] ...]      (default SPEC: sweeps/ledger.toml)
 #
-# 1. the pycode corpus: unpacked from a bundle in .corpus/pycode when there is one (`fp4lab data pack
-#    pycode .corpus/pycode` where it is built; every file must match the manifest), else built from PyPI;
+# 1. the pycode corpus, where a SPEC trains on it: unpacked from a bundle in .corpus/pycode when there
+#    is one (`fp4lab data pack pycode .corpus/pycode` where it is built; every file must match the
+#    manifest), else built from PyPI;
 # 2. each SPEC swept into docs/ledger/sweep_catalog.json (runs already completed there are skipped, so
 #    rounds accumulate) until SECONDS have passed: then the sweep gets Ctrl-C, the run in progress
 #    checkpoints, and the next round on the same machine resumes it;
@@ -19,6 +20,9 @@
 # own), so the ledger's tokens/s are those of a GPU to itself on a machine of one GPU or several.
 # SPEC@K runs K at once on each GPU instead: more runs per hour, tokens/s no longer those of a GPU to
 # itself (the stress ablation, where only the losses and the scanner's events matter).
+#
+# $PYTHON (default python3) is the interpreter that has fp4lab. Ctrl-C at a terminal stops the sweep
+# as the deadline does (the run in progress checkpoints), then the results are written.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ]; then
@@ -45,10 +49,14 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 mkdir -p "$results" "$(dirname "$catalog")"
 [ ! -f "$runs_archive" ] || tar -xJf "$runs_archive"
 
-if [ -f .corpus/pycode/manifest.json ]; then
-  python3 -m fp4lab.cli data build pycode --from .corpus/pycode
-else
-  python3 -m fp4lab.cli data build pycode
+python=${PYTHON:-python3}
+uses_pycode=$("$python" -c 'import sys, tomllib; print(any(tomllib.load(open(s, "rb")).get("base", {}).get("data", {}).get("source") == "pycode" for s in sys.argv[1:]))' "${specs[@]%@*}")
+if [ "$uses_pycode" = True ]; then
+  if [ -f .corpus/pycode/manifest.json ]; then
+    "$python" -m fp4lab.cli data build pycode --from .corpus/pycode
+  else
+    "$python" -m fp4lab.cli data build pycode
+  fi
 fi
 
 for entry in "${specs[@]}"; do
@@ -61,7 +69,16 @@ for entry in "${specs[@]}"; do
     break
   fi
   # SIGINT: the sweep's own clean stop (checkpoint, record "interrupted"); exit 130 then is expected.
-  timeout -s INT -k 120 "$left" python3 -m fp4lab.cli sweep "$spec" --catalog "$catalog" --workers $((gpus * share)) || echo "ledger_round: $spec ended with $?" >&2
+  # --foreground: the sweep stays in the terminal's process group, so Ctrl-C reaches it too.
+  status=0
+  timeout --foreground -s INT -k 120 "$left" "$python" -m fp4lab.cli sweep "$spec" --catalog "$catalog" --workers $((gpus * share)) \
+    || status=$?
+  [ "$status" -eq 0 ] || echo "ledger_round: $spec ended with $status" >&2
+  # 124: the deadline; 130: the sweep's own exit after Ctrl-C, so no further spec starts
+  if [ "$status" -eq 130 ]; then
+    echo "ledger_round: interrupted; writing the results" >&2
+    break
+  fi
 done
 
 # The catalog and the runs first: should the machine's time run out during the reports, they are back.
@@ -71,7 +88,7 @@ find runs -maxdepth 3 \( -name summary.json -o -name metrics.jsonl \) -print0 2>
 mv "$results/runs.tar.xz.part" "$results/runs.tar.xz"
 for entry in "${specs[@]}"; do
   spec=${entry%@*}
-  name=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["name"])' "$spec")
-  python3 -m fp4lab.cli report "$name" --catalog "$catalog" --out "reports/$name" || true
+  name=$("$python" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["name"])' "$spec")
+  "$python" -m fp4lab.cli report "$name" --catalog "$catalog" --out "reports/$name" || true
 done
 tar -cJf "$results/reports.tar.xz" reports

@@ -52,6 +52,7 @@ FAULTS = "tests/train/test_faults.py::"
 STORE = "tests/lab/test_catalog_store.py::"
 TRAIN_BUILD = "fp4lab/train/build.py"
 ATTN = "fp4lab/nn/attention.py"
+ATTN_KERNEL = "fp4lab/numerics/kernels/attention.py"
 MX_GEMM = "fp4lab/numerics/kernels/mx_gemm.py"
 MX_INTERPRETED = "tests/kernels/test_triton_mx_gemm.py::test_kernel_under_triton_interpreter"
 FUSION_WIRE = "tests/nn/test_producer_fusion.py::test_producer_fusion_reaches_every_w2_and_w1_and_the_blocks_call_them"
@@ -202,6 +203,25 @@ MUTATIONS = [
     m("attn-tc-outer-dropped", "FP4 attention on tensor cores leaves out the NVFP4 outer scales of its FP4 GEMMs",
       (ATTN, "return out if alpha is None else out.mul_(alpha)", "return out"),
       ["tests/nn/test_fp4_attention_chunked.py::test_tensor_core_fp4_attention_under_the_interpreter"]),
+    m("flash-fp4-not-wired", "Attention with the triton kernel runs FP4 attention on the chunked path, not the flash kernels",
+      (ATTN, 'flash = self.kernel == "triton" and flash_fp4_covers(q, self.quant)', "flash = False"),
+      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter[check_attention_module_runs_flash_with_the_triton_kernel]"]),
+    m("flash-logit-scale-dropped", "flash FP4 attention leaves the NVFP4 outer scales of Q and K out of its logits",
+      (ATTN_KERNEL, "POLY=False, SCALED=logit_scale is not None,\n        num_warps", "POLY=False, SCALED=False,\n        num_warps"),
+      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter[check_rtn_flash_against_chunked]"]),
+    m("flash-ds-unquantized-for-dq", "the flash dQ kernel multiplies unquantized dS, not its FP4 block values",
+      (ATTN_KERNEL, "grad_q += tl.dot(ds, _operand_rows(", "grad_q += tl.dot(grad_s.to(tl.bfloat16), _operand_rows("),
+      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter[check_rtn_flash_against_chunked]"]),
+    m("flash-ds-query-axis", "the flash dK kernel quantizes dS^T along keys (its tile's rows), not along queries",
+      (ATTN_KERNEL, "ds_t = _tile_block_values(grad_s_t, ds_amax_bits, ds_seed_ptr, ds_row0 + keys, start, seq, BLOCK_N, BLOCK_M, DS_FMT == 1, DS_SR)",
+       "ds_t = tl.trans(_tile_block_values(tl.trans(grad_s_t), ds_amax_bits, ds_seed_ptr, ds_row0 + rows, start, seq, BLOCK_M, BLOCK_N, DS_FMT == 1, DS_SR))"),
+      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter[check_rtn_flash_against_chunked]"]),
+    m("flash-ds-outer-dropped", "the flash dQ kernel leaves out the NVFP4 outer scales of dS and K",
+      (ATTN_KERNEL, "grad_q = grad_q * (_ds_outer(ds_amax_ptr, 0) * tl.load(k_seq_outer_ptr))", "grad_q = grad_q"),
+      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter[check_rtn_flash_against_chunked]"]),
+    m("flash-sr-off", "flash FP4 attention rounds dS to nearest where SR is asked for",
+      (ATTN_KERNEL, '"DS_FMT": ds_fmt, "DS_SR": seeds is not None}', '"DS_FMT": ds_fmt, "DS_SR": False}'),
+      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter[check_sr_flash_draws_as_chunked]"]),
     m("ns-tc-outer-dropped", "the NVFP4 Newton-Schulz on tensor cores leaves out the per-matrix outer scales",
       (MUON, "bf16_matmul_fp32(left_values, right_values.mT) * (left_outer * right_outer.mT)", "bf16_matmul_fp32(left_values, right_values.mT)"),
       ["tests/optim/test_optim.py::test_nvfp4_newton_schulz_on_tensor_cores_under_the_interpreter"]),
@@ -360,8 +380,8 @@ MUTATIONS = [
       (ATTN, 'return {"fmt": fmt, "rounding": rounding, "seed": seed, "tensor_amax": amax}',
        'return {"fmt": fmt, "rounding": rounding, "seed": seed, "tensor_amax": None}'), [ATTN_FUSED_EXACT]),
     m("attn-fused-seq-axis", "fused FP4 attention: K, Q for dQ, dK blocked along head_dim, not the sequence",
-      (ATTN, "quantize_fused(decoded.reshape(-1, head_dim), fmt=fmt, transpose=True)",
-       "quantize_fused(decoded.reshape(-1, head_dim), fmt=fmt).T"), [ATTN_FUSED_EXACT]),
+      (ATTN, "quantize_fused(decoded.reshape(-1, decoded.shape[-1]), fmt=fmt, transpose=True)",
+       "quantize_fused(decoded.reshape(-1, decoded.shape[-1]), fmt=fmt).T"), [ATTN_FUSED_EXACT]),
     m("attn-fused-sr-seed-fixed", "fused FP4 attention: dS's SR seeds fixed, not drawn from the attention's generator",
       (ATTN, "torch.randint(2**62, (1,), generator=generator, device=grad_scores.device)",
        "torch.ones(1, dtype=torch.int64, device=grad_scores.device)"), [ATTN_FUSED_SR]),

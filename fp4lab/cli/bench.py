@@ -40,7 +40,7 @@ def bench(
     optimizer: Annotated[Optimizer, typer.Option(help="adamw (as the anchor) or muon.", rich_help_panel="What is timed")] = "adamw",
     compile: Annotated[Compile, typer.Option(help="torch.compile of fp4lab and the anchor (auto: on CUDA).", rich_help_panel="Fast path")] = "auto",
     cuda_graphs: Annotated[CudaGraphs, typer.Option(help="Replay fp4lab's steps from a CUDA graph (auto: where possible on CUDA).", rich_help_panel="Fast path")] = "auto",
-    attention_kernel: Annotated[AttentionKernel, typer.Option(help="fp4lab's unquantized attention: triton (fused probes) or sdpa (auto: triton on CUDA).", rich_help_panel="Fast path")] = "auto",
+    attention_kernel: Annotated[AttentionKernel, typer.Option(help="fp4lab's attention: triton (flash kernels: fused probes, FP4 attention with dS quantized in the kernels) or sdpa (PyTorch's; FP4 attention chunked) (auto: triton on CUDA).", rich_help_panel="Fast path")] = "auto",
     mx_gemm: Annotated[MxGemm, typer.Option(help="fp4lab's MXFP4 GEMMs: fp8 or bf16 tensor cores (auto: bf16, the faster on an H200).", rich_help_panel="Fast path")] = "auto",
     producer_fusion: Annotated[ProducerFusion, typer.Option(help="on: fp4lab's feed-forwards fuse the SwiGLU into W2's GEMMs; all: also the residual add and RMSNorm into W1's and W3's operands (time them against off).", rich_help_panel="Fast path")] = "off",
     shape: Annotated[Optional[str], typer.Option(help="ROWSxCOLS of the quantized tensor (default 8192x8192 on CUDA, 1024x1024 on the CPU).", rich_help_panel="What is timed")] = None,

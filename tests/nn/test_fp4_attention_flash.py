@@ -9,10 +9,10 @@ What is equal and what is bounded:
 - the rest is another order of arithmetic: the online softmax, P rounded to bf16 before its normalisation
   rather than after, delta = rowsum(dO O) rather than rowsum(dP P), GEMMs summed tile by tile. O and dV
   (no FP4 operand downstream of P) are held elementwise to the bound those roundings allow
-  (`forward_bound`); dQ and dK go through dS's quantization, where an element within the reordering's
-  error of a rounding boundary can take the neighbouring code, so they are held to a gap far below FP4's
-  own error (a quantization along the wrong axis, a lost outer scale or another draw than the chunked
-  path's distribution would each make the gap of the order of that error).
+  (`forward_bound`); dQ and dK go through dS's quantization, where an element (or a block's scale)
+  within the reordering's error of a rounding boundary can take the neighbouring code, so they are held
+  row by row to a small fraction of what dS's quantization moves that row, but for a few rows (a
+  quantization along the wrong axis or a lost outer scale moves most rows by that much).
 """
 
 from __future__ import annotations
@@ -30,9 +30,12 @@ except ImportError:  # no Triton: the checks are skipped
 
 # 96 rows: the interpreter's FP4 tiles (32 and 64) leave a partial tile; two query heads per KV head.
 SHAPE = {"batch": 2, "n_heads": 4, "n_kv_heads": 2, "seq": 96, "head_dim": 32}
-# dQ, dK: the flash path's distance from the chunked path, as a fraction of the chunked path's distance
-# from exact attention (measured under the interpreter: at most 0.003; another axis or scale: >= 0.5).
-GRADIENT_GAP = 0.05
+# dQ, dK, per row: the flash path's distance from the chunked path over the distance dS's quantization
+# moves that row (chunked RTN against unquantized dS). Under the interpreter: median <= 0.007, and 1-3 %
+# of rows above 0.5 (a dS code or block scale on a rounding boundary, taken the other way after the
+# reordering); dS^T quantized along keys instead: median 0.24-0.79, 42-54 % of rows above 0.5.
+ROW_GAP_MEDIAN = 0.1
+ROWS_FLIPPED = 0.08
 
 
 def flash_output_and_grads(q, k, v, grad_out, quant: AttentionQuant) -> list[torch.Tensor]:
@@ -87,9 +90,16 @@ def check_rtn_flash_against_chunked(device: str) -> None:
         for name, got, want, bound in (("O", flash[0], chunked[0], out_bound), ("dV", flash[3], chunked[3], grad_v_bound)):
             excess = ((got - want).abs() - bound).max().item()
             assert excess <= 1e-6, (fmt, name, excess)
+        unquantized_ds = output_and_grads(q, k, v, grad_out, AttentionQuant(fmt, None, tensor_cores=True), ONE_CHUNK)
         for name, i in (("dQ", 1), ("dK", 2)):
-            gap, fp4_error = relative(flash[i], chunked[i]), relative(chunked[i], exact[i])
-            assert gap <= GRADIENT_GAP * fp4_error, (fmt, name, gap, fp4_error)
+            # per row (of dQ: a query, quantized along keys; of dK: a key, along queries): the flash
+            # path's distance from the chunked path over what dS's quantization moves that row
+            gap = (flash[i] - chunked[i]).norm(dim=-1)
+            effect = (chunked[i] - unquantized_ds[i]).norm(dim=-1)
+            ratio = gap[effect > 0] / effect[effect > 0]
+            assert ratio.median() <= ROW_GAP_MEDIAN, (fmt, name, ratio.median().item())
+            assert (ratio > 0.5).float().mean() <= ROWS_FLIPPED, (fmt, name, (ratio > 0.5).float().mean().item())
+        assert relative(flash[1], exact[1]) <= 1.25 * relative(chunked[1], exact[1]), fmt
         # another computation than the chunked path's, not a call of it
         assert not torch.equal(flash[1], chunked[1]), fmt
 
@@ -104,7 +114,7 @@ def check_sr_flash_draws_as_chunked(device: str, draws: int = 8) -> None:
     - the same mean: |mean_flash - mean_chunked| over its standard error (a t statistic of ~14 degrees
       of freedom, floored by 1e-3 of the mean for the reordering) above 4 for at most 2 % of elements
       (1.3 per mille expected). A biased rounding or another tensor scale moves the means apart."""
-    q, k, v, grad_out = (t.to(device) for t in sequence_scaled_qkv(**SHAPE))
+    q, k, v, grad_out = (t.to(device) for t in sequence_scaled_qkv(**{**SHAPE, "batch": 1, "n_heads": 2, "n_kv_heads": 1}))
     for fmt in ("nvfp4", "mxfp4"):
         runs = {}
         for name, run in (("flash", flash_output_and_grads), ("chunked", lambda *a: output_and_grads(*a, ONE_CHUNK))):

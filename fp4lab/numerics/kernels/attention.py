@@ -407,8 +407,10 @@ def _exp2_poly(x):
 @triton.jit
 def _exp2(x, POLY: tl.constexpr):
     if POLY:
-        return _exp2_poly(x)
-    return tl.exp2(x)
+        y = _exp2_poly(x)
+    else:
+        y = tl.exp2(x)
+    return y
 
 
 @triton.jit
@@ -522,8 +524,10 @@ def _delta_kernel(
 def _logit_scale(logit_scale_ptr, SCALED: tl.constexpr):
     """The fp32 factor of every q.k: read from logit_scale_ptr (FP4 attention), else 1."""
     if SCALED:
-        return tl.load(logit_scale_ptr)
-    return 1.0
+        scale = tl.load(logit_scale_ptr)
+    else:
+        scale = 1.0
+    return scale
 
 
 @triton.jit
@@ -531,8 +535,10 @@ def _ds_tensor_amax_bits(ds_amax_ptr, orientation, DS_FMT: tl.constexpr):
     """NVFP4: the int32 bits of dS's tensor amax along keys (orientation 0) or along queries (1),
     which `_grad_scores_amax_kernel` took; 0 (unread) for MXFP4 and unquantized dS."""
     if DS_FMT == 1:
-        return tl.load(ds_amax_ptr + orientation)
-    return 0
+        bits = tl.load(ds_amax_ptr + orientation)
+    else:
+        bits = 0
+    return bits
 
 
 @triton.jit
@@ -612,7 +618,10 @@ def _grad_kv_kernel(
     for member in range(group):
         head = kv_head * group + member
         q_base = _head(q_ptr, batch, head, stride_qb, stride_qh)
-        q_seq_base = _head(q_seq_ptr, batch, head, stride_sqb, stride_sqh)
+        if DS_FMT:
+            q_seq_base = _head(q_seq_ptr, batch, head, stride_sqb, stride_sqh)
+        else:
+            q_seq_base = q_base  # unread
         grad_out_base = _head(grad_out_ptr, batch, head, stride_gb, stride_gh)
         row_base = (batch.to(tl.int64) * n_kv_heads * group + head) * seq
         lse2_base, delta_base = lse2_ptr + row_base, delta_ptr + row_base
@@ -661,7 +670,7 @@ def _grad_q_tiles(
         in_seq = keys < seq
         k = tl.load(_rows(k_base, keys, stride_kt, dims), mask=in_seq[:, None], other=0.0)
         v = tl.load(_rows(v_base, keys, stride_vt, dims), mask=in_seq[:, None], other=0.0)
-        _, grad_s = _grad_scores(q, grad_out, lse2, delta, k, v, rows, keys, log2e_scale, CAUSAL, PRECISION, POLY)
+        probs, grad_s = _grad_scores(q, grad_out, lse2, delta, k, v, rows, keys, log2e_scale, CAUSAL, PRECISION, POLY)
         if DS_FMT:
             ds = _tile_block_values(grad_s, ds_amax_bits, ds_seed_ptr, ds_row0 + rows, start, seq, BLOCK_M, BLOCK_N, DS_FMT == 1, DS_SR)
             grad_q += tl.dot(ds, _operand_rows(k_seq_base, keys, stride_skt, stride_skd, seq, HEAD_DIM))
@@ -709,7 +718,10 @@ def _grad_q_kernel(
     dims = tl.arange(0, HEAD_DIM)
     k_base = _head(k_ptr, batch, kv_head, stride_kb, stride_kh)
     v_base = _head(v_ptr, batch, kv_head, stride_vb, stride_vh)
-    k_seq_base = _head(k_seq_ptr, batch, kv_head, stride_skb, stride_skh)
+    if DS_FMT:
+        k_seq_base = _head(k_seq_ptr, batch, kv_head, stride_skb, stride_skh)
+    else:
+        k_seq_base = k_base  # unread
     log2e_scale = log2e_scale * _logit_scale(logit_scale_ptr, SCALED)
     ds_amax_bits = _ds_tensor_amax_bits(ds_amax_ptr, 0, DS_FMT)
     grad_q = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -741,7 +753,7 @@ def _grad_scores_amax_kernel(
     blocks of 16 along keys into ds_amax_ptr[0] and along queries into [1] (int32 bits; one atomic max
     each per program), as `quantize.finite_amax` of dS and dS^T. dS is recomputed tile by tile as the
     dQ kernel computes it."""
-    batch, head, rows, q, grad_out, lse2, delta, _ = _query_tile(
+    batch, head, rows, q, grad_out, lse2, delta, row_base = _query_tile(
         q_ptr, grad_out_ptr, lse2_ptr, delta_ptr, stride_qb, stride_qh, stride_qt, stride_gb, stride_gh, stride_gt,
         n_heads, seq, HEAD_DIM, BLOCK_M,
     )
@@ -758,7 +770,7 @@ def _grad_scores_amax_kernel(
         in_seq = keys < seq
         k = tl.load(_rows(k_base, keys, stride_kt, dims), mask=in_seq[:, None], other=0.0)
         v = tl.load(_rows(v_base, keys, stride_vt, dims), mask=in_seq[:, None], other=0.0)
-        _, grad_s = _grad_scores(q, grad_out, lse2, delta, k, v, rows, keys, log2e_scale, True, "tf32", POLY)
+        probs, grad_s = _grad_scores(q, grad_out, lse2, delta, k, v, rows, keys, log2e_scale, True, "tf32", POLY)
         along_keys = tl.maximum(along_keys, tl.max(_finite_row_amax(grad_s, None, BLOCK_M, BLOCK_N, 0), axis=0))
         along_queries = tl.maximum(along_queries, tl.max(_finite_row_amax(tl.trans(grad_s), None, BLOCK_N, BLOCK_M, 0), axis=0))
     tl.atomic_max(ds_amax_ptr, along_keys.to(tl.int32, bitcast=True))

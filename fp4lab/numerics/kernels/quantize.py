@@ -252,9 +252,13 @@ def _uniforms(seed_ptr, rows, col0, n_cols, M: tl.constexpr, N: tl.constexpr):
 def _sr_uniforms(u_ptr, seed_ptr, rows, cols, col0, n_rows, n_cols, M: tl.constexpr, N: tl.constexpr,
                  GIVEN_U: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
     """The [M, N] uniforms of SR for output elements [rows, cols]: given at u_ptr, else Philox's."""
+    # if/else, not an early return: Triton compiles the statements after a taken constexpr `if` that
+    # returns, and _uniforms would load from seed_ptr None
     if GIVEN_U:
-        return _load(u_ptr, rows, cols, n_rows, n_cols, EVEN)
-    return _uniforms(seed_ptr, rows, col0, n_cols, M, N)
+        u = _load(u_ptr, rows, cols, n_rows, n_cols, EVEN)
+    else:
+        u = _uniforms(seed_ptr, rows, col0, n_cols, M, N)
+    return u
 
 
 @triton.jit
