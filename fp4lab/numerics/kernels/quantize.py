@@ -301,7 +301,6 @@ def _block_scale(bmax, amax_ptr, outer_ptr, rows, n_rows, first_row, first_col, 
     one amax per NV rows, and the first column of programs stores the outer scale of each of its rows
     (bmax is then [rows, blocks]). Also the outer decode scale (a scalar, or [rows, 1]; 1.0 for
     MXFP4), which probes multiply in as `QTensor.dequantize` does."""
-    finite = bmax <= FLT_MAX
     if NV:
         if NV == 1:
             s_enc, outer = _nvfp4_scales(tl.load(amax_ptr).to(tl.float32, bitcast=True))
