@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lab.numerics.kernels.quantize import _finite_row_amax, _nvfp4_scales, _tile_block_values
+from fp4lab.numerics.kernels.quantize import FusedQuant, _finite_row_amax, _nvfp4_scales, _tile_block_values
 
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float32)
@@ -282,15 +282,6 @@ _forward.register_autograd(_gradients, setup_context=_save_for_backward)
 # quantized along the sequence. The score matrix and dS never leave the chip.
 
 
-@dataclass(frozen=True)
-class SequenceOperand:
-    """An FP4 operand of [B, H, T, D] quantized along the sequence T, as `quantize_fused(x.reshape(-1, D),
-    transpose=True)` writes it: bf16 block values [D, B H T] and NVFP4's outer scale (0-dim), or None."""
-
-    values: torch.Tensor
-    outer: torch.Tensor | None
-
-
 def flash_fp4_forward(
     q_values: torch.Tensor, k_values: torch.Tensor, v: torch.Tensor, logit_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,14 +305,15 @@ def flash_fp4_forward(
 
 def flash_fp4_backward(
     grad_out: torch.Tensor, q_values: torch.Tensor, k_values: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse2: torch.Tensor, logit_scale: torch.Tensor | None, q_seq: SequenceOperand, k_seq: SequenceOperand,
+    lse2: torch.Tensor, logit_scale: torch.Tensor | None, q_seq: FusedQuant, k_seq: FusedQuant,
     fmt: str, seeds: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (fp32) of `flash_fp4_forward`'s attention, Full-Stack FP4's backward: dV = P^T dO and
     dP = dO V^T in bf16 (dO rounded to bf16), dS = P (dP - delta) with delta = rowsum(dO O), then
-    dQ = dS K / sqrt(D) with dS quantized along keys (fmt) times k_seq (K quantized along keys), and
-    dK = dS^T Q / sqrt(D) with dS^T quantized along queries times q_seq, each GEMM's outer scales
-    applied to its fp32 result. seeds: SR's Philox seeds of dS along keys and along queries (int64
+    dQ = dS K / sqrt(D) with dS quantized along keys (fmt) times k_seq, and dK = dS^T Q / sqrt(D)
+    with dS^T quantized along queries times q_seq, each GEMM's outer scales applied to its fp32
+    result. q_seq, k_seq: Q and K quantized along the sequence, as `quantize_fused(x.reshape(-1, D),
+    transpose=True)` returns them (bf16 block values [D, B H T], NVFP4's outer scale or None). seeds: SR's Philox seeds of dS along keys and along queries (int64
     [1] tensors on the device), None for round to nearest. NVFP4 takes dS's tensor scales from a first
     pass over the tiles (`_grad_scores_amax_kernel`)."""
     batch, n_heads, seq, head_dim = q_values.shape
@@ -369,7 +361,7 @@ def flash_fp4_backward(
 
 
 def _sequence_strides(batch: int, n_heads: int, seq: int) -> tuple[int, int, int, int]:
-    """Strides (batch, head, t, d) of a `SequenceOperand`'s [D, B H T] values read as [B, H, T, D]."""
+    """Strides (batch, head, t, d) of a sequence-blocked operand's [D, B H T] values read as [B, H, T, D]."""
     return n_heads * seq, seq, 1, batch * n_heads * seq
 
 
