@@ -49,9 +49,12 @@ def project(root: Path, specs: dict[str, tuple[int, str]]) -> Path:
 
 
 def start_round(root: Path, *args: str) -> subprocess.Popen:
-    # Its own session and process group, as a terminal's job: SIGINT to the group is a Ctrl-C.
+    # Its own session and process group, as a terminal's job: SIGINT to the group is a Ctrl-C. SIGINT's
+    # default action, as a terminal's job has it (a shell that started pytest in the background set it
+    # to be ignored, and the ignoring is inherited).
     return subprocess.Popen(["bash", "scripts/ledger_round.sh", *args], cwd=root, env=dict(os.environ, PYTHON=sys.executable),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
 
 
 def states(catalog: Path) -> dict[str, str]:

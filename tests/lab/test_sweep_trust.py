@@ -14,6 +14,7 @@ import time
 import pytest
 
 from fp4lab.lab.records.catalog import Catalog
+from fp4lab.train import run_folder
 from tests.lab.test_sweep import BASE_TABLES, registered
 
 
@@ -208,6 +209,27 @@ def test_ctrl_c_stops_a_sweep_with_checkpoints_and_the_next_sweep_resumes_it(tmp
     assert record["state"] == "completed" and record["attempts"] == 2
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(150))  # continued from the checkpoint, no step twice
+
+
+def test_a_ctrl_c_delivered_twice_still_waits_for_the_run_to_checkpoint_and_record_itself(tmp_path):
+    """A terminal's Ctrl-C reaches the sweep, and a wrapper in its process group (`timeout --foreground`)
+    passes the same Ctrl-C on again a moment later: the second must not end the sweep's wait, or the
+    trainer outlives it with its record "running"."""
+    (tmp_path / "s.toml").write_text(spec("s", ["bf16"], steps=100000))
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    sweep = subprocess.Popen([sys.executable, "-m", "fp4lab.cli", "sweep", "s.toml"], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    _wait_for(lambda: any(p.stat().st_size > 0 for p in tmp_path.glob("runs/s/*/metrics.jsonl")))
+    sweep.send_signal(signal.SIGINT)
+    time.sleep(0.05)  # apart, as the two deliveries come: no coalescing into one pending signal
+    sweep.send_signal(signal.SIGINT)
+    out, err = sweep.communicate(timeout=120)
+    assert sweep.returncode == 130 and "interrupted: 1 run(s) stopped" in out, err
+    (record,) = Catalog(tmp_path / "sweep_catalog.json").records()
+    run_dir = tmp_path / record["paths"]["run_dir"]
+    assert record["state"] == "interrupted" and run_folder.holder(run_dir) is None, record  # no trainer left
+    assert (run_dir / "checkpoint.pt").exists()
 
 
 def test_ctrl_c_during_start_up_leaves_the_run_interrupted_so_the_next_sweep_runs_it(cli, tmp_path, monkeypatch):

@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -173,7 +174,7 @@ def _run_local(
     Ctrl-C (KeyboardInterrupt), SIGTERM or SIGHUP
     starts nothing more, passes one SIGINT to each training process (they run in their own session,
     so a terminal's Ctrl-C reaches them only this way, once), waits while they checkpoint, and raises
-    SweepInterrupted.
+    SweepInterrupted. Further stops while it waits never end the wait (`_stop_signals`).
 
     On a machine with at least `workers` x ranks GPUs, each run at a time gets GPUs of its own
     (`gpu_slots`), so concurrent runs neither share a GPU nor slow each other's tokens/s; more
@@ -182,13 +183,14 @@ def _run_local(
     pool = ThreadPoolExecutor(max_workers=max(1, workers))
     futures = [pool.submit(local.run, run) for run in runs]
     try:
-        with _terminations_interrupt():
-            return [record for record in (future.result() for future in futures) if record is not None]
-    except KeyboardInterrupt:
-        local.stop()
-        pool.shutdown(wait=True, cancel_futures=True)
+        with _stop_signals(local):
+            try:
+                return [record for record in (future.result() for future in futures) if record is not None]
+            except KeyboardInterrupt:
+                local.stop()
+                pool.shutdown(wait=True, cancel_futures=True)
         done = [f.result() for f in futures if f.done() and not f.cancelled() and f.exception() is None]
-        raise SweepInterrupted([r for r in done if r is not None and r["state"] == "interrupted"]) from None
+        raise SweepInterrupted([r for r in done if r is not None and r["state"] == "interrupted"])
     finally:
         pool.shutdown(wait=True)
 
@@ -199,18 +201,33 @@ def _run_local(
 TERMINATIONS = (signal.SIGTERM, signal.SIGHUP)
 
 
+# A second stop this soon after the first is the same stop delivered twice: a terminal's Ctrl-C reaches
+# the sweep, and a wrapper in its process group (`timeout --foreground`, a job script) passes it on again.
+STOP_ECHO_S = 1.0
+
+
 @contextlib.contextmanager
-def _terminations_interrupt() -> Iterator[None]:
-    """While the block runs, SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread (elsewhere
-    handlers cannot be installed, and a caller's thread keeps its own)."""
+def _stop_signals(local: _LocalRuns) -> Iterator[None]:
+    """While the block runs, in the main thread (elsewhere handlers cannot be installed, and a caller's
+    thread keeps its own): the first Ctrl-C, SIGTERM or SIGHUP raises KeyboardInterrupt. A later one,
+    while the caller waits for the stopped trainers, never ends that wait (left alone, a trainer would
+    outlive the sweep with its record "running"): within STOP_ECHO_S of the first it is dropped, after
+    it each trainer gets one more SIGINT (its second Ctrl-C: it stops now, resuming later from its last
+    checkpoint). A SIGINT its parent set to be ignored (a background job) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    first_stop: list[float] = []
 
-    def interrupt(signum, _frame) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+    def on_stop(signum, _frame) -> None:
+        if not first_stop:
+            first_stop.append(time.monotonic())
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        if time.monotonic() - first_stop[0] > STOP_ECHO_S:
+            local.stop()
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in TERMINATIONS}
+    stops = [sig for sig in (signal.SIGINT, *TERMINATIONS) if sig != signal.SIGINT or signal.getsignal(sig) is not signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, on_stop) for sig in stops}
     try:
         yield
     finally:
@@ -245,7 +262,7 @@ class _LocalRuns:
         self.thresholds = scan_thresholds(plan.spec)
         self.ranks = plan.spec.slurm.ranks  # all on this machine
         self.owner = this_owner()
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # `stop` also runs in a signal handler, which may interrupt `stop`
         self.stopping = threading.Event()
         self.children: dict[str, subprocess.Popen] = {}
 
