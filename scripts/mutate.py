@@ -222,6 +222,20 @@ MUTATIONS = [
     m("flash-sr-off", "flash FP4 attention rounds dS to nearest where SR is asked for",
       (ATTN_KERNEL, '"DS_FMT": ds_fmt, "DS_SR": seeds is not None}', '"DS_FMT": ds_fmt, "DS_SR": False}'),
       ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter[check_sr_flash_draws_as_chunked]"]),
+    m("flash-fp64-logit-factor", "the flash forward multiplies the logits by the float argument as passed (fp64 under torch.compile)",
+      (ATTN_KERNEL, "    log2e_scale = _fp32(log2e_scale) * logit_scale\n", "    log2e_scale = log2e_scale * logit_scale\n"),
+      ["tests/kernels/test_triton_frontend.py"]),
+    m("sr-uniforms-early-return", "the quantizer's SR uniforms return early under a constexpr if (GPU compiles the Philox branch with seed None)",
+      (TQ, """    if GIVEN_U:
+        u = _load(u_ptr, rows, cols, n_rows, n_cols, EVEN)
+    else:
+        u = _uniforms(seed_ptr, rows, col0, n_cols, M, N)
+    return u
+""", """    if GIVEN_U:
+        return _load(u_ptr, rows, cols, n_rows, n_cols, EVEN)
+    return _uniforms(seed_ptr, rows, col0, n_cols, M, N)
+"""),
+      ["tests/kernels/test_triton_frontend.py"]),
     m("ns-tc-outer-dropped", "the NVFP4 Newton-Schulz on tensor cores leaves out the per-matrix outer scales",
       (MUON, "bf16_matmul_fp32(left_values, right_values.mT) * (left_outer * right_outer.mT)", "bf16_matmul_fp32(left_values, right_values.mT)"),
       ["tests/optim/test_optim.py::test_nvfp4_newton_schulz_on_tensor_cores_under_the_interpreter"]),

@@ -468,7 +468,7 @@ def _forward_kernel(
     k_base = _head(k_ptr, batch, kv_head, stride_kb, stride_kh)
     v_base = _head(v_ptr, batch, kv_head, stride_vb, stride_vh)
     logit_scale = _logit_scale(logit_scale_ptr, SCALED)
-    log2e_scale = log2e_scale * logit_scale
+    log2e_scale = _fp32(log2e_scale) * logit_scale
 
     m = tl.full([BLOCK_M], NEG_FLT_MAX, tl.float32)  # running max of the raw q.k
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -490,7 +490,7 @@ def _forward_kernel(
     row_offsets = (batch.to(tl.int64) * n_heads + head) * seq + rows
     tl.store(lse2_ptr + row_offsets, m * log2e_scale + log2_l, mask=row_in_seq)
     # correctly rounded, as the probe's fp32 division by sqrt(D) is
-    tl.store(row_max_ptr + row_offsets, tl.math.div_rn(m * logit_scale, sqrt_head_dim), mask=row_in_seq)
+    tl.store(row_max_ptr + row_offsets, tl.math.div_rn(m * logit_scale, _fp32(sqrt_head_dim)), mask=row_in_seq)
     tl.store(row_entropy_ptr + row_offsets, LN2 * (log2_l - u / l), mask=row_in_seq)
 
 
@@ -510,6 +510,13 @@ def _delta_kernel(
     grad_out = tl.load(grad_out_rows, mask=row_in_seq[:, None])
     delta = tl.sum(out.to(tl.float32) * grad_out.to(tl.float32), 1)
     tl.store(delta_ptr + (batch.to(tl.int64) * n_heads + head) * seq + rows, delta, mask=row_in_seq)
+
+
+@triton.jit
+def _fp32(x):
+    """A float argument in fp32: Triton's launcher passes a Python float as fp32, torch.compile's as fp64
+    (which would widen the running sums and fail the loop's type check)."""
+    return tl.cast(x, tl.float32)
 
 
 @triton.jit
@@ -601,7 +608,7 @@ def _grad_kv_kernel(
     key_in_seq = keys < seq
     k = tl.load(_rows(_head(k_ptr, batch, kv_head, stride_kb, stride_kh), keys, stride_kt, dims), mask=key_in_seq[:, None], other=0.0)
     v = tl.load(_rows(_head(v_ptr, batch, kv_head, stride_vb, stride_vh), keys, stride_vt, dims), mask=key_in_seq[:, None], other=0.0)
-    log2e_scale = log2e_scale * _logit_scale(logit_scale_ptr, SCALED)
+    log2e_scale = _fp32(log2e_scale) * _logit_scale(logit_scale_ptr, SCALED)
     ds_amax_bits = _ds_tensor_amax_bits(ds_amax_ptr, 1, DS_FMT)
     grad_k = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     grad_v = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -630,7 +637,7 @@ def _grad_kv_kernel(
     if DS_FMT == 1:  # the GEMM's outer scales first, then 1 / sqrt(D): the chunked path's order
         grad_k = grad_k * (_ds_outer(ds_amax_ptr, 1) * tl.load(q_seq_outer_ptr))
     grad_k_rows = _rows(_head(grad_k_ptr, batch, kv_head, stride_dkb, stride_dkh), keys, stride_dkt, dims)
-    tl.store(grad_k_rows, (grad_k * softmax_scale).to(grad_k_ptr.dtype.element_ty), mask=key_in_seq[:, None])
+    tl.store(grad_k_rows, (grad_k * _fp32(softmax_scale)).to(grad_k_ptr.dtype.element_ty), mask=key_in_seq[:, None])
     grad_v_rows = _rows(_head(grad_v_ptr, batch, kv_head, stride_dvb, stride_dvh), keys, stride_dvt, dims)
     tl.store(grad_v_rows, grad_v.to(grad_v_ptr.dtype.element_ty), mask=key_in_seq[:, None])
 
@@ -714,7 +721,7 @@ def _grad_q_kernel(
         k_seq_base = _head(k_seq_ptr, batch, kv_head, stride_skb, stride_skh)
     else:
         k_seq_base = k_base  # unread
-    log2e_scale = log2e_scale * _logit_scale(logit_scale_ptr, SCALED)
+    log2e_scale = _fp32(log2e_scale) * _logit_scale(logit_scale_ptr, SCALED)
     ds_amax_bits = _ds_tensor_amax_bits(ds_amax_ptr, 0, DS_FMT)
     grad_q = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     diagonal = tl.program_id(0) * BLOCK_M
@@ -731,7 +738,7 @@ def _grad_q_kernel(
     if DS_FMT == 1:  # the GEMM's outer scales first, then 1 / sqrt(D): the chunked path's order
         grad_q = grad_q * (_ds_outer(ds_amax_ptr, 0) * tl.load(k_seq_outer_ptr))
     grad_q_rows = _rows(_head(grad_q_ptr, batch, head, stride_dqb, stride_dqh), rows, stride_dqt, dims)
-    tl.store(grad_q_rows, (grad_q * softmax_scale).to(grad_q_ptr.dtype.element_ty), mask=(rows < seq)[:, None])
+    tl.store(grad_q_rows, (grad_q * _fp32(softmax_scale)).to(grad_q_ptr.dtype.element_ty), mask=(rows < seq)[:, None])
 
 
 @triton.jit
@@ -753,7 +760,7 @@ def _grad_scores_amax_kernel(
     dims = tl.arange(0, HEAD_DIM)
     k_base = _head(k_ptr, batch, kv_head, stride_kb, stride_kh)
     v_base = _head(v_ptr, batch, kv_head, stride_vb, stride_vh)
-    log2e_scale = log2e_scale * tl.load(logit_scale_ptr)
+    log2e_scale = _fp32(log2e_scale) * tl.load(logit_scale_ptr)
     along_keys = tl.zeros([], tl.float32)
     along_queries = tl.zeros([], tl.float32)
     # keys past the tile's last row are masked for every row: they are zero in dS
