@@ -9,7 +9,7 @@ What is equal and what is bounded:
 - the rest is another order of arithmetic: the online softmax, P rounded to bf16 before its normalisation
   rather than after, delta = rowsum(dO O) rather than rowsum(dP P), GEMMs summed tile by tile. O and dV
   (no FP4 operand downstream of P) are held elementwise to the bound those roundings allow
-  (`forward_bound`); dQ and dK go through dS's quantization, where an element (or a block's scale)
+  (`reordering_bounds`); dQ and dK go through dS's quantization, where an element (or a block's scale)
   within the reordering's error of a rounding boundary can take the neighbouring code, so they are held
   row by row to a small fraction of what dS's quantization moves that row, but for a few rows (a
   quantization along the wrong axis or a lost outer scale moves most rows by that much).
@@ -31,9 +31,11 @@ except ImportError:  # no Triton: the checks are skipped
 # 96 rows: the interpreter's FP4 tiles (32 and 64) leave a partial tile; two query heads per KV head.
 SHAPE = {"batch": 2, "n_heads": 4, "n_kv_heads": 2, "seq": 96, "head_dim": 32}
 # dQ, dK, per row: the flash path's distance from the chunked path over the distance dS's quantization
-# moves that row (chunked RTN against unquantized dS). Under the interpreter: median <= 0.007, and 1-3 %
-# of rows above 0.5 (a dS code or block scale on a rounding boundary, taken the other way after the
-# reordering); dS^T quantized along keys instead: median 0.24-0.79, 42-54 % of rows above 0.5.
+# moves that row (chunked RTN against unquantized dS) plus the reordering's floor. Under the interpreter
+# with a GPU's exp2 error: median <= 0.007, and 0.4-1.2 % of rows above 0.5 (a dS code or block scale on
+# a rounding boundary, taken the other way after the reordering); without the floor, 13 % of MXFP4 dQ
+# rows (18 % on an H100) were above 0.5: rows of P one-hot but for the rounding, whose dS is the
+# reordering's alone. dS^T quantized along keys instead: median 0.24-0.79, 42-54 % of rows above 0.5.
 ROW_GAP_MEDIAN = 0.1
 ROWS_FLIPPED = 0.08
 
@@ -48,8 +50,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def forward_bound(q, k, v, grad_out, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Elementwise bounds on |O_flash - O_chunked| and |dV_flash - dV_chunked|.
+def reordering_bounds(q, k, v, grad_out, fmt: str, flash_out: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Elementwise bounds on how far the flash path's O, dV, dQ and dK may lie from the chunked path's
+    for the reordering alone ("O", "dV", and the floors "dQ", "dK" of the dS-quantized gradients).
 
     Both paths take the same quantized Q, K and bf16 V. P is rounded to bf16 (unit roundoff 2^-8) on
     the normalised P in the chunked path and on exp2(s - m) before the division by l in the flash path:
@@ -58,13 +61,22 @@ def forward_bound(q, k, v, grad_out, fmt: str) -> tuple[torch.Tensor, torch.Tens
     their fp32 arithmetic: the dot products summed in another order (<= D 2^-24 sum_d |q_d k_d| each,
     Higham's bound) and a few roundings of s (8 2^-24 |s|); P_ij moves by twice the largest such error
     (s_ij and the row's max or LSE), and the GEMMs' fp32 sums by T 2^-24 relative. P here is exact
-    attention's over the quantized operands, which the chunked path computes."""
+    attention's over the quantized operands, which the chunked path computes.
+
+    dS_ij = P_ij (dP_ij - delta_i), with delta_i = dO_i . O_i over the flash path's own O (flash_out) and
+    sum_j dP_ij P_ij = dO_i . (P V)_i in the chunked path: apart by d delta_i = dO_i . (O_i - (P V)_i),
+    which is computed here (plus 2 D 2^-24 sum_d |dO_id O_id| for the two fp32 sums). Where dS's row is near zero (a one-hot row of P: dP_ij - delta_i
+    cancels), that difference is all of the flash path's dS, and quantizing it cannot shrink it below
+    half: |Q(x)| <= 2 |x| for x rounded onto the e2m1 grid (a quarter step rounds up to half a step at
+    most), and E Q(x) = x for SR. K and Q (quantized along the sequence) the same: so the floors
+    |d dQ_id| <= 4 |d delta_i| sum_j P_ij |K_jd| / sqrt(D) and |d dK_jd| <= 4 sum_i P_ij |d delta_i|
+    |Q_id| / sqrt(D), summed over a KV head's query heads."""
     from fp4lab.nn.attention import _block_values_along_head_dim
 
     q_q, k_q = _block_values_along_head_dim(q, fmt), _block_values_along_head_dim(k, fmt)
-    group = q.shape[1] // k.shape[1]
+    batch, n_heads, seq, head_dim = q.shape
+    group = n_heads // k.shape[1]
     keys = k_q.decoded().repeat_interleave(group, dim=1).transpose(-1, -2)
-    head_dim, seq = q.shape[-1], q.shape[2]
     scores = (q_q.decoded() @ keys) / head_dim**0.5
     causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
     probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
@@ -72,10 +84,22 @@ def forward_bound(q, k, v, grad_out, fmt: str) -> tuple[torch.Tensor, torch.Tens
     logit_error = (head_dim * dot_sums + 8 * scores.abs()).masked_fill(~causal, 0).max() * 2.0**-24
     relative_error = 2.0**-7 + 2 * logit_error + seq * 2.0**-24
     v_heads = v.to(torch.bfloat16).float().repeat_interleave(group, dim=1)
+    grad_out = grad_out.to(torch.bfloat16).float()
     out_bound = relative_error * (probs @ v_heads.abs())
-    grad_v_heads = relative_error * (probs.transpose(-1, -2) @ grad_out.to(torch.bfloat16).float().abs())
-    grad_v_bound = grad_v_heads.view(q.shape[0], k.shape[1], group, seq, -1).sum(dim=2)
-    return out_bound, grad_v_bound
+
+    def per_kv_head(x: torch.Tensor) -> torch.Tensor:
+        return x.view(batch, k.shape[1], group, seq, -1).sum(dim=2)
+
+    flash_out = flash_out.float()
+    delta_error = (grad_out * (flash_out - probs @ v_heads)).sum(dim=-1, keepdim=True).abs()
+    delta_error += 2 * head_dim * 2.0**-24 * (grad_out * flash_out).abs().sum(dim=-1, keepdim=True)
+    k_heads = k.to(torch.bfloat16).float().repeat_interleave(group, dim=1)
+    return {
+        "O": out_bound,
+        "dV": per_kv_head(relative_error * (probs.transpose(-1, -2) @ grad_out.abs())),
+        "dQ": 4 * delta_error * (probs @ k_heads.abs()) / head_dim**0.5,
+        "dK": per_kv_head(4 * probs.transpose(-1, -2) @ (delta_error * q.to(torch.bfloat16).float().abs()) / head_dim**0.5),
+    }
 
 
 def check_rtn_flash_against_chunked(device: str) -> None:
@@ -86,17 +110,18 @@ def check_rtn_flash_against_chunked(device: str) -> None:
         flash = flash_output_and_grads(q, k, v, grad_out, quant)
         chunked = output_and_grads(q, k, v, grad_out, quant, ONE_CHUNK)
         exact = output_and_grads(q, k, v, grad_out, AttentionQuant(format=None), ONE_CHUNK)
-        out_bound, grad_v_bound = forward_bound(q, k, v, grad_out, fmt)
-        for name, got, want, bound in (("O", flash[0], chunked[0], out_bound), ("dV", flash[3], chunked[3], grad_v_bound)):
-            excess = ((got - want).abs() - bound).max().item()
+        bounds = reordering_bounds(q, k, v, grad_out, fmt, flash[0])
+        for name, i in (("O", 0), ("dV", 3)):
+            excess = ((flash[i] - chunked[i]).abs() - bounds[name]).max().item()
             assert excess <= 1e-6, (fmt, name, excess)
         unquantized_ds = output_and_grads(q, k, v, grad_out, AttentionQuant(fmt, None, tensor_cores=True), ONE_CHUNK)
         for name, i in (("dQ", 1), ("dK", 2)):
             # per row (of dQ: a query, quantized along keys; of dK: a key, along queries): the flash
-            # path's distance from the chunked path over what dS's quantization moves that row
+            # path's distance from the chunked path over what dS's quantization moves that row, plus
+            # the floor of the reordering (the whole distance where dS's row is near zero)
             gap = (flash[i] - chunked[i]).norm(dim=-1)
-            effect = (chunked[i] - unquantized_ds[i]).norm(dim=-1)
-            ratio = gap[effect > 0] / effect[effect > 0]
+            scale = (chunked[i] - unquantized_ds[i]).norm(dim=-1) + bounds[name].norm(dim=-1)
+            ratio = gap[scale > 0] / scale[scale > 0]
             assert ratio.median() <= ROW_GAP_MEDIAN, (fmt, name, ratio.median().item())
             assert (ratio > 0.5).float().mean() <= ROWS_FLIPPED, (fmt, name, (ratio > 0.5).float().mean().item())
         assert relative(flash[1], exact[1]) <= 1.25 * relative(chunked[1], exact[1]), fmt
@@ -112,7 +137,8 @@ def check_sr_flash_draws_as_chunked(device: str, draws: int = 8) -> None:
       log of an F(7, 7) ratio has median 0; its median over thousands of elements is within a few
       hundredths). SR left off gives variance 0; uniforms shared between elements of a sum add variance;
     - the same mean: |mean_flash - mean_chunked| over its standard error (a t statistic of ~14 degrees
-      of freedom, floored by 1e-3 of the mean for the reordering) above 4 for at most 2 % of elements
+      of freedom, floored by 1e-3 of the mean and `reordering_bounds`' floor for the reordering) above 4
+      for at most 2 % of elements
       (1.3 per mille expected). A biased rounding or another tensor scale moves the means apart."""
     q, k, v, grad_out = (t.to(device) for t in sequence_scaled_qkv(**{**SHAPE, "batch": 1, "n_heads": 2, "n_kv_heads": 1}))
     for fmt in ("nvfp4", "mxfp4"):
@@ -120,6 +146,7 @@ def check_sr_flash_draws_as_chunked(device: str, draws: int = 8) -> None:
         for name, run in (("flash", flash_output_and_grads), ("chunked", lambda *a: output_and_grads(*a, ONE_CHUNK))):
             quant = AttentionQuant(fmt, "sr", torch.Generator(device=device).manual_seed(7), tensor_cores=True)
             runs[name] = [run(q, k, v, grad_out, quant) for _ in range(draws)]
+        floors = reordering_bounds(q, k, v, grad_out, fmt, runs["flash"][0][0])  # O: no SR upstream of it
         for i, grad in ((1, "dQ"), (2, "dK")):
             stacks = {name: torch.stack([r[i] for r in results]) for name, results in runs.items()}
             mean = {name: s.mean(dim=0) for name, s in stacks.items()}
@@ -128,7 +155,7 @@ def check_sr_flash_draws_as_chunked(device: str, draws: int = 8) -> None:
             assert noisy.float().mean() > 0.5, (fmt, grad, "SR noise on too few elements")
             log_ratio = (var["flash"][noisy] / var["chunked"][noisy]).log().median().item()
             assert abs(log_ratio) <= 0.25, (fmt, grad, log_ratio)
-            error = ((var["flash"] + var["chunked"]) / draws).sqrt() + 1e-3 * mean["chunked"].abs() + 1e-6
+            error = ((var["flash"] + var["chunked"]) / draws).sqrt() + 1e-3 * mean["chunked"].abs() + floors[grad] + 1e-6
             outliers = ((mean["flash"] - mean["chunked"]).abs() / error > 4).float().mean().item()
             assert outliers <= 0.02, (fmt, grad, outliers)
         # each call draws anew from the generator
@@ -231,11 +258,34 @@ CHECKS = (
 )
 
 
+def approximate_exp2_under_the_interpreter(seed: int = 0) -> None:
+    """A GPU computes tl.exp2 with PTX's ex2.approx.f32 (about 2 ulp off); the interpreter with numpy's
+    correctly rounded exp2, under which a row of P can come out exactly one-hot and hide the
+    reordering's floor (`reordering_bounds`). From here on, the interpreter's exp2 is off by up to 2^-22
+    relative, at random, as a GPU's is."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    draws = np.random.default_rng(seed)
+
+    def approximate_exp2(builder, arg):
+        out = builder.unary_op(arg, np.exp2)
+        out.data[...] *= (1 + 2.0**-22 * draws.uniform(-1, 1, out.data.shape)).astype(out.data.dtype)
+        return out
+
+    interpreter.InterpreterBuilder.create_exp2 = approximate_exp2
+
+
+# The checks that hold flash against the chunked path by bounds, run with a GPU's exp2 error.
+GPU_EXP2_CHECKS = ("check_rtn_flash_against_chunked", "check_sr_flash_draws_as_chunked")
+
+
 @pytest.mark.parametrize("check", CHECKS)
 def test_flash_fp4_attention_under_the_interpreter(check):
     from tests.kernels.test_triton_attention import run_interpreted
 
-    done = run_interpreted(__name__, f"{check}('cpu')", timeout=600)
+    call = f"approximate_exp2_under_the_interpreter() or checks.{check}('cpu')" if check in GPU_EXP2_CHECKS else f"{check}('cpu')"
+    done = run_interpreted(__name__, call, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
 
 
