@@ -2,25 +2,34 @@
 when Triton's kernels are first imported, so it cannot be switched on inside the test process.
 
 `interpreter_python(code)` runs any such code; `run_interpreted(module, call)` one check of a test
-module. Both first fold the interpreter's reductions by slice (`fold_reductions_by_slice`)."""
+module. Both first fold the interpreter's reductions by slice (`fold_reductions_by_slice`), and build each
+fp4lab kernel variant the interpreter launched for a GPU too (`build_recorded_kernels`)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROLOGUE = f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom tests.interpreted import fold_reductions_by_slice\nfold_reductions_by_slice()\n"
+PROLOGUE = (f"import os, sys\nsys.path.insert(0, {ROOT!r})\n"
+            "from tests.interpreted import fold_reductions_by_slice, record_launched_kernels\n"
+            "fold_reductions_by_slice()\nrecord_launched_kernels(os.environ['FP4LAB_KERNEL_RECORD'])\n")
 
 
 def interpreter_python(code: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -c code` under TRITON_INTERPRET=1 (after PROLOGUE), its output captured; check its returncode."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    return subprocess.run([sys.executable, "-c", PROLOGUE + code], env=env, timeout=timeout, capture_output=True, text=True, check=False)
+    with tempfile.TemporaryDirectory() as folder:
+        record = os.path.join(folder, "kernels.jsonl")
+        open(record, "w").close()
+        env = dict(os.environ, TRITON_INTERPRET="1", FP4LAB_KERNEL_RECORD=record)
+        done = subprocess.run([sys.executable, "-c", PROLOGUE + code], env=env, timeout=timeout, capture_output=True, text=True, check=False)
+        build_recorded_kernels(record)
+    return done
 
 
 def run_interpreted(module: str, call: str, timeout: int = 600) -> None:
@@ -69,3 +78,73 @@ def fold_reductions_by_slice() -> None:
         return out
 
     reduce_ops.generic_reduce = folded
+
+
+
+def record_launched_kernels(path: str) -> None:
+    """Append each fp4lab kernel variant the interpreter launches to `path`, one JSON line: module, name
+    and arguments (tensors as their dtype), for `build_recorded_kernels` to build outside the
+    interpreter (Triton's own library is interpreted here, so nothing can be compiled in this process)."""
+    import json
+
+    from triton.runtime import interpreter
+
+    seen: set[str] = set()
+    interpreted_run = interpreter.InterpretedFunction.run
+
+    def described(value):
+        if hasattr(value, "dtype") and hasattr(value, "data_ptr"):
+            return {"tensor": str(value.dtype)}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        return {"unrecorded": type(value).__name__}
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if self.fn.__module__.startswith("fp4lab."):
+            named = dict(zip(self.arg_names, args)) | {k: v for k, v in kwargs.items() if k in self.arg_names}
+            line = json.dumps({"module": self.fn.__module__, "kernel": self.fn.__name__,
+                               "args": {name: described(value) for name, value in named.items()}}, sort_keys=True)
+            if line not in seen:
+                seen.add(line)
+                with open(path, "a") as out:
+                    out.write(line + "\n")
+        return interpreted_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interpreter.InterpretedFunction.run = run
+
+
+_BUILT: set[str] = set()
+
+
+def build_recorded_kernels(path: str) -> None:
+    """Build each kernel variant `record_launched_kernels` wrote to `path` for an H100 (Triton's front
+    end, Python AST to TTIR: no GPU needed), its float arguments typed as Triton's launcher types them
+    (fp32) and as torch.compile does (fp64). The interpreter runs kernels as Python and lets pass what
+    the compiler refuses: statements after a taken constexpr `return` (compiled anyway), a loop-carried
+    value whose type changes. Raises AssertionError naming the kernel and the compiler's message."""
+    import importlib
+    import json
+
+    import torch
+
+    from tests.kernels.test_triton_frontend import FLOAT_TYPES, build_ttir
+
+    with open(path) as lines:
+        recorded = [line for line in lines.read().splitlines() if line and line not in _BUILT]
+    for line in recorded:
+        variant = json.loads(line)
+        if any(isinstance(v, dict) and "unrecorded" in v for v in variant["args"].values()):
+            continue
+        kernel = getattr(importlib.import_module(variant["module"]), variant["kernel"])
+        constexprs = {p.name for p in kernel.params if p.is_constexpr}
+        args = {name: torch.empty(1, dtype=getattr(torch, v["tensor"].removeprefix("torch."))) if isinstance(v, dict) else v
+                for name, v in variant["args"].items()}
+        for launcher, float_type in FLOAT_TYPES.items():
+            try:
+                build_ttir(kernel, float_type, constexprs=constexprs, **args)
+            except Exception as error:
+                cause = error.__cause__ or error  # a CompilationError's message is the source; its cause says why
+                message = (str(cause).strip().splitlines() or [""])[-1] or repr(cause)
+                raise AssertionError(f"{variant['kernel']} ({variant['module']}) does not build for sm90 with floats as "
+                                     f"{launcher} passes them: {message}\n{line}") from error
+        _BUILT.add(line)

@@ -5,7 +5,9 @@ taken constexpr `return` are still compiled (a None pointer loaded there fails),
 must keep their type, and torch.compile passes a Python float to a user kernel as fp64 where Triton's
 own launcher passes fp32 (an fp64 factor widens the running sums of a loop). Each kernel here is built
 in the variants the project launches, with float arguments typed both ways. No GPU is needed: this is
-the front end only (no PTX), which is where those errors are raised.
+the front end only (no PTX), which is where those errors are raised. Every interpreted test does the
+same for each kernel variant it launches (tests/interpreted.py, with `build_ttir` here); the variants
+below are the FP4 attention and quantizer ones whose compile errors reached a GPU first.
 """
 
 from __future__ import annotations
@@ -20,25 +22,28 @@ from triton.backends import backends  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler.compiler import ASTSource  # noqa: E402
 
-POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
-F32, BF16, I32, I64, U8 = (torch.empty(1, dtype=d) for d in POINTER_TYPES)
+POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8",
+                 torch.float16: "*fp16", torch.float64: "*fp64", torch.int8: "*i8", torch.int16: "*i16", torch.bool: "*i1",
+                 torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}  # fmt: skip
+F32, BF16, I32, I64, U8 = (torch.empty(1, dtype=d) for d in list(POINTER_TYPES)[:5])
 FLOAT_TYPES = {"triton launcher": "fp32", "torch.compile": "fp64"}
 
 
-def build_ttir(kernel, float_type: str, **args) -> None:
-    """Build `kernel`'s TTIR for sm90: tensors are pointers of their dtype, None and UPPER-case names are
-    constexprs, bools i1, ints i32 and floats `float_type`. Raises Triton's CompilationError."""
+def build_ttir(kernel, float_type: str, constexprs: set[str] | None = None, **args) -> None:
+    """Build `kernel`'s TTIR for sm90: tensors are pointers of their dtype, None and `constexprs` (by
+    default the UPPER-case names) constexprs, bools i1, ints i32 (i64 past it) and floats `float_type`.
+    Raises Triton's CompilationError."""
     signature, constants = {}, {}
     for name in kernel.arg_names:
         value = args[name]
-        if name.isupper() or value is None:
+        if (name.isupper() if constexprs is None else name in constexprs) or value is None:
             signature[name], constants[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = POINTER_TYPES[value.dtype]
         elif isinstance(value, bool):
             signature[name] = "i1"
         elif isinstance(value, int):
-            signature[name] = "i32"
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
         else:
             assert isinstance(value, float), name
             signature[name] = float_type

@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lab.numerics.kernels.quantize import FusedQuant, _finite_row_amax, _nvfp4_scales, _tile_block_values
+from fp4lab.numerics.kernels.quantize import FusedQuant, _finite_row_amax, _fp32, _nvfp4_scales, _tile_block_values
 
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float32)
@@ -510,13 +510,6 @@ def _delta_kernel(
     grad_out = tl.load(grad_out_rows, mask=row_in_seq[:, None])
     delta = tl.sum(out.to(tl.float32) * grad_out.to(tl.float32), 1)
     tl.store(delta_ptr + (batch.to(tl.int64) * n_heads + head) * seq + rows, delta, mask=row_in_seq)
-
-
-@triton.jit
-def _fp32(x):
-    """A float argument in fp32: Triton's launcher passes a Python float as fp32, torch.compile's as fp64
-    (which would widen the running sums and fail the loop's type check)."""
-    return tl.cast(x, tl.float32)
 
 
 @triton.jit

@@ -74,6 +74,7 @@ from fp4lab.numerics.kernels.quantize import (
     _allocate,
     _constexprs,
     _finite_amax,
+    _fp32,
     _load,
     _Orientation,
     _orientation,
@@ -300,7 +301,7 @@ def _rmsnorm_rows_kernel(
         s = _round_bf16(s)
     _store(s_ptr, rows, cols, R, D, s.to(s_ptr.dtype.element_ty), False)
     mean = tl.math.div_rn(_sum_of_squares(x_ptr, res_ptr, rows, R, D, M, PW, LANES, S_BF16), D.to(tl.float32))
-    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean + eps))
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean + _fp32(eps)))
     tl.store(rstd_ptr + rows, rstd, mask=rows < R)
     t = s * rstd[:, None]
     if S_BF16:

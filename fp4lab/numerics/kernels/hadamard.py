@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lab.numerics.kernels.quantize import _finite_row_amax
+from fp4lab.numerics.kernels.quantize import _finite_row_amax, _fp32
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_LENGTH = 16384
@@ -62,7 +62,7 @@ def _hadamard_full_kernel(
     y = _butterfly(y, BR, N, LOG2N)
     if INVERSE:
         y = y * signs
-    y = y * scale
+    y = y * _fp32(scale)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], y, mask=(rows < R)[:, None])
     if AMAX:  # rows past R hold zeros: no effect; non-negative floats order as their bits do
         tl.atomic_max(amax_ptr, tl.max(_finite_row_amax(y, None, BR, N, 0), axis=0).to(tl.int32, bitcast=True))

@@ -148,6 +148,13 @@ def _block_amax(t, M: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _fp32(x):
+    """A float argument in fp32: Triton's launcher passes a Python float as fp32, torch.compile's as fp64
+    (which would widen the running sums and fail the loop's type check)."""
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
 def _mx_scale(bmax, MODE: tl.constexpr):
     """scales.mx_exponent from the bits of a finite block amax: (E8M0 byte, encode multiplier)."""
     if MODE >= 3:  # rceil: ceil(log2(amax / 6)), the quotient rounded once in float32
