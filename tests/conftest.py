@@ -71,7 +71,9 @@ def slurm_unavailable() -> str | None:
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` need an NVIDIA GPU, tests marked with a tool of TOOLS (`slurm`, `tmux`, `browser`)
-    that tool: without it each such test is reported as skipped, with the reason."""
+    that tool: without it each such test is reported as skipped, with the reason. Tests marked `slow` run
+    first: under xdist the longest start early instead of leaving one worker busy after the rest are done."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA (an NVIDIA GPU)")
         for item in items:

@@ -85,6 +85,7 @@ def record_launched_kernels(path: str) -> None:
     """Append each fp4lab kernel variant the interpreter launches to `path`, one JSON line: module, name
     and arguments (tensors as their dtype), for `build_recorded_kernels` to build outside the
     interpreter (Triton's own library is interpreted here, so nothing can be compiled in this process)."""
+    import inspect
     import json
 
     from triton.runtime import interpreter
@@ -92,18 +93,24 @@ def record_launched_kernels(path: str) -> None:
     seen: set[str] = set()
     interpreted_run = interpreter.InterpretedFunction.run
 
-    def described(value):
+    def described(value, constexpr: bool):
+        """A constexpr by value; a runtime argument by what its type is in the kernel's signature (so
+        launches over other shapes are one variant)."""
         if hasattr(value, "dtype") and hasattr(value, "data_ptr"):
             return {"tensor": str(value.dtype)}
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        return {"unrecorded": type(value).__name__}
+        if constexpr or value is None or isinstance(value, bool):
+            return value if value is None or isinstance(value, (bool, int, float, str)) else {"unrecorded": type(value).__name__}
+        if isinstance(value, int):
+            return {"int": "i32" if -(2**31) <= value < 2**31 else "i64"}
+        return {"float": True} if isinstance(value, float) else {"unrecorded": type(value).__name__}
 
     def run(self, *args, grid, warmup, **kwargs):
         if self.fn.__module__.startswith("fp4lab."):
             named = dict(zip(self.arg_names, args)) | {k: v for k, v in kwargs.items() if k in self.arg_names}
-            line = json.dumps({"module": self.fn.__module__, "kernel": self.fn.__name__,
-                               "args": {name: described(value) for name, value in named.items()}}, sort_keys=True)
+            params = inspect.signature(self.fn).parameters
+            line = json.dumps({"module": self.fn.__module__, "kernel": self.fn.__name__, "args": {
+                name: described(value, "constexpr" in str(params[name].annotation)) for name, value in named.items()}},
+                sort_keys=True)  # fmt: skip
             if line not in seen:
                 seen.add(line)
                 with open(path, "a") as out:
@@ -137,9 +144,14 @@ def build_recorded_kernels(path: str) -> None:
             continue
         kernel = getattr(importlib.import_module(variant["module"]), variant["kernel"])
         constexprs = {p.name for p in kernel.params if p.is_constexpr}
-        args = {name: torch.empty(1, dtype=getattr(torch, v["tensor"].removeprefix("torch."))) if isinstance(v, dict) else v
+        stand_ins = {"tensor": lambda dtype: torch.empty(1, dtype=getattr(torch, dtype.removeprefix("torch."))),
+                     "int": lambda width: 7 if width == "i32" else 2**40, "float": lambda _: 0.5}
+        args = {name: stand_ins[next(iter(v))](next(iter(v.values()))) if isinstance(v, dict) else v
                 for name, v in variant["args"].items()}
-        for launcher, float_type in FLOAT_TYPES.items():
+        typings = FLOAT_TYPES.items()
+        if not any(isinstance(v, float) and name not in constexprs for name, v in args.items()):
+            typings = list(typings)[:1]  # no float argument: one build is the other
+        for launcher, float_type in typings:
             try:
                 build_ttir(kernel, float_type, constexprs=constexprs, **args)
             except Exception as error:
