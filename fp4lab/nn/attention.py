@@ -516,13 +516,14 @@ class _FlashFP4Attention(torch.autograd.Function):
         q_values, k_values, v, out, lse2, *outers = ctx.saved_tensors
         quant: AttentionQuant = ctx.quant
         q_q, k_q = (_Factored(q_values, outers[0]), _Factored(k_values, outers[1])) if outers else (_Factored(q_values), _Factored(k_values))
-        seeds = None
+        seeds = (None, None)
         if quant.ds_rounding == "sr":  # dS along keys first, then along queries: the chunked path's order
             draw = lambda: torch.randint(2**62, (1,), generator=quant.generator, device=q_values.device)
             seeds = (draw(), draw())
         logit_scale = outer_scale_product(q_q.outer, k_q.outer)
+        q_seq, k_seq = (_quantized_along_seq(x.decoded(), quant.format) for x in (q_q, k_q))
         grad_q, grad_k, grad_v = flash_fp4_backward(
-            grad_out, q_values, k_values, v, out, lse2, logit_scale, _quantized_along_seq(q_q.decoded(), quant.format),
-            _quantized_along_seq(k_q.decoded(), quant.format), quant.format, seeds,
+            grad_out, q_values, k_values, v, out, lse2, logit_scale, q_seq.values, q_seq.outer, k_seq.values, k_seq.outer,
+            quant.format, *seeds,
         )
         return grad_q, grad_k, grad_v, None

@@ -249,12 +249,35 @@ def check_unquantized_ds_on_tensor_cores(device: str) -> None:
         assert relative(a, b) <= 1e-3
 
 
+def check_flash_kernels_are_operators_with_true_fakes(device: str) -> None:
+    """The flash path's forward and backward are custom operators (`fp4lab::flash_fp4_forward`,
+    `fp4lab::flash_fp4_backward`), as the plain flash attention's are: torch.compile keeps them opaque
+    (Triton's own launcher runs the kernels, not Inductor) and traces them by their fake implementations,
+    which opcheck holds to the real outputs' shapes, dtypes and strides. (Compiling the whole path is a
+    CUDA matter: under the interpreter, Dynamo cannot trace the fused quantizers' launches.)"""
+    from fp4lab.nn.attention import _block_values_along_head_dim, _quantized_along_seq
+    from fp4lab.numerics.kernels import attention as kernels_attention  # noqa: F401  (registers torch.ops.fp4lab.*)
+
+    q, k, v, grad_out = (t.to(device) for t in sequence_scaled_qkv(**{**SHAPE, "seq": 64}))
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    q_q, k_q = (_block_values_along_head_dim(x, "nvfp4") for x in (q, k))
+    logit_scale, v_bf16 = q_q.outer * k_q.outer, v.to(torch.bfloat16)
+    forward_args = (q_q.values, k_q.values, v_bf16, logit_scale)
+    torch.library.opcheck(torch.ops.fp4lab.flash_fp4_forward.default, forward_args, test_utils=checks)
+    out, lse2 = torch.ops.fp4lab.flash_fp4_forward(*forward_args)
+    q_seq, k_seq = (_quantized_along_seq(x.decoded(), "nvfp4") for x in (q_q, k_q))
+    args = (grad_out, q_q.values, k_q.values, v_bf16, out, lse2, logit_scale, q_seq.values, q_seq.outer, k_seq.values,
+            k_seq.outer, "nvfp4", None, None)  # fmt: skip
+    torch.library.opcheck(torch.ops.fp4lab.flash_fp4_backward.default, args, test_utils=checks)
+
+
 CHECKS = (
     "check_tile_block_values",
     "check_rtn_flash_against_chunked",
     "check_sr_flash_draws_as_chunked",
     "check_attention_module_runs_flash_with_the_triton_kernel",
     "check_unquantized_ds_on_tensor_cores",
+    "check_flash_kernels_are_operators_with_true_fakes",
 )
 
 

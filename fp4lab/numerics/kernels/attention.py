@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lab.numerics.kernels.quantize import FusedQuant, _finite_row_amax, _fp32, _nvfp4_scales, _tile_block_values
+from fp4lab.numerics.kernels.quantize import _finite_row_amax, _fp32, _nvfp4_scales, _tile_block_values
 
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float32)
@@ -279,9 +279,11 @@ _forward.register_autograd(_gradients, setup_context=_save_for_backward)
 # as flash attention: the forward kernel over the block values of Q and K quantized along head_dim, their
 # outer scales folded into the logits' factor; the backward kernels quantize dS tile by tile, along keys
 # in the dQ kernel and along queries in the dK/dV kernel, and multiply its block values by K and Q
-# quantized along the sequence. The score matrix and dS never leave the chip.
+# quantized along the sequence. The score matrix and dS never leave the chip. Custom operators, as the
+# plain path's are: torch.compile keeps them opaque and Triton's own launcher runs the kernels.
 
 
+@torch.library.custom_op("fp4lab::flash_fp4_forward", mutates_args=())
 def flash_fp4_forward(
     q_values: torch.Tensor, k_values: torch.Tensor, v: torch.Tensor, logit_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,19 +305,27 @@ def flash_fp4_forward(
     return out, lse2
 
 
+@flash_fp4_forward.register_fake
+def _(q_values, k_values, v, logit_scale):
+    return torch.empty(q_values.shape, dtype=torch.float32, device=q_values.device), _forward_outputs(q_values)[1]
+
+
+@torch.library.custom_op("fp4lab::flash_fp4_backward", mutates_args=())
 def flash_fp4_backward(
     grad_out: torch.Tensor, q_values: torch.Tensor, k_values: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse2: torch.Tensor, logit_scale: torch.Tensor | None, q_seq: FusedQuant, k_seq: FusedQuant,
-    fmt: str, seeds: tuple[torch.Tensor, torch.Tensor] | None,
+    lse2: torch.Tensor, logit_scale: torch.Tensor | None, q_seq_values: torch.Tensor, q_seq_outer: torch.Tensor | None,
+    k_seq_values: torch.Tensor, k_seq_outer: torch.Tensor | None, fmt: str, seed_keys: torch.Tensor | None,
+    seed_queries: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (fp32) of `flash_fp4_forward`'s attention, Full-Stack FP4's backward: dV = P^T dO and
     dP = dO V^T in bf16 (dO rounded to bf16), dS = P (dP - delta) with delta = rowsum(dO O), then
     dQ = dS K / sqrt(D) with dS quantized along keys (fmt) times k_seq, and dK = dS^T Q / sqrt(D)
     with dS^T quantized along queries times q_seq, each GEMM's outer scales applied to its fp32
-    result. q_seq, k_seq: Q and K quantized along the sequence, as `quantize_fused(x.reshape(-1, D),
-    transpose=True)` returns them (bf16 block values [D, B H T], NVFP4's outer scale or None). seeds: SR's Philox seeds of dS along keys and along queries (int64
-    [1] tensors on the device), None for round to nearest. NVFP4 takes dS's tensor scales from a first
-    pass over the tiles (`_grad_scores_amax_kernel`)."""
+    result. q_seq, k_seq: Q and K quantized along the sequence, the values and outer scale (NVFP4's, or
+    None) of the FusedQuant `quantize_fused(x.reshape(-1, D), transpose=True)` returns (bf16 block values
+    [D, B H T]). seed_keys, seed_queries: SR's Philox seeds of dS along keys and along queries (int64 [1]
+    tensors on the device), None for round to nearest. NVFP4 takes dS's tensor scales from a first pass
+    over the tiles (`_grad_scores_amax_kernel`)."""
     batch, n_heads, seq, head_dim = q_values.shape
     n_kv_heads = k_values.shape[1]
     _, _, block_m1, block_n1, block_m2, block_n2, warps, stages = _fp4_tiles(head_dim)
@@ -341,23 +351,29 @@ def flash_fp4_backward(
     grad_q = torch.empty(q_values.shape, dtype=torch.float32, device=q_values.device)
     grad_k = torch.empty(k_values.shape, dtype=torch.float32, device=q_values.device)
     grad_v = torch.empty_like(grad_k)
-    seed_keys, seed_queries = seeds if seeds is not None else (None, None)
     fp4 = {"HEAD_DIM": head_dim, "PRECISION": "tf32", "POLY": False, "SCALED": logit_scale is not None,
-           "DS_FMT": ds_fmt, "DS_SR": seeds is not None}  # fmt: skip
+           "DS_FMT": ds_fmt, "DS_SR": seed_keys is not None}  # fmt: skip
     scales = (_log2e_scale(head_dim), 1.0 / math.sqrt(head_dim))
     _grad_kv_kernel[(triton.cdiv(seq, block_n1), batch * n_kv_heads)](
         *tensors, lse2, delta, grad_k, grad_v, *strides, *grad_k.stride()[:3], *grad_v.stride()[:3],
-        n_kv_heads, group, seq, *scales, logit_scale, q_seq.values, q_seq.outer,
+        n_kv_heads, group, seq, *scales, logit_scale, q_seq_values, q_seq_outer,
         *_sequence_strides(batch, n_heads, seq), seed_queries, ds_amax,
         BLOCK_M=block_m1, BLOCK_N=block_n1, **fp4, **launch,
     )  # fmt: skip
     _grad_q_kernel[(triton.cdiv(seq, block_m2), batch * n_heads)](
         *tensors, lse2, delta, grad_q, *strides, *grad_q.stride()[:3],
-        n_heads, group, seq, *scales, logit_scale, k_seq.values, k_seq.outer,
+        n_heads, group, seq, *scales, logit_scale, k_seq_values, k_seq_outer,
         *_sequence_strides(batch, n_kv_heads, seq), seed_keys, ds_amax,
         BLOCK_M=block_m2, BLOCK_N=block_n2, **fp4, **launch,
     )  # fmt: skip
     return grad_q, grad_k, grad_v
+
+
+@flash_fp4_backward.register_fake
+def _(grad_out, q_values, k_values, v, out, lse2, logit_scale, q_seq_values, q_seq_outer, k_seq_values, k_seq_outer,
+      fmt, seed_keys, seed_queries):  # fmt: skip
+    grad_k = torch.empty(k_values.shape, dtype=torch.float32, device=k_values.device)
+    return torch.empty(q_values.shape, dtype=torch.float32, device=q_values.device), grad_k, torch.empty_like(grad_k)
 
 
 def _sequence_strides(batch: int, n_heads: int, seq: int) -> tuple[int, int, int, int]:
