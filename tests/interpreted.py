@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -120,7 +121,18 @@ def record_launched_kernels(path: str) -> None:
     interpreter.InterpretedFunction.run = run
 
 
-_BUILT: set[str] = set()
+def _built_marker(line: str) -> Path:
+    """A file whose existence says this variant built before from the same kernel sources and Triton:
+    in the temp folder, so the workers of one run, and later runs on this machine, build it once."""
+    import hashlib
+
+    import triton
+
+    sources = sorted(Path(ROOT, "fp4lab", "numerics", "kernels").glob("*.py"))
+    digest = hashlib.sha256(triton.__version__.encode() + line.encode())
+    for source in sources:
+        digest.update(source.read_bytes())
+    return Path(tempfile.gettempdir(), "fp4lab-sm90-builds", digest.hexdigest())
 
 
 def build_recorded_kernels(path: str) -> None:
@@ -137,7 +149,7 @@ def build_recorded_kernels(path: str) -> None:
     from tests.kernels.test_triton_frontend import FLOAT_TYPES, build_ttir
 
     with open(path) as lines:
-        recorded = [line for line in lines.read().splitlines() if line and line not in _BUILT]
+        recorded = [line for line in lines.read().splitlines() if line and not _built_marker(line).exists()]
     for line in recorded:
         variant = json.loads(line)
         if any(isinstance(v, dict) and "unrecorded" in v for v in variant["args"].values()):
@@ -159,4 +171,6 @@ def build_recorded_kernels(path: str) -> None:
                 message = (str(cause).strip().splitlines() or [""])[-1] or repr(cause)
                 raise AssertionError(f"{variant['kernel']} ({variant['module']}) does not build for sm90 with floats as "
                                      f"{launcher} passes them: {message}\n{line}") from error
-        _BUILT.add(line)
+        marker = _built_marker(line)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
