@@ -7,6 +7,8 @@ fp4lab kernel variant the interpreter launched for a GPU too (`build_recorded_ke
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import subprocess
 import sys
@@ -29,7 +31,8 @@ def interpreter_python(code: str, timeout: int = 600) -> subprocess.CompletedPro
         open(record, "w").close()
         env = dict(os.environ, TRITON_INTERPRET="1", FP4LAB_KERNEL_RECORD=record)
         done = subprocess.run([sys.executable, "-c", PROLOGUE + code], env=env, timeout=timeout, capture_output=True, text=True, check=False)
-        build_recorded_kernels(record)
+        if done.returncode == 0:  # a failed check's own error comes first
+            build_recorded_kernels(record)
     return done
 
 
@@ -121,18 +124,22 @@ def record_launched_kernels(path: str) -> None:
     interpreter.InterpretedFunction.run = run
 
 
+@functools.cache
+def _kernel_sources_digest() -> bytes:
+    """Triton's version and fp4lab's kernel sources, as they are for this test process."""
+    import triton
+
+    digest = hashlib.sha256(triton.__version__.encode())
+    for source in sorted(Path(ROOT, "fp4lab", "numerics", "kernels").glob("*.py")):
+        digest.update(source.read_bytes())
+    return digest.digest()
+
+
 def _built_marker(line: str) -> Path:
     """A file whose existence says this variant built before from the same kernel sources and Triton:
     in the temp folder, so the workers of one run, and later runs on this machine, build it once."""
-    import hashlib
-
-    import triton
-
-    sources = sorted(Path(ROOT, "fp4lab", "numerics", "kernels").glob("*.py"))
-    digest = hashlib.sha256(triton.__version__.encode() + line.encode())
-    for source in sources:
-        digest.update(source.read_bytes())
-    return Path(tempfile.gettempdir(), "fp4lab-sm90-builds", digest.hexdigest())
+    name = hashlib.sha256(_kernel_sources_digest() + line.encode()).hexdigest()
+    return Path(tempfile.gettempdir(), "fp4lab-sm90-builds", name)
 
 
 def build_recorded_kernels(path: str) -> None:
