@@ -221,8 +221,7 @@ def _without_speed(records: list[dict]) -> list[dict]:
 def test_encoded_gathers_train_the_dense_run_bit_for_bit_and_move_the_bytes_the_formula_gives(tmp_path, recipe, compute, parallel):
     dense = _config(tmp_path, recipe, "dense", compute=compute, parallel=parallel)
     encoded = _config(tmp_path, recipe, "encoded", compute=compute, parallel=parallel)
-    run_two_ranks(dense)
-    log = run_two_ranks(encoded).stderr
+    log = run_two_ranks(dense, encoded).stderr
     assert _without_speed(metrics(encoded)) == _without_speed(metrics(dense))
     assert any("quant" in r for r in metrics(encoded))  # probes measured the gathered encodings against W
     _assert_same_state(_final_state(encoded), _final_state(dense))
@@ -244,9 +243,8 @@ def test_encoded_gathers_train_the_dense_run_bit_for_bit_and_move_the_bytes_the_
 def test_a_run_stopped_and_resumed_under_encoded_gathers_is_the_dense_run(tmp_path):
     # nvfp4: SR gradients (each rank's generators go through the checkpoint) and a BF16 block.
     dense = _config(tmp_path, "nvfp4", "dense")
-    run_two_ranks(dense)
     stopped = _config(tmp_path, "nvfp4", "encoded", name="stopped")
-    first = run_two_ranks(stopped, stop_after_on_rank_1=2)
+    first = run_two_ranks(dense, stopped, stop_after_on_rank_1=2)
     assert "rank 0 status stopped steps 2" in first.stderr
     run_two_ranks(stopped)
     # The resumed segment gathered encoded too: the hooks outlive loading the checkpoint into the shards.

@@ -62,11 +62,16 @@ def torchrun(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, check=False)
 
 
-def run_two_ranks(config: TrainConfig, stop_after_on_rank_1: int | None = None) -> subprocess.CompletedProcess:
-    path = Path(config.out_dir).with_suffix(".json")
-    path.write_text(json.dumps(config.to_dict()))
+def run_two_ranks(*configs: TrainConfig, stop_after_on_rank_1: int | None = None) -> subprocess.CompletedProcess:
+    """Train each config on two ranks, one after another in one torchrun launch (rank 1 stops the last
+    one after `stop_after_on_rank_1` steps)."""
+    paths = []
+    for config in configs:
+        path = Path(config.out_dir).with_suffix(".json")
+        path.write_text(json.dumps(config.to_dict()))
+        paths.append(str(path))
     extra = [] if stop_after_on_rank_1 is None else [str(stop_after_on_rank_1)]
-    result = torchrun(str(WORKER), str(path), *extra)
+    result = torchrun(str(WORKER), *paths, *extra)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -190,9 +195,8 @@ def test_only_rank_0_writes_and_a_stop_on_one_rank_stops_all_and_resumes_exactly
         "recipe": "nvfp4-global", "parallel": parallel, "capture_steps": [1], "capture_layers": ["layers.0.attention.wq"],
     }
     whole = small(tmp_path, "whole", **settings)
-    run_two_ranks(whole)
     stopped = small(tmp_path, "stopped", **settings)
-    first = run_two_ranks(stopped, stop_after_on_rank_1=2)
+    first = run_two_ranks(whole, stopped, stop_after_on_rank_1=2)
     # Only rank 1 was asked to stop, after its second step: both stop there, or the run would hang.
     assert "rank 0 status stopped steps 2" in first.stderr and "rank 1 status stopped steps 2" in first.stderr
     assert json.loads((Path(stopped.out_dir) / "summary.json").read_text())["status"] == "stopped"

@@ -244,9 +244,8 @@ def test_a_stop_on_one_rank_stops_both_and_the_run_resumes_exactly(tmp_path):
     # SR: every block's streams live on its rank and must be checkpointed and continued there.
     settings = {"recipe": "nvfp4-global", "parallel": "pp"}
     whole = small(tmp_path, "whole", **settings)
-    run_two_ranks(whole)
     stopped = small(tmp_path, "stopped", **settings)
-    first = run_two_ranks(stopped, stop_after_on_rank_1=2)
+    first = run_two_ranks(whole, stopped, stop_after_on_rank_1=2)
     assert "rank 0 status stopped steps 2" in first.stderr and "rank 1 status stopped steps 2" in first.stderr
     run_two_ranks(stopped)
     assert metrics(stopped) == [{**r, "tokens_per_s": s["tokens_per_s"]} for r, s in zip(metrics(whole), metrics(stopped))]

@@ -165,9 +165,8 @@ def test_after_a_change_of_world_a_stop_and_resume_on_the_same_ranks_continues_b
     run(straight, progress=False, stop_after=2)
     stopped = small(tmp_path, "stopped", recipe="nvfp4-global")
     shutil.copytree(straight.out_dir, stopped.out_dir)
-    run_two_ranks(TrainConfig.from_dict(straight.to_dict() | {"parallel": "fsdp"}))
     on_ranks = TrainConfig.from_dict(stopped.to_dict() | {"parallel": "fsdp"})
-    run_two_ranks(on_ranks, stop_after_on_rank_1=2)
+    run_two_ranks(TrainConfig.from_dict(straight.to_dict() | {"parallel": "fsdp"}), on_ranks, stop_after_on_rank_1=2)
     run_two_ranks(on_ranks)
     assert [r | {"tokens_per_s": 0} for r in metrics(stopped)] == [r | {"tokens_per_s": 0} for r in metrics(straight)]
 
