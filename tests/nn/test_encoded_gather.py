@@ -9,6 +9,7 @@ formula gives and every all-gather counted, so a silent fall back to dense canno
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -205,37 +206,51 @@ def _without_speed(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
 
 
-@pytest.mark.slow
-@needs_gloo
-@pytest.mark.parametrize(("recipe", "compute", "parallel"), [
+# (recipe, compute, parallel). Each half trains in one torchrun launch, dense and encoded run by run.
+CASES = [
     ("mxfp4", "reference", "fsdp"),
     ("nvfp4-1d-h16", "reference", "fsdp"),
     ("nvfp4", "reference", "fsdp"),
+    ("fp8", "reference", "fsdp"),
     # The tensor-core path (bf16 autocast; on the CPU its GEMMs run in fp32 on the same operands).
     ("nvfp4-1d-h16", "fast", "fsdp"),
     ("nvfp4", "fast", "fsdp"),
-    ("mxfp4", "reference", "hsdp"),  # one node of 2: gathers and amaxes over the "shard" dim of the mesh
-    ("fp8", "reference", "fsdp"),
     ("fp8-rowwise", "fast", "fsdp"),
-])
-def test_encoded_gathers_train_the_dense_run_bit_for_bit_and_move_the_bytes_the_formula_gives(tmp_path, recipe, compute, parallel):
-    dense = _config(tmp_path, recipe, "dense", compute=compute, parallel=parallel)
-    encoded = _config(tmp_path, recipe, "encoded", compute=compute, parallel=parallel)
-    log = run_two_ranks(dense, encoded).stderr
-    assert _without_speed(metrics(encoded)) == _without_speed(metrics(dense))
-    assert any("quant" in r for r in metrics(encoded))  # probes measured the gathered encodings against W
-    _assert_same_state(_final_state(encoded), _final_state(dense))
+    ("mxfp4", "reference", "hsdp"),  # one node of 2: gathers and amaxes over the "shard" dim of the mesh
+]
 
-    layers = ENCODED_LAYERS[recipe]
-    assert f"encoded weight all-gather: {layers} FP4 linears encoded, {28 - layers} dense" in log
-    moved = json.loads((Path(encoded.out_dir) / "summary.json").read_text())["gather_bytes_per_step"]
-    assert moved["ratio"] == RATIO[recipe] and moved["encoded_layers"] == layers
-    # Every encoded weight was gathered encoded for the backward of every step (no silent dense
-    # gather) and for every forward: the steps' and the evaluation batches'.
-    forwards = STEPS + encoded.eval_batches * sum("val_loss" in r for r in metrics(encoded))
-    assert moved["gathers"] == {"forward": forwards * layers, "backward": STEPS * layers}
-    assert moved["moved"] == moved["encoded"] // 2 * (forwards + STEPS)
-    assert "gather_bytes_per_step" not in json.loads((Path(dense.out_dir) / "summary.json").read_text())
+
+@pytest.mark.slow
+@needs_gloo
+@pytest.mark.parametrize("cases", [CASES[:4], CASES[4:]], ids=["reference-fsdp", "fast-and-hsdp"])
+def test_encoded_gathers_train_the_dense_run_bit_for_bit_and_move_the_bytes_the_formula_gives(tmp_path, cases):
+    runs = [
+        tuple(_config(tmp_path, recipe, gather, name=f"{recipe}-{gather}-{compute}-{parallel}", compute=compute, parallel=parallel)
+              for gather in ("dense", "encoded"))
+        for recipe, compute, parallel in cases
+    ]
+    log = run_two_ranks(*(config for pair in runs for config in pair)).stderr
+    # One line per encoded run, in the order they ran (a dense one says nothing).
+    announced = re.findall(r"encoded weight all-gather: .*", log)
+    assert len(announced) == len(cases), announced
+    for line, (recipe, _, _) in zip(announced, cases):
+        layers = ENCODED_LAYERS[recipe]
+        assert line.startswith(f"encoded weight all-gather: {layers} FP4 linears encoded, {28 - layers} dense"), (recipe, line)
+    for (recipe, compute, parallel), (dense, encoded) in zip(cases, runs):
+        case = (recipe, compute, parallel)
+        assert _without_speed(metrics(encoded)) == _without_speed(metrics(dense)), case
+        assert any("quant" in r for r in metrics(encoded)), case  # probes measured the gathered encodings against W
+        _assert_same_state(_final_state(encoded), _final_state(dense))
+
+        layers = ENCODED_LAYERS[recipe]
+        moved = json.loads((Path(encoded.out_dir) / "summary.json").read_text())["gather_bytes_per_step"]
+        assert moved["ratio"] == RATIO[recipe] and moved["encoded_layers"] == layers, case
+        # Every encoded weight was gathered encoded for the backward of every step (no silent dense
+        # gather) and for every forward: the steps' and the evaluation batches'.
+        forwards = STEPS + encoded.eval_batches * sum("val_loss" in r for r in metrics(encoded))
+        assert moved["gathers"] == {"forward": forwards * layers, "backward": STEPS * layers}, case
+        assert moved["moved"] == moved["encoded"] // 2 * (forwards + STEPS), case
+        assert "gather_bytes_per_step" not in json.loads((Path(dense.out_dir) / "summary.json").read_text()), case
 
 
 @pytest.mark.slow

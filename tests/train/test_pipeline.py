@@ -211,32 +211,38 @@ def test_the_fast_path_through_the_stages_gives_the_one_process_step():
 # --- whole runs under torchrun ---------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("recipe", "optimizer", "extra"), [
+# (recipe, optimizer, extra): one torchrun launch trains them all, one after another.
+CURVE_CASES = [
     ("bf16", "adamw", {}),
     ("mxfp4", "adamw", {}),
     # tau low enough that heads clip: each rank clips its blocks' heads on the max over all microbatches
     ("bf16", "muon", {"qk_clip": "kimi", "qk_clip_tau": 0.15}),
-])
-def test_pp_trains_the_one_process_curve(tmp_path, recipe, optimizer, extra):
-    settings = {"recipe": recipe, "optimizer": optimizer, "adam_lr": 3e-3, **extra}
-    one = small(tmp_path, "one", **settings)
-    run(one, progress=False)
-    two = small(tmp_path, "two", **settings, parallel="pp")
-    run_two_ranks(two)
-    assert_same_curve(metrics(one), metrics(two))
-    # Step 0's per-head max logits, every layer's heads gathered to rank 0 in block order, each the max
-    # over all microbatches. (Later probes amplify the optimizer's summation-order differences: measured
-    # 1.6e-2 at step 3 with Muon; the curve and the clipped-head counts cover those steps.)
-    first, first_pp = metrics(one)[0], metrics(two)[0]
-    assert torch.tensor(first_pp["max_logit"]) == pytest.approx(torch.tensor(first["max_logit"]), rel=RTOL_FIRST)
-    if extra:
-        clipped = [r["qk_clipped_heads"] for r in metrics(two)]
-        assert clipped == [r["qk_clipped_heads"] for r in metrics(one)] and sum(clipped) > 0
-    out = Path(two.out_dir)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["world_size"] == 2
-    assert json.loads((out / "config.json").read_text())["pipeline_schedule"] == "ScheduleDualPipeV"
+]
+
+
+@pytest.mark.slow
+def test_pp_trains_the_one_process_curve(tmp_path):
+    pairs = []
+    for index, (recipe, optimizer, extra) in enumerate(CURVE_CASES):
+        settings = {"recipe": recipe, "optimizer": optimizer, "adam_lr": 3e-3, **extra}
+        one = small(tmp_path, f"one-{index}", **settings)
+        run(one, progress=False)
+        pairs.append((one, small(tmp_path, f"two-{index}", **settings, parallel="pp")))
+    run_two_ranks(*(two for _, two in pairs))
+    for case, (one, two) in zip(CURVE_CASES, pairs):
+        assert_same_curve(metrics(one), metrics(two), case)
+        # Step 0's per-head max logits, every layer's heads gathered to rank 0 in block order, each the
+        # max over all microbatches. (Later probes amplify the optimizer's summation-order differences:
+        # measured 1.6e-2 at step 3 with Muon; the curve and the clipped-head counts cover those steps.)
+        first, first_pp = metrics(one)[0], metrics(two)[0]
+        assert torch.tensor(first_pp["max_logit"]) == pytest.approx(torch.tensor(first["max_logit"]), rel=RTOL_FIRST), case
+        if case[2]:
+            clipped = [r["qk_clipped_heads"] for r in metrics(two)]
+            assert clipped == [r["qk_clipped_heads"] for r in metrics(one)] and sum(clipped) > 0, case
+        out = Path(two.out_dir)
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["world_size"] == 2, case
+        assert json.loads((out / "config.json").read_text())["pipeline_schedule"] == "ScheduleDualPipeV", case
 
 
 @pytest.mark.slow
