@@ -160,6 +160,11 @@ def test_update_cap_binds_exactly_and_leaves_small_updates_alone():
     assert factors[0].item() == pytest.approx(0.05 * b0.norm().item() / big.grad.norm().item(), rel=1e-6)
     assert factors[1].item() == 1.0 and torch.equal(small.detach(), s_after)
     assert not torch.equal(s_after, s0)
+    # The capped matrix, bit for bit: W_before + delta * (alpha ||W_before|| / ||delta||), in float64.
+    step = uncapped.double() - b0.double()
+    factor = 0.05 * torch.linalg.vector_norm(b0.double()) / torch.linalg.vector_norm(step)
+    assert torch.equal(big.detach(), (b0.double() + step * factor).float())
+    assert factors.dtype == torch.float64 and factors[0] == factor
 
 
 def test_update_cap_needs_a_snapshot_and_a_positive_alpha():
@@ -168,3 +173,23 @@ def test_update_cap_needs_a_snapshot_and_a_positive_alpha():
         UpdateCap([(p, 0.05)]).apply()
     with pytest.raises(ValueError, match=r"alpha=0 must be a finite number > 0"):
         UpdateCap([(p, 0)])
+
+
+@pytest.mark.cuda
+def test_update_cap_never_waits_for_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (an NVIDIA GPU)")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(64, 64, device="cuda", generator=gen)) for _ in range(3)]
+    cap = UpdateCap((p, 0.05) for p in params)
+    cap.snapshot()
+    with torch.no_grad():
+        params[0].add_(torch.randn(64, 64, device="cuda", generator=gen))  # over its cap
+        params[1].add_(torch.randn(64, 64, device="cuda", generator=gen) * 1e-4)  # under it
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host read now raises
+    try:
+        factors = cap.apply()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert factors[0].item() < 1.0 and factors[1].item() == 1.0 and factors[2].item() == 1.0
