@@ -84,7 +84,8 @@ def qk_clip_(
 
 def _scale_heads_(w: torch.Tensor, head_scale: torch.Tensor, heads: int, head_dim: int) -> None:
     """Multiply the head_dim rows of each head of w by that head's factor, in w's dtype."""
-    head_scale = head_scale.to(w.dtype).to(w.device)
+    # Not waiting for the GPU: a copy from pageable host memory is staged before the call returns.
+    head_scale = head_scale.to(w.dtype).to(w.device, non_blocking=True)
     if not is_sharded(w):
         w.view(heads, head_dim, -1).mul_(head_scale[:, None, None])
         return

@@ -357,9 +357,13 @@ def _probe_record(model: Llama, ranks: distributed.Ranks) -> dict[str, Any]:
 @torch.no_grad()
 def _apply_qk_clip(model: Llama, tau: float, realign: bool) -> int:
     clipped = 0
-    for attention in model.attentions():
+    attentions = list(model.attentions())
+    # One read of every layer's max logits: qk_clip_ computes its factors on host values, and reading
+    # each layer's on its own waited for the GPU once a layer.
+    max_logits = torch.stack([attention.last_max_logits for attention in attentions]).cpu()
+    for attention, layer_max_logits in zip(attentions, max_logits):
         gammas = qk_clip_(
-            attention.wq.weight, attention.wk.weight, attention.last_max_logits, tau,
+            attention.wq.weight, attention.wk.weight, layer_max_logits, tau,
             attention.n_heads, attention.n_kv_heads, attention.head_dim,
         )
         hit = int((gammas < 1).sum())

@@ -193,3 +193,23 @@ def test_update_cap_never_waits_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert factors[0].item() < 1.0 and factors[1].item() == 1.0 and factors[2].item() == 1.0
+
+
+@pytest.mark.cuda
+def test_qk_clip_of_host_max_logits_never_waits_for_the_gpu():
+    # The training loop reads every layer's max logits once a step and clips each layer from that read.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (an NVIDIA GPU)")
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    w_q, w_k = torch.randn(4 * 8, 16, device="cuda", generator=gen), torch.randn(2 * 8, 16, device="cuda", generator=gen)
+    expected_q, expected_k = w_q.clone(), w_k.clone()
+    max_logits = torch.tensor([1.0, 9.0, 2.0, 3.0])
+    gamma_cuda = qk_clip_(expected_q, expected_k, max_logits.cuda(), 4.0, 4, 2, 8)  # reads the logits back
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gamma = qk_clip_(w_q, w_k, max_logits, 4.0, 4, 2, 8)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(gamma, gamma_cuda) and torch.equal(w_q, expected_q) and torch.equal(w_k, expected_k)
+    assert torch.equal(gamma, torch.tensor([1.0, 4.0 / 9.0, 1.0, 1.0]))  # float32, as qk_clip_ returns it
