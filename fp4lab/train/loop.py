@@ -332,7 +332,10 @@ def _set_probes(model: Llama, probing: bool, record_max_logits: bool) -> None:
 
 def _probe_record(model: Llama, ranks: distributed.Ranks) -> dict[str, Any]:
     blocks = [int(index) for index, _ in model.layers.named_children()]
-    attention = {i: (a.last_entropy.tolist(), a.last_max_logits.tolist()) for i, a in zip(blocks, model.attentions())}
+    # One host read for every layer's entropy and max logits (float64 holds either dtype exactly).
+    attentions = list(model.attentions())
+    read = torch.stack([torch.stack([a.last_entropy, a.last_max_logits]).to(torch.float64) for a in attentions]).tolist() if attentions else []
+    attention = {i: (entropy, max_logits) for i, (entropy, max_logits) in zip(blocks, read)}
     recorded = [(name, op, v) for name, linear in fp4_linears(model).items() for op, v in linear.quant_stats.items()]
     values = torch.stack([v for _, _, v in recorded]).tolist() if recorded else []  # one host sync for them all
     quant: dict[str, dict[str, list[float]]] = {}
