@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,16 @@ def small(tmp_path: Path, name: str, **overrides) -> TrainConfig:
 def torchrun(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, check=False)
+    # In a session of its own: a launch over its time is killed with its ranks (killing torchrun alone
+    # left them training, or hung in a collective, for the rest of the suite).
+    with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as launch:
+        try:
+            stdout, stderr = launch.communicate(timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.communicate()
+            raise
+    return subprocess.CompletedProcess(command, launch.returncode, stdout, stderr)
 
 
 def run_two_ranks(*configs: TrainConfig, stop_after_on_rank_1: int | None = None) -> subprocess.CompletedProcess:
