@@ -39,6 +39,7 @@ proposal already tried (same fingerprint) is never run again.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -49,8 +50,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -685,18 +687,48 @@ class WorktreeCommand:
         with open(self.log, "w") as log:
             log.write(header)
             log.flush()
+            process = None
             try:
-                done = subprocess.run(self.argv, cwd=self.cwd, env=os.environ | self.env, stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=self.timeout_s, preexec_fn=_die_with_parent)
+                with _ctrl_c_after_spawn():
+                    process = subprocess.Popen(self.argv, cwd=self.cwd, env=os.environ | self.env, stdout=log,
+                                               stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                returncode = process.wait(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
                 log.write("\n[timed out]\n")
                 return None, f"timed out after {self.timeout_s / 60:.3g} min"
             except OSError as exc:
                 log.write(f"[cannot run: {exc.strerror}]\n")
                 return 127, f"cannot run {self.argv[0]!r}: {exc.strerror}"
-            log.write(f"\n[exit {done.returncode}]\n")
+            except BaseException:  # Ctrl-C: the experiment goes with the ratchet
+                if process is not None:
+                    process.kill()
+                    process.wait()
+                raise
+            log.write(f"\n[exit {returncode}]\n")
         output = self.log.read_text(errors="replace")[len(header):]
-        return done.returncode, output.removesuffix(f"\n[exit {done.returncode}]\n")
+        return returncode, output.removesuffix(f"\n[exit {returncode}]\n")
+
+
+@contextlib.contextmanager
+def _ctrl_c_after_spawn() -> Iterator[None]:
+    """Hold a SIGINT that arrives while a child is forked and started until it is: Python runs the
+    handler wherever it is then, and an at-fork hook swallows the KeyboardInterrupt (logging's) or the
+    child's preexec_fn fails with it, so the ratchet went on, or failed with "Exception occurred in
+    preexec_fn" instead of stopping. Once the child exists the signal is raised again, to whatever
+    handler was there. Only the main thread sets handlers; elsewhere nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _die_with_parent() -> None:
