@@ -56,8 +56,8 @@ ATTN_KERNEL = "fp4lab/numerics/kernels/attention.py"
 MX_GEMM = "fp4lab/numerics/kernels/mx_gemm.py"
 MX_INTERPRETED = "tests/kernels/test_triton_mx_gemm.py::test_kernel_under_triton_interpreter"
 FUSION_WIRE = "tests/nn/test_producer_fusion.py::test_producer_fusion_reaches_every_w2_and_w1_and_the_blocks_call_them"
-NORM_EXACT = "tests/nn/test_producer_fusion.py::test_fused_residual_rmsnorm_equals_the_pinned_unfused_block_under_the_interpreter"
-FUSION_EXACT = "tests/nn/test_producer_fusion.py::test_fused_swiglu_equals_the_unfused_feed_forward_under_the_interpreter"
+NORM_EXACT = "tests/nn/test_producer_fusion.py::test_fused_producers_equal_the_unfused_blocks_and_fall_back_under_the_interpreter"
+FUSION_EXACT = "tests/nn/test_producer_fusion.py::test_fused_producers_equal_the_unfused_blocks_and_fall_back_under_the_interpreter"
 LIN = "fp4lab/nn/fp4_linear.py"
 OPERANDS = "fp4lab/nn/operands.py"
 GEMM = "fp4lab/nn/gemm.py"
@@ -65,18 +65,18 @@ KERNELS = "fp4lab/numerics/kernels/__init__.py"
 TQ = "fp4lab/numerics/kernels/quantize.py"
 TQ_INTERPRETED = "tests/kernels/test_triton_quantize.py::test_kernels_under_triton_interpreter"
 PROBE_COUNTS = "tests/kernels/test_triton_quantize.py::test_probe_counts_under_triton_interpreter"
-CTA_FUSED = "tests/nn/test_tensor_cores.py::test_cta_local_operands_from_the_fused_quantizers_under_the_interpreter"
-CTA_2D_FUSED = "tests/nn/test_tensor_cores.py::test_cta_local_2d_weights_from_the_fused_quantizer_under_the_interpreter"
+CTA_FUSED = "tests/nn/test_tensor_cores.py::test_cta_local_operands_and_2d_weights_from_the_fused_quantizers_under_the_interpreter"
+CTA_2D_FUSED = "tests/nn/test_tensor_cores.py::test_cta_local_operands_and_2d_weights_from_the_fused_quantizers_under_the_interpreter"
 FUSION_REF = "fp4lab/numerics/fusion.py"
 TILE_GEMM = "fp4lab/numerics/tile_gemm.py"
 FP8_KERNEL = "fp4lab/numerics/kernels/fp8.py"
-FP8_INTERPRETED = "tests/kernels/test_triton_fp8.py::test_fused_fp8_matches_the_reference_under_the_interpreter"
-FP8_WIRE = "tests/kernels/test_triton_fp8.py::test_fp8_layers_take_the_fused_quantizer_under_the_interpreter"
-FP8_AMAX = "tests/kernels/test_triton_fp8.py::test_amax_pass_matches_the_reference_under_the_interpreter"
+FP8_INTERPRETED = "tests/kernels/test_triton_fp8.py::test_amax_pass_and_fused_quantizer_match_the_reference_and_layers_take_them_under_the_interpreter"
+FP8_WIRE = "tests/kernels/test_triton_fp8.py::test_amax_pass_and_fused_quantizer_match_the_reference_and_layers_take_them_under_the_interpreter"
+FP8_AMAX = "tests/kernels/test_triton_fp8.py::test_amax_pass_and_fused_quantizer_match_the_reference_and_layers_take_them_under_the_interpreter"
 TILE_KERNEL = "fp4lab/numerics/kernels/tile_gemm.py"
 TILE_TESTS = "tests/numerics/test_tile_gemm.py"
-TILE_INTERPRETED = "tests/numerics/test_tile_gemm.py::test_kernel_equals_the_reference_under_the_interpreter"
-TILE_WIRE = "tests/numerics/test_tile_gemm.py::test_fp4_linear_sends_cta_local_weights_to_the_kernel_under_the_interpreter"
+TILE_INTERPRETED = "tests/numerics/test_tile_gemm.py::test_kernel_equals_the_reference_and_fp4_linear_sends_it_cta_local_weights_under_the_interpreter"
+TILE_WIRE = "tests/numerics/test_tile_gemm.py::test_kernel_equals_the_reference_and_fp4_linear_sends_it_cta_local_weights_under_the_interpreter"
 CTA_MATCH = "tests/nn/test_tensor_cores.py::test_fp4_linear_tensor_cores_match_reference[cpu-nvfp4-cta]"
 NORM_BACKWARD = "tests/kernels/test_triton_fusion.py::test_rmsnorm_backward_is_autograd_of_the_reference"
 BUILD = "fp4lab/nn/build.py"
@@ -96,8 +96,8 @@ FULLSTACK = W + "test_fullstack_loop_refreshes_lora_svd_and_keeps_nvfp4_optimize
 SWITCHES = W + "test_recipe_switches_reach_the_model"
 OPT_STATES = W + "test_nvfp4_optimizer_states_are_stored_packed_and_used"
 ATTN_EXACT = "tests/nn/test_attention.py::test_fp4_attention_is_bit_exact_to_an_emulation_with_every_operand_on_its_contraction_axis"
-ATTN_FUSED_EXACT = "tests/nn/test_fp4_attention_fused.py::test_fused_fp4_attention_under_the_interpreter[check_fused_rtn_equals_the_reference]"
-ATTN_FUSED_SR = "tests/nn/test_fp4_attention_fused.py::test_fused_fp4_attention_under_the_interpreter[check_fused_sr_draws_from_the_generator]"
+ATTN_FUSED_EXACT = "tests/nn/test_fp4_attention_fused.py::test_fused_fp4_attention_under_the_interpreter"
+ATTN_FUSED_SR = "tests/nn/test_fp4_attention_fused.py::test_fused_fp4_attention_under_the_interpreter"
 OPTIONS = W + "test_fp4_linear_operand_options_reach_the_quantizer"
 NS_EXACT = "tests/optim/test_optim.py::test_nvfp4_newton_schulz_is_three_nvfp4_gemms_blocked_along_their_contraction_axes"
 NS_FUSED = "tests/optim/test_optim.py::test_fused_nvfp4_newton_schulz_equals_the_reference_under_the_interpreter"
@@ -205,23 +205,23 @@ MUTATIONS = [
       ["tests/nn/test_fp4_attention_chunked.py::test_tensor_core_fp4_attention_under_the_interpreter"]),
     m("flash-fp4-not-wired", "Attention with the triton kernel runs FP4 attention on the chunked path, not the flash kernels",
       (ATTN, 'flash = self.kernel == "triton" and flash_fp4_covers(q, self.quant)', "flash = False"),
-      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter[check_attention_module_runs_flash_with_the_triton_kernel]"]),
+      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter"]),
     m("flash-logit-scale-dropped", "flash FP4 attention leaves the NVFP4 outer scales of Q and K out of its logits",
       (ATTN_KERNEL, "POLY=False, SCALED=logit_scale is not None,\n        num_warps", "POLY=False, SCALED=False,\n        num_warps"),
-      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter[check_rtn_flash_against_chunked]"]),
+      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter"]),
     m("flash-ds-unquantized-for-dq", "the flash dQ kernel multiplies unquantized dS, not its FP4 block values",
       (ATTN_KERNEL, "grad_q += tl.dot(ds, _operand_rows(", "grad_q += tl.dot(grad_s.to(tl.bfloat16), _operand_rows("),
-      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter[check_rtn_flash_against_chunked]"]),
+      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter"]),
     m("flash-ds-query-axis", "the flash dK kernel quantizes dS^T along keys (its tile's rows), not along queries",
       (ATTN_KERNEL, "ds_t = _tile_block_values(grad_s_t, ds_amax_bits, ds_seed_ptr, ds_row0 + keys, start, seq, BLOCK_N, BLOCK_M, DS_FMT == 1, DS_SR)",
        "ds_t = tl.trans(_tile_block_values(tl.trans(grad_s_t), ds_amax_bits, ds_seed_ptr, ds_row0 + rows, start, seq, BLOCK_M, BLOCK_N, DS_FMT == 1, DS_SR))"),
-      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter[check_rtn_flash_against_chunked]"]),
+      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter"]),
     m("flash-ds-outer-dropped", "the flash dQ kernel leaves out the NVFP4 outer scales of dS and K",
       (ATTN_KERNEL, "grad_q = grad_q * (_ds_outer(ds_amax_ptr, 0) * tl.load(k_seq_outer_ptr))", "grad_q = grad_q"),
-      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter[check_rtn_flash_against_chunked]"]),
+      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter"]),
     m("flash-sr-off", "flash FP4 attention rounds dS to nearest where SR is asked for",
       (ATTN_KERNEL, '"DS_FMT": ds_fmt, "DS_SR": seed_keys is not None}', '"DS_FMT": ds_fmt, "DS_SR": False}'),
-      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter[check_sr_flash_draws_as_chunked]"]),
+      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter"]),
     m("flash-fp64-logit-factor", "the flash forward multiplies the logits by the float argument as passed (fp64 under torch.compile)",
       (ATTN_KERNEL, "    log2e_scale = _fp32(log2e_scale) * logit_scale\n", "    log2e_scale = log2e_scale * logit_scale\n"),
       ["tests/kernels/test_triton_frontend.py"]),
@@ -239,7 +239,7 @@ MUTATIONS = [
     m("flash-fp4-fake-grad-dtype", "the flash FP4 backward operator's fake says dQ is bf16 (torch.compile would trace a wrong dtype)",
       (ATTN_KERNEL, "    return torch.empty(q_values.shape, dtype=torch.float32, device=q_values.device), grad_k, torch.empty_like(grad_k)",
        "    return torch.empty(q_values.shape, dtype=torch.bfloat16, device=q_values.device), grad_k, torch.empty_like(grad_k)"),
-      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter[check_flash_kernels_are_operators_with_true_fakes]"]),
+      ["tests/nn/test_fp4_attention_flash.py::test_flash_fp4_attention_under_the_interpreter"]),
     m("ns-tc-outer-dropped", "the NVFP4 Newton-Schulz on tensor cores leaves out the per-matrix outer scales",
       (MUON, "bf16_matmul_fp32(left_values, right_values.mT) * (left_outer * right_outer.mT)", "bf16_matmul_fp32(left_values, right_values.mT)"),
       ["tests/optim/test_optim.py::test_nvfp4_newton_schulz_on_tensor_cores_under_the_interpreter"]),
@@ -524,10 +524,10 @@ MUTATIONS = [
        "q = _round_stochastic(q, a, magic_bits, tl.reshape(1.0 - u, [BR // TH, TH, BC // TW, TW]))"), [TQ_INTERPRETED]),
     m("hadamard-amax-unscaled", "the full Hadamard kernel's NVFP4 amax is taken before the 1 / sqrt(N) scale",
       ("fp4lab/numerics/kernels/hadamard.py", "tl.max(_finite_row_amax(y, None, BR, N, 0), axis=0)", "tl.max(_finite_row_amax(y / scale, None, BR, N, 0), axis=0)"),
-      ["tests/kernels/test_triton_hadamard.py::test_kernel_matches_the_reference_under_the_interpreter"]),
+      ["tests/kernels/test_triton_hadamard.py::test_kernel_matches_the_reference_and_full_transform_operands_take_it_under_the_interpreter"]),
     m("full-transform-transposed-copy", "full-transform Wgrad operands are copied transposed before the Hadamard kernel",
       ("fp4lab/nn/fp4_linear.py", "col = t.T if in_place else _pad_last(t.T, multiple)", "col = _pad_last(t.T, multiple)"),
-      ["tests/kernels/test_triton_hadamard.py::test_full_transform_operands_take_the_kernel_under_the_interpreter"]),
+      ["tests/kernels/test_triton_hadamard.py::test_kernel_matches_the_reference_and_full_transform_operands_take_it_under_the_interpreter"]),
     m("tile-sr-not-covered", "the layers send stochastically rounded 2D weight tiles to the torch reference",
       ("fp4lab/numerics/kernels/__init__.py", 'return spec.transform == "none" and all(', 'return spec.rounding == "rtn" and spec.transform == "none" and all('),
       ["tests/nn/test_tensor_cores.py::test_kernel_coverage_follows_what_the_fused_quantizer_supports",
@@ -580,10 +580,10 @@ MUTATIONS = [
       (LIN, "amax_bits=amaxes[amax_of(spec, transposed)])", "amax_bits=None)"), [FP8_WIRE]),
     m("full-transform-kernel-not-taken", "a full-dimension transform stays on the torch butterfly where its kernel runs",
       (LIN, "        return fits(signs.numel())\n", "        return False\n"),
-      ["tests/kernels/test_triton_hadamard.py::test_full_transform_operands_take_the_kernel_under_the_interpreter"]),
+      ["tests/kernels/test_triton_hadamard.py::test_kernel_matches_the_reference_and_full_transform_operands_take_it_under_the_interpreter"]),
     m("full-transform-kernel-pair-swapped", "the Hadamard kernel's butterfly writes (a - b, a + b) for (a, b)",
       ("fp4lab/numerics/kernels/hadamard.py", "tl.join(a + b, a - b)", "tl.join(a - b, a + b)"),
-      ["tests/kernels/test_triton_hadamard.py::test_kernel_matches_the_reference_under_the_interpreter"]),
+      ["tests/kernels/test_triton_hadamard.py::test_kernel_matches_the_reference_and_full_transform_operands_take_it_under_the_interpreter"]),
     m("checkpoint-one-generation", "a one-process save replaces the checkpoint without keeping the generation before",
       ("fp4lab/train/checkpoint.py", "            keep_previous=out / PREVIOUS_CHECKPOINT,\n", ""),
       [FAULTS + "test_a_damaged_newest_checkpoint_falls_back_to_the_previous_and_resumes_exactly"]),

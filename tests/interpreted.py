@@ -1,8 +1,8 @@
 """A test module's check run in a fresh Python under Triton's interpreter: TRITON_INTERPRET=1 is read
 when Triton's kernels are first imported, so it cannot be switched on inside the test process.
 
-`interpreter_python(code)` runs any such code; `run_interpreted(module, call)` one check of a test
-module. Both first fold the interpreter's reductions by slice (`fold_reductions_by_slice`), and build each
+`interpreter_python(code)` runs any such code; `run_interpreted(module, calls)` checks of a test module,
+several in one start. Both first fold the interpreter's reductions by slice (`fold_reductions_by_slice`), and build each
 fp4lab kernel variant the interpreter launched for a GPU too (`build_recorded_kernels`)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -36,11 +37,26 @@ def interpreter_python(code: str, timeout: int = 600) -> subprocess.CompletedPro
     return done
 
 
-def run_interpreted(module: str, call: str, timeout: int = 600) -> None:
-    """`call`, with every name of the test module `module` (its `__name__`) in scope, under TRITON_INTERPRET=1;
-    fails with its stderr."""
-    done = interpreter_python(f"from {module} import *\n{call}\nprint('ok')\n", timeout)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+def checks_code(module: str, calls: str | Sequence[str]) -> str:
+    """Python that runs `calls` (statements over the names of the test module `module`, its `__name__`)
+    one after another, each even when one before it failed, prints "ok" after the last, or exits 1 with
+    each failure's traceback and then the list of the calls that failed. Checks that share one
+    interpreter start share its ~3 s of imports (most of a small check's time)."""
+    calls = [calls] if isinstance(calls, str) else list(calls)
+    return (f"import sys as _sys, traceback as _traceback\nfrom {module} import *\n_failed = []\n"
+            f"for _call in {calls!r}:\n"
+            "    try:\n        exec(_call)\n"
+            "    except Exception:\n        _failed.append(_call)\n        _traceback.print_exc()\n"
+            "if _failed:\n    _sys.exit('failed: ' + '; '.join(_failed))\n"
+            "print('ok')\n")
+
+
+def run_interpreted(module: str, calls: str | Sequence[str], timeout: int = 600) -> None:
+    """`calls` (one statement or several, in order) with every name of the test module `module` in scope,
+    in one Python under TRITON_INTERPRET=1; fails naming the calls that failed, after their tracebacks.
+    A call that changes the interpreter for the rest of the process comes after those it must not touch."""
+    done = interpreter_python(checks_code(module, calls), timeout)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-8000:]
 
 
 def fold_reductions_by_slice() -> None:

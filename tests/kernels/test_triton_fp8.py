@@ -135,21 +135,15 @@ def check_amax_pass_matches_the_reference(device: str) -> None:
         fp8_quantize_fused(x.to(device), amax_bits=got["rows"].float())
 
 
-def test_amax_pass_matches_the_reference_under_the_interpreter():
-    interpreted.run_interpreted(__name__, "check_amax_pass_matches_the_reference('cpu')")
+def test_amax_pass_and_fused_quantizer_match_the_reference_and_layers_take_them_under_the_interpreter():
+    calls = ["check_amax_pass_matches_the_reference('cpu')", "check_fused_fp8_matches_the_reference('cpu')",
+             "check_fp8_layers_take_the_fused_quantizer()"]
+    interpreted.run_interpreted(__name__, calls)
 
 
 @pytest.mark.cuda
 def test_amax_pass_matches_the_reference_on_cuda():
     check_amax_pass_matches_the_reference("cuda")
-
-
-def test_fused_fp8_matches_the_reference_under_the_interpreter():
-    interpreted.run_interpreted(__name__, "check_fused_fp8_matches_the_reference('cpu')")
-
-
-def test_fp8_layers_take_the_fused_quantizer_under_the_interpreter():
-    interpreted.run_interpreted(__name__, "check_fp8_layers_take_the_fused_quantizer()")
 
 
 @pytest.mark.cuda

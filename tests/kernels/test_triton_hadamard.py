@@ -84,12 +84,8 @@ def check_full_transform_operands_take_the_kernel() -> None:
         assert torch.equal(fast, ref), f"{name}: {(fast - ref).abs().max().item()}"
 
 
-def test_kernel_matches_the_reference_under_the_interpreter():
-    interpreted.run_interpreted(__name__, "check_kernel_matches_the_reference('cpu')")
-
-
-def test_full_transform_operands_take_the_kernel_under_the_interpreter():
-    interpreted.run_interpreted(__name__, "check_full_transform_operands_take_the_kernel()")
+def test_kernel_matches_the_reference_and_full_transform_operands_take_it_under_the_interpreter():
+    interpreted.run_interpreted(__name__, ["check_kernel_matches_the_reference('cpu')", "check_full_transform_operands_take_the_kernel()"])
 
 
 @pytest.mark.cuda

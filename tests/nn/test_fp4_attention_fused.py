@@ -116,9 +116,8 @@ def check_fused_sr_averages_to_the_expectation(device: str) -> None:
 INTERPRETED_CHECKS = ("check_fused_rtn_equals_the_reference", "check_fused_sr_draws_from_the_generator")
 
 
-@pytest.mark.parametrize("check", INTERPRETED_CHECKS)
-def test_fused_fp4_attention_under_the_interpreter(check):
-    interpreted.run_interpreted(__name__, f"{check}('cpu')")
+def test_fused_fp4_attention_under_the_interpreter():
+    interpreted.run_interpreted(__name__, [f"{check}('cpu')" for check in INTERPRETED_CHECKS])
 
 
 # 16 SR draws take minutes under the interpreter: the average runs on CUDA only.

@@ -155,13 +155,17 @@ def check_recipe_with_fused_quantizers(recipe: str) -> None:
     from fp4lab.nn import fp4_linear
     from fp4lab.numerics.kernels import quantizer_covers
 
+    kernel_options = fp4_linear.kernel_options  # put back after: later checks in this process take the CPU's answer
     fp4_linear.kernel_options = lambda spec, signs, t, seed: (
         fp4_linear.fused_options(spec, signs, t, seed) if quantizer_covers(spec) else None)
     x, weight, dy = training_tensors((2, 32), 64, 64, seed=4)
-    with KernelSpy() as spy:
-        fp8 = step(make_layer(recipe, "fp8", weight), x, dy)
+    try:
+        with KernelSpy() as spy:
+            fp8 = step(make_layer(recipe, "fp8", weight), x, dy)
+        reference = step(make_layer(recipe, "bf16", weight, tensor_cores=False), x, dy)
+    finally:
+        fp4_linear.kernel_options = kernel_options
     check_gemm_calls(spy.calls, fp8)
-    reference = step(make_layer(recipe, "bf16", weight, tensor_cores=False), x, dy)
     linear = load_recipe(recipe).linear
     for (gemm, names), call, got, want in zip(GEMMS.items(), spy.calls, fp8, reference):
         decoded = call.a.dequantize() @ call.b.dequantize().T
@@ -183,10 +187,6 @@ def check_fallbacks() -> None:
         for gemm, got, want in zip(("fprop", "dgrad", "wgrad"), fp8, bf16):
             if gemm not in gemms:
                 assert_same_bits(got, want, f"{recipe} {gemm}: the fallback vs mx_gemm bf16")
-
-
-def run_interpreted(call: str) -> None:
-    interpreted.run_interpreted(__name__, call)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,24 +226,19 @@ def test_along_k_takes_1d_mxfp4_only_along_its_blocks():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", FP8_RECIPES)
-def test_fp8_gemms_equal_the_reference_of_their_operands_under_the_interpreter(recipe):
-    run_interpreted(f"check_recipe({recipe!r})")
+INTERPRETED_CHECKS = [
+    *(f"check_recipe({recipe!r})" for recipe in FP8_RECIPES),  # the reference of their operands
+    *(f"check_recipe_with_fused_quantizers({recipe!r})" for recipe in FP8_RECIPES),
+    # bf16 x and dY (y and dx come out of the kernel in bf16, rounded once), and 2 x 20 tokens: Wgrad's
+    # token dim zero-padded from 40 to 64
+    "check_recipe('mxfp4-rowsr-h32', tokens=(2, 20), features=(96, 64), dtype=torch.bfloat16, seed=2)",
+    "check_fallbacks()",  # the GEMMs the kernel cannot take
+]
 
 
-@pytest.mark.parametrize("recipe", FP8_RECIPES)
-def test_fp8_gemms_from_the_fused_quantizers_under_the_interpreter(recipe):
-    run_interpreted(f"check_recipe_with_fused_quantizers({recipe!r})")
-
-
-def test_fp8_gemms_with_bf16_activations_and_ragged_tokens_under_the_interpreter():
-    """bf16 x and dY (y and dx come out of the kernel in bf16, rounded once), and 2 x 20 tokens: Wgrad's
-    token dim zero-padded from 40 to 64."""
-    run_interpreted("check_recipe('mxfp4-rowsr-h32', tokens=(2, 20), features=(96, 64), dtype=torch.bfloat16, seed=2)")
-
-
-def test_gemms_the_kernel_cannot_take_fall_back_under_the_interpreter():
-    run_interpreted("check_fallbacks()")
+@pytest.mark.slow  # ~40 s: started first under xdist
+def test_fp8_gemms_equal_their_references_and_fall_back_under_the_interpreter():
+    interpreted.run_interpreted(__name__, INTERPRETED_CHECKS)
 
 
 def test_cpu_without_the_interpreter_falls_back_bit_for_bit(monkeypatch):

@@ -216,32 +216,21 @@ def check_residual_rmsnorm_fallbacks() -> None:
     assert torch.equal(h, x + branch) and torch.equal(normed, norm(x + branch))
 
 
-def run_interpreted(call: str) -> None:
-    interpreted.run_interpreted(__name__, call)
+# The residual + RMSNorm wiring on both formats and on a transformed Wgrad operand (nvfp4's fixed-sign
+# H16); the kernel's other options (rceil scales, H32) are held to its reference in
+# tests/kernels/test_triton_fusion.py. One interpreter start for all.
+INTERPRETED_CHECKS = [
+    *(f"check_swiglu_matches_unfused({recipe!r})" for recipe in FUSED_RECIPES),
+    "check_swiglu_matches_unfused('mxfp4', fprop_x_sr=True)",  # the same stochastic rounding draws
+    "check_fallbacks()",  # where SwiGLU cannot fuse
+    *(f"check_residual_rmsnorm_matches_unfused({recipe!r})" for recipe in ("mxfp4", "nvfp4")),
+    "check_residual_rmsnorm_fallbacks()",
+]
 
 
-@pytest.mark.parametrize("recipe", FUSED_RECIPES)
-def test_fused_swiglu_equals_the_unfused_feed_forward_under_the_interpreter(recipe):
-    run_interpreted(f"check_swiglu_matches_unfused({recipe!r})")
-
-
-def test_fused_swiglu_draws_the_same_stochastic_rounding_under_the_interpreter():
-    run_interpreted("check_swiglu_matches_unfused('mxfp4', fprop_x_sr=True)")
-
-
-def test_swiglu_falls_back_where_it_cannot_fuse_under_the_interpreter():
-    run_interpreted("check_fallbacks()")
-
-
-# The wiring on both formats and on a transformed Wgrad operand (nvfp4's fixed-sign H16); the kernel's
-# other options (rceil scales, H32) are held to its reference in tests/kernels/test_triton_fusion.py.
-@pytest.mark.parametrize("recipe", ("mxfp4", "nvfp4"))
-def test_fused_residual_rmsnorm_equals_the_pinned_unfused_block_under_the_interpreter(recipe):
-    run_interpreted(f"check_residual_rmsnorm_matches_unfused({recipe!r})")
-
-
-def test_residual_rmsnorm_falls_back_where_it_cannot_fuse_under_the_interpreter():
-    run_interpreted("check_residual_rmsnorm_fallbacks()")
+@pytest.mark.slow  # ~50 s: started first under xdist
+def test_fused_producers_equal_the_unfused_blocks_and_fall_back_under_the_interpreter():
+    interpreted.run_interpreted(__name__, INTERPRETED_CHECKS)
 
 
 def test_producer_fusion_reaches_every_w2_and_w1_and_the_blocks_call_them():

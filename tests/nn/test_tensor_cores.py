@@ -187,12 +187,9 @@ def check_cta_local_operands_from_the_fused_quantizers(two_d: bool = False) -> N
     assert any(stats.sum() > 0 for stats in probes[0].values())  # something to compare: clipped or flushed values
 
 
-def test_cta_local_operands_from_the_fused_quantizers_under_the_interpreter():
-    interpreted.run_interpreted(__name__, "check_cta_local_operands_from_the_fused_quantizers()")
-
-
-def test_cta_local_2d_weights_from_the_fused_quantizer_under_the_interpreter():
-    interpreted.run_interpreted(__name__, "check_cta_local_operands_from_the_fused_quantizers(two_d=True)")
+def test_cta_local_operands_and_2d_weights_from_the_fused_quantizers_under_the_interpreter():
+    calls = ["check_cta_local_operands_from_the_fused_quantizers()", "check_cta_local_operands_from_the_fused_quantizers(two_d=True)"]
+    interpreted.run_interpreted(__name__, calls)
 
 
 def check_optitrain_operands_all_come_from_the_kernels() -> None:

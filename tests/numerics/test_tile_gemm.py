@@ -169,12 +169,8 @@ def check_cta_local_weights_take_the_kernel() -> None:
         assert ((fast - ref).abs().max() / ref.abs().max()).item() < 64 * U * 256, name
 
 
-def test_kernel_equals_the_reference_under_the_interpreter():
-    interpreted.run_interpreted(__name__, "check_kernel_against_reference('cpu')")
-
-
-def test_fp4_linear_sends_cta_local_weights_to_the_kernel_under_the_interpreter():
-    interpreted.run_interpreted(__name__, "check_cta_local_weights_take_the_kernel()")
+def test_kernel_equals_the_reference_and_fp4_linear_sends_it_cta_local_weights_under_the_interpreter():
+    interpreted.run_interpreted(__name__, ["check_kernel_against_reference('cpu')", "check_cta_local_weights_take_the_kernel()"])
 
 
 @pytest.mark.cuda

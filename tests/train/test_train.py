@@ -36,11 +36,12 @@ def metrics(config: TrainConfig) -> list[dict]:
 
 @pytest.mark.parametrize("recipe", list_recipes())
 def test_every_recipe_trains_and_the_loss_falls(tmp_path, recipe):
-    config = small(tmp_path, recipe=recipe, steps=16, seq_len=64, batch_size=8, eval_every=16)
+    # 8 steps: every recipe's last four average ~1.5 below the first (measured at 10 steps: 1.85-1.89)
+    config = small(tmp_path, recipe=recipe, steps=8, seq_len=64, batch_size=8, eval_every=8)
     summary = run(config, progress=False)
     assert summary["status"] == "completed", summary
     losses = [r["loss"] for r in metrics(config)]
-    assert len(losses) == 16 and all(math.isfinite(v) for v in losses)
+    assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
     assert sum(losses[-4:]) / 4 < losses[0] - 0.4, losses  # ln(256) = 5.55 at the start
     assert summary["final_val_loss"] < losses[0]
 
