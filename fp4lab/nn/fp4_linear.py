@@ -568,14 +568,17 @@ class FP4Linear(nn.Module):
         return tensor_core_mm(unpacked(a), unpacked(b), out_dtype, fast_accum)
 
     def operand(
-        self, name: str, t: torch.Tensor, signs: torch.Tensor | None, generator, keep_packed: bool = False
+        self, name: str, t: torch.Tensor, signs: torch.Tensor | None, generator, keep_packed: bool = False,
+        saved_only: bool = False,
     ) -> GemmOperand | PackedOperand:
         """The tensor-core operand `name` of t, quantized along its last dim: by the fused kernel where
         it covers the spec (CUDA), else by the torch reference (probed through the packed encoding,
         as `consume`). `keep_packed`: the operand is also saved for the backward pass, so the kernel
         writes its packed codes and scales too (`GemmOperand.packed`). An operand of a GEMM on FP8
         tensor cores (`wants_codes`) is made with its codes and scales; the fused kernel writes only
-        those (`PackedOperand`), as the GEMM reads nothing else."""
+        those (`PackedOperand`), as the GEMM reads nothing else. `saved_only`: the operand is only saved
+        for the backward pass (the pair's second, e.g. Wgrad's x^T through the full transform), so the
+        kernel writes its codes and scales alone, as `operand_pair` keeps its saved operand."""
         spec = self.recipe.operand(name)
         if self.takes_fused_fp8(spec, signs, t):
             return self._fused_fp8(t, [(spec, False)])[0]
@@ -596,7 +599,7 @@ class FP4Linear(nn.Module):
         if options is not None and tensor_amax is not None:
             options["tensor_amax"] = tensor_amax
         if options is not None:
-            if codes:
+            if codes or (saved_only and self.pack_saved):
                 options |= {"emit_codes": True, "emit_values": False}
             elif keep_packed and self.pack_saved:
                 options["emit_codes"] = True
@@ -640,7 +643,7 @@ class FP4Linear(nn.Module):
         # The full transform's kernel pads and reads t^T in place: no transposed copy
         in_place = multiple == 1 and self.takes_fused_full_transform(col_spec, signs[1], t)
         col = t.T if in_place else _pad_last(t.T, multiple)
-        return self.operand(row_name, t, signs[0], generator), self.operand(col_name, col, signs[1], generator)
+        return self.operand(row_name, t, signs[0], generator), self.operand(col_name, col, signs[1], generator, saved_only=keep_packed)
 
     def takes_fused_full_transform(self, spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor) -> bool:
         """Whether a full-dimension transform runs as its Triton kernel (`numerics.kernels.hadamard`):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fp4lab.nn.fp4_linear import FP4Linear, gemm_operand, tensor_core_mm
-from fp4lab.nn.operands import FP8_CODES
+from fp4lab.nn.operands import FP8_CODES, PackedOperand
 from fp4lab.nn.recipe import LinearRecipe, OperandSpec, load_recipe
 from fp4lab.numerics import fake_quantize, fp8_quantize
 from tests import interpreted
@@ -232,8 +232,10 @@ def check_optitrain_operands_all_come_from_the_kernels() -> None:
     assert 0 < errors[1] < 1.25 * errors[0] and errors[0] < 0.5, errors
 
 
-def test_optitrain_operands_all_come_from_the_kernels_under_the_interpreter():
-    interpreted.run_interpreted(__name__, "check_optitrain_operands_all_come_from_the_kernels()")
+def test_optitrain_operands_come_from_the_kernels_and_saved_ones_are_packed_under_the_interpreter():
+    calls = [*(f"check_packed_saved_operands_give_the_same_gradients({recipe!r}, 'cpu', (96, 64), 128)" for recipe in ("optitrain", "nvfp4-all")),
+             "check_optitrain_operands_all_come_from_the_kernels()"]
+    interpreted.run_interpreted(__name__, calls)
 
 
 def test_plain_bf16_recipe_is_an_ordinary_bf16_linear(device):
@@ -481,22 +483,40 @@ def test_cuda_graph_steps_equal_eager_steps_and_resume_exactly(recipe, tmp_path)
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in graphed], rel=rel)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("recipe", ["nvfp4-all", "mxfp4-rowsr-h32"])
-def test_packed_saved_operands_give_the_same_gradients(recipe):
-    """Wgrad's x^T kept as packed codes and decoded in backward gives the same weight gradient, bit
-    for bit, as keeping its bf16 values (same seed, same SR bits)."""
+def check_packed_saved_operands_give_the_same_gradients(recipe: str, device: str, features=(512, 256), tokens: int = 256) -> None:
+    """Wgrad's x^T kept as packed codes and decoded in backward (`pack_saved`, the default) gives the
+    same gradients, bit for bit, as keeping its bf16 values (same seed, same SR bits), and is kept as
+    a PackedOperand (0.5 byte an element and a byte a block, against 2): optitrain's x^T too, which
+    comes from the full transform's kernel and then the fused quantizer on its own (saved as bf16
+    values before: 1.25x bf16's peak memory at 125m)."""
+    from fp4lab.nn import fp4_linear
+    from fp4lab.numerics.kernels import quantizer_covers
+
+    kernel_options = fp4_linear.kernel_options  # on the CPU under the interpreter: answer as for CUDA tensors
+    fp4_linear.kernel_options = lambda spec, signs, t, seed: (
+        fp4_linear.fused_options(spec, signs, t, seed) if quantizer_covers(spec) else None)
     grads = []
-    for packed in (False, True):
-        torch.manual_seed(0)
-        layer = FP4Linear(512, 256, load_recipe(recipe).linear, seed=3).cuda()
-        layer.tensor_cores, layer.pack_saved = True, packed
-        g = torch.Generator().manual_seed(1)
-        x = training_like(256, 512, g, "cuda").requires_grad_(True)
-        y = layer(x)
-        y.backward(torch.randn(y.shape, generator=g).cuda())
-        grads.append((x.grad, layer.weight.grad))
-    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    try:
+        for packed in (False, True):
+            torch.manual_seed(0)
+            layer = FP4Linear(*features, load_recipe(recipe).linear, seed=3).to(device)
+            layer.tensor_cores, layer.fused_quantizers, layer.pack_saved = True, True, packed
+            g = torch.Generator().manual_seed(1)
+            x = training_like(tokens, features[0], g, device).requires_grad_(True)
+            y = layer(x)
+            saved = y.grad_fn.xt_op
+            assert isinstance(saved, PackedOperand) == packed, (recipe, packed, type(saved).__name__)
+            y.backward(torch.randn(y.shape, generator=g).to(device))
+            grads.append((x.grad, layer.weight.grad))
+    finally:
+        fp4_linear.kernel_options = kernel_options
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1]), recipe
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["nvfp4-all", "mxfp4-rowsr-h32", "optitrain"])
+def test_packed_saved_operands_give_the_same_gradients(recipe):
+    check_packed_saved_operands_give_the_same_gradients(recipe, "cuda")
 
 
 def test_kernel_coverage_follows_what_the_fused_quantizer_supports():
