@@ -37,7 +37,7 @@ def metrics(config: TrainConfig) -> list[dict]:
 @pytest.mark.parametrize("recipe", list_recipes())
 def test_every_recipe_trains_and_the_loss_falls(tmp_path, recipe):
     # 8 steps: every recipe's last four average ~1.5 below the first (measured at 10 steps: 1.85-1.89)
-    config = small(tmp_path, recipe=recipe, steps=8, seq_len=64, batch_size=8, eval_every=8)
+    config = small(tmp_path, recipe=recipe, steps=8, seq_len=64, batch_size=8, eval_every=8, probe_every=8)
     summary = run(config, progress=False)
     assert summary["status"] == "completed", summary
     losses = [r["loss"] for r in metrics(config)]
@@ -75,15 +75,15 @@ def test_metrics_fields_and_outputs(tmp_path):
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path, recipe):
     """SR generators, random Hadamard signs, FP4 attention streams, LoRA-SVD factors, Muon and NVFP4
     optimizer states all travel in the checkpoint: the loss curve continues bit for bit."""
-    straight = small(tmp_path, "straight", recipe=recipe, qk_clip="kimi", qk_clip_tau=5.0)
+    straight = small(tmp_path, "straight", recipe=recipe, qk_clip="kimi", qk_clip_tau=5.0, steps=8)
     run(straight, progress=False)
-    broken = small(tmp_path, "broken", recipe=recipe, qk_clip="kimi", qk_clip_tau=5.0)
-    first = run(broken, progress=False, stop_after=5)
-    assert first["status"] == "stopped" and first["steps_completed"] == 5
+    broken = small(tmp_path, "broken", recipe=recipe, qk_clip="kimi", qk_clip_tau=5.0, steps=8)
+    first = run(broken, progress=False, stop_after=3)
+    assert first["status"] == "stopped" and first["steps_completed"] == 3
     resumed = run(broken, progress=False)
-    assert resumed["status"] == "completed" and resumed["steps_completed"] == 12
+    assert resumed["status"] == "completed" and resumed["steps_completed"] == 8
     a, b = metrics(straight), metrics(broken)
-    assert [r["step"] for r in b] == list(range(12))  # no duplicated lines after the resume
+    assert [r["step"] for r in b] == list(range(8))  # no duplicated lines after the resume
     for key in ("loss", "grad_norm", "val_loss", "qk_clipped_heads", "attn_entropy", "max_logit", "quant"):
         assert [r.get(key) for r in a] == [r.get(key) for r in b], key
     a_state = torch.load(Path(straight.out_dir) / "checkpoint.pt", weights_only=True)["model"]
@@ -92,8 +92,8 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path, reci
 
 
 def test_evaluation_and_probing_do_not_change_training(tmp_path):
-    often = small(tmp_path, "often", recipe="optitrain", eval_every=1, probe_every=1)
-    rarely = small(tmp_path, "rarely", recipe="optitrain", eval_every=100, probe_every=100)
+    often = small(tmp_path, "often", recipe="optitrain", eval_every=1, probe_every=1, steps=8)
+    rarely = small(tmp_path, "rarely", recipe="optitrain", eval_every=100, probe_every=100, steps=8)
     run(often, progress=False)
     run(rarely, progress=False)
     assert [r["loss"] for r in metrics(often)] == [r["loss"] for r in metrics(rarely)]
