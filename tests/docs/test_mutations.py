@@ -39,4 +39,8 @@ def test_every_break_applies_once_parses_and_names_existing_tests():
             file, _, name = node.partition("::")
             assert (ROOT / file).is_file(), f"{mutation.name}: no test file {file}"
             function = name.split("[")[0]
-            assert not function or f"def {function}(" in (ROOT / file).read_text(), f"{mutation.name}: no test {node}"
+            source = (ROOT / file).read_text()
+            assert not function or f"def {function}(" in source, f"{mutation.name}: no test {node}"
+            if "[" in name:  # a parameter's id: the test must still take parameters (a merged test has none)
+                decorators = source[:source.index(f"def {function}(")].rsplit("\n\n", 1)[-1]
+                assert "parametrize" in decorators, f"{mutation.name}: {node} names a parameter, but {function} takes none"
