@@ -7,13 +7,14 @@ fp4lab kernel variant the interpreter launched for a GPU too (`build_recorded_ke
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,39 @@ def run_interpreted(module: str, calls: str | Sequence[str], timeout: int = 600)
     A call that changes the interpreter for the rest of the process comes after those it must not touch."""
     done = interpreter_python(checks_code(module, calls), timeout)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-8000:]
+
+
+@contextlib.contextmanager
+def fused_kernels_as_on_cuda() -> Iterator[None]:
+    """fp4_linear asks for the fused Triton kernels on CPU tensors as it does on CUDA ones (under the
+    interpreter they run there); its own answer comes back on exit, so a later check in the same
+    process gets the CPU's. Also a decorator of a check."""
+    from fp4lab.nn import fp4_linear
+    from fp4lab.numerics.kernels import quantizer_covers
+
+    on_cpu = fp4_linear.kernel_options
+    fp4_linear.kernel_options = lambda spec, signs, t, seed: (
+        fp4_linear.fused_options(spec, signs, t, seed) if quantizer_covers(spec) else None)
+    try:
+        yield
+    finally:
+        fp4_linear.kernel_options = on_cpu
+
+
+@contextlib.contextmanager
+def spying(owner: object, name: str, record: Callable[..., object]) -> Iterator[None]:
+    """`owner.name` (a function) calls `record` with its arguments first, until exit."""
+    original = getattr(owner, name)
+
+    def spied(*args, **kwargs):
+        record(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, spied)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 def fold_reductions_by_slice() -> None:

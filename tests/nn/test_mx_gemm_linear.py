@@ -145,6 +145,7 @@ def check_recipe(recipe: str, tokens=(2, 32), features=(64, 64), dtype=torch.flo
         assert_within_paths_bound(got, want_reference.to(got.dtype), call, f"{recipe} {gemm} vs fp32 reference")
 
 
+@interpreted.fused_kernels_as_on_cuda()
 def check_recipe_with_fused_quantizers(recipe: str) -> None:
     """As on CUDA, the fused Triton quantizers make the operands (under the interpreter, on CPU tensors:
     `kernel_options` answers as for CUDA ones) and emit the codes and scales the kernel reads, packed
@@ -152,19 +153,10 @@ def check_recipe_with_fused_quantizers(recipe: str) -> None:
     order of the fp32 GEMM of its decoded operands, and for GEMMs without SR (the same bits from the
     torch quantizers) of the fp32 reference path. (Not against mx_gemm bf16 here: the interpreter's
     bf16 cast in `decode_fused` flushes the subnormal values of 2^-127 blocks, which CUDA keeps.)"""
-    from fp4lab.nn import fp4_linear
-    from fp4lab.numerics.kernels import quantizer_covers
-
-    kernel_options = fp4_linear.kernel_options  # put back after: later checks in this process take the CPU's answer
-    fp4_linear.kernel_options = lambda spec, signs, t, seed: (
-        fp4_linear.fused_options(spec, signs, t, seed) if quantizer_covers(spec) else None)
     x, weight, dy = training_tensors((2, 32), 64, 64, seed=4)
-    try:
-        with KernelSpy() as spy:
-            fp8 = step(make_layer(recipe, "fp8", weight), x, dy)
-        reference = step(make_layer(recipe, "bf16", weight, tensor_cores=False), x, dy)
-    finally:
-        fp4_linear.kernel_options = kernel_options
+    with KernelSpy() as spy:
+        fp8 = step(make_layer(recipe, "fp8", weight), x, dy)
+    reference = step(make_layer(recipe, "bf16", weight, tensor_cores=False), x, dy)
     check_gemm_calls(spy.calls, fp8)
     linear = load_recipe(recipe).linear
     for (gemm, names), call, got, want in zip(GEMMS.items(), spy.calls, fp8, reference):

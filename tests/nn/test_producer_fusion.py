@@ -52,14 +52,11 @@ def w2_layer(recipe_name: str, hidden: int, dim: int, fprop_x_sr: bool = False) 
     return layer
 
 
+@interpreted.fused_kernels_as_on_cuda()
 def check_swiglu_matches_unfused(recipe_name: str, tokens: int = 64, hidden: int = 96, dim: int = 64, fprop_x_sr: bool = False) -> None:
     """One forward and backward of w2(silu(gate) * up), fused and unfused, from the same layer state."""
-    from fp4lab.nn import fp4_linear
     from fp4lab.numerics.kernels import fusion as triton_fusion
-    from fp4lab.numerics.kernels import quantizer_covers
 
-    fp4_linear.kernel_options = lambda spec, signs, t, seed: (
-        fp4_linear.fused_options(spec, signs, t, seed) if quantizer_covers(spec) else None)
     g = torch.Generator().manual_seed(3)
     gate, up = (torch.randn(2, tokens // 2, hidden, generator=g).to(torch.bfloat16) for _ in range(2))
     grad = torch.randn(2, tokens // 2, dim, generator=g).to(torch.bfloat16)
@@ -69,20 +66,18 @@ def check_swiglu_matches_unfused(recipe_name: str, tokens: int = 64, hidden: int
     fused.fuse_swiglu = True
 
     calls = []
-    producer = triton_fusion.swiglu_quantize_fused
-    triton_fusion.swiglu_quantize_fused = lambda *a, **k: calls.append(1) or producer(*a, **k)
     results, grad_h = [], []
-    for layer in (unfused, fused):
-        g_in, u_in = gate.clone().requires_grad_(), up.clone().requires_grad_()
-        if layer is unfused:  # FeedForward's expression, keeping dh (W2's Dgrad output)
-            h = F.silu(g_in) * u_in
-            h.register_hook(grad_h.append)
-            out = layer(h)
-        else:
-            out = layer.swiglu(g_in, u_in)
-        out.backward(grad)
-        results.append((out, g_in.grad, u_in.grad, layer.weight.grad))
-    triton_fusion.swiglu_quantize_fused = producer
+    with interpreted.spying(triton_fusion, "swiglu_quantize_fused", lambda *a, **k: calls.append(1)):
+        for layer in (unfused, fused):
+            g_in, u_in = gate.clone().requires_grad_(), up.clone().requires_grad_()
+            if layer is unfused:  # FeedForward's expression, keeping dh (W2's Dgrad output)
+                h = F.silu(g_in) * u_in
+                h.register_hook(grad_h.append)
+                out = layer(h)
+            else:
+                out = layer.swiglu(g_in, u_in)
+            out.backward(grad)
+            results.append((out, g_in.grad, u_in.grad, layer.weight.grad))
     assert len(calls) == 1, f"{recipe_name}: the fused path ran {len(calls)} times (expected once: the fused layer only)"
     for name, got, want in zip(("out", "dW2"), results[1][::3], results[0][::3]):
         assert_same_bits(got, want, f"{recipe_name} {name}")
@@ -157,16 +152,12 @@ def fusion_block(recipe_name: str, fused: bool):
     return block, model.rope_cos[:32], model.rope_sin[:32]
 
 
+@interpreted.fused_kernels_as_on_cuda()
 def check_residual_rmsnorm_matches_unfused(recipe_name: str) -> None:
     """One forward and backward of a block, fused and unfused: the output and the feed-forward's weight
     gradients bit for bit (W1 and W3 read the kernel's operands, which equal quantizing the pinned
     norm), the rest within float32 rounding (the norm's backward is the fused function's own); W1 and W3
     made no x operands of their own on the fused path."""
-    from fp4lab.nn import fp4_linear
-    from fp4lab.numerics.kernels import quantizer_covers
-
-    fp4_linear.kernel_options = lambda spec, signs, t, seed: (
-        fp4_linear.fused_options(spec, signs, t, seed) if quantizer_covers(spec) else None)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, 32, 128, generator=g)
     grad = torch.randn(1, 32, 128, generator=g)

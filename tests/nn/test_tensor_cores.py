@@ -8,6 +8,7 @@ the same wiring, run through fp32 GEMMs of the same operands.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import numpy as np
@@ -146,6 +147,7 @@ def test_fp4_linear_tensor_cores_match_reference(recipe, fused, device):
         assert ((fast - ref).abs().max() / scale).item() < 64 * U * 512
 
 
+@interpreted.fused_kernels_as_on_cuda()
 def check_cta_local_operands_from_the_fused_quantizers(two_d: bool = False) -> None:
     """Under Triton's interpreter (CPU tensors, which `kernel_options` then takes as CUDA ones): one
     layer's forward and both gradients with CTA-local operands from the fused quantizers equal, bit for
@@ -153,16 +155,9 @@ def check_cta_local_operands_from_the_fused_quantizers(two_d: bool = False) -> N
     and all), every operand came from the kernels, and a probing step measures the same clip and flush
     fractions from the kernels' codes as from the reference's encodings. two_d: the weight in 2D
     tiles with one outer scale per square, quantized once for Fprop and Dgrad (W^T is its transpose)."""
-    from fp4lab.nn import fp4_linear
     from fp4lab.numerics.kernels import quantize as triton_quantize
-    from fp4lab.numerics.kernels import quantizer_covers
 
-    fp4_linear.kernel_options = lambda spec, signs, t, seed: (
-        fp4_linear.fused_options(spec, signs, t, seed) if quantizer_covers(spec) else None)
     fused_formats = []
-    single, both = triton_quantize.quantize_fused, triton_quantize.quantize_fused_both
-    triton_quantize.quantize_fused = lambda x, **o: fused_formats.append(o["fmt"]) or single(x, **o)
-    triton_quantize.quantize_fused_both = lambda x, row, col: fused_formats.extend((row["fmt"], col["fmt"])) or both(x, row, col)
     results, probes = [], []
     for fused in (False, True):
         torch.manual_seed(0)  # the same initial weight
@@ -170,8 +165,10 @@ def check_cta_local_operands_from_the_fused_quantizers(two_d: bool = False) -> N
         layer.tensor_cores, layer.fused_quantizers = True, fused
         g = torch.Generator().manual_seed(1)
         x = (torch.randn(2, 48, 96, generator=g) * torch.rand(2, 48, 1, generator=g)).requires_grad_(True)
-        y = layer(x)
-        y.backward(torch.randn(y.shape, generator=g))
+        with interpreted.spying(triton_quantize, "quantize_fused", lambda x, **o: fused_formats.append(o["fmt"])), \
+                interpreted.spying(triton_quantize, "quantize_fused_both", lambda x, row, col: fused_formats.extend((row["fmt"], col["fmt"]))):
+            y = layer(x)
+            y.backward(torch.randn(y.shape, generator=g))
         results.append((y.detach(), x.grad, layer.weight.grad))
         if fused:
             assert fused_formats == ["nvfp4_cta"] * (5 if two_d else 6), fused_formats  # x and x^T, W (and W^T), dY and dY^T
@@ -192,6 +189,7 @@ def test_cta_local_operands_and_2d_weights_from_the_fused_quantizers_under_the_i
     interpreted.run_interpreted(__name__, calls)
 
 
+@interpreted.fused_kernels_as_on_cuda()
 def check_optitrain_operands_all_come_from_the_kernels() -> None:
     """Under Triton's interpreter: every operand of an optitrain layer comes from a fused kernel, the
     stochastically rounded 2D weight tiles included, and both full-transform Wgrad operands from the
@@ -199,28 +197,30 @@ def check_optitrain_operands_all_come_from_the_kernels() -> None:
     amax taken there. Its output's error against the exact product stays that of the torch quantizers'
     (independent SR draws: within 25 % of it; measured 0.21 each), and a probing step records every
     operand's fractions from the kernels' counts."""
-    from fp4lab.nn import fp4_linear
     from fp4lab.numerics.kernels import hadamard as triton_hadamard
     from fp4lab.numerics.kernels import quantize as triton_quantize
-    from fp4lab.numerics.kernels import quantizer_covers
 
-    fp4_linear.kernel_options = lambda spec, signs, t, seed: (
-        fp4_linear.fused_options(spec, signs, t, seed) if quantizer_covers(spec) else None)
     quantized, transformed = [], []
-    single, both, transform = triton_quantize.quantize_fused, triton_quantize.quantize_fused_both, triton_hadamard.hadamard_full_fused
-    triton_quantize.quantize_fused = lambda x, **o: quantized.append((o.get("tile"), o["rounding"], o.get("tensor_amax") is not None)) or single(x, **o)
-    triton_quantize.quantize_fused_both = lambda x, row, col: quantized.extend([(None, row["rounding"], False)] * 2) or both(x, row, col)
-    triton_hadamard.hadamard_full_fused = lambda x, signs, **o: transformed.append((x.stride(0), o)) or transform(x, signs, **o)
+
+    def spies():
+        return (interpreted.spying(triton_quantize, "quantize_fused",
+                                   lambda x, **o: quantized.append((o.get("tile"), o["rounding"], o.get("tensor_amax") is not None))),
+                interpreted.spying(triton_quantize, "quantize_fused_both", lambda x, row, col: quantized.extend([(None, row["rounding"], False)] * 2)),
+                interpreted.spying(triton_hadamard, "hadamard_full_fused", lambda x, signs, **o: transformed.append((x.stride(0), o))))
+
     errors = []
     for fused in (False, True):
         torch.manual_seed(0)
         layer = FP4Linear(96, 64, load_recipe("optitrain").linear, seed=3)
         layer.tensor_cores, layer.fused_quantizers = True, fused
         x = torch.randn(2, 64, 96, generator=torch.Generator().manual_seed(1))
-        y = layer(x)
-        exact = x @ layer.weight.detach().T
-        errors.append(((y.detach() - exact).norm() / exact.norm()).item())
-        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)))
+        with contextlib.ExitStack() as spied:
+            for spy in spies():
+                spied.enter_context(spy)
+            y = layer(x)
+            exact = x @ layer.weight.detach().T
+            errors.append(((y.detach() - exact).norm() / exact.norm()).item())
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)))
         if fused:
             assert ((16, 16), "sr", False) in quantized and ((16, 16), "rtn", False) in quantized, quantized  # Fprop's and Dgrad's W
             assert [t for t in quantized if t[2]] == [(None, "rtn", True), (None, "sr", True)], quantized  # x^T, dY^T: the amax given
@@ -483,33 +483,25 @@ def test_cuda_graph_steps_equal_eager_steps_and_resume_exactly(recipe, tmp_path)
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in graphed], rel=rel)
 
 
+@interpreted.fused_kernels_as_on_cuda()
 def check_packed_saved_operands_give_the_same_gradients(recipe: str, device: str, features=(512, 256), tokens: int = 256) -> None:
     """Wgrad's x^T kept as packed codes and decoded in backward (`pack_saved`, the default) gives the
     same gradients, bit for bit, as keeping its bf16 values (same seed, same SR bits), and is kept as
     a PackedOperand (0.5 byte an element and a byte a block, against 2): optitrain's x^T too, which
     comes from the full transform's kernel and then the fused quantizer on its own (saved as bf16
     values before: 1.25x bf16's peak memory at 125m)."""
-    from fp4lab.nn import fp4_linear
-    from fp4lab.numerics.kernels import quantizer_covers
-
-    kernel_options = fp4_linear.kernel_options  # on the CPU under the interpreter: answer as for CUDA tensors
-    fp4_linear.kernel_options = lambda spec, signs, t, seed: (
-        fp4_linear.fused_options(spec, signs, t, seed) if quantizer_covers(spec) else None)
     grads = []
-    try:
-        for packed in (False, True):
-            torch.manual_seed(0)
-            layer = FP4Linear(*features, load_recipe(recipe).linear, seed=3).to(device)
-            layer.tensor_cores, layer.fused_quantizers, layer.pack_saved = True, True, packed
-            g = torch.Generator().manual_seed(1)
-            x = training_like(tokens, features[0], g, device).requires_grad_(True)
-            y = layer(x)
-            saved = y.grad_fn.xt_op
-            assert isinstance(saved, PackedOperand) == packed, (recipe, packed, type(saved).__name__)
-            y.backward(torch.randn(y.shape, generator=g).to(device))
-            grads.append((x.grad, layer.weight.grad))
-    finally:
-        fp4_linear.kernel_options = kernel_options
+    for packed in (False, True):
+        torch.manual_seed(0)
+        layer = FP4Linear(*features, load_recipe(recipe).linear, seed=3).to(device)
+        layer.tensor_cores, layer.fused_quantizers, layer.pack_saved = True, True, packed
+        g = torch.Generator().manual_seed(1)
+        x = training_like(tokens, features[0], g, device).requires_grad_(True)
+        y = layer(x)
+        saved = y.grad_fn.xt_op
+        assert isinstance(saved, PackedOperand) == packed, (recipe, packed, type(saved).__name__)
+        y.backward(torch.randn(y.shape, generator=g).to(device))
+        grads.append((x.grad, layer.weight.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1]), recipe
 
 
