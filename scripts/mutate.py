@@ -804,6 +804,9 @@ MUTATIONS = [
     m("catalog-torn-change-line-kept", "a change line cut off by a kill is kept and the next line glued to it",
       ("fp4lab/lab/records/run_store.py", "            if not tail.endswith(b\"\\n\"):", "            if False:"),
       [STORE + "test_a_change_line_cut_off_by_a_kill_is_dropped_by_the_next_writer"]),
+    m("anchor-on-fast-path-settings", "bench steps times its anchors with the bf16 GEMM reduction a fast-path recipe before them turned off",
+      ("fp4lab/bench/steps.py", "                plain_pytorch_settings()\n", "                torch.use_deterministic_algorithms(False)\n"),
+      ["tests/bench/test_steps.py::test_an_anchor_timed_after_a_fast_path_build_runs_on_the_settings_from_before_it"]),
 ]
 
 

@@ -25,7 +25,7 @@ from fp4lab.nn.build import cuda_graph_blocker
 from fp4lab.nn.model_config import preset
 from fp4lab.nn.recipe import load_recipe
 from fp4lab.train import paths
-from fp4lab.train.build import build_training
+from fp4lab.train.build import build_training, plain_pytorch_settings
 from fp4lab.train.config import TrainConfig
 from fp4lab.train.step import TrainStep, clip_and_step
 
@@ -99,9 +99,9 @@ def bench_steps(
             )
             chosen = paths.resolve(config, device, model_config.head_dim)
             if anchored:
-                # A plain PyTorch loop runs on PyTorch's defaults, whatever an fp4lab recipe timed before
-                # it turned on (train.build.deterministic_cuda).
-                torch.use_deterministic_algorithms(False)
+                # A plain PyTorch loop runs on PyTorch's settings, whatever an fp4lab recipe timed before it
+                # changed: the torchao anchors come after fp4lab's recipes.
+                plain_pytorch_settings()
                 step = anchor_step(model_config, device, compile=chosen.compile, float8=name if name in TORCHAO_FLOAT8 else None)
                 compute = f"torchao float8 {TORCHAO_FLOAT8[name]}" if name in TORCHAO_FLOAT8 else "bf16 autocast"
                 optimizer_name, graphed, record = "adamw (torch, fused on CUDA)", False, None

@@ -45,10 +45,7 @@ def build_training(
     paths = paths or resolve(config, device, model_config.head_dim)
     fast = paths.tensor_cores
     if fast and device.type == "cuda":
-        # bf16-output GEMMs must reduce in fp32 (no bf16 split-K partial sums): the fast path claims
-        # fp32 accumulation, exactly what an FP4 tensor core does.
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-        deterministic_cuda()
+        fast_path_process_settings()
     torch.manual_seed(config.seed)
     model = build_model(
         model_config, recipe, seed=config.seed, device=device, tensor_cores=fast, fused_quantizers=paths.fused_quantizers,
@@ -89,6 +86,28 @@ def build_training(
     for block in model.layers:
         block.forward = torch.compile(block.forward)
     return model, optimizer, loss_fn
+
+
+# PyTorch's process settings as they were before the first fast-path build changed them.
+_PLAIN_SETTINGS: dict[str, bool] = {}
+
+
+def fast_path_process_settings() -> None:
+    """The process settings a fast-path run on CUDA needs. bf16-output GEMMs reduce in fp32 (no bf16
+    split-K partial sums): the fast path claims fp32 accumulation, exactly what an FP4 tensor core
+    does. And deterministic algorithms (`deterministic_cuda`). `plain_pytorch_settings` undoes both."""
+    _PLAIN_SETTINGS.setdefault("bf16_reduction", torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+    _PLAIN_SETTINGS.setdefault("deterministic", torch.are_deterministic_algorithms_enabled())
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    deterministic_cuda()
+
+
+def plain_pytorch_settings() -> None:
+    """The settings this process had before `fast_path_process_settings`, so a plain PyTorch loop timed
+    after an fp4lab run in the same process (`bench steps`' anchors) runs as it would alone."""
+    if _PLAIN_SETTINGS:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = _PLAIN_SETTINGS["bf16_reduction"]
+        torch.use_deterministic_algorithms(_PLAIN_SETTINGS["deterministic"])
 
 
 def deterministic_cuda() -> None:
