@@ -138,7 +138,8 @@ class Llama(nn.Module):
         nn.init.ones_(self.norm.weight)
         nn.init.normal_(self.output.weight, std=std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, fp32_logits: bool = True) -> torch.Tensor:
+        """Logits in fp32; with fp32_logits=False in the head's own dtype (bf16 on the fast path)."""
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"Llama: sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
@@ -146,11 +147,16 @@ class Llama(nn.Module):
         rope_cos, rope_sin = self.rope_cos[:seq], self.rope_sin[:seq]
         for layer in self.layers:
             h = layer(h, rope_cos, rope_sin)
-        return self.output(self.norm(h)).float()
+        logits = self.output(self.norm(h))
+        return logits.float() if fp32_logits else logits
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross entropy; targets [batch, seq] (-100 entries are ignored)."""
-        logits = self(tokens)
+        # The cast to fp32 sits beside the cross entropy rather than in forward: where torch.compile
+        # breaks the graph between the two (at an FP4 recipe's eager linears), the loss's graph is
+        # then handed bf16 logits and keeps those for its backward, not an fp32 copy (same values,
+        # half the bytes: 1 GiB at 16 x 1024 tokens and a 32k vocabulary).
+        logits = self(tokens, fp32_logits=False).float()
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def attentions(self) -> list[Attention]:

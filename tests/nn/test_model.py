@@ -253,3 +253,33 @@ def test_attention_toggles_reach_every_block_through_the_model():
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         small_config().dim = 128
+
+
+def test_a_compiled_fp4_loss_keeps_bf16_logits_for_its_backward():
+    """An FP4 recipe's eager linears break torch.compile's graph between the head and the cross entropy;
+    the loss's graph is then handed the head's bf16 logits and keeps those, not an fp32 copy (half the
+    bytes, the same values), as the bf16 recipe's single graph does."""
+    from fp4lab.nn.build import build_model
+    from fp4lab.nn.recipe import load_recipe
+
+    config = small_config(n_layers=1, vocab_size=80)  # no activation but the logits is 80 wide
+    model = build_model(config, load_recipe("nvfp4"), seed=0, tensor_cores=True)
+    tokens, targets = random_tokens(seed=1), random_tokens(seed=2)  # ids below VOCAB = 64
+
+    def loss_fn(tokens, targets):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model.loss(tokens, targets)
+
+    loss = torch.compile(loss_fn)(tokens, targets)
+    kept, stack, seen = [], [loss.grad_fn], set()
+    while stack:  # every tensor the loss's compiled graphs keep for the backward
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            kept += [(t.dtype, tuple(t.shape)) for t in node.saved_tensors]
+        stack += [f for f, _ in node.next_functions]
+    logits = [dtype for dtype, shape in kept if shape in ((2, SEQ, 80), (2 * SEQ, 80))]
+    assert logits == [torch.bfloat16], kept
+    assert torch.isfinite(loss) and loss.dtype == torch.float32
