@@ -1,0 +1,59 @@
+"""scripts/saved_for_backward.py: what a step keeps for its backward, counted from the autograd graph."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("saved_for_backward", ROOT / "scripts" / "saved_for_backward.py")
+saved_for_backward = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(saved_for_backward)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
+class _KeepsOnContext(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.kept = _Kept(x.to(torch.uint8), x[:, :1].to(torch.uint8))  # as FP4Linear keeps a PackedOperand
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_every_storage_counted_once_weights_left_out_context_operands_found():
+    weight = torch.randn(8, 16, requires_grad=True)
+    x = torch.randn(4, 16, requires_grad=True)
+    h = x @ weight.T  # keeps x (and the weight, left out)
+    y = _KeepsOnContext.apply(h)  # keeps 4 x 8 + 4 x 1 bytes on its context
+    z = (y * h).sum()  # keeps y and h
+    kept = saved_for_backward.kept_for_backward(z, {weight.untyped_storage().data_ptr()})
+    by_node = {}
+    for (node, dtype, shape), size in kept.items():
+        by_node[node, dtype, shape] = size
+    assert by_node[("MmBackward0", "float32", (4, 16))] == 4 * 16 * 4
+    assert by_node[("_KeepsOnContextBackward", "uint8", (4, 8))] == 32
+    assert by_node[("_KeepsOnContextBackward", "uint8", (4, 1))] == 4
+    assert sum(size for (node, _, _), size in kept.items() if node == "MulBackward0") == 2 * 4 * 8 * 4  # y and h
+    assert not any(shape == (8, 16) for _, _, shape in kept)  # the weight
+
+
+def test_the_script_prints_the_fp32_logits_of_a_reference_step():
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "saved_for_backward.py"), "bf16", "--compute", "reference",
+                           "--compile", "off", "--seq-len", "64", "--vocab", "512"], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, *rows = done.stdout.strip().splitlines()
+    assert "kept for the backward" in first and "bytes a token" in first
+    assert any("float32 [64, 512]" in row for row in rows), rows  # the log-probabilities the reference's loss keeps
