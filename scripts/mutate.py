@@ -804,6 +804,16 @@ MUTATIONS = [
     m("catalog-torn-change-line-kept", "a change line cut off by a kill is kept and the next line glued to it",
       ("fp4lab/lab/records/run_store.py", "            if not tail.endswith(b\"\\n\"):", "            if False:"),
       [STORE + "test_a_change_line_cut_off_by_a_kill_is_dropped_by_the_next_writer"]),
+    m("recompute-unwired", "build_model marks W1 and W3 but never tells the feed-forward to recompute gate and up",
+      ("fp4lab/nn/build.py", "            feed_forward.recompute_gate_up = recompute_gate_up\n", "            feed_forward.recompute_gate_up = \"off\"\n"),
+      ["tests/nn/test_recompute.py::test_recomputed_gate_and_up_give_the_same_bits_and_are_not_kept[nvfp4-compiled]",
+       "tests/train/test_kernel_choice.py::test_recompute_reaches_the_fp4_feed_forwards_and_is_refused_where_it_cannot_run"]),
+    m("recompute-up-kept", "only gate is given up for recomputation; up stays saved",
+      ("fp4lab/nn/fp4_linear.py", "for t in (gate, up) if recomputable(t)}", "for t in (gate,) if recomputable(t)}"),
+      ["tests/nn/test_recompute.py::test_recomputed_gate_and_up_give_the_same_bits_and_are_not_kept[nvfp4-compiled]"]),
+    m("recompute-outer-hooks-dropped", "tensors the recompute hooks do not take bypass the saved-tensor hooks around them",
+      ("fp4lab/nn/fp4_linear.py", "        return t if outer is None else _Delegated(outer[0](t), outer[1])", "        return t"),
+      ["tests/nn/test_recompute.py::test_recomputed_gate_and_up_give_the_same_bits_and_are_not_kept[nvfp4-eager]"]),
     m("loss-keeps-fp32-logits", "the model casts its logits to fp32 in forward, so a compiled FP4 loss keeps an fp32 copy for its backward",
       ("fp4lab/nn/model.py", "        logits = self(tokens, fp32_logits=False).float()\n", "        logits = self(tokens)\n"),
       ["tests/nn/test_model.py::test_a_compiled_fp4_loss_keeps_bf16_logits_for_its_backward"]),
@@ -815,7 +825,7 @@ MUTATIONS = [
 
 def copy_tree(dest: Path, working_tree: bool) -> None:
     if working_tree:
-        for name in ("fp4lab", "tests", "pyproject.toml"):
+        for name in ("fp4lab", "tests", "scripts", "pyproject.toml"):
             src = ROOT / name
             if src.is_dir():
                 shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))

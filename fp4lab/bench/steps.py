@@ -71,6 +71,7 @@ def bench_steps(
     attention_kernel: str = "auto",
     mx_gemm: str = "auto",
     producer_fusion: str = "off",
+    recompute: str = "off",
     optimizer: str = "adamw",
     vocab_size: int = 4096,
     on_result: Callable[[StepBench], None] | None = None,
@@ -95,7 +96,7 @@ def bench_steps(
             config = TrainConfig(
                 recipe="bf16" if anchored else name, model=model, batch_size=batch_size, seq_len=seq_len,
                 device=device.type, compile=compile, cuda_graphs=cuda_graphs, attention_kernel=attention_kernel, mx_gemm=mx_gemm,
-                producer_fusion=producer_fusion, optimizer=optimizer, adam_lr=3e-4, lr=0.02,
+                producer_fusion=producer_fusion, recompute=recompute, optimizer=optimizer, adam_lr=3e-4, lr=0.02,
             )
             chosen = paths.resolve(config, device, model_config.head_dim)
             if anchored:

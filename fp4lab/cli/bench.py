@@ -18,6 +18,7 @@ from fp4lab.cli.choices import (
     MxGemm,
     Optimizer,
     ProducerFusion,
+    Recompute,
 )
 from fp4lab.cli.conventions import fail, print_json
 from fp4lab.cli.numerics import parse_shape
@@ -43,6 +44,7 @@ def bench(
     attention_kernel: Annotated[AttentionKernel, typer.Option(help="fp4lab's attention: triton (flash kernels: fused probes, FP4 attention with dS quantized in the kernels) or sdpa (PyTorch's; FP4 attention chunked) (auto: triton on CUDA).", rich_help_panel="Fast path")] = "auto",
     mx_gemm: Annotated[MxGemm, typer.Option(help="fp4lab's MXFP4 GEMMs: fp8 or bf16 tensor cores (auto: bf16, the faster on an H200).", rich_help_panel="Fast path")] = "auto",
     producer_fusion: Annotated[ProducerFusion, typer.Option(help="on: fp4lab's feed-forwards fuse the SwiGLU into W2's GEMMs; all: also the residual add and RMSNorm into W1's and W3's operands (time them against off).", rich_help_panel="Fast path")] = "off",
+    recompute: Annotated[Recompute, typer.Option(help="gate-up: fp4lab's FP4 feed-forwards make gate and up again in the backward instead of keeping them (time and memory against off).", rich_help_panel="Fast path")] = "off",
     shape: Annotated[Optional[str], typer.Option(help="ROWSxCOLS of the quantized tensor (default 8192x8192 on CUDA, 1024x1024 on the CPU).", rich_help_panel="What is timed")] = None,
     device: Annotated[Device, typer.Option(help="Where to time (auto: CUDA if there is one).", rich_help_panel="Where and output")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's).", rich_help_panel="Where and output")] = None,
@@ -63,7 +65,7 @@ def bench(
     model, batch_size, seq_len = model or d_model, batch_size or d_batch, seq_len or d_seq
     steps, warmup = steps or d_steps, d_warmup if warmup is None else warmup
     model_shape = _model_shape_on_paths_that_run(target, model, batch_size, seq_len, steps, attention_kernel, mx_gemm,
-                                                 producer_fusion)
+                                                 producer_fusion, recompute)
     rows, cols = parse_shape(shape or d_shape, "bench: --shape")
     if threads is not None:
         torch.set_num_threads(threads)
@@ -85,7 +87,7 @@ def bench(
             report["steps"], report["ratios"] = _time_steps(
                 names, console, model=model, batch_size=batch_size, seq_len=seq_len, device=target, steps=steps, warmup=warmup,
                 compile=compile, cuda_graphs=cuda_graphs, attention_kernel=attention_kernel, mx_gemm=mx_gemm,
-                producer_fusion=producer_fusion, optimizer=optimizer, profile_dir=profile, memory_dir=memory,
+                producer_fusion=producer_fusion, recompute=recompute, optimizer=optimizer, profile_dir=profile, memory_dir=memory,
             )
         if not as_json:
             _print_suite(report, suite, tables)
@@ -125,7 +127,7 @@ def _recipe_names(recipes: str) -> list[str]:
 
 
 def _model_shape_on_paths_that_run(target, model: str, batch_size: int, seq_len: int, steps: int, attention_kernel: str,
-                                   mx_gemm: str, producer_fusion: str):
+                                   mx_gemm: str, producer_fusion: str, recompute: str):
     """The model preset's shape, once the compute paths asked for are known to run on `target`: a path
     this device lacks is refused here, not after the anchor ran."""
     from fp4lab.nn.model_config import preset
@@ -135,7 +137,7 @@ def _model_shape_on_paths_that_run(target, model: str, batch_size: int, seq_len:
     try:
         kernels = TrainConfig(
             model=model, batch_size=batch_size, seq_len=seq_len, steps=steps, device=target.type,
-            attention_kernel=attention_kernel, mx_gemm=mx_gemm, producer_fusion=producer_fusion,
+            attention_kernel=attention_kernel, mx_gemm=mx_gemm, producer_fusion=producer_fusion, recompute=recompute,
         )
         model_shape = preset(model, 4096, seq_len)
         resolve_paths(kernels, target, model_shape.head_dim)

@@ -27,6 +27,7 @@ from fp4lab.train.config import (
     PARALLELS,
     PRODUCER_FUSIONS,
     QK_CLIPS,
+    RECOMPUTES,
     TOKEN_DTYPES,
 )
 
@@ -45,6 +46,7 @@ CudaGraphs = Literal[CUDA_GRAPHS]
 AttentionKernel = Literal[ATTENTION_KERNELS]
 MxGemm = Literal[MX_GEMMS]
 ProducerFusion = Literal[PRODUCER_FUSIONS]
+Recompute = Literal[RECOMPUTES]
 Parallel = Literal[PARALLELS]
 GatherWeights = Literal[GATHER_WEIGHTS]
 TokenDtype = Literal[TOKEN_DTYPES]

@@ -27,6 +27,7 @@ from fp4lab.cli.choices import (
     Parallel,
     ProducerFusion,
     QkClip,
+    Recompute,
     TokenDtype,
     complete_recipe,
 )
@@ -67,6 +68,7 @@ def train(
     attention_kernel: Annotated[Optional[AttentionKernel], typer.Option(help="Attention on the fast path: triton (flash attention that yields the max-logit and entropy probes online; FP4 attention on the same kernels) or sdpa (PyTorch's; FP4 attention chunked) (default auto: triton on CUDA).", rich_help_panel="Device and fast path")] = None,
     mx_gemm: Annotated[Optional[MxGemm], typer.Option(help="MXFP4 x MXFP4 GEMMs on the fast path: fp8 (FP8 tensor cores, each 32-block promoted to fp32) or bf16 (decoded values on bf16 tensor cores) (default auto: bf16, the faster on an H200; fp8 is opt-in).", rich_help_panel="Device and fast path")] = None,
     producer_fusion: Annotated[Optional[ProducerFusion], typer.Option(help="on: fuse each feed-forward's SwiGLU into its W2's GEMMs (the quantized operands written straight from gate and up; the SiLU derivative fused into the backward), the same bits; all: also the residual add and RMSNorm into W1's and W3's operands, the norm within a few ulps (default off).", rich_help_panel="Device and fast path")] = None,
+    recompute: Annotated[Optional[Recompute], typer.Option(help="gate-up: each FP4 feed-forward makes gate and up again in its backward from W1's and W3's Fprop operands instead of keeping them (the same bits; less activation memory, two more GEMMs a block) (default off).", rich_help_panel="Device and fast path")] = None,
     parallel: Annotated[Optional[Parallel], typer.Option(help="Parallelism over torchrun's processes: ddp (DistributedDataParallel), fsdp (FSDP2), hsdp (FSDP2 sharded within a node, replicated across nodes), pp (pipeline stages of transformer blocks) or none (default).", rich_help_panel="Several GPUs")] = None,
     pp_microbatches: Annotated[Optional[int], typer.Option(help="With --parallel pp: microbatches each global batch is split into (default 4, DualPipeV's minimum on 2 ranks).", rich_help_panel="Several GPUs")] = None,
     gather_weights: Annotated[Optional[GatherWeights], typer.Option(help="What FSDP2's weight all-gathers move (fsdp, hsdp): dense rows (default) or, where exact, the FP4 encoding the GEMMs consume (the same run, fewer bytes; summary.json reports them).", rich_help_panel="Several GPUs")] = None,

@@ -21,6 +21,7 @@ def derive_seed(seed: int, name: str) -> int:
 def build_model(
     config: ModelConfig, recipe: Recipe, *, seed: int, device: torch.device | str = "cpu", tensor_cores: bool = False,
     fused_quantizers: bool = True, attention_kernel: str = "sdpa", mx_gemm: str = "bf16", producer_fusion: str = "off",
+    recompute_gate_up: str = "off",
 ) -> Llama:
     """Every block linear gets the recipe's linear for its depth, the head gets the head recipe;
     each FP4Linear and each FP4 attention draws its random bits from its own seeded generator (on
@@ -32,7 +33,10 @@ def build_model(
     as fp4lab.numerics.kernels.attention's flash attention, "sdpa" as PyTorch's. `producer_fusion` "on" fuses each
     feed-forward's SwiGLU into its W2's GEMMs (`FP4Linear.swiglu`: the same bits, fewer passes); "all"
     also the residual add and RMSNorm before each feed-forward into its W1's and W3's x operands
-    (`FP4Linear.residual_rmsnorm`: the norm within a few ulps of nn.RMSNorm's)."""
+    (`FP4Linear.residual_rmsnorm`: the norm within a few ulps of nn.RMSNorm's). `recompute_gate_up`
+    "eager" or "compiled" (as the model will run): each feed-forward whose W1 and W3 are FP4 on the
+    tensor-core path makes gate and up again in its backward instead of keeping them (the same bits;
+    `FeedForward.recompute_gate_up`)."""
 
     def make_linear(block_index: int | None, name: str, in_features: int, out_features: int) -> FP4Linear:
         if block_index is None:
@@ -61,11 +65,24 @@ def build_model(
         if isinstance(block.feed_forward.w1, FP4Linear):
             w1 = block.feed_forward.w1
             w1.fuse_residual_rmsnorm = producer_fusion == "all" and w1.x_operands_fusable(shared=True)
+        if recompute_gate_up != "off" and _recomputes_gate_up(block.feed_forward):
+            feed_forward = block.feed_forward
+            feed_forward.recompute_gate_up = recompute_gate_up
+            feed_forward.w1.keeps_fprop_operands = feed_forward.w3.keeps_fprop_operands = True
     if recipe.attention.format != "bf16":
         for index, attention in enumerate(model.attentions()):
             generator = torch.Generator(device=device).manual_seed(derive_seed(seed, f"layers.{index}.attention"))
             attention.quant = AttentionQuant(recipe.attention.format, recipe.attention.ds_rounding, generator, tensor_cores)
     return model
+
+
+def _recomputes_gate_up(feed_forward) -> bool:
+    """W1 and W3 run the emulated tensor-core path, whose Function can keep its Fprop operands (not a
+    plain bf16 block's F.linear, not LoRA-SVD's sum of two branches), and W2 does not take gate and up
+    into its own fused SwiGLU."""
+    w1, w2, w3 = feed_forward.w1, feed_forward.w2, feed_forward.w3
+    return (all(isinstance(w, FP4Linear) and w.tensor_cores and not w.recipe.is_plain_bf16 and not w.lora_rank for w in (w1, w3))
+            and not getattr(w2, "fuse_swiglu", False))
 
 
 def fp4_linears(model: torch.nn.Module) -> dict[str, FP4Linear]:

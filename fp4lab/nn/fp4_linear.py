@@ -292,7 +292,88 @@ def _gemms_forward(ctx, x, x_operands, weight: torch.Tensor, layer: FP4Linear, s
 
     ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
     ctx.layer, ctx.signs, ctx.wt_op, ctx.xt_op = layer, signs, wt_op, xt_op
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    # The Fprop GEMM's own operands, for `recompute_output` (gate and up of a SwiGLU, `recompute`).
+    ctx.fprop = (x_op, w_op, out_dtype, out_shape) if layer.keeps_fprop_operands else None
+    return out.reshape(out_shape)
+
+
+def recompute_output(node) -> torch.Tensor:
+    """The output of the tensor-core FP4Linear call whose backward node is `node`, made again from the
+    Fprop operands that call kept (`FP4Linear.keeps_fprop_operands`): the same GEMM on the same
+    operand objects, so the same bits."""
+    x_op, w_op, out_dtype, out_shape = node.fprop
+    with torch.autocast(node.layer.weight.device.type, enabled=False):  # as in the forward
+        return node.layer.mm(x_op, w_op, out_dtype, fast_accum=True).reshape(out_shape)
+
+
+def recomputable(t: torch.Tensor) -> bool:
+    """Whether t is the output of a tensor-core FP4Linear call that kept its Fprop operands."""
+    return getattr(t.grad_fn, "fprop", None) is not None
+
+
+class _Recompute:
+    """A saved tensor given up for the FP4Linear backward node that can make it again."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node):
+        self.node = node
+
+
+class _Delegated:
+    """A saved tensor packed by the saved-tensor hooks that were active around ours (a checkpoint's,
+    a memory count's), to be unpacked by theirs."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed, unpack):
+        self.packed, self.unpack = packed, unpack
+
+
+def _unpack_saved(saved):
+    if isinstance(saved, _Recompute):
+        return recompute_output(saved.node)
+    if isinstance(saved, _Delegated):
+        return saved.unpack(saved.packed)
+    return saved
+
+
+@torch.compiler.disable
+def swiglu_recomputing_inputs(gate: torch.Tensor, up: torch.Tensor, compiled: bool) -> torch.Tensor:
+    """F.silu(gate) * up whose backward makes gate and up again from their linears' Fprop operands
+    (`recompute_output`) instead of keeping them: a feed-forward's largest activations, two bf16 values
+    a hidden element, give way to the shared x operand its W1 and W3 already made. Saved-tensor hooks
+    hand the SwiGLU's backward the recomputed tensors, the same values, so its bits do not change.
+    `compiled`: the SwiGLU runs as Inductor compiles it, as it does inside a compiled model (eager code
+    around the compiled call, since hooks inside a traced frame make Dynamo run the ops eagerly)."""
+    # Matched by memory, not by object: a compiled graph may save an alias of its input.
+    sources = {_where(t): t.grad_fn for t in (gate, up) if recomputable(t)}
+    # The hooks active around this call (torch's own accessor; AOTAutograd reads them the same way):
+    # the tensors ours do not take go to them, so the two compose.
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    def pack(t: torch.Tensor):
+        node = sources.get(_where(t))
+        if node is not None:
+            return _Recompute(node)
+        return t if outer is None else _Delegated(outer[0](t), outer[1])
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack_saved):
+        return (_compiled_swiglu() if compiled else _swiglu)(gate, up)
+
+
+def _where(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+@functools.cache
+def _compiled_swiglu():
+    return torch.compile(_swiglu)
 
 
 def _gemms_backward(ctx, grad_out: torch.Tensor, needs_grad_x: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -436,6 +517,9 @@ class FP4Linear(nn.Module):
         # norm)`, which fuses the residual add, the RMSNorm and the quantization of its x operands.
         self.fuse_residual_rmsnorm = False
         self._produced_operands: tuple | None = None
+        # W1 and W3 of a feed-forward that recomputes gate and up in its backward (`recompute`): the
+        # tensor-core path keeps its Fprop operands for `recompute_output`.
+        self.keeps_fprop_operands = False
 
     @property
     def tensor_cores(self) -> bool:

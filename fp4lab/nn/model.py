@@ -53,11 +53,18 @@ class FeedForward(nn.Module):
         self.w1 = linear("w1", dim, hidden)
         self.w2 = linear("w2", hidden, dim)
         self.w3 = linear("w3", dim, hidden)
+        # "eager" or "compiled" (as the model runs): the backward makes gate and up again from W1's and
+        # W3's Fprop operands instead of keeping them (FP4Linear's `swiglu_recomputing_inputs`).
+        self.recompute_gate_up = "off"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w1(x), self.w3(x)
         if getattr(self.w2, "fuse_swiglu", False):  # an FP4Linear that fuses the SwiGLU into its GEMMs
             return self.w2.swiglu(gate, up)
+        if self.recompute_gate_up != "off":
+            from fp4lab.nn.fp4_linear import swiglu_recomputing_inputs
+
+            return self.w2(swiglu_recomputing_inputs(gate, up, compiled=self.recompute_gate_up == "compiled"))
         return self.w2(F.silu(gate) * up)
 
 

@@ -50,6 +50,7 @@ def build_training(
     model = build_model(
         model_config, recipe, seed=config.seed, device=device, tensor_cores=fast, fused_quantizers=paths.fused_quantizers,
         attention_kernel=paths.attention_kernel, mx_gemm=paths.mx_gemm, producer_fusion=paths.producer_fusion,
+        recompute_gate_up=("compiled" if paths.compile else "eager") if paths.recompute == "gate-up" else "off",
     )
     settings = optimizer_config(config, recipe, fused=paths.fused_optimizer)
     if ranks.mode == "pp":

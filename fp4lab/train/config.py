@@ -50,6 +50,8 @@ MX_GEMMS = ("auto", "fp8", "bf16")
 # where those are deterministic (shared by W1 and W3): the norm's sum of squares then runs in a fixed
 # order, so the normed activations are within a few ulps of nn.RMSNorm's, not the same bits.
 PRODUCER_FUSIONS = ("off", "on", "all")
+# "gate-up": each FP4 feed-forward makes gate and up again in its backward instead of keeping them.
+RECOMPUTES = ("off", "gate-up")
 # Parallelism over torchrun's processes (fp4lab.train.distributed): none, DistributedDataParallel,
 # FSDP2, FSDP2 sharded within a node and replicated across nodes, or pipeline stages of transformer
 # blocks (fp4lab.train.pipeline). Not result-neutral: the gradient all-reduce sums in another order,
@@ -114,7 +116,7 @@ def summary_value(summary: dict[str, Any], key: str) -> Any:
 # Capturing GEMM operands only copies tensors a step already made (fp4lab.train.capture).
 RESULT_NEUTRAL = (
     "out_dir", "device", "max_minutes", "checkpoint_every", "compile", "cuda_graphs", "capture_steps", "capture_layers",
-    "gather_weights", "attention_kernel", "mx_gemm", "producer_fusion", "log_to", "tracker_group", "tracker_run",
+    "gather_weights", "attention_kernel", "mx_gemm", "producer_fusion", "recompute", "log_to", "tracker_group", "tracker_run",
     "optuna_trial",
 )
 
@@ -209,6 +211,7 @@ class TrainConfig:
     attention_kernel: str = "auto"
     mx_gemm: str = "auto"
     producer_fusion: str = "off"
+    recompute: str = "off"
     parallel: str = "none"
     gather_weights: str = "dense"
     # parallel='pp': the microbatches each global batch is cut into (batch_size must split into them).
@@ -248,8 +251,12 @@ class TrainConfig:
         _check.choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         _check.choice("mx_gemm", self.mx_gemm, MX_GEMMS)
         _check.choice("producer_fusion", self.producer_fusion, PRODUCER_FUSIONS)
+        _check.choice("recompute", self.recompute, RECOMPUTES)
         _check.choice("parallel", self.parallel, PARALLELS)
         _check.choice("gather_weights", self.gather_weights, GATHER_WEIGHTS)
+        if self.recompute != "off" and self.parallel in ("fsdp", "hsdp"):
+            raise ConfigError(f"recompute={self.recompute!r} keeps W1's and W3's Fprop weight operands for the backward, which under "
+                              f"parallel={self.parallel!r} holds each all-gathered weight until then; use recompute='off'")
         if self.gather_weights == "encoded" and self.parallel not in ("fsdp", "hsdp"):
             raise ConfigError(f"gather_weights='encoded' changes FSDP2's all-gathers; parallel={self.parallel!r} has none (use fsdp or hsdp)")
         _check.integer("pp_microbatches", self.pp_microbatches, minimum=1)

@@ -33,6 +33,7 @@ class ComputePaths:
     attention_kernel: str  # "triton" (flash attention with the probes' statistics online) or "sdpa"
     mx_gemm: str  # "fp8": MXFP4 x MXFP4 GEMMs on FP8 tensor cores; "bf16": decoded values on bf16 ones
     producer_fusion: str  # "off", "on" (SwiGLU into W2's operands), "all" (also residual + RMSNorm)
+    recompute: str  # "gate-up": FP4 feed-forwards make gate and up again in the backward; "off"
     compile: bool  # torch.compile of the forward and loss
     cuda_graphs: bool  # steps replayed from a captured CUDA graph
     off: dict[str, str] = field(default_factory=dict)
@@ -46,6 +47,7 @@ class ComputePaths:
         parts = [
             f"tensor_cores={on(self.tensor_cores)}", f"fused_quantizers={on(self.fused_quantizers)}",
             f"attention={self.attention_kernel}", f"mx_gemm={self.mx_gemm}", f"producer_fusion={self.producer_fusion}",
+            f"recompute={self.recompute}",
             f"compile={on(self.compile)}", f"cuda_graphs={on(self.cuda_graphs)}",
         ]
         why = "; ".join(f"{name}: {reason}" for name, reason in self.off.items())
@@ -67,6 +69,7 @@ def resolve(config: TrainConfig, device: torch.device, head_dim: int) -> Compute
         attention_kernel=attention_kernel(config, kernels_run, head_dim, off),
         mx_gemm=mx_gemm(config, device, kernels_run, off),
         producer_fusion=producer_fusion(config, kernels_run, off),
+        recompute=recompute(config, fast, off),
         compile=compiled(config, device, off),
         cuda_graphs=config.cuda_graphs != "off" and device.type == "cuda" and fast,
         off=off,
@@ -151,6 +154,17 @@ def producer_fusion(config: TrainConfig, kernels_run: bool, off: dict[str, str])
     if config.producer_fusion == "off":
         off["producer_fusion"] = "config producer_fusion='off' (the default: no step-time gain measured)"
     return config.producer_fusion
+
+
+def recompute(config: TrainConfig, fast: bool, off: dict[str, str]) -> str:
+    """config.recompute, checked: "gate-up" recomputes the tensor-core path's FP4 Fprop GEMMs of W1 and
+    W3 (nn.build.build_model), so it needs that path."""
+    if config.recompute != "off" and not fast:
+        raise ConfigError(f"recompute={config.recompute!r} recomputes the fast path's FP4 GEMMs; this run takes the fp32 reference "
+                          "(use compute='fast' or a GPU, or recompute='off')")
+    if config.recompute == "off":
+        off["recompute"] = "config recompute='off' (the default: its step time is not measured yet)"
+    return config.recompute
 
 
 def gpu_kernels_run(device: torch.device) -> bool:

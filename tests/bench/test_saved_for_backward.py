@@ -36,18 +36,30 @@ class _KeepsOnContext(torch.autograd.Function):
 def test_every_storage_counted_once_weights_left_out_context_operands_found():
     weight = torch.randn(8, 16, requires_grad=True)
     x = torch.randn(4, 16, requires_grad=True)
-    h = x @ weight.T  # keeps x (and the weight, left out)
-    y = _KeepsOnContext.apply(h)  # keeps 4 x 8 + 4 x 1 bytes on its context
-    z = (y * h).sum()  # keeps y and h
-    kept = saved_for_backward.kept_for_backward(z, {weight.untyped_storage().data_ptr()})
-    by_node = {}
-    for (node, dtype, shape), size in kept.items():
-        by_node[node, dtype, shape] = size
-    assert by_node[("MmBackward0", "float32", (4, 16))] == 4 * 16 * 4
-    assert by_node[("_KeepsOnContextBackward", "uint8", (4, 8))] == 32
-    assert by_node[("_KeepsOnContextBackward", "uint8", (4, 1))] == 4
-    assert sum(size for (node, _, _), size in kept.items() if node == "MulBackward0") == 2 * 4 * 8 * 4  # y and h
+
+    def run():
+        h = x @ weight.T  # saves x (and the weight, left out)
+        y = _KeepsOnContext.apply(h)  # keeps 4 x 8 + 4 x 1 bytes on its context
+        return (y * h).sum()  # saves y and h
+
+    _, kept = saved_for_backward.kept_for_backward(run, {weight.untyped_storage().data_ptr()})
+    assert kept[("saved", "float32", (4, 16))] == 4 * 16 * 4
+    assert kept[("saved", "float32", (4, 8))] == 2 * 4 * 8 * 4  # y and h
+    assert kept[("_KeepsOnContextBackward", "uint8", (4, 8))] == 32
+    assert kept[("_KeepsOnContextBackward", "uint8", (4, 1))] == 4
     assert not any(shape == (8, 16) for _, _, shape in kept)  # the weight
+
+
+def test_a_tensor_an_inner_hook_gives_up_is_not_counted():
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def run():
+        h = x * 2
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda _: h):  # kept elsewhere
+            return (h * h).sum()
+
+    _, kept = saved_for_backward.kept_for_backward(run, set())
+    assert not kept, kept
 
 
 def test_the_script_prints_the_fp32_logits_of_a_reference_step():

@@ -49,6 +49,7 @@ def test_build_model_sets_the_kernels_on_every_attention_and_linear():
     ("--attention-kernel", "triton", "attention_kernel='triton' needs the fast path on CUDA"),
     ("--mx-gemm", "fp8", "mx_gemm='fp8' needs the fast path on a CUDA device"),
     ("--producer-fusion", "on", "producer_fusion='on' needs the fast path on CUDA"),
+    ("--recompute", "gate-up", "recompute='gate-up' recomputes the fast path's FP4 GEMMs"),
 ])
 def test_the_train_and_bench_flags_reach_the_choice(run_cli, tmp_path, flag, value, message):
     train = run_cli("train", "--data", "synthetic", "--steps", "1", "--device", "cpu", flag, value, "--out", str(tmp_path / "run"))
@@ -126,3 +127,27 @@ def test_summary_and_the_first_log_line_show_the_paths(tmp_path, capfd):
     assert "tensor_cores: compute='auto' on the CPU: the fp32 reference" in first and "cuda_graphs: needs the fast path on CUDA" in first
     assert summary["paths"] == paths.with_cuda_graphs(paths.resolve(config, CPU, 16), config, None).as_dict()
     assert summary["paths"]["cuda_graphs"] is False and not summary["paths"]["compile"]
+
+
+def test_recompute_reaches_the_fp4_feed_forwards_and_is_refused_where_it_cannot_run():
+    """recompute='gate-up' on the fast path: the feed-forwards of FP4 blocks recompute gate and up (as
+    the model runs: compiled or eager), the bf16 blocks' do not; refused on the reference path and
+    under FSDP2 (whose all-gathered weights the kept operands would hold)."""
+    config = TrainConfig(recipe="nvfp4", model="tiny", compute="fast", compile="off", recompute="gate-up")
+    chosen = paths.resolve(config, CPU, 32)
+    assert chosen.recompute == "gate-up" and "recompute=gate-up" in chosen.describe()
+    model = build_training(config, load_recipe("nvfp4"), preset("tiny", 256, 64), CPU, paths=chosen)[0]
+    recipe = load_recipe("nvfp4")
+    fp4_blocks = [not recipe.linear_for_block(i, len(model.layers)).is_plain_bf16 for i in range(len(model.layers))]
+    assert [b.feed_forward.recompute_gate_up for b in model.layers] == ["eager" if fp4 else "off" for fp4 in fp4_blocks]
+    assert [b.feed_forward.w1.keeps_fprop_operands and b.feed_forward.w3.keeps_fprop_operands for b in model.layers] == fp4_blocks
+    assert any(fp4_blocks) and not all(fp4_blocks)  # both kinds checked
+    compiled = build_model(preset("tiny", 256, 64), recipe, seed=0, tensor_cores=True, recompute_gate_up="compiled")
+    assert {b.feed_forward.recompute_gate_up for b, fp4 in zip(compiled.layers, fp4_blocks) if fp4} == {"compiled"}
+    assert paths.resolve(TrainConfig(compute="fast"), CPU, 32).off["recompute"].startswith("config recompute='off'")
+    with pytest.raises(ConfigError, match="recompute='gate-up' recomputes the fast path's FP4 GEMMs"):
+        paths.resolve(TrainConfig(recompute="gate-up"), CPU, 32)
+    with pytest.raises(ConfigError, match="under parallel='fsdp' holds each all-gathered weight"):
+        TrainConfig(recompute="gate-up", parallel="fsdp")
+    with pytest.raises(ConfigError, match="recompute='all' is not supported"):
+        TrainConfig(recompute="all")
