@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("saved_for_backward", ROOT / "scripts" / "saved_for_backward.py")
-saved_for_backward = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(saved_for_backward)
+from tests.scripts import SCRIPTS, load_script
+
+saved_for_backward = load_script("saved_for_backward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +60,7 @@ def test_a_tensor_an_inner_hook_gives_up_is_not_counted():
 
 
 def test_the_script_prints_the_fp32_logits_of_a_reference_step():
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "saved_for_backward.py"), "bf16", "--compute", "reference",
+    done = subprocess.run([sys.executable, str(SCRIPTS / "saved_for_backward.py"), "bf16", "--compute", "reference",
                            "--compile", "off", "--seq-len", "64", "--vocab", "512"], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     first, *rows = done.stdout.strip().splitlines()

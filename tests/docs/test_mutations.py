@@ -5,19 +5,15 @@ break too, or `python scripts/mutate.py` would report an error instead of checki
 from __future__ import annotations
 
 import ast
-import importlib.util
-import sys
 from pathlib import Path
+
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_mutations():
-    spec = importlib.util.spec_from_file_location("fp4lab_mutate_script", ROOT / "scripts" / "mutate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module.MUTATIONS
+    return load_script("mutate").MUTATIONS
 
 
 def test_every_break_applies_once_parses_and_names_existing_tests():

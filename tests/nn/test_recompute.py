@@ -3,20 +3,15 @@ keeping them, and they are no longer kept."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from fp4lab.nn.build import build_model
 from fp4lab.nn.model_config import ModelConfig
 from fp4lab.nn.recipe import load_recipe
+from tests.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("saved_for_backward", ROOT / "scripts" / "saved_for_backward.py")
-saved_for_backward = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(saved_for_backward)
+saved_for_backward = load_script("saved_for_backward")
 
 # hidden 96 is the only activation of that width: gate and up are easy to find among what is kept
 CONFIG = ModelConfig(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=80, ffn_hidden=96, max_seq_len=32)
