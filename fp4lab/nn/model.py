@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4lab.nn.attention import Attention, rope_tables
+from fp4lab.nn.fp4_linear import swiglu_recomputing_inputs
 from fp4lab.nn.model_config import ModelConfig
 
 # (block_index or None for the output head, name such as "attention.wq", in_features, out_features)
@@ -62,8 +63,6 @@ class FeedForward(nn.Module):
         if getattr(self.w2, "fuse_swiglu", False):  # an FP4Linear that fuses the SwiGLU into its GEMMs
             return self.w2.swiglu(gate, up)
         if self.recompute_gate_up != "off":
-            from fp4lab.nn.fp4_linear import swiglu_recomputing_inputs
-
             return self.w2(swiglu_recomputing_inputs(gate, up, compiled=self.recompute_gate_up == "compiled"))
         return self.w2(F.silu(gate) * up)
 
