@@ -257,6 +257,9 @@ class TrainConfig:
         if self.recompute != "off" and self.parallel in ("fsdp", "hsdp"):
             raise ConfigError(f"recompute={self.recompute!r} keeps W1's and W3's Fprop weight operands for the backward, which under "
                               f"parallel={self.parallel!r} holds each all-gathered weight until then; use recompute='off'")
+        if self.recompute != "off" and self.producer_fusion != "off":
+            raise ConfigError(f"recompute={self.recompute!r} and producer_fusion={self.producer_fusion!r} both take gate and up: the fused "
+                              "SwiGLU keeps them for its own backward, so nothing would be recomputed; use one of the two")
         if self.gather_weights == "encoded" and self.parallel not in ("fsdp", "hsdp"):
             raise ConfigError(f"gather_weights='encoded' changes FSDP2's all-gathers; parallel={self.parallel!r} has none (use fsdp or hsdp)")
         _check.integer("pp_microbatches", self.pp_microbatches, minimum=1)

@@ -59,6 +59,16 @@ def test_the_train_and_bench_flags_reach_the_choice(run_cli, tmp_path, flag, val
     assert bench.returncode == 2 and bench.stderr.startswith("fp4lab: error: bench: ") and message in bench.stderr, bench.stderr
 
 
+def test_recompute_beside_producer_fusion_is_refused_at_the_cli(run_cli, tmp_path):
+    """The fused SwiGLU keeps gate and up itself: recompute would silently do nothing beside it."""
+    flags = ("--recompute", "gate-up", "--producer-fusion", "on")
+    train = run_cli("train", "--data", "synthetic", "--steps", "1", *flags, "--out", str(tmp_path / "run"))
+    assert train.returncode == 2 and "both take gate and up" in train.stderr, train.stderr
+    assert not (tmp_path / "run").exists()
+    bench = run_cli("bench", "steps", *flags)
+    assert bench.returncode == 2 and bench.stderr.startswith("fp4lab: error: bench: ") and "both take gate and up" in bench.stderr, bench.stderr
+
+
 @pytest.mark.cuda
 def test_auto_takes_the_triton_attention_and_bf16_gemms_on_a_gpu():
     from fp4lab.numerics.kernels import runs_on
@@ -131,8 +141,8 @@ def test_summary_and_the_first_log_line_show_the_paths(tmp_path, capfd):
 
 def test_recompute_reaches_the_fp4_feed_forwards_and_is_refused_where_it_cannot_run():
     """recompute='gate-up' on the fast path: the feed-forwards of FP4 blocks recompute gate and up (as
-    the model runs: compiled or eager), the bf16 blocks' do not; refused on the reference path and
-    under FSDP2 (whose all-gathered weights the kept operands would hold)."""
+    the model runs: compiled or eager), the bf16 blocks' do not; refused on the reference path, under
+    FSDP2 (whose all-gathered weights the kept operands would hold) and beside producer fusion."""
     config = TrainConfig(recipe="nvfp4", model="tiny", compute="fast", compile="off", recompute="gate-up")
     chosen = paths.resolve(config, CPU, 32)
     assert chosen.recompute == "gate-up" and "recompute=gate-up" in chosen.describe()
@@ -149,5 +159,7 @@ def test_recompute_reaches_the_fp4_feed_forwards_and_is_refused_where_it_cannot_
         paths.resolve(TrainConfig(recompute="gate-up"), CPU, 32)
     with pytest.raises(ConfigError, match="under parallel='fsdp' holds each all-gathered weight"):
         TrainConfig(recompute="gate-up", parallel="fsdp")
+    with pytest.raises(ConfigError, match="recompute='gate-up' and producer_fusion='on' both take gate and up"):
+        TrainConfig(recompute="gate-up", producer_fusion="on")
     with pytest.raises(ConfigError, match="recompute='all' is not supported"):
         TrainConfig(recompute="all")
