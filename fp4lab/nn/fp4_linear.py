@@ -181,7 +181,8 @@ class _TensorCoreFP4LinearFunction(torch.autograd.Function):
             signs = layer.draw_all_signs(g, x2.shape[0])
             # x and x^T (Fprop, Wgrad) from one read of x
             x_operands = layer.x_operands(x, lambda: layer.operand_pair(
-                ("fprop_x", "wgrad_x"), x2, (signs["fprop"], signs["wgrad"]), g, keep_packed=True))
+                ("fprop_x", "wgrad_x"), x2, (signs["fprop"], signs["wgrad"]), g, keep_packed=True,
+                keep_row_packed=layer.keeps_fprop_operands))
             return _gemms_forward(ctx, x, x_operands, weight, layer, signs, out_dtype)
 
     @staticmethod
@@ -287,21 +288,28 @@ def _gemms_forward(ctx, x, x_operands, weight: torch.Tensor, layer: FP4Linear, s
         packed = packed_form(w_op)
         wt_op = packed.T if packed is not None else w_op.T
     else:
-        w_op, wt_op = layer.operand_pair(("fprop_w", "dgrad_w"), weight, (signs["fprop"], signs["dgrad"]), g, keep_packed=True)
+        w_op, wt_op = layer.operand_pair(("fprop_w", "dgrad_w"), weight, (signs["fprop"], signs["dgrad"]), g, keep_packed=True,
+                                         keep_row_packed=layer.keeps_fprop_operands)
     out = layer.mm(x_op, w_op, out_dtype, fast_accum=True)
 
     ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
     ctx.layer, ctx.signs, ctx.wt_op, ctx.xt_op = layer, signs, wt_op, xt_op
     out_shape = (*x.shape[:-1], weight.shape[0])
-    # The Fprop GEMM's own operands, for `recompute_output` (gate and up of a SwiGLU, `recompute`).
-    ctx.fprop = (x_op, w_op, out_dtype, out_shape) if layer.keeps_fprop_operands else None
+    # The Fprop GEMM's own operands, for `recompute_output` (gate and up of a SwiGLU, `recompute`): as
+    # codes and scales where the quantizer wrote them (their decode is the values, exactly), else values.
+    ctx.fprop = (kept_form(x_op), kept_form(w_op), out_dtype, out_shape) if layer.keeps_fprop_operands else None
     return out.reshape(out_shape)
+
+
+def kept_form(operand: GemmOperand | PackedOperand) -> GemmOperand | PackedOperand:
+    """The operand as the backward keeps it: its codes and scales where written, else itself."""
+    return packed_form(operand) or operand
 
 
 def recompute_output(node) -> torch.Tensor:
     """The output of the tensor-core FP4Linear call whose backward node is `node`, made again from the
     Fprop operands that call kept (`FP4Linear.keeps_fprop_operands`): the same GEMM on the same
-    operand objects, so the same bits."""
+    operands (decoded from their codes where kept so: the values the forward read), so the same bits."""
     x_op, w_op, out_dtype, out_shape = node.fprop
     with torch.autocast(node.layer.weight.device.type, enabled=False):  # as in the forward
         return node.layer.mm(x_op, w_op, out_dtype, fast_accum=True).reshape(out_shape)
@@ -701,12 +709,14 @@ class FP4Linear(nn.Module):
         signs: tuple[torch.Tensor | None, torch.Tensor | None],
         generator,
         keep_packed: bool = False,
+        keep_row_packed: bool = False,
     ) -> tuple[GemmOperand | PackedOperand, GemmOperand | PackedOperand]:
         """Operand names[0] of t (blocked along its last dim) and names[1] of t^T (blocked along t's
         rows, which are zero-padded to the GEMM's contraction multiple): one read of t when the fused
         kernel covers both specs. `keep_packed`: names[1] is saved for the backward pass, so the
         kernel writes it as packed codes and scales only (`PackedOperand`); so it does for an operand
-        of a GEMM on FP8 tensor cores (`wants_codes`)."""
+        of a GEMM on FP8 tensor cores (`wants_codes`). `keep_row_packed`: names[0] is also kept for
+        the backward (`keeps_fprop_operands`), so its codes and scales are written beside its values."""
         row_name, col_name = names
         multiple = self._contraction_multiples[next(g for g, pair in GEMMS.items() if col_name in pair)]
         row_spec, col_spec = self.recipe.operand(row_name), self.recipe.operand(col_name)
@@ -721,13 +731,16 @@ class FP4Linear(nn.Module):
         if row is not None and col is not None:
             if self.wants_codes(row_name, t.device):
                 row = row | {"emit_codes": True, "emit_values": False}
+            elif keep_row_packed and self.pack_saved:
+                row = row | {"emit_codes": True}
             if (keep_packed and self.pack_saved) or self.wants_codes(col_name, t.device):
                 col = col | {"emit_codes": True, "emit_values": False}
             return tuple(self._fused(t, [(row_name, row, False), (col_name, col, True)]))
         # The full transform's kernel pads and reads t^T in place: no transposed copy
         in_place = multiple == 1 and self.takes_fused_full_transform(col_spec, signs[1], t)
         col = t.T if in_place else _pad_last(t.T, multiple)
-        return self.operand(row_name, t, signs[0], generator), self.operand(col_name, col, signs[1], generator, saved_only=keep_packed)
+        return (self.operand(row_name, t, signs[0], generator, keep_packed=keep_row_packed and self.pack_saved),
+                self.operand(col_name, col, signs[1], generator, saved_only=keep_packed))
 
     def takes_fused_full_transform(self, spec: OperandSpec, signs: torch.Tensor | None, t: torch.Tensor) -> bool:
         """Whether a full-dimension transform runs as its Triton kernel (`numerics.kernels.hadamard`):

@@ -8,7 +8,9 @@ import torch
 
 from fp4lab.nn.build import build_model
 from fp4lab.nn.model_config import ModelConfig
+from fp4lab.nn.operands import PackedOperand
 from fp4lab.nn.recipe import load_recipe
+from tests import interpreted
 from tests.scripts import load_script
 
 saved_for_backward = load_script("saved_for_backward")
@@ -17,9 +19,10 @@ saved_for_backward = load_script("saved_for_backward")
 CONFIG = ModelConfig(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=80, ffn_hidden=96, max_seq_len=32)
 
 
-def _step(recipe: str, recompute: str, compiled: bool, device: str = "cpu"):
+def _step(recipe: str, recompute: str, compiled: bool, device: str = "cpu", kept_fprop: list | None = None):
     """One forward and backward of a fresh model: the loss, every gradient, and the bf16 tensors of
-    the hidden width that the graph keeps for the backward."""
+    the hidden width that the graph keeps for the backward; `kept_fprop` gets the Fprop operands that
+    FP4 linears kept for recomputing their output."""
     torch._dynamo.reset()
     torch.manual_seed(0)  # the initial weights
     model = build_model(CONFIG, load_recipe(recipe), seed=0, device=device, tensor_cores=True,
@@ -35,6 +38,8 @@ def _step(recipe: str, recompute: str, compiled: bool, device: str = "cpu"):
     excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     loss, kept = saved_for_backward.kept_for_backward(lambda: run(tokens, targets), excluded)
     hidden = sum(size for (_, dtype, shape), size in kept.items() if dtype == "bfloat16" and shape[-1] == CONFIG.ffn_hidden and len(shape) == 3)
+    if kept_fprop is not None:
+        kept_fprop.extend(_kept_fprop_operands(loss))
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, hidden
 
@@ -61,9 +66,38 @@ def test_recomputed_gate_and_up_on_cuda(recipe):
         plain_pytorch_settings()
 
 
-def _check_same_bits_and_not_kept(recipe: str, compiled: bool, device: str) -> None:
+def test_recomputing_layers_keep_their_fprop_operands_as_codes_where_the_kernels_run():
+    """With the fused quantizers (the interpreter), W1 and W3 keep x and W for the recompute as codes
+    and scales, not bf16 values; their decode gives the same bits."""
+    interpreted.run_interpreted(__name__, "check_fprop_operands_kept_packed('nvfp4')")
+
+
+@interpreted.fused_kernels_as_on_cuda()
+def check_fprop_operands_kept_packed(recipe: str) -> None:
+    kept_fprop = []
+    _check_same_bits_and_not_kept(recipe, False, "cpu", kept_fprop)
+    blocks = sum(not load_recipe(recipe).linear_for_block(i, CONFIG.n_layers).is_plain_bf16 for i in range(CONFIG.n_layers))
+    assert len(kept_fprop) == 2 * blocks, len(kept_fprop)
+    for x_op, w_op, *_ in kept_fprop:
+        assert isinstance(x_op, PackedOperand) and isinstance(w_op, PackedOperand), (type(x_op), type(w_op))
+
+
+def _kept_fprop_operands(loss: torch.Tensor) -> list[tuple]:
+    seen, stack, found = set(), [loss.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, "fprop", None) is not None:
+            found.append(node.fprop)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def _check_same_bits_and_not_kept(recipe: str, compiled: bool, device: str, kept_fprop: list | None = None) -> None:
     loss, grads, kept = _step(recipe, "off", compiled, device)
-    loss_r, grads_r, kept_r = _step(recipe, "on", compiled, device)
+    loss_r, grads_r, kept_r = _step(recipe, "on", compiled, device, kept_fprop)
     assert torch.equal(loss_r, loss)
     for name, grad in grads.items():
         assert torch.equal(grads_r[name], grad), name
