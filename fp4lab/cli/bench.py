@@ -194,12 +194,18 @@ def _time_producer_fusion(model: str, model_shape, tokens: int, target, console,
     return fusion
 
 
+def _step_line(r) -> str:
+    """A run's figures as it finishes, whole on one line: a call cut off before the table keeps them."""
+    memory = f", peak {r.peak_memory_mb:,.0f} MB" if r.peak_memory_mb is not None else ""
+    return f"  {r.name}: {r.tokens_per_s:,.0f} tokens/s, {r.step_ms:.1f} ms a step (spread {r.step_ms_spread:.1%}){memory}"
+
+
 def _time_steps(names: list[str], console, **settings) -> tuple[list[dict], dict]:
     """Training steps of each recipe beside the plain PyTorch anchor (fp4lab.bench.steps.bench_steps with
     `settings`), and the ratios between them."""
     from fp4lab.bench.steps import bench_steps
 
-    results = bench_steps(names, **settings, on_result=lambda r: console.print(f"  {r.name}: {r.tokens_per_s:,.0f} tokens/s"))
+    results = bench_steps(names, **settings, on_result=lambda r: console.print(_step_line(r)))
     return [r.as_dict() for r in results], _bench_ratios(results)
 
 
@@ -221,6 +227,7 @@ def _bench_ratios(results) -> dict:
 
 def _print_suite(report: dict, suite: str, console) -> None:
     """The table of one suite of `report`, once it has run."""
+    from rich import box
     from rich.table import Table
 
     from fp4lab.bench.fusion import PRODUCERS
@@ -265,9 +272,15 @@ def _print_suite(report: dict, suite: str, console) -> None:
     if suite == "steps" and "steps" in report:
         steps = report["steps"]
         first = steps[0]
-        table = Table(title=f"Training steps, {first['model']} {first['batch_size']} x {first['seq_len']} ({report['device']})")
-        for column in ("run", "compute", "compiled", "graph", "step ms", "tokens/s", "vs anchor", "step vs bf16", "peak MB", "memory vs bf16"):
-            table.add_column(column, justify="left" if column in ("run", "compute") else "right")
+        # No vertical rules, two-line headers, each run's compute in the caption: fits 80 columns.
+        computes: dict[str, list[str]] = {}
+        for r in steps:
+            computes.setdefault(r["compute"], []).append(r["name"])
+        table = Table(title=f"Training steps, {first['model']} {first['batch_size']} x {first['seq_len']} ({report['device']})",
+                      caption="compute: " + "; ".join(f"{', '.join(names)} {compute}" for compute, names in computes.items()),
+                      box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
+        for column in ("run", "compile\n/graph", "step\nms", "tokens\n/ s", "vs\nanchor", "step\n/ bf16", "peak\nMB", "peak\n/ bf16"):
+            table.add_column(column, justify="left" if column == "run" else "right", no_wrap=True)
         by_name = {r["name"]: r for r in steps}
         anchor, bf16 = by_name.get("anchor"), by_name.get("bf16")
         for r in steps:
@@ -276,6 +289,6 @@ def _print_suite(report: dict, suite: str, console) -> None:
             memory = f"{r['peak_memory_mb']:,.0f}" if r["peak_memory_mb"] is not None else "-"
             memory_ratio = (f"{r['peak_memory_mb'] / bf16['peak_memory_mb']:.2f}"
                             if bf16 and r["peak_memory_mb"] and bf16["peak_memory_mb"] else "-")
-            table.add_row(r["name"], r["compute"], "yes" if r["compiled"] else "no", "yes" if r["cuda_graph"] else "no", f"{r['step_ms']:.1f}",
+            table.add_row(r["name"], f"{'yes' if r['compiled'] else 'no'}/{'yes' if r['cuda_graph'] else 'no'}", f"{r['step_ms']:.1f}",
                           f"{r['tokens_per_s']:,.0f}", vs_anchor, vs_bf16, memory, memory_ratio)
         console.print(table)
