@@ -4,7 +4,6 @@ its figures read whole in an 80-column terminal, and each run's as soon as it is
 from __future__ import annotations
 
 import torch
-
 from rich.console import Console
 
 from fp4lab.bench import steps as bench_steps_module
