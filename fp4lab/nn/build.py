@@ -77,12 +77,16 @@ def build_model(
 
 
 def _recomputes_gate_up(feed_forward) -> bool:
-    """W1 and W3 run the emulated tensor-core path, whose Function can keep its Fprop operands (not a
-    plain bf16 block's F.linear, not LoRA-SVD's sum of two branches), and W2 does not take gate and up
-    into its own fused SwiGLU."""
+    """W1 and W3 run the emulated tensor-core path, whose Function can keep its Fprop operands, or a
+    plain bf16 F.linear outside the compiled graph (a bf16 block of an FP4 model; inside a graph the
+    compiler decides what it keeps); not LoRA-SVD's sum of two branches; and W2 does not take gate and
+    up into its own fused SwiGLU."""
     w1, w2, w3 = feed_forward.w1, feed_forward.w2, feed_forward.w3
-    return (all(isinstance(w, FP4Linear) and w.tensor_cores and not w.recipe.is_plain_bf16 and not w.lora_rank for w in (w1, w3))
-            and not getattr(w2, "fuse_swiglu", False))
+    if not all(isinstance(w, FP4Linear) and w.tensor_cores and not w.lora_rank for w in (w1, w3)):
+        return False
+    emulated = not (w1.recipe.is_plain_bf16 or w3.recipe.is_plain_bf16)
+    eager_plain = w1.recipe.is_plain_bf16 and w3.recipe.is_plain_bf16 and not (w1.traced_plain or w3.traced_plain)
+    return (emulated or eager_plain) and not getattr(w2, "fuse_swiglu", False)
 
 
 def fp4_linears(model: torch.nn.Module) -> dict[str, FP4Linear]:

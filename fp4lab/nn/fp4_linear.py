@@ -306,18 +306,27 @@ def kept_form(operand: GemmOperand | PackedOperand) -> GemmOperand | PackedOpera
     return packed_form(operand) or operand
 
 
+# The key of a plain bf16 call's operands in its output's autograd node (`Node.metadata`).
+PLAIN_FPROP = "fp4lab_plain_fprop"
+
+
 def recompute_output(node) -> torch.Tensor:
-    """The output of the tensor-core FP4Linear call whose backward node is `node`, made again from the
-    Fprop operands that call kept (`FP4Linear.keeps_fprop_operands`): the same GEMM on the same
-    operands (decoded from their codes where kept so: the values the forward read), so the same bits."""
+    """The output of the FP4Linear call whose backward node is `node`, made again from the Fprop
+    operands that call kept (`FP4Linear.keeps_fprop_operands`): the same GEMM on the same operands
+    (decoded from their codes where kept so: the values the forward read), so the same bits. A plain
+    bf16 call's operands are the bf16 x and weight its own backward keeps anyway."""
+    plain = node.metadata.get(PLAIN_FPROP)
+    if plain is not None:
+        return F.linear(*plain)
     x_op, w_op, out_dtype, out_shape = node.fprop
     with torch.autocast(node.layer.weight.device.type, enabled=False):  # as in the forward
         return node.layer.mm(x_op, w_op, out_dtype, fast_accum=True).reshape(out_shape)
 
 
 def recomputable(t: torch.Tensor) -> bool:
-    """Whether t is the output of a tensor-core FP4Linear call that kept its Fprop operands."""
-    return getattr(t.grad_fn, "fprop", None) is not None
+    """Whether t is the output of an FP4Linear call that kept its Fprop operands."""
+    node = t.grad_fn
+    return node is not None and (getattr(node, "fprop", None) is not None or PLAIN_FPROP in node.metadata)
 
 
 class _Recompute:
@@ -526,7 +535,7 @@ class FP4Linear(nn.Module):
         self.fuse_residual_rmsnorm = False
         self._produced_operands: tuple | None = None
         # W1 and W3 of a feed-forward that recomputes gate and up in its backward (`recompute`): the
-        # tensor-core path keeps its Fprop operands for `recompute_output`.
+        # tensor-core path, or an eager plain bf16 call, keeps its Fprop operands for `recompute_output`.
         self.keeps_fprop_operands = False
 
     @property
@@ -564,7 +573,11 @@ class FP4Linear(nn.Module):
             self.forward = torch.compiler.disable(self._bf16_forward if plain else self._emulated_forward)
 
     def _bf16_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16))
+        operands = x.to(torch.bfloat16), self.weight.to(torch.bfloat16)
+        out = F.linear(*operands)
+        if self.keeps_fprop_operands and out.grad_fn is not None and not torch.compiler.is_compiling():
+            out.grad_fn.metadata[PLAIN_FPROP] = operands  # the mm's backward keeps both already
+        return out
 
     def _emulated_forward(self, x: torch.Tensor) -> torch.Tensor:
         function = _TensorCoreFP4LinearFunction if self.tensor_cores else _FP4LinearFunction

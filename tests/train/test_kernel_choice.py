@@ -140,20 +140,25 @@ def test_summary_and_the_first_log_line_show_the_paths(tmp_path, capfd):
 
 
 def test_recompute_reaches_the_fp4_feed_forwards_and_is_refused_where_it_cannot_run():
-    """recompute='gate-up' on the fast path: the feed-forwards of FP4 blocks recompute gate and up (as
-    the model runs: compiled or eager), the bf16 blocks' do not; refused on the reference path, under
-    FSDP2 (whose all-gathered weights the kept operands would hold) and beside producer fusion."""
+    """recompute='gate-up' on the fast path: every feed-forward of an FP4 model recomputes gate and up
+    (as the model runs: compiled or eager), its bf16 blocks' plain linears too, since they run outside
+    the compiled graph there; a bf16 model's (one compiled graph) do not; refused on the reference
+    path, under FSDP2 (whose all-gathered weights the kept operands would hold) and beside producer
+    fusion."""
     config = TrainConfig(recipe="nvfp4", model="tiny", compute="fast", compile="off", recompute="gate-up")
     chosen = paths.resolve(config, CPU, 32)
     assert chosen.recompute == "gate-up" and "recompute=gate-up" in chosen.describe()
     model = build_training(config, load_recipe("nvfp4"), preset("tiny", 256, 64), CPU, paths=chosen)[0]
     recipe = load_recipe("nvfp4")
     fp4_blocks = [not recipe.linear_for_block(i, len(model.layers)).is_plain_bf16 for i in range(len(model.layers))]
-    assert [b.feed_forward.recompute_gate_up for b in model.layers] == ["eager" if fp4 else "off" for fp4 in fp4_blocks]
-    assert [b.feed_forward.w1.keeps_fprop_operands and b.feed_forward.w3.keeps_fprop_operands for b in model.layers] == fp4_blocks
+    assert [b.feed_forward.recompute_gate_up for b in model.layers] == ["eager"] * len(model.layers)
+    assert all(b.feed_forward.w1.keeps_fprop_operands and b.feed_forward.w3.keeps_fprop_operands for b in model.layers)
     assert any(fp4_blocks) and not all(fp4_blocks)  # both kinds checked
     compiled = build_model(preset("tiny", 256, 64), recipe, seed=0, tensor_cores=True, recompute_gate_up="compiled")
-    assert {b.feed_forward.recompute_gate_up for b, fp4 in zip(compiled.layers, fp4_blocks) if fp4} == {"compiled"}
+    assert {b.feed_forward.recompute_gate_up for b in compiled.layers} == {"compiled"}
+    plain = build_model(preset("tiny", 256, 64), load_recipe("bf16"), seed=0, tensor_cores=True, recompute_gate_up="compiled")
+    assert {b.feed_forward.recompute_gate_up for b in plain.layers} == {"off"}
+    assert not any(linear.keeps_fprop_operands for linear in fp4_linears(plain).values())
     assert paths.resolve(TrainConfig(compute="fast"), CPU, 32).off["recompute"].startswith("config recompute='off'")
     with pytest.raises(ConfigError, match="recompute='gate-up' recomputes the fast path's FP4 GEMMs"):
         paths.resolve(TrainConfig(recompute="gate-up"), CPU, 32)
