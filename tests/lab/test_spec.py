@@ -15,7 +15,7 @@ from fp4lab.nn.recipe import list_recipes
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = {"quickstart": 3, "recipes": len(list_recipes()), "muon_qkclip": 36, "ledger": 3 * len(list_recipes()),
-           "ledger_stress": 18, "ledger_ns": 6, "ledger_horizon": 10}
+           "ledger_stress": 18, "ledger_ns": 6, "ledger_horizon": 10, "ledger_speed": 11}
 
 BASE = """
 name = "t"
