@@ -3,9 +3,8 @@
 #
 #   scripts/ledger_round.sh SECONDS RESULTS_DIR [SPEC[@K] ...]      (default SPEC: sweeps/ledger.toml)
 #
-# 1. the pycode corpus, where a SPEC trains on it: unpacked from a bundle in .corpus/pycode when there
-#    is one (`fp4lab data pack pycode .corpus/pycode` where it is built; every file must match the
-#    manifest), else built from PyPI;
+# 1. the pycode corpus, where a SPEC trains on it (scripts/build_corpus.py: from a bundle in
+#    .corpus/pycode when there is one, else from PyPI);
 # 2. each SPEC swept into docs/ledger/sweep_catalog.json (runs already completed there are skipped, so
 #    rounds accumulate) until SECONDS have passed: then the sweep gets Ctrl-C, the run in progress
 #    checkpoints, and the next round on the same machine resumes it;
@@ -50,14 +49,7 @@ mkdir -p "$results" "$(dirname "$catalog")"
 [ ! -f "$runs_archive" ] || tar -xJf "$runs_archive"
 
 python=${PYTHON:-python3}
-uses_pycode=$("$python" -c 'import sys, tomllib; print(any(tomllib.load(open(s, "rb")).get("base", {}).get("data", {}).get("source") == "pycode" for s in sys.argv[1:]))' "${specs[@]%@*}")
-if [ "$uses_pycode" = True ]; then
-  if [ -f .corpus/pycode/manifest.json ]; then
-    "$python" -m fp4lab.cli data build pycode --from .corpus/pycode
-  else
-    "$python" -m fp4lab.cli data build pycode
-  fi
-fi
+"$python" scripts/build_corpus.py "${specs[@]%@*}"
 
 for entry in "${specs[@]}"; do
   spec=${entry%@*}

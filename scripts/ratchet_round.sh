@@ -13,7 +13,9 @@
 #                        patches, logs, the optuna journal, each run's summary.json and metrics.jsonl
 #
 # 1. the branch and the state are restored where this checkout lacks them (a checkout that has them,
-#    e.g. the machine of the previous round, keeps its own);
+#    e.g. the machine of the previous round, keeps its own); the pycode corpus is built where the
+#    program trains on it (scripts/build_corpus.py: from a bundle in .corpus/pycode, carried in, when
+#    there is one);
 # 2. `fp4lab ratchet PROGRAM --iterations ITERATIONS --tag T --catalog docs/ratchet/T/sweep_catalog.json`
 #    until SECONDS have passed: then it gets Ctrl-C, records what was decided and stops; an iteration
 #    cut off is run again by the next round (its checkpoints are not carried: too large);
@@ -78,6 +80,9 @@ if [ ! -d "$state" ] && [ -f "$carried/state.tar.xz" ]; then
   mkdir -p "$state"
   tar -xJf "$carried/state.tar.xz" -C "$state"
 fi
+
+# The pycode corpus where the program's runs train on it (from a carried bundle in .corpus/pycode).
+"${PYTHON:-python3}" scripts/build_corpus.py "$program"
 
 # SIGINT: the ratchet's own clean stop (what was decided is recorded; exit 130 then is expected).
 # --foreground keeps the ratchet in the terminal's process group, so a Ctrl-C reaches it too (it passes

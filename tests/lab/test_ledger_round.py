@@ -43,6 +43,7 @@ def project(root: Path, specs: dict[str, tuple[int, str]]) -> Path:
     """A folder with the round script and tiny specs {name: (steps, seeds)}, as a checkout would have them."""
     (root / "scripts").mkdir(parents=True)
     shutil.copy(SCRIPT, root / "scripts" / "ledger_round.sh")
+    shutil.copy(SCRIPT.parent / "build_corpus.py", root / "scripts" / "build_corpus.py")
     for name, (steps, seeds) in specs.items():
         (root / f"{name}.toml").write_text(SPEC.format(name=name, steps=steps, seeds=seeds))
     return root

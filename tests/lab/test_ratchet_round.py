@@ -16,6 +16,13 @@ from tests.lab.test_ratchet import git, make_repo
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ratchet_round.sh"
 
 
+def install_round_script(repo: Path) -> None:
+    """The round script and the corpus step it calls, into the project's scripts/."""
+    (repo / "scripts").mkdir()
+    for script in (SCRIPT, SCRIPT.parent / "build_corpus.py"):
+        shutil.copy(script, repo / "scripts" / script.name)
+
+
 def round_(repo: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHON=sys.executable)
     return subprocess.run(["bash", "scripts/ratchet_round.sh", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
@@ -27,8 +34,7 @@ def iterations(catalog: Path) -> dict[int, dict]:
 
 def test_a_round_on_a_fresh_clone_continues_the_ratchet_from_the_carried_files(tmp_path):
     first = make_repo(tmp_path)
-    (first / "scripts").mkdir()
-    shutil.copy(SCRIPT, first / "scripts" / "ratchet_round.sh")
+    install_round_script(first)
     git(first, "add", "-A")
     git(first, "commit", "-q", "-m", "the round script")
 
@@ -75,8 +81,7 @@ def test_a_round_on_a_fresh_clone_continues_the_ratchet_from_the_carried_files(t
 
 def test_bad_arguments_are_refused_with_the_usage_and_write_nothing(tmp_path):
     repo = make_repo(tmp_path)
-    (repo / "scripts").mkdir()
-    shutil.copy(SCRIPT, repo / "scripts" / "ratchet_round.sh")
+    install_round_script(repo)
     out = tmp_path / "out"
     for args, message in ((("soon", str(out), "program.md"), "usage"), (("60", str(out), "missing.md"), "no such program"),
                           (("60", str(out), "program.md", "two"), "ITERATIONS"),
@@ -94,8 +99,7 @@ def test_ctrl_c_stops_the_round_cleanly_and_its_state_still_comes_out(tmp_path):
     import time
 
     repo = make_repo(tmp_path)
-    (repo / "scripts").mkdir()
-    shutil.copy(SCRIPT, repo / "scripts" / "ratchet_round.sh")
+    install_round_script(repo)
     calls = tmp_path / "calls.txt"
     (tmp_path / "calls.txt.block").write_text("")
     env = dict(os.environ, PYTHON=sys.executable, CALLS_FILE=str(calls), BLOCK_AT="3")  # iteration 1's first run waits

@@ -8,7 +8,10 @@ import hashlib
 import io
 import json
 import lzma
+import os
 import re
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -203,3 +206,32 @@ def test_cli_packs_unpacks_and_trains_on_it(built, run_cli, tmp_path, monkeypatc
     assert summary["steps_completed"] == 3 and np.isfinite(summary["final_val_loss"])
     bad = run_cli("data", "build", "pycode", "--from", str(tmp_path / "nowhere"))
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "not a pycode bundle" in bad.stderr
+
+
+def test_the_round_scripts_corpus_step_builds_pycode_from_a_carried_bundle_where_runs_train_on_it(built, tmp_path):
+    """scripts/build_corpus.py, which ledger_round.sh and ratchet_round.sh call on a machine that keeps
+    nothing: a program or spec that trains on pycode gets it from .corpus/pycode (no network); one that
+    does not gets nothing built."""
+    cache, manifest = built
+    project = tmp_path / "project"
+    pycode.pack(cache, project / ".corpus" / "pycode")
+    program = "# p\n\n```toml ratchet\nmetric = \"val_loss\"\ndirection = \"minimize\"\n\n[run]\nkind = \"fp4lab\"\nsteps = 2\n\n[run.base]\nmodel = \"tiny\"\n{data}\n[search_space]\nlr = {{ type = \"float\", low = 0.001, high = 0.01 }}\n```\n"
+    (project / "synthetic.md").write_text(program.format(data='data = { source = "synthetic" }'))
+    (project / "pycode.md").write_text(program.format(data='data = { source = "pycode" }'))
+    (project / "spec.toml").write_text('name = "s"\n[base]\nmodel = "tiny"\nsteps = 2\n[base.data]\nsource = "synthetic"\n')
+    fresh = tmp_path / "fresh-cache"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "build_corpus.py"
+
+    def corpus_step(*files: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), *files], cwd=project, env=dict(os.environ, FP4LAB_CACHE=str(fresh)),
+                              capture_output=True, text=True, timeout=300)
+
+    done = corpus_step("synthetic.md", "spec.toml")
+    assert done.returncode == 0 and not fresh.exists(), done.stderr
+    done = corpus_step("spec.toml", "pycode.md")
+    assert done.returncode == 0, done.stderr
+    assert pycode.load(fresh)[3]["files"] == manifest["files"]
+    assert corpus_step().returncode == 2
+    (project / "bad.md").write_text("# no ratchet block\n")
+    done = corpus_step("bad.md")
+    assert done.returncode == 2 and done.stderr.startswith("build_corpus: bad.md") and "Traceback" not in done.stderr
