@@ -235,3 +235,55 @@ def test_the_round_scripts_corpus_step_builds_pycode_from_a_carried_bundle_where
     (project / "bad.md").write_text("# no ratchet block\n")
     done = corpus_step("bad.md")
     assert done.returncode == 2 and done.stderr.startswith("build_corpus: bad.md") and "Traceback" not in done.stderr
+
+
+PILOT = """# pilot on pycode
+
+```toml ratchet
+metric = "val_loss"
+direction = "minimize"
+
+[run]
+kind = "fp4lab"
+steps = 2
+
+[run.base]
+model = "tiny"
+batch_size = 2
+seq_len = 16
+eval_every = 2
+eval_batches = 1
+device = "cpu"
+compile = "off"
+data = { source = "pycode" }
+
+[search_space]
+lr = { type = "float", low = 0.001, high = 0.01 }
+```
+"""
+
+
+def test_a_ratchet_round_on_a_bare_machine_trains_on_pycode_from_the_carried_bundle(built, tmp_path):
+    """ratchet_round.sh with no corpus in $FP4LAB_CACHE and the bundle carried in as .corpus/pycode:
+    its runs train on pycode (they fail without the corpus step)."""
+    from fp4lab.lab.records.catalog import Catalog
+    from tests.lab.test_ratchet import git, make_repo
+    from tests.lab.test_ratchet_round import install_round_script
+
+    cache, manifest = built
+    repo = make_repo(tmp_path)
+    install_round_script(repo)
+    (repo / "pilot.md").write_text(PILOT)
+    (repo / ".gitignore").write_text("sweep_catalog.json*\n.corpus/\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "a pilot on pycode")
+    pycode.pack(cache, repo / ".corpus" / "pycode")
+    fresh, out = tmp_path / "fresh-cache", tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable, FP4LAB_CACHE=str(fresh))
+    done = subprocess.run(["bash", "scripts/ratchet_round.sh", "240", str(out), "pilot.md", "1"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert pycode.load(fresh)[3]["files"] == manifest["files"]
+    records = [r for r in Catalog(out / "sweep_catalog.json").records(sweep="ratchet/pilot") if "iteration" in r["extra"]]
+    baseline = next(r for r in records if r["extra"]["iteration"] == 0)
+    assert baseline["extra"]["phase"] == "done" and baseline["extra"]["metric"] is not None, baseline
