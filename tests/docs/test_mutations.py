@@ -5,6 +5,7 @@ break too, or `python scripts/mutate.py` would report an error instead of checki
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
 
 from tests.scripts import load_script
@@ -26,8 +27,12 @@ def test_every_break_applies_once_parses_and_names_existing_tests():
             count = text.count(old)
             assert count == 1, f"{mutation.name}: its old text occurs {count} times in {path}"
             edited[path] = text.replace(old, new)
-        for path, text in edited.items():
-            try:  # a break that no longer parses (an indent from before a refactor) is an error, not a catch
+        for path, text in edited.items():  # a break that no longer parses (an indent from before a refactor) is an error, not a catch
+            if path.endswith(".sh"):
+                checked = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
+                assert checked.returncode == 0, f"{mutation.name}: {path} no longer parses once edited: {checked.stderr}"
+                continue
+            try:
                 ast.parse(text, filename=path)
             except SyntaxError as exc:
                 raise AssertionError(f"{mutation.name}: {path} no longer parses once edited: {exc}") from None
