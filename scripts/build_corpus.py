@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fp4lab.lab.specs.program import ProgramError, load_program  # noqa: E402
 from fp4lab.lab.specs.sweep_spec import SpecError, expand, load_spec  # noqa: E402
-from fp4lab.train.config import PYCODE  # noqa: E402
+from fp4lab.train.config import PYCODE, DataConfig  # noqa: E402
 
 BUNDLE = Path(".corpus") / PYCODE
 
@@ -28,7 +28,7 @@ def data_sources(path: Path) -> set[str]:
     """The data sources the runs of a sweep spec, or of a ratchet program of kind fp4lab, train on."""
     if path.suffix == ".md":
         run = load_program(path).run
-        return {(run.base.get("data") or {}).get("source", "shakespeare")} if run.kind == "fp4lab" else set()
+        return {(run.base.get("data") or {}).get("source", DataConfig.source)} if run.kind == "fp4lab" else set()
     return {run.config["data"]["source"] for run in expand(load_spec(path))}
 
 

@@ -35,8 +35,8 @@ def build_model(
     also the residual add and RMSNorm before each feed-forward into its W1's and W3's x operands
     (`FP4Linear.residual_rmsnorm`: the norm within a few ulps of nn.RMSNorm's). `recompute_gate_up`
     "eager" or "compiled" (as the model will run): each feed-forward whose W1 and W3 are FP4 on the
-    tensor-core path makes gate and up again in its backward instead of keeping them (the same bits;
-    `FeedForward.recompute_gate_up`)."""
+    tensor-core path, or plain bf16 outside the compiled graph (an FP4 model's bf16 blocks), makes gate
+    and up again in its backward instead of keeping them (the same bits; `_recomputes_gate_up`)."""
 
     def make_linear(block_index: int | None, name: str, in_features: int, out_features: int) -> FP4Linear:
         if block_index is None:
